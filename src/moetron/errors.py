@@ -1,0 +1,21 @@
+"""User-facing errors: one readable line each, never a traceback.
+
+Raise `UserError` for anything the user can fix (a bad flag, a missing file, a malformed input);
+the CLI prints `error: <message>` and exits with status 2. `ConfigError` carries several problems
+so that all of them are reported at once.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A problem the user can fix; the message names the file or flag, the value and the fix."""
+
+
+class ConfigError(UserError):
+    """Several configuration problems, reported together."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} configuration problem(s):\n{lines}")

@@ -1,0 +1,174 @@
+"""Model configuration: every field is named after its Megatron-DeepSpeed flag (`--num-layers` → `num_layers`).
+
+The defaults are Megatron's GPT with DeepSpeed-MoE routing; the "modern" fields express Mixtral /
+Qwen-MoE / DeepSeek-style models. `problems()` lists everything wrong at once (as strings naming the
+flag, the value and the fix); the top-level config gathers them with the other sections' problems.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    # ---- the dense GPT (Megatron defaults) ----
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_attention_heads: int = 4
+    num_key_value_heads: int | None = None  # grouped-query attention; None = one KV head per query head
+    ffn_hidden_size: int | None = None  # None: 4·hidden (GELU) or Megatron's int(8h/3/64)·64 (SwiGLU)
+    seq_length: int = 256
+    max_position_embeddings: int | None = None  # None: seq_length
+    vocab_size: int = 50257  # the tokenizer's vocabulary; the embedding is padded (see padded_vocab_size)
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    normalization: str = "layernorm"  # layernorm | rmsnorm
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
+    rotary_base: float = 10000.0
+    swiglu: bool = False  # SwiGLU MLPs instead of GELU
+    add_bias_linear: bool = True  # False: no biases in attention and MLP linears (modern models)
+    untie_embeddings_and_output_weights: bool = False
+    checkpoint_activations: bool = False  # recompute each layer in backward
+
+    # ---- which layers are MoE ----
+    num_experts: list[int] = field(default_factory=lambda: [1])  # one value, or one per MoE layer (pyramid)
+    expert_interval: int = 2  # 1-based layer n is MoE when n % expert_interval == 0
+    moe_first_dense_layers: int = 0  # force the first N layers dense (DeepSeek's first_k_dense)
+    topk: int = 1
+    mlp_type: str = "standard"  # standard | residual (PR-MoE: dense MLP + MoE mixed by a 2-way softmax)
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
+    num_shared_experts: int = 0  # always-on experts of moe_ffn_hidden_size each (fused into one MLP)
+    shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(x·w)
+    moe_identical_expert_init: bool = False  # DeepSpeed's deep copies: all local experts start identical
+    moe_expert_backend: str = "auto"  # auto | grouped_mm | batched | loop
+
+    # ---- routing: DeepSpeed semantics by default ----
+    moe_train_capacity_factor: float = 1.0
+    moe_eval_capacity_factor: float = 1.0
+    moe_min_capacity: int = 4
+    moe_token_dropping: bool = True  # --disable-moe-token-dropping sets False (capacity = max load)
+    moe_use_rts: bool = True  # random token selection when dropping (DeepSpeed's default)
+    moe_noisy_gate_policy: str | None = None  # None | Jitter | RSample
+    moe_top2_2nd_expert_sampling: bool = True  # Gumbel-perturbed second choice (DeepSpeed's default)
+    moe_loss_coeff: float = 0.1
+
+    # ---- routing: modern options ----
+    moe_router_score_function: str = "softmax"  # softmax | sigmoid
+    moe_router_pre_softmax: bool = False  # True: softmax over the top-k logits only (Mixtral)
+    moe_router_topk_renorm: bool | None = None  # None: DeepSpeed's rule (k=1 raw, k>=2 renormalised)
+    moe_router_topk_scaling_factor: float = 1.0
+    moe_z_loss_coeff: float = 0.0
+    moe_aux_loss_type: str = "global"  # global (DeepSpeed) | seq (per-sequence) | none
+    moe_router_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing by a selection-only expert bias
+    num_expert_groups: int = 1  # group-limited routing: experts split into groups,
+    topk_groups: int = 1  # tokens may only pick experts from their best topk_groups groups
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.swiglu:  # Megatron's rule keeps the SwiGLU MLP's parameters close to a 4h GELU MLP's
+            return int(8 * self.hidden_size / 3 / 64) * 64
+        return 4 * self.hidden_size
+
+    @property
+    def expert_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def padded_vocab_size(self, tensor_parallel_size: int = 1) -> int:
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def num_moe_layer_slots(self) -> int:
+        return self.num_layers // self.expert_interval
+
+    def experts_per_layer(self) -> list[int]:
+        """Experts of each layer (0-based), 1 = dense; Megatron's `get_num_experts_per_layer`."""
+        per_slot = self.num_experts
+        if len(per_slot) == 1:
+            per_slot = per_slot * max(1, self.num_moe_layer_slots())
+        out = []
+        for layer in range(self.num_layers):
+            n = layer + 1
+            is_moe = n % self.expert_interval == 0 and layer >= self.moe_first_dense_layers
+            out.append(per_slot[(n - 1) // self.expert_interval] if is_moe else 1)
+        return out
+
+    def moe_layer_indices(self) -> list[int]:
+        return [i for i, e in enumerate(self.experts_per_layer()) if e > 1]
+
+    # ------------------------------------------------------------------ validation
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        if self.hidden_size % self.num_attention_heads:
+            p.append(
+                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                f"{self.num_attention_heads}; pick a head count that divides it"
+            )
+        if self.num_attention_heads % self.kv_heads:
+            p.append(
+                f"--num-attention-heads {self.num_attention_heads} is not divisible by --num-key-value-heads "
+                f"{self.kv_heads}; use a divisor of the head count"
+            )
+        if self.seq_length > self.max_positions:
+            p.append(
+                f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_positions}; "
+                f"raise --max-position-embeddings or lower --seq-length"
+            )
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            p.append(f"rotary positions need an even head dim, got {self.head_dim}; change --hidden-size")
+        if self.expert_interval < 1:
+            p.append(f"--expert-interval must be >= 1, got {self.expert_interval}")
+        slots = self.num_moe_layer_slots() if self.expert_interval >= 1 else 0
+        if len(self.num_experts) not in (1, slots):
+            p.append(
+                f"--num-experts has {len(self.num_experts)} values but --num-layers {self.num_layers} // "
+                f"--expert-interval {self.expert_interval} = {slots} MoE layers; give one value or {slots}"
+            )
+        if any(e < 1 for e in self.num_experts):
+            p.append(f"--num-experts values must be >= 1, got {self.num_experts}")
+        moe_counts = [e for e in self.num_experts if e > 1]
+        if moe_counts and not 1 <= self.topk <= min(moe_counts):
+            p.append(f"--topk {self.topk} must be between 1 and the smallest expert count {min(moe_counts)}")
+        for name, allowed in [
+            ("normalization", ("layernorm", "rmsnorm")),
+            ("position_embedding_type", ("learned_absolute", "rope")),
+            ("mlp_type", ("standard", "residual")),
+            ("moe_expert_backend", ("auto", "grouped_mm", "batched", "loop")),
+            ("moe_noisy_gate_policy", (None, "Jitter", "RSample")),
+            ("moe_router_score_function", ("softmax", "sigmoid")),
+            ("moe_aux_loss_type", ("global", "seq", "none")),
+        ]:
+            value = getattr(self, name)
+            if value not in allowed:
+                flag = "--" + name.replace("_", "-")
+                p.append(f"{flag} {value!r} is not one of {', '.join(map(str, allowed))}")
+        if moe_counts and self.num_expert_groups > 1:
+            if any(e % self.num_expert_groups for e in moe_counts):
+                p.append(
+                    f"--num-expert-groups {self.num_expert_groups} must divide every expert count {moe_counts}"
+                )
+            if not 1 <= self.topk_groups <= self.num_expert_groups:
+                p.append(f"--topk-groups {self.topk_groups} must be in 1..{self.num_expert_groups}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                p.append(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        return p
