@@ -1,0 +1,220 @@
+"""The GPT language model: Megatron's GPT by default, modern options through `ModelConfig`.
+
+Shapes: B batch, T tokens, C hidden size, V padded vocabulary.
+
+    tokens ─▶ word embeddings (+ learned positions) ─▶ dropout
+           ─▶ N × [ x + drop(attn(norm(x))),  x + drop(mlp_or_moe(norm(x))) ]
+           ─▶ final norm ─▶ logits (tied word embeddings, or a separate output layer)
+
+Layer i is a MoE layer when `cfg.experts_per_layer()[i] > 1` (Megatron's `get_num_experts_per_layer`).
+The LM loss is Megatron's `Σ(CE · loss_mask) / Σ loss_mask` in fp32; `moe_loss` is
+`moe_loss_coeff · Σ aux + moe_z_loss_coeff · Σ z` over the MoE layers (reference §4.5).
+Parameter names follow Megatron (`query_key_value`, `dense_h_to_4h`, `input_layernorm`, …) so
+converters stay simple. Nothing here is distributed; parallelism wraps this model from outside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from moetron.errors import ConfigError, UserError
+from moetron.model.attention import SelfAttention
+from moetron.model.config import ModelConfig
+from moetron.model.init import init_tree, output_std
+from moetron.model.kv_cache import KVCache
+from moetron.model.mlp import MLP
+from moetron.model.norm import build_norm
+from moetron.model.rotary import rotary_angles
+
+
+@dataclass
+class GPTOutput:
+    logits: torch.Tensor | None  # [B, T, V_padded]; None when forward(return_logits=False)
+    lm_loss: torch.Tensor | None  # fp32 scalar, None without labels
+    moe_loss: torch.Tensor  # fp32 scalar, coefficients applied; 0 for a dense model
+    moe_aux: list[Any] = field(default_factory=list)  # one MoEAux per MoE layer, in layer order
+
+
+class TransformerLayer(nn.Module):
+    """One pre-norm block; its MLP is a MoE layer when the layer has more than one expert."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int):
+        super().__init__()
+        self.input_layernorm = build_norm(cfg)
+        self.self_attention = SelfAttention(cfg, layer_index)
+        self.post_attention_layernorm = build_norm(cfg)
+        num_experts = cfg.experts_per_layer()[layer_index]
+        self.is_moe = num_experts > 1
+        if self.is_moe:
+            from moetron.model.moe.layer import MoELayer  # imported here so dense models never need it
+
+            self.mlp = MoELayer(cfg, num_experts, layer_index=layer_index)
+        else:
+            self.mlp = MLP(cfg)
+        self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(
+        self, x_BTC: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache: KVCache | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        """Returns (hidden states, MoEAux or None); aux is returned (not stored) so checkpointing keeps it."""
+        x_BTC = x_BTC + self.hidden_dropout(self.self_attention(self.input_layernorm(x_BTC), rope, kv_cache))
+        h_BTC = self.post_attention_layernorm(x_BTC)
+        aux = None
+        if self.is_moe:
+            h_BTC, aux = self.mlp(h_BTC)
+        else:
+            h_BTC = self.mlp(h_BTC)
+        return x_BTC + self.hidden_dropout(h_BTC), aux
+
+
+class GPTModel(nn.Module):
+    """A decoder-only transformer LM; builds on any device, including `meta`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        problems = cfg.problems()
+        if problems:
+            raise ConfigError(problems)
+        self.cfg = cfg
+        self.word_embeddings = nn.Embedding(cfg.padded_vocab_size(), cfg.hidden_size)
+        self.position_embeddings = None
+        if cfg.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(cfg.max_positions, cfg.hidden_size)
+        self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, i) for i in range(cfg.num_layers))
+        self.final_layernorm = build_norm(cfg)
+        self.output_layer = None
+        if cfg.untie_embeddings_and_output_weights:
+            self.output_layer = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size(), bias=False)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        labels_BT: torch.Tensor | None = None,
+        loss_mask_BT: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        return_logits: bool = True,
+    ) -> GPTOutput:
+        B, T = tokens_BT.shape
+        past = 0
+        if kv_cache is not None:
+            kv_cache.check_room(B, T)
+            past = kv_cache.length
+        x_BTC, rope = self.embed(tokens_BT, past)
+        moe_aux = []
+        for layer in self.layers:
+            x_BTC, aux = self.run_layer(layer, x_BTC, rope, kv_cache)
+            if aux is not None:
+                moe_aux.append(aux)
+        if kv_cache is not None:
+            kv_cache.advance(T)
+        logits_BTV = self.output_logits(self.final_layernorm(x_BTC))
+        lm_loss = None if labels_BT is None else language_model_loss(logits_BTV, labels_BT, loss_mask_BT)
+        return GPTOutput(
+            logits=logits_BTV if return_logits else None,
+            lm_loss=lm_loss,
+            moe_loss=self.weighted_moe_loss(moe_aux, x_BTC.device),
+            moe_aux=moe_aux,
+        )
+
+    def embed(
+        self, tokens_BT: torch.Tensor, past: int = 0
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Token (+ position) embeddings after dropout, and the RoPE angles when rotary positions are on.
+
+        The tokens sit at absolute positions `past … past + T − 1` (`past` = tokens already in a KV cache).
+        """
+        end = past + tokens_BT.shape[1]
+        positions_T = torch.arange(past, end, device=tokens_BT.device)
+        x_BTC = self.word_embeddings(tokens_BT)
+        rope = None
+        if self.position_embeddings is not None:
+            if end > self.cfg.max_positions:
+                raise UserError(
+                    f"sequence reaches position {end} but the model has --max-position-embeddings "
+                    f"{self.cfg.max_positions}; shorten the input (or prompt + new tokens)"
+                )
+            x_BTC = x_BTC + self.position_embeddings(positions_T)[None]
+        else:
+            rope = rotary_angles(positions_T, self.cfg.head_dim, self.cfg.rotary_base)
+        return self.embedding_dropout(x_BTC), rope
+
+    def run_layer(self, layer: TransformerLayer, x_BTC, rope, kv_cache) -> tuple[torch.Tensor, Any]:
+        """Run one layer, recomputing it in backward when activation checkpointing is on.
+
+        Non-reentrant checkpointing restores the CPU/GPU RNG state before recomputation, so dropout
+        masks and the router's random draws (RTS, noisy gates) are the same in both passes.
+        """
+        if self.cfg.checkpoint_activations and self.training and torch.is_grad_enabled() and kv_cache is None:
+            return checkpoint(layer, x_BTC, rope, None, use_reentrant=False)
+        return layer(x_BTC, rope, kv_cache)
+
+    def output_logits(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        weight_VC = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
+        return F.linear(x_BTC, weight_VC)
+
+    def weighted_moe_loss(self, moe_aux: list[Any], device: torch.device) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for aux in moe_aux:
+            total = total + self.cfg.moe_loss_coeff * aux.aux_loss.float()
+            if self.cfg.moe_z_loss_coeff:
+                total = total + self.cfg.moe_z_loss_coeff * aux.z_loss.float()
+        return total
+
+    # ------------------------------------------------------------------ MoE helpers
+    def moe_layers(self) -> list[nn.Module]:
+        """The MoE layers, in layer order."""
+        return [layer.mlp for layer in self.layers if layer.is_moe]
+
+    def update_expert_biases(self) -> None:
+        """Aux-loss-free balancing: nudge every router's expert bias (call once per optimizer step)."""
+        for moe in self.moe_layers():
+            moe.router.update_expert_bias()
+
+    @contextlib.contextmanager
+    def inference_routing(self, dropless: bool = True) -> Iterator[None]:
+        """Within the block, MoE layers route without dropping tokens (for generation)."""
+        routers = [moe.router for moe in self.moe_layers()]
+        previous = [r.force_dropless for r in routers]
+        try:
+            for r in routers:
+                r.force_dropless = dropless
+            yield
+        finally:
+            for r, value in zip(routers, previous, strict=True):
+                r.force_dropless = value
+
+    # ------------------------------------------------------------------ initialisation
+    def init_weights(self, seed: int) -> None:
+        """Deterministic, layout-free init (see `moetron.model.init`)."""
+        std = self.cfg.init_method_std
+        init_tree(self, seed, std, output_std(std, self.cfg.num_layers))
+
+
+def language_model_loss(
+    logits_BTV: torch.Tensor, labels_BT: torch.Tensor, loss_mask_BT: torch.Tensor | None
+) -> torch.Tensor:
+    """Megatron's masked mean of fp32 token cross-entropies (0, not NaN, when the mask is all zero)."""
+    losses_N = F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten(), reduction="none")
+    if loss_mask_BT is None:
+        return losses_N.mean()
+    mask_N = loss_mask_BT.flatten().float()
+    return (losses_N * mask_N).sum() / mask_N.sum().clamp(min=1.0)
+
+
+def create_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 1234) -> GPTModel:
+    """Build on the meta device (no memory), materialise on `device`, then initialise from `seed`."""
+    with torch.device("meta"):
+        model = GPTModel(cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model

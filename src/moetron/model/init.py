@@ -1,0 +1,72 @@
+"""Layout-free, deterministic weight initialisation.
+
+Every parameter is drawn from its own CPU generator seeded by `(seed, fully qualified name)`, then
+copied to the parameter's device. The same seed therefore gives bit-identical weights whether the
+model was built on CPU, on a GPU or on the meta device, and however it is later split: a layer that
+another pipeline stage owns, or an extra layer, does not shift any other parameter's random stream.
+
+Megatron's rules (reference §4.1): weights and embeddings ~ N(0, std); the two output projections
+of every block (attention `dense`, MLP `dense_4h_to_h`) ~ N(0, std / sqrt(2·num_layers)); biases 0;
+norm weights 1. A submodule with its own `init_weights(std, out_std, seed)` (the MoE layer) is handed
+a seed derived from its name and initialises its whole subtree itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+
+# Linear layers whose output is added to the residual stream; Megatron scales their std down.
+OUTPUT_PROJECTIONS = ("self_attention.dense", "dense_4h_to_h")
+NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
+
+
+def stable_seed(seed: int, name: str) -> int:
+    """A 63-bit seed from (seed, name) that is identical in every process and Python run."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def normal_(param: torch.Tensor, std: float, seed: int, name: str) -> None:
+    """Fill `param` with N(0, std) drawn on CPU from the generator of (seed, name)."""
+    generator = torch.Generator(device="cpu").manual_seed(stable_seed(seed, name))
+    values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+    param.copy_(values)
+
+
+def output_std(std: float, num_layers: int) -> float:
+    """Megatron's `scaled_init_method_normal`: std / sqrt(2·num_layers)."""
+    return std / math.sqrt(2.0 * num_layers)
+
+
+@torch.no_grad()
+def init_module_params(module: nn.Module, prefix: str, std: float, out_std: float, seed: int) -> None:
+    """Initialise the parameters owned directly by `module` (not its children)."""
+    for param_name, param in module.named_parameters(recurse=False):
+        full_name = f"{prefix}.{param_name}" if prefix else param_name
+        if isinstance(module, NORM_TYPES):
+            param.fill_(1.0 if param_name == "weight" else 0.0)
+        elif param_name == "bias":
+            param.zero_()
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            is_output = isinstance(module, nn.Linear) and prefix.endswith(OUTPUT_PROJECTIONS)
+            normal_(param, out_std if is_output else std, seed, full_name)
+        else:
+            raise TypeError(f"no initialisation rule for parameter {full_name} of {type(module).__name__}")
+
+
+def init_tree(root: nn.Module, seed: int, std: float, out_std: float, prefix: str = "") -> None:
+    """Initialise every parameter under `root`; `prefix` is root's name inside the full model."""
+    delegated: list[str] = []
+    for name, module in root.named_modules(prefix=prefix):
+        if any(name.startswith(d + ".") for d in delegated):
+            continue
+        if module is not root and callable(getattr(module, "init_weights", None)):
+            module.init_weights(std, out_std, stable_seed(seed, name))
+            delegated.append(name)
+            continue
+        init_module_params(module, name, std, out_std, seed)
