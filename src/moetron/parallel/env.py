@@ -1,0 +1,90 @@
+"""Process environment: torchrun's variables, the process group, the device; a no-op path for one process.
+
+`torchrun` sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT. Without them moetron runs as a
+single process and never touches `torch.distributed`. The backend is chosen from the device: NCCL when CUDA is
+available, gloo otherwise (every feature works on CPU), unless `--distributed-backend` says otherwise.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def world_size_from_env() -> int:
+    """The world size torchrun announced (1 without torchrun); readable before any process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    initialized_here: bool = False  # True when `init_distributed` created the group (so it destroys it too)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def all_reduce_(self, tensor: torch.Tensor, op=None) -> torch.Tensor:
+        """In-place all-reduce (SUM by default) over the world; identity in one process."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+        return tensor
+
+    def broadcast_object(self, obj):
+        """Rank 0's Python object on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        if self.initialized_here and dist.is_initialized():
+            dist.destroy_process_group()
+            self.initialized_here = False
+
+
+def choose_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) -> DistEnv:
+    """Join torchrun's process group (or reuse an existing one); a plain single-process env without torchrun."""
+    world_size = world_size_from_env()
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = choose_device(local_rank)
+    if world_size == 1 and not dist.is_initialized():
+        return DistEnv(device=device)
+    created = False
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
+        created = True
+    return DistEnv(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        initialized_here=created,
+    )

@@ -1,0 +1,119 @@
+"""Learning-rate schedule: Megatron's `OptimizerParamScheduler`, token-based or step-based.
+
+Megatron counts "steps" in samples: every successful optimizer step adds `global_batch_size` samples, so
+`--lr-warmup-iters 10` means 10·GBS samples. Token-based warmup/decay (`--lr-warmup-tokens`,
+`--lr-decay-tokens`, the MoE scripts' choice) override the step-based ones. The rules, in order:
+
+1. warmup: `lr = max_lr · progress / warmup` while `progress <= warmup` (progress in tokens or samples);
+2. `constant` style: `max_lr`;
+3. after the decay horizon: `min_lr`;
+4. `inverse-square-root`: `max(min_lr, max_lr · sqrt(warmup / progress))`;
+5. otherwise `ratio = (progress − warmup) / (decay − warmup)`, `coeff = 1 − ratio` (linear) or
+   `0.5·(cos(π·ratio) + 1)` (cosine), `lr = min_lr + coeff·(max_lr − min_lr)`.
+
+One difference from Megatron-DeepSpeed, on purpose: `step()` receives the tokens consumed *including* the
+iteration just finished (Megatron reads a counter that lags one iteration behind), so the LR of an iteration is
+a function of everything the model has seen before it, for tokens exactly as for samples.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+@dataclass
+class ScheduleSpec:
+    """The resolved schedule: horizons in samples (`*_steps`) and/or tokens (`*_tokens`, None = step-based)."""
+
+    max_lr: float
+    min_lr: float
+    decay_style: str
+    warmup_steps: int
+    decay_steps: int
+    warmup_tokens: int | None = None
+    decay_tokens: int | None = None
+
+
+class LRScheduler:
+    """Sets `lr` on every param group of an optimizer from consumed samples and tokens."""
+
+    def __init__(self, optimizer, spec: ScheduleSpec):
+        if spec.decay_style not in DECAY_STYLES:
+            raise ValueError(f"unknown lr decay style {spec.decay_style!r}")
+        self.optimizer = optimizer
+        self.spec = spec
+        self.num_steps = 0  # samples consumed by successful optimizer steps
+        self.num_tokens = 0
+        self.step(0, 0)
+
+    def get_lr(self) -> float:
+        s = self.spec
+        if s.warmup_tokens is None:
+            if s.warmup_steps > 0 and self.num_steps <= s.warmup_steps:
+                return s.max_lr * self.num_steps / s.warmup_steps
+        elif s.warmup_tokens > 0 and self.num_tokens <= s.warmup_tokens:
+            return s.max_lr * self.num_tokens / s.warmup_tokens
+        if s.decay_style == "constant":
+            return s.max_lr
+        if s.decay_tokens is None:
+            progress, warmup, decay = self.num_steps, s.warmup_steps, s.decay_steps
+        else:
+            progress, warmup, decay = self.num_tokens, s.warmup_tokens or 0, s.decay_tokens
+        if progress > decay:
+            return s.min_lr
+        if s.decay_style == "inverse-square-root":
+            lr = s.max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(progress, 1))
+            return max(s.min_lr, lr)
+        ratio = (progress - warmup) / max(decay - warmup, 1)
+        ratio = min(max(ratio, 0.0), 1.0)
+        if s.decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return s.min_lr + coeff * (s.max_lr - s.min_lr)
+
+    def step(self, increment_samples: int, consumed_tokens: int) -> float:
+        """Advance by one optimizer step of `increment_samples` samples; `consumed_tokens` is the running total."""
+        self.num_steps += increment_samples
+        self.num_tokens = consumed_tokens
+        lr = self.get_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+        return lr
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "num_tokens": self.num_tokens, "spec": asdict(self.spec)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore progress; the schedule itself comes from the current config (like `--override-opt_param-scheduler`)."""
+        self.num_steps = int(state["num_steps"])
+        self.num_tokens = int(state["num_tokens"])
+        self.step(0, self.num_tokens)
+
+
+def build_schedule_spec(train, global_batch_size: int, seq_length: int, total_iters: int) -> ScheduleSpec:
+    """Resolve `TrainConfig` LR flags into horizons, the way Megatron's `get_optimizer_param_scheduler` does."""
+    if train.lr_decay_iters is not None:
+        decay_steps = train.lr_decay_iters * global_batch_size
+    elif train.lr_decay_samples is not None:
+        decay_steps = train.lr_decay_samples
+    else:
+        decay_steps = total_iters * global_batch_size
+    if train.lr_warmup_fraction is not None:
+        warmup_steps = int(train.lr_warmup_fraction * decay_steps)
+    elif train.lr_warmup_samples:
+        warmup_steps = train.lr_warmup_samples
+    else:
+        warmup_steps = train.lr_warmup_iters * global_batch_size
+    return ScheduleSpec(
+        max_lr=train.lr,
+        min_lr=train.min_lr,
+        decay_style=train.lr_decay_style,
+        warmup_steps=warmup_steps,
+        decay_steps=decay_steps,
+        warmup_tokens=train.lr_warmup_tokens,
+        decay_tokens=train.lr_decay_tokens,
+    )
