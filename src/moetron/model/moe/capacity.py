@@ -1,0 +1,59 @@
+"""Expert capacity and token dropping, with DeepSpeed's exact arithmetic and tie-breaking.
+
+Shape legend: T tokens, E experts, K routes per token; `mask_TE` marks (token, expert) routes.
+Dropping never builds a [T, E, C] tensor: a route either fits in its expert's C slots or it is dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def capacity_from_factor(num_tokens: int, num_experts: int, capacity_factor: float, k: int, min_capacity: int) -> int:
+    """DeepSpeed's `_capacity`: max(ceil(T / E · k·cf), min_capacity).
+
+    The product is evaluated the way DeepSpeed does it — a Python float times a float32 0-dim tensor — so
+    the result is rounded in float32; e.g. T=10, E=3, cf=1.2 could ceil differently in float64.
+    """
+    multiplier = torch.tensor(float(capacity_factor * k))  # float32, as DeepSpeed's torch.tensor(cf * k)
+    capacity = int(torch.ceil((num_tokens / num_experts) * multiplier).to(torch.int64))
+    return max(capacity, min_capacity)
+
+
+def dropless_capacity(counts_E: torch.Tensor, num_tokens: int | None = None) -> int:
+    """No-drop capacity: the busiest expert's load (top-1 also clamps it to T; pass `num_tokens` for that).
+
+    This reads the device (one host sync), as DeepSpeed's `.max()` does.
+    """
+    capacity = int(counts_E.max()) if counts_E.numel() else 0
+    return capacity if num_tokens is None else min(capacity, num_tokens)
+
+
+def keep_top_keys(mask_TE: torch.Tensor, keys_TE: torch.Tensor, capacity: int, sort: bool) -> torch.Tensor:
+    """Per expert, keep the routes whose keys are among the `capacity` largest of its column.
+
+    The same `torch.topk(keys, k=min(C, T), dim=0)` call as DeepSpeed's top-1 (RTS or not) and top-k
+    'probs' policy, so even ties (the 0/1 mask used as keys when RTS is off) break identically on the
+    same device. `sort` mirrors the call being replicated (top-1: True, top-k: False) because the
+    selected set under ties may depend on it. Returns `mask_TE` with the non-selected routes zeroed.
+    """
+    num_tokens = mask_TE.shape[0]
+    top_rows_CE = torch.topk(keys_TE, k=min(capacity, num_tokens), dim=0, sorted=sort).indices
+    selected_TE = torch.zeros_like(mask_TE).scatter_(0, top_rows_CE, 1)
+    return mask_TE * selected_TE if mask_TE.dtype != torch.bool else mask_TE & selected_TE
+
+
+def slots_in_token_order(mask_TE: torch.Tensor) -> torch.Tensor:
+    """int64 [T, E]: each route's position among its expert's routes, counted in token order."""
+    return torch.cumsum(mask_TE.long(), dim=0) - 1
+
+
+def keep_by_position(mask_TE: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Keep the first `capacity` routes of each expert in token order (Megatron's 'position' policy)."""
+    return mask_TE & (slots_in_token_order(mask_TE) < capacity)
+
+
+def gather_slots(slots_TE: torch.Tensor, expert_ids_TK: torch.Tensor, kept_TK: torch.Tensor) -> torch.Tensor:
+    """int64 [T, K]: each route's slot in its expert's buffer, -1 where the route was dropped."""
+    slots_TK = slots_TE.gather(1, expert_ids_TK)
+    return torch.where(kept_TK, slots_TK, torch.full_like(slots_TK, -1))

@@ -1,0 +1,173 @@
+"""DeepSpeed's `top1gating` / `top2gating` / `topkgating` (0.19.x), reproduced in per-route form.
+
+Same op order, same RNG draws in the same order (so one torch seed gives the same random choices), same
+capacity arithmetic and the same `torch.topk` calls for dropping, so the kept routes, weights and aux loss
+match DeepSpeed's; only the output layout differs: [T, K] routes instead of dense [S, E, C] tensors.
+
+Shape legend: T tokens, E experts, K routes per token; `mask_TE` one-hot (token, expert) routes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moetron.model.moe.capacity import (
+    capacity_from_factor,
+    dropless_capacity,
+    gather_slots,
+    keep_top_keys,
+    slots_in_token_order,
+)
+from moetron.model.moe.routing import Routing
+
+
+# ---------------------------------------------------------------- noise (torch.distributions' formulas)
+def uniform_rsample(shape: torch.Size, low: float, high: float, device: torch.device) -> torch.Tensor:
+    """`Uniform(low, high).rsample(shape)` with float32 tensor bounds: low + rand·(high − low)."""
+    low_t = torch.tensor(low, device=device)
+    high_t = torch.tensor(high, device=device)
+    return low_t + torch.rand(shape, device=device) * (high_t - low_t)
+
+
+def gumbel_rsample(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """`Gumbel(0, 1).rsample(shape)`: −log(−log(u)), u ~ Uniform(tiny, 1 − eps) of float32."""
+    finfo = torch.finfo(torch.float32)
+    u = uniform_rsample(shape, finfo.tiny, 1 - finfo.eps, device)
+    return -torch.log(-torch.log(u))
+
+
+def multiplicative_jitter(x: torch.Tensor, epsilon: float = 1e-2) -> torch.Tensor:
+    """Switch Transformer's input jitter: x · U(1 − eps, 1 + eps), elementwise."""
+    return x * uniform_rsample(x.shape, 1.0 - epsilon, 1.0 + epsilon, x.device)
+
+
+# ---------------------------------------------------------------- helpers
+def _one_hot(ids_T: torch.Tensor, num_experts: int) -> torch.Tensor:
+    return F.one_hot(ids_T, num_classes=num_experts)  # int64, like DeepSpeed's masks
+
+
+def _no_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float32, device=logits_TE.device)
+
+
+def _check_top1_tokens(num_tokens: int, min_capacity: int) -> None:
+    if num_tokens < min_capacity:
+        raise ValueError(
+            f"top-1 routing got {num_tokens} tokens but --moe-min-capacity is {min_capacity}; DeepSpeed's top-1 "
+            f"gate needs at least min_capacity tokens per batch: lower --moe-min-capacity (0 is allowed) "
+            f"or route more tokens at once (larger micro batch or sequence)"
+        )
+
+
+# ---------------------------------------------------------------- top-1
+def top1_gating(
+    logits_TE: torch.Tensor,
+    capacity_factor: float,
+    min_capacity: int,
+    noisy_gate_policy: str | None = None,
+    drop_tokens: bool = True,
+    use_rts: bool = True,
+) -> Routing:
+    """Switch routing: one expert per token, weight = its raw softmax probability.
+
+    `noisy_gate_policy` must already be None in eval mode (the caller decides, as TopKGate does).
+    Random draws: RSample Gumbel [T, E] first (if asked), then the RTS uniform [T, E] (if `use_rts`).
+    """
+    num_tokens, num_experts = logits_TE.shape
+    _check_top1_tokens(num_tokens, min_capacity)  # DeepSpeed asserts this; we say what to change instead
+    noisy_logits_TE = None
+    if noisy_gate_policy == "RSample":  # noise only picks the expert; the weight stays the clean probability
+        noisy_logits_TE = logits_TE + gumbel_rsample(logits_TE.shape, logits_TE.device)
+    probs_TE = F.softmax(logits_TE, dim=1)
+    capacity = capacity_from_factor(num_tokens, num_experts, capacity_factor, 1, min_capacity)
+
+    ids_T = torch.argmax(noisy_logits_TE if noisy_logits_TE is not None else probs_TE, dim=1)
+    mask_TE = _one_hot(ids_T, num_experts)
+    counts_E = mask_TE.sum(0).detach()
+    if not drop_tokens:
+        capacity = dropless_capacity(counts_E, num_tokens)
+    aux_loss = torch.sum(probs_TE.mean(0) * mask_TE.float().mean(0)) * num_experts
+
+    # Random token selection: an over-full expert keeps the C routes with the largest random keys. The
+    # draw happens even when nothing can overflow (dropless), to keep the RNG stream in step with DeepSpeed.
+    keys_TE = mask_TE * uniform_rsample(mask_TE.shape, 0.0, 1.0, logits_TE.device) if use_rts else mask_TE
+    kept_mask_TE = keep_top_keys(mask_TE, keys_TE, capacity, sort=True)
+
+    ids_TK = ids_T.unsqueeze(1)
+    kept_TK = kept_mask_TE.gather(1, ids_TK).bool()
+    weights_TK = probs_TE.gather(1, ids_TK) * kept_TK  # raw probability, no renormalisation for k = 1
+    slots_TK = gather_slots(slots_in_token_order(kept_mask_TE), ids_TK, kept_TK)
+    return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, _no_z_loss(logits_TE), counts_E, slots_TK, probs_TE)
+
+
+# ---------------------------------------------------------------- top-2
+def top2_gating(
+    logits_TE: torch.Tensor,
+    capacity_factor: float,
+    min_capacity: int,
+    drop_tokens: bool = True,
+    second_expert_sampling: bool = True,
+) -> Routing:
+    """GShard routing: first choice = argmax, second = argmax of Gumbel-perturbed logits (train and eval).
+
+    Slots queue every first choice before any second choice; overflowing routes drop by position; the two
+    weights are renormalised over the kept routes (eps floor), so a lone surviving first route weighs 1.0.
+    """
+    num_tokens, num_experts = logits_TE.shape
+    probs_TE = F.softmax(logits_TE, dim=1)
+    ids1_T = torch.argmax(probs_TE, dim=1)
+    mask1_TE = _one_hot(ids1_T, num_experts)
+    if second_expert_sampling:  # DeepSpeed adds the noise in place; out of place gives the same values
+        logits_TE = logits_TE + gumbel_rsample(logits_TE.shape, logits_TE.device)
+    ids2_T = torch.argmax(logits_TE.masked_fill(mask1_TE.bool(), float("-inf")), dim=1)
+    mask2_TE = _one_hot(ids2_T, num_experts)
+
+    slots1_TE = slots_in_token_order(mask1_TE)
+    slots2_TE = slots_in_token_order(mask2_TE) + mask1_TE.sum(0, keepdim=True)  # after all first choices
+    aux_loss = torch.mean(probs_TE.mean(0) * mask1_TE.float().mean(0)) * num_experts * num_experts
+    counts_E = (mask1_TE + mask2_TE).sum(0).detach()
+
+    ids_TK = torch.stack([ids1_T, ids2_T], dim=1)
+    slots_TK = torch.stack([slots1_TE.gather(1, ids1_T[:, None]), slots2_TE.gather(1, ids2_T[:, None])], 1)[..., 0]
+    if drop_tokens:
+        capacity = capacity_from_factor(num_tokens, num_experts, capacity_factor, 2, min_capacity)
+        kept_TK = slots_TK < capacity
+    else:
+        capacity = dropless_capacity(counts_E)  # no clamp to T for top-2, as in DeepSpeed
+        kept_TK = torch.ones_like(slots_TK, dtype=torch.bool)
+
+    gates_TK = probs_TE.gather(1, ids_TK) * kept_TK
+    denom_T = torch.clamp(gates_TK[:, 0] + gates_TK[:, 1], min=torch.finfo(torch.float32).eps)
+    weights_TK = gates_TK / denom_T[:, None]
+    slots_TK = torch.where(kept_TK, slots_TK, torch.full_like(slots_TK, -1))
+    return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, _no_z_loss(logits_TE), counts_E, slots_TK, probs_TE)
+
+
+# ---------------------------------------------------------------- top-k (k > 2)
+def topk_gating(
+    logits_TE: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True
+) -> Routing:
+    """DeepSpeed's general top-k ('probs' drop policy, no randomness): each over-full expert keeps its
+    highest-probability routes; weights renormalised over the kept routes; aux loss divided by k."""
+    num_tokens, num_experts = logits_TE.shape
+    probs_TE = F.softmax(logits_TE, dim=1)
+    top_probs_TK, ids_TK = torch.topk(probs_TE, k=k, dim=1)
+    mask_TE = torch.zeros_like(probs_TE, dtype=torch.bool).scatter_(1, ids_TK, True)
+    counts_E = mask_TE.sum(0).detach()
+    aux_loss = torch.mean(probs_TE.mean(0) * mask_TE.float().mean(0)) * num_experts * num_experts / k
+
+    if drop_tokens:
+        capacity = capacity_from_factor(num_tokens, num_experts, capacity_factor, k, min_capacity)
+        keys_TE = torch.zeros_like(probs_TE).scatter(1, ids_TK, top_probs_TK.detach())
+        mask_TE = keep_top_keys(mask_TE, keys_TE, capacity, sort=False)
+    else:
+        capacity = dropless_capacity(counts_E)
+
+    # Renormalise in [T, E] so the sum runs over experts in the same order as DeepSpeed's (bitwise equal).
+    gates_TE = probs_TE * mask_TE
+    denom_T1 = torch.clamp(gates_TE.sum(-1, keepdim=True), min=torch.finfo(torch.float32).eps)
+    weights_TK = (gates_TE / denom_T1).gather(1, ids_TK)
+    kept_TK = mask_TE.gather(1, ids_TK)
+    slots_TK = gather_slots(slots_in_token_order(mask_TE), ids_TK, kept_TK)
+    return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, _no_z_loss(logits_TE), counts_E, slots_TK, probs_TE)

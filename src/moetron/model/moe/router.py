@@ -1,0 +1,163 @@
+"""The MoE router: an fp32 gate, DeepSpeed-exact routing by default, modern routing options on request.
+
+    router = Router(cfg, num_experts=8)
+    routing = router(x_TD, seq_len=cfg.seq_length)  # x_TD: the [B, L, D] activations flattened to [T, D]
+    loss = lm_loss + cfg.moe_loss_coeff * routing.aux_loss + cfg.moe_z_loss_coeff * routing.z_loss
+    ...
+    router.update_expert_bias()  # once per optimizer step (aux-loss-free balancing; no-op by default)
+
+With the default options the routing is DeepSpeed 0.19.x's `TopKGate` (top-1 / top-2 / top-k gating, see
+`gating.py`): same capacities, kept routes, weights, aux loss and — from the same torch seed — the same
+random choices. Any modern option (sigmoid scores, pre-softmax, forced renormalisation, a scaling factor,
+expert-bias balancing, expert groups) switches to the generic top-k path of `modern_gating.py`. The z-loss
+and the aux-loss type (global / seq / none) apply to both paths.
+
+Shape legend: T tokens, D hidden size, E experts, K routes per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetron.errors import ConfigError
+from moetron.model.config import ModelConfig
+from moetron.model.moe.gating import multiplicative_jitter, top1_gating, top2_gating, topk_gating
+from moetron.model.moe.modern_gating import generic_topk_gating, sequence_aux_loss, z_loss
+from moetron.model.moe.routing import Routing
+
+__all__ = ["Router", "Routing", "uses_generic_path"]
+
+
+def uses_generic_path(cfg: ModelConfig) -> bool:
+    """True when a modern option changes selection or weights, so DeepSpeed's gating no longer applies."""
+    return (
+        cfg.moe_router_score_function != "softmax"
+        or cfg.moe_router_pre_softmax
+        or cfg.moe_router_topk_renorm is not None
+        or cfg.moe_router_topk_scaling_factor != 1.0
+        or cfg.moe_router_bias_update_rate > 0
+        or cfg.num_expert_groups > 1
+    )
+
+
+def router_problems(cfg: ModelConfig, num_experts: int) -> list[str]:
+    """Routing settings that cannot work together for a layer of `num_experts` experts."""
+    p: list[str] = []
+    if not 1 <= cfg.topk <= num_experts:
+        p.append(f"--topk {cfg.topk} must be between 1 and the layer's {num_experts} experts")
+    if cfg.moe_router_pre_softmax and cfg.moe_router_score_function != "softmax":
+        p.append("--moe-router-pre-softmax needs --moe-router-score-function softmax; drop one of the two")
+    if cfg.num_expert_groups > 1:
+        if num_experts % cfg.num_expert_groups:
+            p.append(f"--num-expert-groups {cfg.num_expert_groups} does not divide the layer's {num_experts} experts")
+        elif cfg.topk > cfg.topk_groups * (num_experts // cfg.num_expert_groups):
+            p.append(
+                f"--topk {cfg.topk} exceeds the experts reachable in --topk-groups {cfg.topk_groups} groups of "
+                f"{num_experts // cfg.num_expert_groups}; raise --topk-groups or lower --topk"
+            )
+    if cfg.moe_router_bias_update_rate < 0:
+        p.append(f"--moe-router-bias-update-rate must be >= 0, got {cfg.moe_router_bias_update_rate}")
+    if cfg.moe_min_capacity < 0:
+        p.append(f"--moe-min-capacity must be >= 0, got {cfg.moe_min_capacity}")
+    return p
+
+
+class Router(nn.Module):
+    """Token-choice top-k router for one MoE layer.
+
+    Owns `weight` [E, D] (the gate, nn.Linear's default init), buffer `expert_bias` [E] (aux-loss-free
+    balancing; selection only) and buffer `load_since_update_E` [E] (fp32 routes per expert accumulated in
+    training since the last `update_expert_bias`; expert parallelism all-reduces it before the update).
+    """
+
+    def __init__(self, cfg: ModelConfig, num_experts: int):
+        super().__init__()
+        problems = router_problems(cfg, num_experts)
+        if problems:
+            raise ConfigError(problems)
+        self.cfg = cfg
+        self.num_experts = num_experts
+        self.topk = cfg.topk
+        self.generic = uses_generic_path(cfg)
+        self.weight = nn.Parameter(torch.empty(num_experts, cfg.hidden_size, dtype=torch.float32))
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        # Transient (zero after every optimizer step), so it stays out of checkpoints.
+        self.register_buffer("load_since_update_E", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear(D, E, bias=False)'s init (same RNG draws), and zero balancing state."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        with torch.no_grad():
+            self.expert_bias.zero_()
+            self.load_since_update_E.zero_()
+
+    def extra_repr(self) -> str:
+        path = "generic" if self.generic else "deepspeed"
+        return f"hidden={self.weight.shape[1]}, experts={self.num_experts}, topk={self.topk}, path={path}"
+
+    def gate_logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, E], whatever the input dtype or autocast state (the router always runs in fp32)."""
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            x_TD = x_TD.float()
+            if self.cfg.moe_noisy_gate_policy == "Jitter" and self.training:
+                x_TD = multiplicative_jitter(x_TD)
+            return F.linear(x_TD, self.weight.float())
+
+    def forward(self, x_TD: torch.Tensor, seq_len: int | None = None) -> Routing:
+        """Route T tokens. `seq_len`: tokens per sequence (x_TD flattens [B, seq_len, D]); used by the
+        sequence-wise aux loss, None = one sequence."""
+        logits_TE = self.gate_logits(x_TD)
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            routing = self._route(logits_TE)
+            routing = self._with_losses(routing, logits_TE, seq_len)
+        if self.training and self.cfg.moe_router_bias_update_rate > 0:
+            with torch.no_grad():
+                self.load_since_update_E += routing.tokens_per_expert_E.float()
+        return routing
+
+    def _route(self, logits_TE: torch.Tensor) -> Routing:
+        cfg = self.cfg
+        capacity_factor = cfg.moe_train_capacity_factor if self.training else cfg.moe_eval_capacity_factor
+        if self.generic:
+            bias_E = self.expert_bias if cfg.moe_router_bias_update_rate > 0 else None
+            return generic_topk_gating(logits_TE, cfg, self.topk, capacity_factor, bias_E)
+        drop = cfg.moe_token_dropping
+        if self.topk == 1:
+            noisy = cfg.moe_noisy_gate_policy if self.training else None  # TopKGate: no noise in eval
+            return top1_gating(logits_TE, capacity_factor, cfg.moe_min_capacity, noisy, drop, cfg.moe_use_rts)
+        if self.topk == 2:
+            sampling = cfg.moe_top2_2nd_expert_sampling  # in train AND eval, as in DeepSpeed
+            return top2_gating(logits_TE, capacity_factor, cfg.moe_min_capacity, drop, sampling)
+        return topk_gating(logits_TE, self.topk, capacity_factor, cfg.moe_min_capacity, drop)
+
+    def _with_losses(self, routing: Routing, logits_TE: torch.Tensor, seq_len: int | None) -> Routing:
+        """Replace the path's global aux loss when another type is asked for, and add the z-loss."""
+        aux_type = self.cfg.moe_aux_loss_type
+        aux_loss = routing.aux_loss
+        if aux_type == "seq":
+            aux_loss = sequence_aux_loss(routing.probs_TE, routing.expert_ids_TK, seq_len)
+        elif aux_type == "none":
+            aux_loss = torch.zeros((), dtype=torch.float32, device=logits_TE.device)
+        z = z_loss(logits_TE)
+        if self.cfg.moe_z_loss_coeff == 0:
+            z = z.detach()  # still logged; no backward work when it is not trained on
+        return dataclasses.replace(routing, aux_loss=aux_loss, z_loss=z)
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """bias += rate · sign(mean load − load) over the loads accumulated since the last call; reset them.
+
+        Under-loaded experts become more attractive, over-loaded ones less. Only selection sees the bias.
+        """
+        rate = self.cfg.moe_router_bias_update_rate
+        if rate == 0:
+            return
+        load_E = self.load_since_update_E
+        self.expert_bias += rate * torch.sign(load_E.mean() - load_E)
+        load_E.zero_()
