@@ -1,0 +1,153 @@
+"""Parameter counts, FLOPs per token, Megatron's TFLOP/s formula and MFU — all from the config alone.
+
+Nothing is allocated, so a 52B-parameter MoE is counted as easily as a toy one. The counts mirror the
+modules exactly (tests compare them with `numel()` of real models): the embedding holds the padded
+vocabulary, biases follow `add_bias_linear`, SwiGLU doubles the first projection, GQA shrinks K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moetron.model.config import ModelConfig
+
+# Dense peak TFLOP/s per device for bf16/fp16 tensor-core math (no sparsity); matched by substring.
+PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "RTX 4090": 165.0,
+    "V100": 125.0,
+}
+# fp32 matmul throughput measured on the 2-core development machine; pass your own with `override`.
+CPU_PEAK_TFLOPS = 0.086
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int  # every parameter of the model
+    active: int  # touched by one token: all dense parameters + top-k routed experts per MoE layer
+    embedding: int  # word (+ position) embeddings, + the output layer when untied
+    expert: int  # all routed experts of all MoE layers
+    dense: int  # everything else: attention, norms, dense MLPs, routers, shared experts, PR-MoE's MLP
+
+
+def norm_params(cfg: ModelConfig) -> int:
+    return cfg.hidden_size * (1 if cfg.normalization == "rmsnorm" else 2)
+
+
+def mlp_params(cfg: ModelConfig, ffn_size: int) -> int:
+    """`dense_h_to_4h` (2·F outputs for SwiGLU) + `dense_4h_to_h`, with biases when enabled."""
+    h, up = cfg.hidden_size, (2 * ffn_size if cfg.swiglu else ffn_size)
+    bias = (up + h) if cfg.add_bias_linear else 0
+    return h * up + ffn_size * h + bias
+
+
+def attention_params(cfg: ModelConfig) -> int:
+    h, d = cfg.hidden_size, cfg.head_dim
+    qkv_out = (cfg.num_attention_heads + 2 * cfg.kv_heads) * d
+    proj_in = cfg.num_attention_heads * d
+    bias = (qkv_out + h) if cfg.add_bias_linear else 0
+    return h * qkv_out + proj_in * h + bias
+
+
+def moe_layer_params(cfg: ModelConfig, num_experts: int) -> tuple[int, int]:
+    """(routed expert parameters, other parameters of the MoE block: router, shared experts, PR-MoE)."""
+    h = cfg.hidden_size
+    experts = num_experts * mlp_params(cfg, cfg.expert_ffn_size)
+    other = h * num_experts  # router `wg`, no bias
+    if cfg.num_shared_experts:
+        other += mlp_params(cfg, cfg.num_shared_experts * cfg.expert_ffn_size)
+        other += h if cfg.shared_expert_gate else 0
+    if cfg.mlp_type == "residual":
+        other += mlp_params(cfg, cfg.ffn_size) + 2 * h + 2  # dense MLP + `coefficient` Linear(h, 2)
+    return experts, other
+
+
+def embedding_params(cfg: ModelConfig) -> int:
+    vocab = cfg.padded_vocab_size() * cfg.hidden_size
+    positions = cfg.max_positions * cfg.hidden_size if cfg.position_embedding_type == "learned_absolute" else 0
+    output = vocab if cfg.untie_embeddings_and_output_weights else 0
+    return vocab + positions + output
+
+
+def count_parameters(cfg: ModelConfig) -> ParamCounts:
+    """Exact parameter counts of `GPTModel(cfg)` (tensor parallel size 1)."""
+    embedding = embedding_params(cfg)
+    dense = norm_params(cfg)  # final norm
+    expert = active_expert = 0
+    for num_experts in cfg.experts_per_layer():
+        dense += 2 * norm_params(cfg) + attention_params(cfg)
+        if num_experts > 1:
+            routed, other = moe_layer_params(cfg, num_experts)
+            dense += other
+            expert += routed
+            active_expert += routed * cfg.topk // num_experts
+        else:
+            dense += mlp_params(cfg, cfg.ffn_size)
+    total = embedding + dense + expert
+    return ParamCounts(total, embedding + dense + active_expert, embedding, expert, dense)
+
+
+def flops_per_token(cfg: ModelConfig, seq_length: int | None = None) -> float:
+    """Training FLOPs (forward + backward) per token: 6·N_active + attention (PaLM, appendix B).
+
+    N_active counts the matmul weights one token meets: active parameters without the embedding
+    lookups, plus the LM head's V·h (tied or not). Attention adds 12·L·s·H·D (QKᵀ and AV,
+    forward 2 × 2 FLOPs per multiply-add, backward twice that), without halving for causality.
+    """
+    s = seq_length or cfg.seq_length
+    counts = count_parameters(cfg)
+    matmul_params = counts.active - counts.embedding + cfg.padded_vocab_size() * cfg.hidden_size
+    attention = 12 * cfg.num_layers * s * cfg.num_attention_heads * cfg.head_dim
+    return float(6 * matmul_params + attention)
+
+
+def megatron_tflops(
+    cfg: ModelConfig,
+    global_batch: int,
+    seq_length: int,
+    iter_time_s: float,
+    world_size: int,
+    checkpoint_activations: bool = False,
+) -> float:
+    """TFLOP/s per device exactly as Megatron-DeepSpeed's HEAD `throughput_calculator` reports it.
+
+    Quirks kept on purpose so numbers compare with Megatron logs: `2 // g` is integer division (K/V
+    projections vanish from the count for g > 2), every layer counts k experts of the *dense* ffn
+    size, and the router, all-to-all and PR-MoE's residual MLP are not counted.
+    """
+    B, s, L, h = global_batch, seq_length, cfg.num_layers, cfg.hidden_size
+    g = cfg.num_attention_heads // cfg.kv_heads
+    m = 3 if cfg.swiglu else 2
+    qkv_and_proj = B * L * (2 + 2 // g) * h * h * s
+    attention = B * L * 2 * h * s * s
+    ffn = B * L * m * cfg.ffn_size * h * s * cfg.topk
+    lm_head = B * cfg.padded_vocab_size() * h * s
+    forward_macs = qkv_and_proj + attention + ffn + lm_head
+    macs = 3 * forward_macs + (forward_macs if checkpoint_activations else 0)
+    return 2 * macs / (iter_time_s * world_size * 1e12)
+
+
+def mfu(achieved_tflops_per_device: float, peak_tflops: float) -> float:
+    """Model FLOPs utilisation: achieved / peak (a fraction, 0.4 = 40 %)."""
+    return achieved_tflops_per_device / peak_tflops
+
+
+def peak_tflops(device_name: str | None = None, override: float | None = None) -> float:
+    """Peak TFLOP/s of one device: `override` if given, else the table entry matching the device name.
+
+    With no name, the first visible CUDA device is asked; on a machine without one the CPU default is
+    used. An unknown GPU falls back to the CPU value so MFU is never silently flattering — pass
+    `override` (e.g. from `--peak-tflops`) for hardware not in the table.
+    """
+    if override is not None:
+        return float(override)
+    if device_name is None:
+        device_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    for name, value in PEAK_TFLOPS.items():
+        if name.lower() in device_name.lower():
+            return value
+    return CPU_PEAK_TFLOPS

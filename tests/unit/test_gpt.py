@@ -1,0 +1,243 @@
+"""GPTModel: every option combination, a hand-written reference GPT, losses, checkpointing, KV cache."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moetron.errors import ConfigError, UserError
+from moetron.model import GPTModel, KVCache, ModelConfig, create_model
+
+VOCAB = 50  # padded to 64 below
+
+
+def tiny_cfg(**overrides) -> ModelConfig:
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=12)
+    base.update(make_vocab_size_divisible_by=64, hidden_dropout=0.0, attention_dropout=0.0, ffn_hidden_size=48)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+MODERN = dict(
+    normalization="rmsnorm",
+    position_embedding_type="rope",
+    swiglu=True,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    num_key_value_heads=2,
+)
+
+
+def tokens(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------- a plain reference GPT
+def reference_logits(cfg: ModelConfig, sd: dict[str, torch.Tensor], tokens_BT: torch.Tensor) -> torch.Tensor:
+    """Megatron's GPT written out longhand from the state dict (no moetron modules)."""
+    B, T = tokens_BT.shape
+    H, K, D = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
+    x = sd["word_embeddings.weight"][tokens_BT]
+    if cfg.position_embedding_type == "learned_absolute":
+        x = x + sd["position_embeddings.weight"][:T]
+    causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        h = ref_norm(cfg, sd, p + "input_layernorm", x)
+        qkv = ref_linear(sd, p + "self_attention.query_key_value", h)
+        q = qkv[..., : H * D].reshape(B, T, H, D).transpose(1, 2)
+        k = qkv[..., H * D : (H + K) * D].reshape(B, T, K, D).transpose(1, 2).repeat_interleave(H // K, 1)
+        v = qkv[..., (H + K) * D :].reshape(B, T, K, D).transpose(1, 2).repeat_interleave(H // K, 1)
+        if cfg.position_embedding_type == "rope":
+            q, k = ref_rope(q, cfg.rotary_base), ref_rope(k, cfg.rotary_base)
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(causal, float("-inf"))
+        attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, H * D)
+        x = x + ref_linear(sd, p + "self_attention.dense", attn)
+        up = ref_linear(sd, p + "mlp.dense_h_to_4h", ref_norm(cfg, sd, p + "post_attention_layernorm", x))
+        if cfg.swiglu:
+            gate, lin = up.chunk(2, dim=-1)
+            act = gate * torch.sigmoid(gate) * lin
+        else:
+            act = 0.5 * up * (1 + torch.tanh(math.sqrt(2 / math.pi) * (up + 0.044715 * up**3)))
+        x = x + ref_linear(sd, p + "mlp.dense_4h_to_h", act)
+    x = ref_norm(cfg, sd, "final_layernorm", x)
+    out = sd["output_layer.weight"] if cfg.untie_embeddings_and_output_weights else sd["word_embeddings.weight"]
+    return x @ out.T
+
+
+def ref_linear(sd, name, x):
+    y = x @ sd[name + ".weight"].T
+    return y + sd[name + ".bias"] if name + ".bias" in sd else y
+
+
+def ref_norm(cfg, sd, name, x):
+    if cfg.normalization == "rmsnorm":
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.layernorm_epsilon) * sd[name + ".weight"]
+    mu, var = x.mean(-1, keepdim=True), x.var(-1, keepdim=True, unbiased=False)
+    return (x - mu) / torch.sqrt(var + cfg.layernorm_epsilon) * sd[name + ".weight"] + sd[name + ".bias"]
+
+
+def ref_rope(x_BHTD, base):
+    T, D = x_BHTD.shape[2], x_BHTD.shape[3]
+    theta = torch.arange(T)[:, None] * base ** (-torch.arange(0, D, 2) / D)
+    z = torch.complex(x_BHTD[..., : D // 2], x_BHTD[..., D // 2 :]) * torch.polar(torch.ones_like(theta), theta)
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+@pytest.mark.parametrize("options", [{}, MODERN], ids=["megatron", "modern"])
+def test_dense_model_equals_reference(options):
+    cfg = tiny_cfg(**options)
+    model = create_model(cfg, "cpu", seed=3).eval()
+    with torch.no_grad():  # non-trivial norms and biases so that every parameter matters
+        for name, p in model.named_parameters():
+            if "layernorm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    x = tokens()
+    torch.testing.assert_close(model(x).logits, reference_logits(cfg, sd, x), atol=1e-4, rtol=1e-4)
+
+
+def test_every_option_combination_runs_forward_and_backward():
+    flags = ["normalization", "position_embedding_type", "swiglu", "add_bias_linear", "untie", "gqa"]
+    for combo in itertools.product([False, True], repeat=len(flags)):
+        on = dict(zip(flags, combo, strict=True))
+        cfg = tiny_cfg(
+            num_layers=1,
+            normalization="rmsnorm" if on["normalization"] else "layernorm",
+            position_embedding_type="rope" if on["position_embedding_type"] else "learned_absolute",
+            swiglu=on["swiglu"],
+            add_bias_linear=not on["add_bias_linear"],
+            untie_embeddings_and_output_weights=on["untie"],
+            num_key_value_heads=1 if on["gqa"] else None,
+            hidden_dropout=0.1,
+            attention_dropout=0.1,
+        )
+        model = create_model(cfg, "cpu", seed=0)
+        x = tokens(2, 6)
+        out = model(x, labels_BT=x)
+        assert out.logits.shape == (2, 6, 64), on
+        assert torch.isfinite(out.lm_loss) and out.moe_loss.item() == 0.0 and out.moe_aux == []
+        out.lm_loss.backward()
+        assert all(p.grad is not None for p in model.parameters()), on
+
+
+def test_tied_embeddings_share_storage_and_padded_vocab():
+    tied = create_model(tiny_cfg(), "cpu", seed=0)
+    assert tied.output_layer is None
+    assert tied.word_embeddings.weight.shape == (64, 32)  # 50 padded to a multiple of 64
+    untied = create_model(tiny_cfg(untie_embeddings_and_output_weights=True), "cpu", seed=0)
+    assert untied.output_layer.weight.data_ptr() != untied.word_embeddings.weight.data_ptr()
+    x = tokens()
+    out = tied(x, labels_BT=x)
+    out.lm_loss.backward()
+    # the LM head is the embedding: padded rows get gradient only through the softmax (pushed down)
+    assert tied.word_embeddings.weight.grad[VOCAB:].abs().sum() > 0
+    assert out.logits.shape[-1] == 64
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads():
+    gqa = create_model(tiny_cfg(num_key_value_heads=2), "cpu", seed=1).eval()
+    mha = create_model(tiny_cfg(num_key_value_heads=4), "cpu", seed=2).eval()
+    D, H, K = 8, 4, 2
+    sd = gqa.state_dict()
+    for name, value in sd.items():
+        if "query_key_value" in name:  # [Q | K | V]: repeat each K/V head for the 2 query heads of its group
+            q, k, v = value.split([H * D, K * D, K * D], dim=0)
+            rep = lambda t: t.unflatten(0, (K, D)).repeat_interleave(H // K, dim=0).flatten(0, 1)  # noqa: E731
+            sd[name] = torch.cat([q, rep(k), rep(v)], dim=0)
+    mha.load_state_dict(sd)
+    x = tokens()
+    torch.testing.assert_close(gqa(x).logits, mha(x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_loss_is_masked_mean_of_fp32_cross_entropy():
+    model = create_model(tiny_cfg(), "cpu", seed=0)
+    x, labels = tokens(seed=1), tokens(seed=2)
+    mask = (torch.rand(labels.shape, generator=torch.Generator().manual_seed(3)) > 0.5).float()
+    out = model(x, labels_BT=labels, loss_mask_BT=mask)
+    per_token = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), reduction="none")
+    torch.testing.assert_close(out.lm_loss, (per_token * mask.flatten()).sum() / mask.sum())
+    assert out.lm_loss.dtype == torch.float32
+    zero = model(x, labels_BT=labels, loss_mask_BT=torch.zeros_like(mask))
+    assert zero.lm_loss.item() == 0.0
+    assert model(x, labels_BT=labels, return_logits=False).logits is None
+
+
+def test_autocast_bf16_keeps_fp32_loss():
+    model = create_model(tiny_cfg(**MODERN), "cpu", seed=0)
+    x = tokens()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, labels_BT=x)
+    assert out.logits.dtype == torch.bfloat16 and out.lm_loss.dtype == torch.float32
+    out.lm_loss.backward()
+    assert torch.isfinite(out.lm_loss)
+
+
+@pytest.mark.parametrize("options", [{}, MODERN], ids=["megatron", "modern"])
+def test_activation_checkpointing_gives_identical_loss_and_grads(options):
+    """With dropout on: checkpoint restores the RNG, so recomputation draws the same masks."""
+
+    def loss_and_grads(checkpointing: bool):
+        cfg = tiny_cfg(checkpoint_activations=checkpointing, hidden_dropout=0.2, attention_dropout=0.2, **options)
+        model = create_model(cfg, "cpu", seed=5)
+        torch.manual_seed(11)
+        out = model(tokens(), labels_BT=tokens(seed=1))
+        out.lm_loss.backward()
+        return out.lm_loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    loss, grads = loss_and_grads(False)
+    loss_ckpt, grads_ckpt = loss_and_grads(True)
+    torch.testing.assert_close(loss, loss_ckpt, atol=0, rtol=0)
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ckpt[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def greedy_decode(model: GPTModel, prompt: torch.Tensor, steps: int, use_cache: bool) -> torch.Tensor:
+    seq = prompt
+    cache = KVCache.for_model(model.cfg, prompt.shape[0], max_length=prompt.shape[1] + steps) if use_cache else None
+    step_input = prompt
+    for _ in range(steps):
+        logits = model(step_input if use_cache else seq, kv_cache=cache).logits
+        next_token = logits[:, -1, :VOCAB].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, next_token], dim=1)
+        step_input = next_token
+    return seq
+
+
+@pytest.mark.parametrize("options", [{}, MODERN], ids=["megatron", "modern"])
+def test_kv_cache_greedy_decode_equals_uncached(options):
+    model = create_model(tiny_cfg(**options), "cpu", seed=7).eval()
+    prompt = tokens(2, 4)
+    with torch.no_grad():
+        cached = greedy_decode(model, prompt, 8, use_cache=True)
+        plain = greedy_decode(model, prompt, 8, use_cache=False)
+        assert torch.equal(cached, plain)
+        cache = KVCache.for_model(model.cfg, 2)
+        model(cached[:, :5], kv_cache=cache)
+        stepped = model(cached[:, 5:], kv_cache=cache).logits  # a multi-token chunk after a prefill
+        torch.testing.assert_close(stepped, model(cached).logits[:, 5:], atol=1e-5, rtol=1e-5)
+        assert cache.length == 12
+
+
+def test_learned_positions_refuse_sequences_past_the_table():
+    model = create_model(tiny_cfg(), "cpu", seed=0)
+    with pytest.raises(UserError, match="max-position-embeddings 12"):
+        model(tokens(1, 13))
+
+
+def test_bad_config_is_one_clear_error():
+    with pytest.raises(ConfigError, match="--num-attention-heads 4 is not divisible by --num-key-value-heads 3"):
+        GPTModel(tiny_cfg(num_key_value_heads=3))
+
+
+def test_meta_build_then_materialise():
+    with torch.device("meta"):
+        model = GPTModel(tiny_cfg(**MODERN))
+    assert all(p.is_meta for p in model.parameters())
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    assert torch.isfinite(model(tokens()).logits).all()
