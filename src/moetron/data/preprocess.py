@@ -1,0 +1,251 @@
+"""Tokenize JSONL/text into Megatron `.bin`/`.idx` pairs: streaming, ordered, parallel, all-or-nothing.
+
+The main process reads records in chunks (readers.py) and hands them to `workers` processes, keeping at most
+two chunks per worker in flight so memory stays flat however large the input; results are written in input
+order, so the output is byte-identical for any worker count. Each worker decodes, parses and batch-encodes
+its chunk with the Rust tokenizer and returns flat token arrays.
+
+One deliberate difference from Megatron: with `append_eod` the EOD token is counted in the document's size
+(the NVIDIA/Megatron-LM#431 fix), so sizes add up to the `.bin`. Empty documents are skipped and counted;
+Megatron-DeepSpeed's writer would record them as zero-sequence documents in doc_idx.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from moetron.data.indexed import IndexedDatasetBuilder, best_dtype
+from moetron.data.readers import Chunk, iter_chunks, parse_record, resolve_inputs
+from moetron.data.tokenizer import Tokenizer, build_tokenizer
+from moetron.errors import UserError
+
+SHOWN_PROBLEMS = 5
+
+
+@dataclass
+class PreprocessOptions:
+    """The `moetron preprocess` flags (Megatron's `tools/preprocess_data.py` names)."""
+
+    inputs: list[str]
+    output_prefix: str
+    tokenizer_type: str
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_model: str | None = None
+    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    append_eod: bool = False
+    workers: int = 1
+    log_interval: int = 1000
+    strict: bool = False
+    chunk_bytes: int = 256 << 10  # work unit; small enough to keep workers busy, big enough to amortize pickling
+
+    def tokenizer_args(self) -> tuple:
+        return (self.tokenizer_type, self.vocab_file, self.merge_file, self.tokenizer_model)
+
+    def output_path(self, key: str) -> str:
+        return f"{self.output_prefix}_{key}_document"
+
+
+@dataclass
+class EncodedChunk:
+    """A worker's result: per key the concatenated tokens and each document's length; the records it skipped."""
+
+    tokens: dict[str, np.ndarray]
+    lengths: dict[str, np.ndarray]
+    problems: list[tuple[str, int, str]]  # (file, line, what is wrong)
+    bad_records: int
+    nbytes: int
+
+
+@dataclass
+class PreprocessSummary:
+    outputs: list[str]
+    documents: int
+    tokens: int
+    skipped_records: int
+    empty_documents: int
+    problems: list[tuple[str, int, str]]  # the first few, for the report
+    nbytes: int
+    seconds: float
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.nbytes / 1e6 / max(self.seconds, 1e-9)
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_args: tuple, single_threaded: bool) -> None:
+    global _worker_tokenizer
+    if single_threaded:  # one Rust thread per worker process: the processes are the parallelism
+        os.environ["RAYON_NUM_THREADS"] = "1"
+    _worker_tokenizer = build_tokenizer(*tokenizer_args)
+
+
+def _parse_chunk(chunk: Chunk, keys: list[str]) -> tuple[list[tuple[int, dict[str, str]]], list]:
+    """(line, texts by key) of the usable records, and the problems of the others."""
+    good, problems = [], []
+    for number, raw in chunk.records:
+        texts, problem = parse_record(chunk.format, raw, keys)
+        if texts is None:
+            problems.append((chunk.source, number, problem))
+        else:
+            good.append((number, texts))
+    return good, problems
+
+
+def _encode_key(good: list, key: str, append_eod: bool, source: str, note: str) -> tuple[np.ndarray, np.ndarray, list]:
+    """Tokens (flat) and document lengths of one key; empty documents become problems."""
+    flat: list[int] = []
+    sizes: list[int] = []
+    problems = []
+    encoded = _worker_tokenizer.encode_batch([texts[key] for _, texts in good])
+    for (number, _), ids in zip(good, encoded, strict=True):
+        if not ids:
+            problems.append((source, number, "empty document" + note))
+            continue
+        flat.extend(ids)
+        if append_eod:
+            flat.append(_worker_tokenizer.eod)
+        sizes.append(len(ids) + append_eod)  # the EOD counts in the size (Megatron-LM#431)
+    return np.array(flat, dtype=np.int64), np.array(sizes, dtype=np.int64), problems
+
+
+def encode_chunk(chunk: Chunk, keys: list[str], append_eod: bool) -> EncodedChunk:
+    """Parse and tokenize one chunk in the current (worker) process."""
+    good, problems = _parse_chunk(chunk, keys)
+    bad_records = len(problems)
+    tokens, lengths = {}, {}
+    for key in keys:
+        note = f" for key '{key}'" if len(keys) > 1 else ""
+        tokens[key], lengths[key], empty = _encode_key(good, key, append_eod, chunk.source, note)
+        problems.extend(empty)
+    problems.sort(key=lambda problem: problem[1])
+    return EncodedChunk(tokens, lengths, problems, bad_records, chunk.nbytes)
+
+
+def _check_before_work(options: PreprocessOptions) -> tuple[list[Path], Tokenizer]:
+    if options.workers < 1:
+        raise UserError(f"--workers {options.workers} must be at least 1")
+    if not options.json_keys:
+        raise UserError("--json-keys needs at least one key")
+    parent = Path(options.output_prefix).parent
+    if not parent.is_dir():
+        raise UserError(f"--output-prefix '{options.output_prefix}': directory '{parent}' does not exist; create it")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"--output-prefix '{options.output_prefix}': directory '{parent}' is not writable")
+    files = resolve_inputs(options.inputs)
+    tokenizer = build_tokenizer(*options.tokenizer_args())
+    if options.append_eod:
+        tokenizer.eod  # noqa: B018 - raises the one-line error now rather than inside a worker
+    return files, tokenizer
+
+
+class _Progress:
+    """A tqdm bar on a terminal; otherwise a line every `log_interval` documents (Megatron's log)."""
+
+    def __init__(self, log_interval: int, total_bytes: int | None):
+        self.log_interval, self.start = log_interval, time.perf_counter()
+        self.documents, self.nbytes, self.next_log = 0, 0, log_interval
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", file=sys.stderr)
+
+    def update(self, documents: int, nbytes: int) -> None:
+        self.documents += documents
+        self.nbytes += nbytes
+        if self.bar is not None:
+            self.bar.update(nbytes)
+        elif self.log_interval > 0 and self.documents >= self.next_log:
+            elapsed = time.perf_counter() - self.start
+            print(
+                f"processed {self.documents} documents ({self.documents / elapsed:.0f} docs/s, "
+                f"{self.nbytes / 1e6 / elapsed:.2f} MB/s)",
+                file=sys.stderr,
+            )
+            self.next_log = (self.documents // self.log_interval + 1) * self.log_interval
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _encoded_chunks(options: PreprocessOptions, files: list[Path], tokenizer: Tokenizer):
+    """EncodedChunks in input order, computed in-process (1 worker) or by a bounded, ordered process pool."""
+    chunks = iter_chunks(files, options.chunk_bytes)
+    job = (options.json_keys, options.append_eod)
+    if options.workers == 1:
+        global _worker_tokenizer
+        _worker_tokenizer = tokenizer  # in-process; the Rust tokenizer still uses every core per batch
+        for chunk in chunks:
+            yield encode_chunk(chunk, *job)
+        return
+    # spawn: no fork after the Rust thread pool or torch started threads; workers import no torch.
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(options.workers, _init_worker, (options.tokenizer_args(), True)) as pool:
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(encode_chunk, (chunk, *job)))
+            if len(pending) >= 2 * options.workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _strict_error(problem: tuple[str, int, str]) -> UserError:
+    source, line, message = problem
+    return UserError(f"{source}:{line}: {message} (--strict stops at the first bad record; without it, it is skipped)")
+
+
+def preprocess(options: PreprocessOptions) -> PreprocessSummary:
+    """Run the whole conversion; on any error no output file is left behind."""
+    files, tokenizer = _check_before_work(options)
+    dtype = best_dtype(tokenizer.vocab_size)
+    total_bytes = None if any(f.name.endswith(".gz") for f in files) else sum(f.stat().st_size for f in files)
+    start = time.perf_counter()
+    builders = {key: IndexedDatasetBuilder(options.output_path(key), dtype) for key in options.json_keys}
+    progress = _Progress(options.log_interval, total_bytes)
+    problems, bad_records, empty, nbytes = [], 0, 0, 0
+    results = _encoded_chunks(options, files, tokenizer)
+    try:
+        for result in results:
+            if result.problems and options.strict:
+                raise _strict_error(result.problems[0])
+            for key, builder in builders.items():
+                builder.add_documents(result.tokens[key], result.lengths[key])
+            problems.extend(result.problems[: SHOWN_PROBLEMS - len(problems)])
+            bad_records += result.bad_records
+            empty += len(result.problems) - result.bad_records
+            nbytes += result.nbytes
+            progress.update(len(result.lengths[options.json_keys[0]]), result.nbytes)
+        for builder in builders.values():
+            builder.finalize()
+    except BaseException:
+        for builder in builders.values():
+            builder.abort()
+        raise
+    finally:
+        results.close()  # stops the worker pool at once when we leave early
+        progress.close()
+    first = builders[options.json_keys[0]]
+    return PreprocessSummary(
+        outputs=[options.output_path(key) for key in options.json_keys],
+        documents=first.num_documents,
+        tokens=sum(builder.num_tokens for builder in builders.values()),
+        skipped_records=bad_records,
+        empty_documents=empty,
+        problems=problems,
+        nbytes=nbytes,
+        seconds=time.perf_counter() - start,
+    )

@@ -1,0 +1,181 @@
+"""Tokenizers with Megatron's names and semantics, built on HF `tokenizers` (Rust, no compilation here).
+
+- `GPT2BPETokenizer`: GPT-2 byte-level BPE from `vocab.json` + `merges.txt`; ids equal GPT-2's and those of
+  Megatron's pure-Python `gpt2_tokenization.py` ("Hello world" -> [15496, 995]); EOD is `<|endoftext|>`.
+  Like Megatron, the text "<|endoftext|>" inside a document is *not* turned into the EOD id.
+- `HFTokenizer`: any HF `tokenizer.json` (a file, or a directory holding one).
+
+`train_bpe_tokenizer` trains a new byte-level BPE whose files work as `GPT2BPETokenizer` files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizerCore
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from moetron.errors import UserError
+
+EOD_TOKEN = "<|endoftext|>"
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HFTokenizer")
+# End-of-document candidates for tokenizer.json files without a tokenizer_config.json beside them.
+_EOS_CANDIDATES = (EOD_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` with Megatron's interface: encode, encode_batch, decode, vocab_size, eod."""
+
+    def __init__(self, core: HFTokenizerCore, eod: int | None, name: str):
+        self.core = core
+        self.name = name
+        self._eod = eod
+
+    def encode(self, text: str) -> list[int]:
+        return self.core.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # encode_batch_fast skips offset tracking; it exists in tokenizers >= 0.20.
+        encode = getattr(self.core, "encode_batch_fast", self.core.encode_batch)
+        return [encoding.ids for encoding in encode(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.core.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        if self._eod is None:
+            raise UserError(
+                f"tokenizer {self.name} has no end-of-document token (looked for {', '.join(_EOS_CANDIDATES)} and "
+                "an eos_token in tokenizer_config.json); add one, or run without --append-eod"
+            )
+        return self._eod
+
+
+def _gpt2_core(vocab: dict[str, int], merges: list[tuple[str, str]]) -> HFTokenizerCore:
+    core = HFTokenizerCore(models.BPE(vocab, merges, fuse_unk=False))
+    # GPT-2: the byte-level regex split, no prefix space; decoding maps bytes back with replacement on bad UTF-8.
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    return core
+
+
+def _read_vocab(vocab_file: str | Path) -> dict[str, int]:
+    try:
+        vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"--vocab-file '{vocab_file}' is not a readable GPT-2 vocab.json ({err})") from None
+    if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
+        raise UserError(f"--vocab-file '{vocab_file}' is not a GPT-2 vocab.json (expected a token -> id object)")
+    return vocab
+
+
+def _read_merges(merge_file: str | Path) -> list[tuple[str, str]]:
+    try:
+        lines = Path(merge_file).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"--merge-file '{merge_file}' is not a readable GPT-2 merges.txt ({err})") from None
+    merges = []
+    for number, line in enumerate(lines, start=1):
+        if not line or (number == 1 and line.startswith("#version")):
+            continue
+        pair = line.split(" ")
+        if len(pair) != 2:
+            raise UserError(f"--merge-file '{merge_file}' line {number} is not a 'left right' merge: {line[:60]!r}")
+        merges.append((pair[0], pair[1]))
+    return merges
+
+
+def _gpt2_bpe(vocab_file, merge_file) -> Tokenizer:
+    if vocab_file is None or merge_file is None:
+        raise UserError(
+            "--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file (merges.txt)"
+        )
+    vocab, merges = _read_vocab(vocab_file), _read_merges(merge_file)
+    try:
+        core = _gpt2_core(vocab, merges)
+    except Exception as err:  # tokenizers raises plain Exception for merges naming unknown tokens
+        raise UserError(f"--vocab-file '{vocab_file}' and --merge-file '{merge_file}' do not match ({err})") from None
+    if EOD_TOKEN not in vocab:
+        raise UserError(f"--vocab-file '{vocab_file}' has no {EOD_TOKEN} token, which GPT2BPETokenizer uses as EOD")
+    return Tokenizer(core, vocab[EOD_TOKEN], f"GPT2BPETokenizer({Path(vocab_file).name})")
+
+
+def _configured_eos(directory: Path) -> str | None:
+    config = directory / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    return eos.get("content") if isinstance(eos, dict) else eos
+
+
+def _hf_tokenizer(tokenizer_model) -> Tokenizer:
+    if tokenizer_model is None:
+        raise UserError("--tokenizer-type HFTokenizer needs --tokenizer-model (a tokenizer.json or its directory)")
+    path = Path(tokenizer_model)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    try:
+        core = HFTokenizerCore.from_file(str(file))
+    except Exception as err:  # tokenizers raises plain Exception for unreadable or malformed files
+        raise UserError(f"--tokenizer-model '{tokenizer_model}' is not a readable tokenizer.json ({err})") from None
+    vocab = core.get_vocab(with_added_tokens=True)
+    candidates = [_configured_eos(file.parent), *_EOS_CANDIDATES]
+    eod = next((vocab[token] for token in candidates if token in vocab), None)
+    return Tokenizer(core, eod, f"HFTokenizer({file})")
+
+
+def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, tokenizer_model=None) -> Tokenizer:
+    """Build a tokenizer by its Megatron `--tokenizer-type` name; every bad input is a one-line UserError."""
+    if tokenizer_type == "GPT2BPETokenizer":
+        return _gpt2_bpe(vocab_file, merge_file)
+    if tokenizer_type == "HFTokenizer":
+        return _hf_tokenizer(tokenizer_model)
+    raise UserError(f"--tokenizer-type '{tokenizer_type}' is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")
+
+
+def _training_texts(files: list[Path], seen: list[int]) -> Iterator[str]:
+    # Imported here: readers is a sibling module that itself needs nothing from this one.
+    from moetron.data.readers import iter_texts
+
+    for text in iter_texts(files, json_key="text"):
+        seen[0] += 1
+        yield text
+
+
+def train_bpe_tokenizer(files: list[Path], vocab_size: int, output_dir: Path) -> Path:
+    """Train a byte-level BPE on JSONL (key `text`) or plain-text files; write vocab.json, merges.txt, tokenizer.json.
+
+    `<|endoftext|>` is a special token (id 0). The vocab.json + merges.txt pair loads as `GPT2BPETokenizer`;
+    returns `output_dir`.
+    """
+    if vocab_size < 257:
+        raise UserError(f"--vocab-size {vocab_size} is too small; use at least 257 (256 byte symbols + {EOD_TOKEN})")
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"--output-dir '{output_dir}' exists and is not a directory")
+    if not output_dir.parent.is_dir():
+        raise UserError(f"--output-dir '{output_dir}': parent directory '{output_dir.parent}' does not exist")
+    core = _gpt2_core({}, [])
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    seen = [0]
+    core.train_from_iterator(_training_texts(list(files), seen), trainer=trainer)
+    if seen[0] == 0:
+        raise UserError(f"--input {' '.join(map(str, files))} holds no usable text (JSONL needs a 'text' key)")
+    output_dir.mkdir(exist_ok=True)
+    core.model.save(str(output_dir))  # vocab.json + merges.txt (with the "#version" header Megatron skips)
+    core.save(str(output_dir / "tokenizer.json"))
+    return output_dir
