@@ -1,0 +1,98 @@
+"""Analytic parameter counts equal the real modules; Megatron's TFLOP/s formula; MFU helpers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetron.model import GPTModel, ModelConfig
+from moetron.model.flops import (
+    CPU_PEAK_TFLOPS,
+    count_parameters,
+    flops_per_token,
+    megatron_tflops,
+    mfu,
+    peak_tflops,
+)
+
+
+def cfg(**overrides) -> ModelConfig:
+    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=100, seq_length=16)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+DENSE_CONFIGS = {
+    "megatron": {},
+    "modern": dict(
+        normalization="rmsnorm",
+        position_embedding_type="rope",
+        swiglu=True,
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+        num_key_value_heads=2,
+    ),
+    "gqa_bias": dict(num_key_value_heads=1, ffn_hidden_size=40),
+}
+
+
+@pytest.mark.parametrize("name", DENSE_CONFIGS)
+def test_dense_counts_equal_module_numel(name):
+    c = cfg(**DENSE_CONFIGS[name])
+    with torch.device("meta"):
+        model = GPTModel(c)
+    counts = count_parameters(c)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    assert counts.expert == 0 and counts.active == counts.total
+    embedding = model.word_embeddings.weight.numel()
+    embedding += model.position_embeddings.weight.numel() if model.position_embeddings is not None else 0
+    embedding += model.output_layer.weight.numel() if model.output_layer is not None else 0
+    assert counts.embedding == embedding
+    assert counts.dense == counts.total - embedding
+
+
+def test_large_config_counts_without_allocating():
+    """1.3B+MoE-128 (DeepSpeed's "52B" recipe): 52.5B total, 1.3B active, counted without allocating."""
+    big = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, num_experts=[128])
+    counts = count_parameters(big)
+    assert 52.0e9 < counts.total < 53.0e9
+    assert 1.2e9 < counts.active < 1.4e9
+
+
+def test_megatron_tflops_matches_the_head_formula_by_hand():
+    c = cfg(num_layers=2, hidden_size=64, num_attention_heads=8, num_key_value_heads=4, vocab_size=128)
+    c.ffn_hidden_size, c.topk, c.make_vocab_size_divisible_by = 96, 2, 128
+    B, s, t, world = 8, 32, 0.5, 2
+    g, L, h, V, f = 2, 2, 64, 128, 96
+    fwd = B * L * (2 + 1) * h * h * s + B * L * 2 * h * s * s + B * L * 2 * f * h * s * 2 + B * V * h * s
+    assert megatron_tflops(c, B, s, t, world) == pytest.approx(2 * 3 * fwd / (t * world * 1e12))
+    assert megatron_tflops(c, B, s, t, world, checkpoint_activations=True) == pytest.approx(
+        2 * 4 * fwd / (t * world * 1e12)
+    )
+    assert g == c.num_attention_heads // c.kv_heads
+
+
+def test_megatron_tflops_keeps_the_integer_gqa_quirk():
+    """g = 4 → 2 // g = 0: Megatron's HEAD formula drops the K/V projections from the count."""
+    a = megatron_tflops(cfg(num_key_value_heads=1), 1, 16, 1.0, 1)
+    b = megatron_tflops(cfg(num_key_value_heads=2), 1, 16, 1.0, 1)
+    c, h, L = cfg(), 32, 4
+    assert b - a == pytest.approx(2 * 3 * (1 * L * 1 * h * h * 16) / 1e12)
+    assert megatron_tflops(cfg(swiglu=True, ffn_hidden_size=128), 1, 16, 1.0, 1) > megatron_tflops(c, 1, 16, 1.0, 1)
+
+
+def test_flops_per_token_is_six_n_plus_attention():
+    c = cfg()
+    counts = count_parameters(c)
+    n = counts.active - counts.embedding + c.padded_vocab_size() * c.hidden_size
+    assert flops_per_token(c, 16) == 6 * n + 12 * 4 * 16 * 32
+    assert flops_per_token(c, 32) - flops_per_token(c, 16) == 12 * 4 * 16 * 32
+
+
+def test_peak_table_and_mfu():
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops("NVIDIA A100-SXM4-40GB") == 312.0
+    assert peak_tflops("NVIDIA GeForce RTX 4090") == 165.0
+    assert peak_tflops("cpu") == CPU_PEAK_TFLOPS
+    assert peak_tflops("anything", override=42.0) == 42.0
+    assert mfu(123.6, 989.0) == pytest.approx(0.125, rel=1e-3)
