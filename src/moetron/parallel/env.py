@@ -70,7 +70,6 @@ def choose_device(local_rank: int) -> torch.device:
 def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) -> DistEnv:
     """Join torchrun's process group (or reuse an existing one); a plain single-process env without torchrun."""
     world_size = world_size_from_env()
-    rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = choose_device(local_rank)
     if world_size == 1 and not dist.is_initialized():

@@ -13,6 +13,7 @@ expert part of the squared norm over the expert-parallel group.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -24,7 +25,7 @@ NO_DECAY_NAME_PARTS = ("bias", "norm", "ln_", "layernorm")
 def decays(name: str, param: torch.Tensor) -> bool:
     """Whether weight decay applies: matrices yes; biases, norms and any 1-D tensor no."""
     leaf = name.rsplit(".", 1)[-1].lower()
-    if param.ndim < 2 or leaf.startswith("b") and leaf[1:].isdigit():
+    if param.ndim < 2 or re.match(r"b\d", leaf):  # stacked expert biases b1_EF, b2_ED
         return False
     return not any(part in name.lower() for part in NO_DECAY_NAME_PARTS)
 

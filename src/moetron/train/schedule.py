@@ -88,7 +88,7 @@ class LRScheduler:
         return {"num_steps": self.num_steps, "num_tokens": self.num_tokens, "spec": asdict(self.spec)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore progress; the schedule itself comes from the current config (like `--override-opt_param-scheduler`)."""
+        """Restore progress; the schedule comes from the current config (`--override-opt_param-scheduler`)."""
         self.num_steps = int(state["num_steps"])
         self.num_tokens = int(state["num_tokens"])
         self.step(0, self.num_tokens)

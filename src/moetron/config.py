@@ -1,0 +1,200 @@
+"""The run configuration: one flat namespace of Megatron flag names, grouped into four dataclasses.
+
+`RunConfig` = `ModelConfig` (model/config.py) + `DataConfig` (data/config.py) + `ParallelConfig` +
+`TrainConfig` (both here). Every field is a YAML key and a CLI flag of the same name (`num_layers` ↔
+`--num-layers`); field names are unique across the sections, so a flat YAML file needs no sections (the
+loader in `config_cli.py` also accepts `model:` / `data:` / `parallel:` / `train:` blocks).
+
+`validate(cfg, world_size)` collects every problem of every section before anything is allocated, each
+naming the flag, the value(s) and the fix; `check()` raises them together as one `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from moetron.data.config import DataConfig
+from moetron.errors import ConfigError
+from moetron.model.config import ModelConfig
+from moetron.parallel.dims import ParallelDims
+from moetron.train.schedule import DECAY_STYLES
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1  # TP degree (only 1 is supported today)
+    pipeline_model_parallel_size: int = 1  # PP degree (only 1 is supported today)
+    moe_expert_parallel_size: int = 1  # EP degree, drawn from the data-parallel ranks (dp % ep == 0)
+    distributed_backend: str | None = None  # None: nccl on GPU, gloo on CPU
+
+
+@dataclass
+class TrainConfig:
+    # ---- batch and duration: stop at the first of train_iters / train_samples / train_tokens ----
+    micro_batch_size: int = 4
+    global_batch_size: int | None = None  # None: micro_batch_size · data-parallel size (no accumulation)
+    train_iters: int | None = None
+    train_samples: int | None = None
+    train_tokens: int | None = None
+
+    # ---- learning rate (Megatron's OptimizerParamScheduler; see train/schedule.py) ----
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "linear"  # constant | linear | cosine | inverse-square-root
+    lr_warmup_tokens: int | None = None  # token-based warmup, overrides the step-based options
+    lr_decay_tokens: int | None = None  # token-based decay horizon, overrides the step-based options
+    lr_warmup_iters: int = 0
+    lr_warmup_samples: int = 0
+    lr_warmup_fraction: float | None = None  # of the decay horizon
+    lr_decay_iters: int | None = None  # None: train_iters
+    lr_decay_samples: int | None = None  # None: train_samples
+
+    # ---- optimizer: AdamW; no decay on biases, norms and other 1-D tensors ----
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # 0 disables clipping (the norm is still computed and logged)
+
+    # ---- precision ----
+    fp16: bool = False  # autocast fp16 + dynamic loss scaling
+    bf16: bool = False  # autocast bf16
+    initial_loss_scale: float = 2.0**11  # the seed scripts' DeepSpeed fp16 block: 2^11, window 500, hysteresis 2
+    loss_scale_window: int = 500
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    max_skipped_steps: int = 10  # stop after this many consecutive NaN/Inf steps
+
+    seed: int = 1234
+
+    # ---- logging and evaluation ----
+    log_interval: int = 10
+    eval_interval: int = 1000  # 0: only the final evaluation
+    eval_iters: int = 10  # global batches per evaluation (0: no evaluation)
+    output_dir: str | None = None  # run directory when --save is not given
+    tensorboard_dir: str | None = None
+    peak_tflops: float | None = None  # per device, for MFU; None: looked up from the device name
+
+    # ---- checkpoints ----
+    save: str | None = None
+    save_interval: int | None = None
+    load: str | None = None
+    finetune: bool = False  # load weights only; iteration, optimizer and data position start at 0
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    keep_last_n: int = 3
+    exit_on_missing_checkpoint: bool = False
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    SECTIONS = ("model", "data", "parallel", "train")
+
+    def to_flat_dict(self) -> dict:
+        out = {}
+        for section in self.SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, section)))
+        return out
+
+    # ---------------------------------------------------------------- derived sizes
+    def dims(self, world_size: int) -> ParallelDims:
+        p = self.parallel
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        dp = world_size // max(tp * pp, 1)
+        return ParallelDims(world_size=world_size, dp=dp, tp=tp, pp=pp, ep=p.moe_expert_parallel_size)
+
+    def global_batch(self, dp: int) -> int:
+        return self.train.global_batch_size or self.train.micro_batch_size * dp
+
+    def num_micro_batches(self, dp: int) -> int:
+        return self.global_batch(dp) // (self.train.micro_batch_size * dp)
+
+    def total_iters(self, dp: int) -> int:
+        """Iterations until the first stopping criterion (ceil: the loop runs while below every limit)."""
+        gbs, seq = self.global_batch(dp), self.model.seq_length
+        limits = []
+        if self.train.train_iters is not None:
+            limits.append(self.train.train_iters)
+        if self.train.train_samples is not None:
+            limits.append(math.ceil(self.train.train_samples / gbs))
+        if self.train.train_tokens is not None:
+            limits.append(math.ceil(self.train.train_tokens / (gbs * seq)))
+        return min(limits) if limits else 0
+
+    def run_dir(self) -> str | None:
+        return self.train.save or self.train.output_dir
+
+
+def _positive(p: list[str], t: TrainConfig, names: tuple[str, ...], allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(t, name)
+        if value is not None and (value < 0 if allow_zero else value <= 0):
+            bound = ">= 0" if allow_zero else "> 0"
+            p.append(f"--{name.replace('_', '-')} must be {bound}, got {value}")
+
+
+def train_problems(cfg: RunConfig, dp: int) -> list[str]:
+    """Problems of the training section, in the light of the model and the data-parallel size."""
+    t, p = cfg.train, []
+    _positive(p, t, ("micro_batch_size", "global_batch_size", "train_iters", "train_samples", "train_tokens"))
+    _positive(p, t, ("log_interval", "loss_scale_window", "hysteresis", "keep_last_n", "save_interval"))
+    _positive(p, t, ("lr", "min_lr", "weight_decay", "clip_grad", "eval_interval", "eval_iters"), allow_zero=True)
+    _positive(p, t, ("lr_warmup_iters", "lr_warmup_samples", "lr_warmup_tokens", "max_skipped_steps"), True)
+    if t.micro_batch_size > 0 and dp > 0 and t.global_batch_size and t.global_batch_size % (t.micro_batch_size * dp):
+        p.append(
+            f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size {t.micro_batch_size} "
+            f"× data-parallel size {dp} = {t.micro_batch_size * dp}; use a multiple of {t.micro_batch_size * dp}"
+        )
+    if t.train_iters is None and t.train_samples is None and t.train_tokens is None:
+        p.append("no stopping criterion: give --train-iters, --train-samples or --train-tokens")
+    if t.lr_decay_style not in DECAY_STYLES:
+        p.append(f"--lr-decay-style {t.lr_decay_style!r} is not one of {', '.join(DECAY_STYLES)}")
+    if t.min_lr > t.lr:
+        p.append(f"--min-lr {t.min_lr} is above --lr {t.lr}; lower --min-lr")
+    if t.lr_warmup_fraction is not None and not 0.0 <= t.lr_warmup_fraction <= 1.0:
+        p.append(f"--lr-warmup-fraction must be in [0, 1], got {t.lr_warmup_fraction}")
+    if t.lr_warmup_fraction is not None and (t.lr_warmup_iters or t.lr_warmup_samples):
+        p.append("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive; keep one")
+    if t.train_iters is not None and (t.lr_decay_samples is not None or t.lr_warmup_samples):
+        p.append("--train-iters is iteration-based; use --lr-decay-iters/--lr-warmup-iters, not the -samples forms")
+    if t.lr_warmup_tokens and t.lr_decay_tokens is not None and t.lr_decay_tokens < t.lr_warmup_tokens:
+        p.append(f"--lr-decay-tokens {t.lr_decay_tokens} is below --lr-warmup-tokens {t.lr_warmup_tokens}")
+    if t.fp16 and t.bf16:
+        p.append("--fp16 and --bf16 are both set; choose one")
+    if t.save_interval is not None and not t.save:
+        p.append(f"--save-interval {t.save_interval} is set without --save; add --save DIR or drop the interval")
+    if t.finetune and not t.load:
+        p.append("--finetune needs --load CHECKPOINT_DIR (the weights to start from)")
+    if t.exit_on_missing_checkpoint and not t.load:
+        p.append("--exit-on-missing-checkpoint needs --load")
+    return p
+
+
+def validate(cfg: RunConfig, world_size: int) -> list[str]:
+    """Every problem of every section, before any process group, data load or allocation."""
+    dims = cfg.dims(world_size)
+    problems = list(dims.problems())
+    problems += cfg.model.problems()
+    problems += cfg.data.problems()
+    problems += train_problems(cfg, dims.dp)
+    backend = cfg.parallel.distributed_backend
+    if backend not in (None, "gloo", "nccl"):
+        problems.append(f"--distributed-backend {backend!r} is not one of gloo, nccl (or leave it unset: automatic)")
+    experts = [e for e in cfg.model.num_experts if e > 1]
+    ep = cfg.parallel.moe_expert_parallel_size
+    if ep > 1 and any(e % ep for e in experts):
+        problems.append(f"--num-experts {cfg.model.num_experts} must be divisible by --moe-expert-parallel-size {ep}")
+    return problems
+
+
+def check(cfg: RunConfig, world_size: int) -> None:
+    problems = validate(cfg, world_size)
+    if problems:
+        raise ConfigError(problems)

@@ -1,0 +1,213 @@
+"""Checkpoints that resume exactly, publish atomically and reshard: layout-free safetensors files.
+
+Layout of a run directory (`--save`):
+
+    latest                          text file holding the newest complete checkpoint's name, replaced last
+    iter_0000010/
+        model.safetensors           parameters and persistent buffers (expert biases) by full-model name
+        optim.safetensors           AdamW state keyed "<parameter name>/<state>" (exp_avg, exp_avg_sq, step)
+        state.json                  iteration, consumed samples/tokens, scheduler, loss scaler, data-loader
+                                    position, skip counters, checkpoint format version
+        rng/rank_00000.safetensors  each rank's torch CPU/CUDA generator states (+ numpy and python in metadata)
+        config.yaml                 the resolved run config
+
+Layout-free keys: expert tensors live in the model as `[E_local, ...]` stacks; in the files every expert is
+its own entry `<name>/expert_<global id>` (for weights and optimizer state alike), so a checkpoint written with
+one expert-parallel size loads with another. `split_experts` / `join_experts` are that seam: they map between
+local stacks and global ids using each expert container's `expert_offset` (0 without expert parallelism; with
+it, every EP rank must contribute its local experts to the files, which the expert-parallel work adds).
+
+Atomic publish: everything is written into `.tmp_iter_0000010/`, fsynced, the directory is renamed to
+`iter_0000010/`, and only then `latest` is replaced (write-to-temp + `os.replace`). A crash at any moment leaves
+the previous checkpoint and its `latest` pointer intact; stale temporaries are removed by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from moetron.errors import UserError
+
+FORMAT_VERSION = 1
+LATEST = "latest"
+EXPERT_SEP = "/expert_"
+
+
+def iteration_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+# ---------------------------------------------------------------------------- expert keys (the EP seam)
+def expert_tensor_names(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """Stacked `[E_local, ...]` expert tensors of the model's state dict → (E_local, global id of local expert 0).
+
+    Expert containers are the `experts` submodules of MoE layers (`GroupedExperts`, which know their
+    `expert_offset`); shared experts and PR-MoE's dense MLP are one-expert containers too, but dense.
+    """
+    out = {}
+    for prefix, module in model.named_modules():
+        count, offset = getattr(module, "num_experts", None), getattr(module, "expert_offset", None)
+        if count is None or offset is None or prefix.rsplit(".", 1)[-1] != "experts":
+            continue
+        for name, tensor in module.state_dict().items():
+            if tensor.ndim >= 1 and tensor.shape[0] == count:
+                out[f"{prefix}.{name}" if prefix else name] = (count, offset)
+    return out
+
+
+def split_experts(tensors: dict, expert_names: dict[str, tuple[int, int]], key=lambda n: n) -> dict:
+    """Replace each `[E_local, ...]` stack by one entry per expert under its GLOBAL id (`key` maps an entry's
+    name to its parameter's name, for optimizer-state entries)."""
+    out = {}
+    for name, tensor in tensors.items():
+        count, offset = expert_names.get(key(name), (0, 0))
+        if count and tensor.ndim >= 1 and tensor.shape[0] == count:
+            for i in range(count):
+                out[f"{name}{EXPERT_SEP}{offset + i}"] = tensor[i].contiguous()
+        else:
+            out[name] = tensor
+    return out
+
+
+def join_experts(flat: dict, name: str, count: int, offset: int) -> torch.Tensor:
+    """Stack the entries of global experts offset … offset+count−1 back into this rank's `[E_local, ...]`."""
+    return torch.stack([flat[f"{name}{EXPERT_SEP}{offset + i}"] for i in range(count)])
+
+
+# ---------------------------------------------------------------------------- writing
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True))
+    _fsync_file(path)
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    save_file(cpu, str(path), metadata=metadata)
+    _fsync_file(path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    _fsync_file(tmp)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def staging_dir(run_dir: Path, iteration: int) -> Path:
+    return run_dir / f".tmp_{iteration_dir_name(iteration)}"
+
+
+def prepare_staging(run_dir: Path, iteration: int) -> Path:
+    """(rank 0, before a barrier) a fresh, empty staging directory; stale temporaries of crashed saves go."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.glob(".tmp_iter_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = staging_dir(run_dir, iteration)
+    (tmp / "rng").mkdir(parents=True)
+    return tmp
+
+
+def publish(run_dir: Path, iteration: int, keep_last_n: int) -> Path:
+    """(rank 0, after every rank wrote and fsynced) rename staging → final, then move `latest`, then prune."""
+    tmp, final = staging_dir(run_dir, iteration), run_dir / iteration_dir_name(iteration)
+    _fsync_dir(tmp / "rng")
+    _fsync_dir(tmp)
+    if final.exists():  # the same iteration saved again (e.g. a signal right after a resume): swap it out
+        old = run_dir / f".tmp_old_{final.name}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(run_dir)
+    write_text_atomic(run_dir / LATEST, final.name + "\n")
+    prune(run_dir, keep_last_n)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    found = [p for p in run_dir.glob("iter_*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def prune(run_dir: Path, keep_last_n: int) -> None:
+    """Delete all but the newest `keep_last_n` checkpoints (never the one `latest` names)."""
+    latest = read_latest(run_dir)
+    for old in list_checkpoints(run_dir)[:-keep_last_n]:
+        if latest is None or old.resolve() != latest.resolve():
+            shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- reading
+def read_latest(run_dir: Path) -> Path | None:
+    pointer = run_dir / LATEST
+    if not pointer.is_file():
+        return None
+    return run_dir / pointer.read_text().strip()
+
+
+def resolve_checkpoint(load: str) -> Path | None:
+    """`--load` may name a run directory (follow `latest`) or one `iter_*` directory; None when nothing is there."""
+    path = Path(load)
+    if (path / "state.json").exists() or (path / "model.safetensors").exists():
+        return path
+    if not path.is_dir():
+        return None
+    target = read_latest(path)
+    if target is None:
+        return None
+    if not target.is_dir():
+        raise UserError(
+            f"checkpoint {path}/{LATEST} points to {target.name}, which does not exist; "
+            f"fix the pointer or --load an existing iter_* directory"
+        )
+    return target
+
+
+def corrupt(path: Path, why: str) -> UserError:
+    return UserError(
+        f"checkpoint {path} is corrupt or truncated ({why}); --load an older iter_* directory or start fresh"
+    )
+
+
+def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    if not path.is_file():
+        raise corrupt(path.parent, f"missing {path.name}")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        return load_file(str(path)), metadata
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise corrupt(path.parent, f"{path.name}: {str(err).splitlines()[0]}") from None
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise corrupt(path.parent, f"missing {path.name}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise corrupt(path.parent, f"{path.name}: {err}") from None

@@ -1,0 +1,223 @@
+"""Training metrics: accumulated on device every step, reduced and written once per log interval.
+
+`IntervalMetrics` keeps running sums as tensors (no host sync per micro-batch or per step); `reduce()` does
+the single all-reduce and host transfer of an interval. `RunLogger` writes what the reduction gives:
+
+- `metrics.jsonl`: one object per log interval (keys in `METRIC_KEYS`; the MoE entries are lists, one per
+  MoE layer);
+- `eval.jsonl`: one object per evaluation (`EVAL_KEYS`);
+- a Megatron-like console line on rank 0, a tqdm bar only when stdout is a terminal;
+- TensorBoard scalars under Megatron's tag names when `--tensorboard-dir` is given and tensorboard is installed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+METRIC_KEYS = (
+    "iteration",
+    "consumed_tokens",
+    "lr",
+    "lm_loss",
+    "moe_loss",
+    "grad_norm",
+    "loss_scale",
+    "tokens_per_sec",
+    "tflops",
+    "mfu",
+    "skipped_steps",
+    "expert_load_max_over_mean",
+    "dropped_fraction",
+)
+EVAL_KEYS = ("iteration", "consumed_tokens", "valid_loss", "valid_ppl")
+
+
+def routing_stats(moe_aux: list) -> torch.Tensor | None:
+    """[L_moe, 2] (load max/mean, dropped fraction) of one forward pass, still on device."""
+    if not moe_aux:
+        return None
+    rows = []
+    for aux in moe_aux:
+        stats = aux.stats() if hasattr(aux, "stats") else aux.routing.stats()
+        rows.append(torch.stack([stats["load_max_over_mean"].float(), stats["dropped_fraction"].float()]))
+    return torch.stack(rows)
+
+
+class StepSums:
+    """One optimizer step's micro-batch losses and routing stats, on device (no host sync)."""
+
+    def __init__(self, device: torch.device):
+        self.losses = torch.zeros(2, dtype=torch.float64, device=device)  # lm loss, moe loss (÷ num_micro)
+        self.routing = None  # [L_moe, 2] sums over micro-batches
+        self.routing_count = 0
+
+    def add(self, lm_loss: torch.Tensor, moe_loss: torch.Tensor, moe_aux: list, weight: float) -> None:
+        self.losses += torch.stack([lm_loss.detach().double(), moe_loss.detach().double()]) * weight
+        stats = routing_stats(moe_aux)
+        if stats is not None:
+            self.routing = stats if self.routing is None else self.routing + stats
+            self.routing_count += 1
+
+
+class IntervalMetrics:
+    """Running sums over one log interval; only `reduce()` talks to the host and the other ranks."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # lm loss, moe loss
+        self.routing = None  # [L_moe, 2] means per step, summed
+        self.steps = 0  # successful steps (a skipped step's NaN would poison the mean)
+        self.grad_norm_sum = 0.0
+
+    def add_step(self, step: StepSums, grad_norm: float) -> None:
+        self.steps += 1
+        self.sums += step.losses
+        self.grad_norm_sum += grad_norm
+        if step.routing is not None:
+            mean = step.routing / step.routing_count
+            self.routing = mean if self.routing is None else self.routing + mean
+
+    def reduce(self, all_reduce_mean) -> dict:
+        """Interval means over steps and data-parallel ranks (one collective, one host transfer)."""
+        n_layers = 0 if self.routing is None else self.routing.shape[0]
+        packed = [self.sums]
+        if n_layers:
+            packed.append(self.routing.double().flatten())
+        flat = all_reduce_mean(torch.cat(packed)).cpu()
+        steps = self.steps or float("nan")
+        flat = flat / steps
+        out = {
+            "lm_loss": float(flat[0]),
+            "moe_loss": float(flat[1]),
+            "grad_norm": self.grad_norm_sum / steps,
+            "expert_load_max_over_mean": [],
+            "dropped_fraction": [],
+        }
+        if n_layers:
+            routing = flat[2:].view(n_layers, 2)
+            out["expert_load_max_over_mean"] = [round(float(v), 4) for v in routing[:, 0]]
+            out["dropped_fraction"] = [round(float(v), 4) for v in routing[:, 1]]
+        self.reset()
+        return out
+
+
+def format_eta(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(max(seconds, 0))))
+
+
+def console_line(m: dict, total_iters: int, eta_s: float) -> str:
+    parts = [
+        f" iteration {m['iteration']:>7d}/{total_iters}",
+        f"consumed tokens {m['consumed_tokens']}",
+        f"lm loss {m['lm_loss']:.4E}",
+        f"moe loss {m['moe_loss']:.4E}",
+        f"lr {m['lr']:.4E}",
+        f"grad norm {m['grad_norm']:.3f}",
+    ]
+    if m.get("loss_scale", 1.0) != 1.0:
+        parts.append(f"loss scale {m['loss_scale']:.1f}")
+    parts += [f"tokens/s {m['tokens_per_sec']:.0f}", f"TFLOPs {m['tflops']:.2f}", f"MFU {100 * m['mfu']:.2f}%"]
+    if m["expert_load_max_over_mean"]:
+        parts.append("load max/mean " + ",".join(f"{v:.2f}" for v in m["expert_load_max_over_mean"]))
+        parts.append("dropped " + ",".join(f"{v:.3f}" for v in m["dropped_fraction"]))
+    parts += [f"skipped {m['skipped_steps']}", f"ETA {format_eta(eta_s)}"]
+    return " | ".join(parts)
+
+
+class RunLogger:
+    """Files, console and TensorBoard; every method is a no-op on ranks other than 0."""
+
+    def __init__(self, run_dir: str | None, tensorboard_dir: str | None, is_main: bool, total_iters: int):
+        self.is_main = is_main
+        self.total_iters = total_iters
+        self.run_dir = Path(run_dir) if run_dir and is_main else None
+        if self.run_dir:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.tb = open_tensorboard(tensorboard_dir) if is_main and tensorboard_dir else None
+        self.bar = None
+        if is_main and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_iters, unit="it", dynamic_ncols=True, leave=False)
+
+    def _append(self, name: str, record: dict) -> None:
+        if self.run_dir:
+            with open(self.run_dir / name, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def progress(self, iteration: int) -> None:
+        if self.bar is not None:
+            self.bar.n = iteration
+            self.bar.refresh()
+
+    def log_train(self, record: dict, eta_s: float) -> None:
+        if not self.is_main:
+            return
+        self._append("metrics.jsonl", {k: record[k] for k in METRIC_KEYS})
+        self.print(console_line(record, self.total_iters, eta_s))
+        if self.tb is not None:
+            write_tensorboard_train(self.tb, record)
+
+    def log_eval(self, record: dict) -> None:
+        if not self.is_main:
+            return
+        self._append("eval.jsonl", {k: record[k] for k in EVAL_KEYS})
+        self.print(
+            f" validation at iteration {record['iteration']} | lm loss {record['valid_loss']:.4E} "
+            f"| lm loss PPL {record['valid_ppl']:.4E}"
+        )
+        if self.tb is not None:
+            for key, tag in (("valid_loss", "lm loss validation"), ("valid_ppl", "lm loss validation ppl")):
+                self.tb.add_scalar(f"lm-loss-validation/{tag}", record[key], record["iteration"])
+                self.tb.add_scalar(f"lm-loss-validation/{tag} vs tokens", record[key], record["consumed_tokens"])
+
+    def print(self, line: str) -> None:
+        if not self.is_main:
+            return
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def open_tensorboard(directory: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print(f"note: --tensorboard-dir {directory} ignored: tensorboard is not installed (pip install tensorboard)")
+        return None
+    return SummaryWriter(log_dir=directory, max_queue=1000)
+
+
+def write_tensorboard_train(tb, m: dict) -> None:
+    """Megatron's tag names (reference §4.10): value vs iteration, and the `vs tokens` variants."""
+    it, tokens = m["iteration"], m["consumed_tokens"]
+    scalars = {
+        "learning-rate/learning-rate": m["lr"],
+        "lm-loss-training/lm loss": m["lm_loss"],
+        "lm-loss-training/moe loss": m["moe_loss"],
+        "grad-norm/grad-norm": m["grad_norm"],
+        "loss-scale/loss-scale": m["loss_scale"],
+    }
+    tb.add_scalar("steps-vs-tokens/steps-vs-tokens", it, tokens)
+    for tag, value in scalars.items():
+        tb.add_scalar(tag, value, it)
+        tb.add_scalar(f"{tag} vs tokens", value, tokens)
+    tb.add_scalar("iteration-time/tokens-per-sec", m["tokens_per_sec"], it)
+    for layer, (load, dropped) in enumerate(zip(m["expert_load_max_over_mean"], m["dropped_fraction"], strict=True)):
+        tb.add_scalar(f"moe/load-max-over-mean layer {layer}", load, it)
+        tb.add_scalar(f"moe/dropped-fraction layer {layer}", dropped, it)
