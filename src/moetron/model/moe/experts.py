@@ -82,7 +82,7 @@ class PaddedLayout:
 
     def pad(self, x_NA: torch.Tensor) -> torch.Tensor:
         buffer = x_NA.new_zeros(self.num_experts * self.capacity, x_NA.shape[-1])
-        return buffer.index_copy(0, self.slot_N, x_NA).view(self.num_experts, self.capacity, -1)
+        return buffer.index_copy(0, self.slot_N, x_NA).view(self.num_experts, self.capacity, x_NA.shape[-1])
 
     def unpad(self, x_ECA: torch.Tensor) -> torch.Tensor:
         return x_ECA.reshape(-1, x_ECA.shape[-1]).index_select(0, self.slot_N)
