@@ -51,6 +51,41 @@ def test_dense_counts_equal_module_numel(name):
     assert counts.dense == counts.total - embedding
 
 
+MOE_CONFIGS = {
+    "top1": dict(num_experts=[4]),
+    "pyramid_residual_top2": dict(num_experts=[4, 8], mlp_type="residual", topk=2),
+    "shared_gated_swiglu": dict(
+        num_experts=[4], num_shared_experts=2, shared_expert_gate=True, swiglu=True, moe_ffn_hidden_size=16
+    ),
+    "mixtral_like": dict(
+        num_experts=[8],
+        topk=2,
+        expert_interval=1,
+        swiglu=True,
+        add_bias_linear=False,
+        normalization="rmsnorm",
+        position_embedding_type="rope",
+        num_key_value_heads=2,
+        untie_embeddings_and_output_weights=True,
+    ),
+    "swiglu_bias_first_dense": dict(num_experts=[4], expert_interval=1, moe_first_dense_layers=1, swiglu=True),
+}
+
+
+@pytest.mark.parametrize("name", MOE_CONFIGS)
+def test_moe_counts_equal_module_numel(name):
+    c = cfg(**MOE_CONFIGS[name])
+    with torch.device("meta"):
+        model = GPTModel(c)
+    counts = count_parameters(c)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    experts = [moe.experts for moe in model.moe_layers()]
+    assert counts.expert == sum(p.numel() for e in experts for p in e.parameters())
+    active_experts = sum(sum(p.numel() for p in e.parameters()) * c.topk // e.num_experts for e in experts)
+    assert counts.active == counts.total - counts.expert + active_experts
+    assert counts.dense == counts.total - counts.expert - counts.embedding
+
+
 def test_large_config_counts_without_allocating():
     """1.3B+MoE-128 (DeepSpeed's "52B" recipe): 52.5B total, 1.3B active, counted without allocating."""
     big = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, num_experts=[128])

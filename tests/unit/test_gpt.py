@@ -15,6 +15,16 @@ from moetron.model import GPTModel, KVCache, ModelConfig, create_model
 VOCAB = 50  # padded to 64 below
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny shapes run fastest on one thread; on a busy 2-core machine OpenMP's spinning threads make
+    every small op ~100x slower. Restored afterwards so other modules keep their setting."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def tiny_cfg(**overrides) -> ModelConfig:
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=12)
     base.update(make_vocab_size_divisible_by=64, hidden_dropout=0.0, attention_dropout=0.0, ffn_hidden_size=48)
@@ -101,9 +111,18 @@ def test_dense_model_equals_reference(options):
     torch.testing.assert_close(model(x).logits, reference_logits(cfg, sd, x), atol=1e-4, rtol=1e-4)
 
 
+def pairwise_covering_combinations() -> list[tuple[bool, ...]]:
+    """Six on/off options: the L8 orthogonal array (every pair of options meets in all four states), plus all-on."""
+    rows = [(a, b, a ^ b, c, a ^ c, b ^ c) for a, b, c in itertools.product([False, True], repeat=3)]
+    return rows + [(True,) * 6]
+
+
 def test_every_option_combination_runs_forward_and_backward():
     flags = ["normalization", "position_embedding_type", "swiglu", "add_bias_linear", "untie", "gqa"]
-    for combo in itertools.product([False, True], repeat=len(flags)):
+    combos = pairwise_covering_combinations()
+    for first, second in itertools.combinations(range(len(flags)), 2):  # the design really covers every pair
+        assert len({(c[first], c[second]) for c in combos}) == 4
+    for combo in combos:
         on = dict(zip(flags, combo, strict=True))
         cfg = tiny_cfg(
             num_layers=1,
@@ -241,3 +260,85 @@ def test_meta_build_then_materialise():
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     assert torch.isfinite(model(tokens()).logits).all()
+
+
+# ---------------------------------------------------------------------- MoE integration
+MOE = dict(num_layers=4, num_experts=[4, 8], topk=2, moe_loss_coeff=0.01)
+
+
+def test_moe_layers_are_placed_and_their_losses_collected():
+    cfg = tiny_cfg(**MOE, moe_z_loss_coeff=0.001)
+    model = create_model(cfg, "cpu", seed=0)
+    assert [layer.is_moe for layer in model.layers] == [False, True, False, True]
+    assert [moe.num_experts for moe in model.moe_layers()] == [4, 8]
+    out = model(tokens(), labels_BT=tokens(seed=1))
+    assert len(out.moe_aux) == 2
+    expected = sum(0.01 * aux.aux_loss + 0.001 * aux.z_loss for aux in out.moe_aux)
+    torch.testing.assert_close(out.moe_loss, expected)
+    assert out.moe_loss.dtype == torch.float32 and out.moe_loss.item() > 0
+    (out.lm_loss + out.moe_loss).backward()
+    assert all(moe.router.weight.grad.abs().sum() > 0 for moe in model.moe_layers())
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_checkpointing_replays_the_routers_random_draws(topk):
+    """RTS (top-1) and the Gumbel second choice (top-2) draw random numbers; recomputation must see the same."""
+    options = dict(MOE, topk=topk, moe_use_rts=True, moe_train_capacity_factor=0.5, moe_min_capacity=0)
+
+    def loss_and_grads(checkpointing: bool):
+        model = create_model(tiny_cfg(checkpoint_activations=checkpointing, **options), "cpu", seed=4)
+        torch.manual_seed(21)
+        out = model(tokens(), labels_BT=tokens(seed=1))
+        (out.lm_loss + out.moe_loss).backward()
+        dropped = sum(int(aux.dropped_routes) for aux in out.moe_aux)
+        return out.lm_loss.detach(), out.moe_loss.detach(), dropped, {n: p.grad for n, p in model.named_parameters()}
+
+    loss, moe_loss, dropped, grads = loss_and_grads(False)
+    loss_ckpt, moe_loss_ckpt, _, grads_ckpt = loss_and_grads(True)
+    assert dropped > 0  # capacity is tight enough that the random selection matters
+    torch.testing.assert_close((loss, moe_loss), (loss_ckpt, moe_loss_ckpt), atol=0, rtol=0)
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ckpt[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_moe_kv_cache_decode_equals_uncached_with_dropless_routing():
+    cfg = tiny_cfg(**MOE, moe_eval_capacity_factor=0.5, moe_min_capacity=0, moe_use_rts=False)
+    model = create_model(cfg, "cpu", seed=8).eval()
+    prompt = tokens(2, 4)
+    with torch.no_grad(), model.inference_routing(dropless=True):
+        assert all(not moe.router.cfg.moe_token_dropping for moe in model.moe_layers())
+        assert sum(int(aux.dropped_routes) for aux in model(prompt).moe_aux) == 0
+        cached = greedy_decode(model, prompt, 8, use_cache=True)
+        plain = greedy_decode(model, prompt, 8, use_cache=False)
+    assert torch.equal(cached, plain)
+    assert all(moe.router.cfg.moe_token_dropping for moe in model.moe_layers())  # restored
+    model.set_inference_routing(dropless=True)
+    assert not model.moe_layers()[0].router.cfg.moe_token_dropping
+    model.set_inference_routing(dropless=False)
+    assert model.moe_layers()[0].router.cfg.moe_token_dropping
+
+
+def test_update_expert_biases_moves_every_router():
+    model = create_model(tiny_cfg(**MOE, moe_router_bias_update_rate=0.1), "cpu", seed=0)
+    model(tokens(4, 12))
+    model.update_expert_biases()
+    for moe in model.moe_layers():
+        assert moe.router.expert_bias.abs().sum() > 0
+        assert moe.router.load_since_update_E.sum() == 0
+
+
+def test_tiny_moe_gpt_overfits_a_batch():
+    cfg = tiny_cfg(num_experts=[4], topk=2, seq_length=16, moe_loss_coeff=0.01)
+    model = create_model(cfg, "cpu", seed=0)
+    batch = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(300):
+        out = model(batch[:, :-1], labels_BT=batch[:, 1:])
+        (out.lm_loss + out.moe_loss).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(out.lm_loss.item())
+        if losses[-1] < 0.1 * losses[0]:
+            break
+    assert losses[-1] < 0.1 * losses[0], losses[::20]

@@ -53,16 +53,23 @@ def attention_params(cfg: ModelConfig) -> int:
     return h * qkv_out + proj_in * h + bias
 
 
+def expert_mlp_params(cfg: ModelConfig, ffn_size: int) -> int:
+    """One expert (or a dense branch inside a MoE layer): w1 [+ w3 for SwiGLU] and w2, biases b1 [F] and b2."""
+    h = cfg.hidden_size
+    bias = (ffn_size + h) if cfg.add_bias_linear else 0
+    return h * ffn_size * (3 if cfg.swiglu else 2) + bias
+
+
 def moe_layer_params(cfg: ModelConfig, num_experts: int) -> tuple[int, int]:
     """(routed expert parameters, other parameters of the MoE block: router, shared experts, PR-MoE)."""
-    h = cfg.hidden_size
-    experts = num_experts * mlp_params(cfg, cfg.expert_ffn_size)
-    other = h * num_experts  # router `wg`, no bias
+    h, ffn = cfg.hidden_size, cfg.expert_ffn_size
+    experts = num_experts * expert_mlp_params(cfg, ffn)
+    other = h * num_experts  # router gate, no bias
     if cfg.num_shared_experts:
-        other += mlp_params(cfg, cfg.num_shared_experts * cfg.expert_ffn_size)
+        other += expert_mlp_params(cfg, cfg.num_shared_experts * ffn)
         other += h if cfg.shared_expert_gate else 0
     if cfg.mlp_type == "residual":
-        other += mlp_params(cfg, cfg.ffn_size) + 2 * h + 2  # dense MLP + `coefficient` Linear(h, 2)
+        other += expert_mlp_params(cfg, ffn) + 2 * h + 2  # PR-MoE's dense MLP + `coefficient` Linear(h, 2)
     return experts, other
 
 

@@ -16,6 +16,7 @@ converters stay simple. Nothing here is distributed; parallelism wraps this mode
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,18 +181,29 @@ class GPTModel(nn.Module):
         for moe in self.moe_layers():
             moe.router.update_expert_bias()
 
+    def set_inference_routing(self, dropless: bool) -> None:
+        """dropless=True: every MoE router keeps all tokens (capacity = the largest expert load), so that
+        generation never silently drops a token; False: back to the config's `moe_token_dropping`.
+
+        Routers read `router.cfg` at every call, so swapping in a copy with `moe_token_dropping` changed
+        switches both the DeepSpeed and the generic gating paths. Out of training (`.eval()`), routers
+        that drop use the eval capacity factor.
+        """
+        dropping = False if dropless else self.cfg.moe_token_dropping
+        for moe in self.moe_layers():
+            moe.router.cfg = dataclasses.replace(moe.router.cfg, moe_token_dropping=dropping)
+
     @contextlib.contextmanager
     def inference_routing(self, dropless: bool = True) -> Iterator[None]:
-        """Within the block, MoE layers route without dropping tokens (for generation)."""
+        """`set_inference_routing(dropless)` within the block, restoring each router's setting after it."""
         routers = [moe.router for moe in self.moe_layers()]
-        previous = [r.force_dropless for r in routers]
+        previous = [r.cfg for r in routers]
         try:
-            for r in routers:
-                r.force_dropless = dropless
+            self.set_inference_routing(dropless)
             yield
         finally:
-            for r, value in zip(routers, previous, strict=True):
-                r.force_dropless = value
+            for router, cfg in zip(routers, previous, strict=True):
+                router.cfg = cfg
 
     # ------------------------------------------------------------------ initialisation
     def init_weights(self, seed: int) -> None:
