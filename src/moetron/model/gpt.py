@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +31,7 @@ from moetron.model.config import ModelConfig
 from moetron.model.init import init_tree, output_std
 from moetron.model.kv_cache import KVCache
 from moetron.model.mlp import MLP
+from moetron.model.moe.layer import MoEAux, MoELayer
 from moetron.model.norm import build_norm
 from moetron.model.rotary import rotary_angles
 
@@ -41,7 +41,7 @@ class GPTOutput:
     logits: torch.Tensor | None  # [B, T, V_padded]; None when forward(return_logits=False)
     lm_loss: torch.Tensor | None  # fp32 scalar, None without labels
     moe_loss: torch.Tensor  # fp32 scalar, coefficients applied; 0 for a dense model
-    moe_aux: list[Any] = field(default_factory=list)  # one MoEAux per MoE layer, in layer order
+    moe_aux: list[MoEAux] = field(default_factory=list)  # one MoEAux per MoE layer, in layer order
 
 
 class TransformerLayer(nn.Module):
@@ -54,17 +54,12 @@ class TransformerLayer(nn.Module):
         self.post_attention_layernorm = build_norm(cfg)
         num_experts = cfg.experts_per_layer()[layer_index]
         self.is_moe = num_experts > 1
-        if self.is_moe:
-            from moetron.model.moe.layer import MoELayer  # imported here so dense models never need it
-
-            self.mlp = MoELayer(cfg, num_experts, layer_index=layer_index)
-        else:
-            self.mlp = MLP(cfg)
+        self.mlp = MoELayer(cfg, num_experts, layer_index=layer_index) if self.is_moe else MLP(cfg)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(
         self, x_BTC: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache: KVCache | None = None
-    ) -> tuple[torch.Tensor, Any]:
+    ) -> tuple[torch.Tensor, MoEAux | None]:
         """Returns (hidden states, MoEAux or None); aux is returned (not stored) so checkpointing keeps it."""
         x_BTC = x_BTC + self.hidden_dropout(self.self_attention(self.input_layernorm(x_BTC), rope, kv_cache))
         h_BTC = self.post_attention_layernorm(x_BTC)
@@ -149,7 +144,13 @@ class GPTModel(nn.Module):
             rope = rotary_angles(positions_T, self.cfg.head_dim, self.cfg.rotary_base)
         return self.embedding_dropout(x_BTC), rope
 
-    def run_layer(self, layer: TransformerLayer, x_BTC, rope, kv_cache) -> tuple[torch.Tensor, Any]:
+    def run_layer(
+        self,
+        layer: TransformerLayer,
+        x_BTC: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        kv_cache: KVCache | None,
+    ) -> tuple[torch.Tensor, MoEAux | None]:
         """Run one layer, recomputing it in backward when activation checkpointing is on.
 
         Non-reentrant checkpointing restores the CPU/GPU RNG state before recomputation, so dropout
@@ -163,7 +164,7 @@ class GPTModel(nn.Module):
         weight_VC = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
         return F.linear(x_BTC, weight_VC)
 
-    def weighted_moe_loss(self, moe_aux: list[Any], device: torch.device) -> torch.Tensor:
+    def weighted_moe_loss(self, moe_aux: list[MoEAux], device: torch.device) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=device)
         for aux in moe_aux:
             total = total + self.cfg.moe_loss_coeff * aux.aux_loss.float()
@@ -172,7 +173,7 @@ class GPTModel(nn.Module):
         return total
 
     # ------------------------------------------------------------------ MoE helpers
-    def moe_layers(self) -> list[nn.Module]:
+    def moe_layers(self) -> list[MoELayer]:
         """The MoE layers, in layer order."""
         return [layer.mlp for layer in self.layers if layer.is_moe]
 
