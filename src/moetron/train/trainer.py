@@ -169,8 +169,8 @@ class Trainer:
                 self._stop_on_skips()
             if t.eval_interval and it % t.eval_interval == 0 and not self.done():
                 self.run_evaluation()
-            if t.save and t.save_interval and it % t.save_interval == 0:
-                self.save()
+            if t.save and t.save_interval and it % t.save_interval == 0 and not self.progress.consecutive_skips:
+                self.save()  # never in the middle of a NaN streak: the last checkpoint stays a good one
             if self._stop_requested(stop):
                 self.logger.print(f" received {stop.requested}: saving at iteration {it} and exiting")
                 if t.save:

@@ -1,0 +1,144 @@
+"""One optimizer step done right: accumulation, parameter groups, clipping, fp16 skips, NaN stop, metrics."""
+
+import json
+
+import pytest
+import torch
+from trainer_support import build_trainer, run_losses, tiny_config
+
+from moetron.errors import UserError
+from moetron.model.gpt import create_model
+from moetron.train.metrics import EVAL_KEYS, METRIC_KEYS
+from moetron.train.optim import clip_gradients, param_groups
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine run far faster (and steadier) on one thread."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def grads_of_one_step(micro, global_batch):
+    """The clipped gradients the optimizer sees in the first step (captured just before `optimizer.step`)."""
+    cfg = tiny_config(moe=False, micro_batch_size=micro, global_batch_size=global_batch, hidden_dropout=0.0)
+    cfg.model.attention_dropout = 0.0
+    trainer = build_trainer(cfg)
+    grads, step = {}, trainer.optimizer.step
+
+    def capture(*args, **kwargs):
+        grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capture
+    result = trainer.train_step()
+    assert result.ok and trainer.num_micro == global_batch // micro
+    return grads, result
+
+
+def test_accumulation_matches_one_big_micro_batch():
+    accumulated, r1 = grads_of_one_step(micro=2, global_batch=4)
+    single, r2 = grads_of_one_step(micro=4, global_batch=4)
+    assert r1.grad_norm == pytest.approx(r2.grad_norm, rel=1e-5)
+    assert float(r1.sums.losses[0]) == pytest.approx(float(r2.sums.losses[0]), rel=1e-6)
+    for name, value in accumulated.items():
+        torch.testing.assert_close(value, single[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_weight_decay_groups():
+    cfg = tiny_config(moe=True)
+    model = create_model(cfg.model, "cpu", 0)
+    groups = {g["name"]: g for g in param_groups(model, weight_decay=0.1)}
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay = {names[id(p)] for p in groups["decay"]["params"]}
+    no_decay = {names[id(p)] for p in groups["no_decay"]["params"]}
+    assert groups["no_decay"]["weight_decay"] == 0.0 and groups["decay"]["weight_decay"] == 0.1
+    assert decay | no_decay == set(names.values()) and not decay & no_decay
+    assert all(model.get_parameter(n).ndim >= 2 for n in decay)
+    assert "word_embeddings.weight" in decay
+    assert any(n.endswith("experts.w1_EDF") for n in decay)
+    assert any(n.endswith("experts.b1_EF") for n in no_decay)  # stacked expert biases are 2-D but biases
+    assert any(n.endswith(".bias") for n in no_decay) and any("layernorm" in n for n in no_decay)
+
+
+def test_clipping_by_global_norm():
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))
+    a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
+    norm = clip_gradients([a, b], max_norm=1.0)
+    assert float(norm) == pytest.approx(5.0)
+    torch.testing.assert_close(torch.cat([a.grad, b.grad]), torch.tensor([0.6, 0.0, 0.8]), atol=1e-5, rtol=0)
+    a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
+    assert float(clip_gradients([a, b], max_norm=0.0)) == pytest.approx(5.0)  # 0: measure only
+    assert b.grad.item() == 4.0
+    b.grad = torch.tensor([float("nan")])
+    assert not torch.isfinite(clip_gradients([a, b], max_norm=1.0))
+    assert a.grad.tolist() == [3.0, 0.0]  # a non-finite norm leaves gradients for the skip logic
+
+
+def test_fp16_overflow_skips_and_backs_off():
+    cfg = tiny_config(fp16=True, initial_loss_scale=2.0**80, hysteresis=2, train_iters=40)
+    trainer = build_trainer(cfg)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    first = trainer.train_step()
+    trainer._account(first)
+    assert not first.ok and trainer.scaler.scale == 2.0**80  # hysteresis absorbs the first overflow
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    second = trainer.train_step()
+    trainer._account(second)
+    assert not second.ok and trainer.scaler.scale == 2.0**79
+    while not trainer.train_step().ok:
+        pass
+    assert trainer.scaler.scale < 2.0**79
+    assert trainer.progress.consecutive_skips == 0  # the scaler was still adjusting: not counted as NaN skips
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_nan_stops_after_max_skipped_steps_with_last_checkpoint_intact(tmp_path):
+    cfg = tiny_config(train_iters=50, save=str(tmp_path), save_interval=2, max_skipped_steps=3)
+    trainer = build_trainer(cfg)
+
+    def nan_from_iteration_3(module, inputs, output):  # the weights stay finite; losses go NaN
+        return output * float("nan") if trainer.progress.iteration >= 3 else output
+
+    trainer.model.final_layernorm.register_forward_hook(nan_from_iteration_3)
+    with pytest.raises(UserError, match="3 consecutive steps had NaN/Inf") as err:
+        trainer.train()
+    assert "iteration 2" in str(err.value) and "\n" not in str(err.value)
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000002"
+    fresh = build_trainer(cfg)
+    fresh.load(tmp_path / "iter_0000002")
+    assert fresh.progress.iteration == 2
+    assert all(torch.isfinite(p).all() for p in fresh.model.parameters())
+
+
+def test_metrics_and_eval_files(tmp_path):
+    cfg = tiny_config(train_iters=4, log_interval=2, eval_interval=3, eval_iters=1, output_dir=str(tmp_path))
+    trainer = build_trainer(cfg)
+    assert trainer.train() == 0
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == [2, 4]
+    assert all(tuple(m) == METRIC_KEYS for m in metrics)
+    n_moe = len(cfg.model.moe_layer_indices())
+    assert all(len(m["expert_load_max_over_mean"]) == n_moe == len(m["dropped_fraction"]) for m in metrics)
+    assert all(m["expert_load_max_over_mean"][0] >= 1.0 for m in metrics)
+    assert metrics[1]["consumed_tokens"] == 4 * 4 * cfg.model.seq_length
+    evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [e["iteration"] for e in evals] == [3, 4]  # interval + final evaluation
+    assert all(tuple(e) == EVAL_KEYS for e in evals)
+    assert evals[0]["valid_ppl"] == pytest.approx(2.718281828 ** evals[0]["valid_loss"], rel=1e-6)
+    assert (tmp_path / "config.yaml").exists()
+
+
+def test_exact_resume_single_process(tmp_path):
+    n = 3
+    cfg = tiny_config(train_iters=2 * n, save=str(tmp_path), lr_warmup_iters=2, lr_decay_style="cosine")
+    straight = run_losses(build_trainer(cfg), 2 * n)
+    first = build_trainer(cfg)
+    head = run_losses(first, n)
+    first.save()
+    resumed = build_trainer(cfg)
+    resumed.load(tmp_path / "iter_0000003")
+    tail = run_losses(resumed, n)
+    assert head + tail == straight  # bit-identical, dropout and random token selection included
