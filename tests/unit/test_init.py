@@ -28,13 +28,17 @@ def cfg(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def test_meta_build_and_cpu_build_give_identical_weights():
-    on_meta = create_model(cfg(), "cpu", seed=42)
-    on_cpu = GPTModel(cfg())
+MOE = dict(num_layers=4, num_experts=[4], topk=2, mlp_type="residual", num_shared_experts=1, swiglu=True)
+
+
+@pytest.mark.parametrize("options", [{}, MOE], ids=["dense", "moe"])
+def test_meta_build_and_cpu_build_give_identical_weights(options):
+    on_meta = create_model(cfg(**options), "cpu", seed=42)
+    on_cpu = GPTModel(cfg(**options))
     on_cpu.init_weights(42)
     for (name, a), (_, b) in zip(on_meta.state_dict().items(), on_cpu.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
-    other_seed = create_model(cfg(), "cpu", seed=43)
+    other_seed = create_model(cfg(**options), "cpu", seed=43)
     assert not torch.equal(other_seed.layers[0].mlp.dense_h_to_4h.weight, on_meta.layers[0].mlp.dense_h_to_4h.weight)
 
 
@@ -47,6 +51,21 @@ def test_each_parameter_has_its_own_stream():
         assert torch.equal(two.layers[1].get_parameter(name), three.layers[1].get_parameter(name))
     # same shape, different names → different draws
     assert not torch.equal(two.layers[0].mlp.dense_h_to_4h.weight, two.layers[1].mlp.dense_h_to_4h.weight)
+
+
+def test_moe_layers_keep_their_weights_when_layers_are_added():
+    two = create_model(cfg(**dict(MOE, num_layers=2)), "cpu", seed=7)
+    four = create_model(cfg(**MOE), "cpu", seed=7)
+    # (output projections legitimately differ: their std is std / sqrt(2 · num_layers))
+    for name in ("router.weight", "experts.w1_EDF", "experts.w3_EDF", "mlp.w1_EDF", "shared_experts.w1_EDF"):
+        assert torch.equal(two.layers[1].mlp.get_parameter(name), four.layers[1].mlp.get_parameter(name)), name
+
+
+def test_moe_expert_output_projections_are_scaled():
+    c = cfg(num_layers=8, hidden_size=128, num_experts=[4], init_method_std=0.02)
+    experts = create_model(c, "cpu", seed=0).moe_layers()[0].experts
+    assert experts.w1_EDF.std().item() == pytest.approx(0.02, rel=0.05)
+    assert experts.w2_EFD.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
 
 
 def test_megatron_standard_deviations():
