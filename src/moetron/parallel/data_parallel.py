@@ -12,6 +12,7 @@ reduces them over the expert-data-parallel group (divided by the full DP size, D
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from torch import nn
@@ -36,9 +37,15 @@ def wrap_data_parallel(model: nn.Module, env: DistEnv, dims: ParallelDims) -> nn
     if ignored:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     device_ids = [env.device.index] if env.device.type == "cuda" else None
-    # broadcast_buffers=False: the only buffers that change (expert biases) are updated identically on every
+    # no buffer sync per forward: the only buffers that change (expert biases) are updated identically on every
     # rank from all-reduced counts, so re-broadcasting them before each forward would be a wasted collective
-    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+    return DistributedDataParallel(model, device_ids=device_ids, **_no_forward_buffer_sync())
+
+
+def _no_forward_buffer_sync() -> dict:
+    """`forward_sync_buffers=False` where torch has it (it deprecates `broadcast_buffers`), else the old flag."""
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
 
 
 def unwrap(model: nn.Module) -> nn.Module:

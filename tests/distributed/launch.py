@@ -1,0 +1,108 @@
+"""Run a function in N gloo processes (like `torchrun --nproc-per-node N`) and collect what each returns.
+
+    from launch import run_distributed
+    results = run_distributed(check_fn, world_size=2, args=(tmp_path,))   # results[rank] = check_fn(rank, ...)
+
+`fn` must be a module-level function (it is pickled by name into spawned processes) taking `(rank, world_size,
+*args)`; its return value must be picklable (tensors are fine). Each process gets torchrun's environment
+variables, one CPU thread, and a gloo process group (initialised by `moetron.parallel.env.init_distributed`,
+so the code under test sees exactly what it sees under torchrun). A failure in any rank raises here with that
+rank's traceback; a hang raises after `timeout` seconds. Keep groups few: put several checks in one `fn`.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+UNIT_TESTS = HERE.parent / "unit"  # trainer_support lives there
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _to_bytes(value) -> bytes:
+    """Tensors in a multiprocessing queue travel as shared-memory handles that die with their process; send
+    plain bytes instead, so results survive the worker's exit."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes):
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _worker(fn, rank: int, world_size: int, port: int, args: tuple, results) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    for path in (str(HERE), str(UNIT_TESTS)):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    import torch
+
+    from moetron.parallel.env import init_distributed
+
+    torch.set_num_threads(1)
+    env = None
+    try:
+        env = init_distributed(backend="gloo", timeout_minutes=2)
+        results.put((rank, "ok", _to_bytes(fn(rank, world_size, *args))))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if env is not None:
+            env.close()
+
+
+def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 180.0) -> list:
+    """`[fn(0, world_size, *args), fn(1, world_size, *args), ...]`, each computed in its own process."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    collected: dict[int, object] = {}
+    errors = []
+    try:
+        while len(collected) + len(errors) < world_size:
+            try:
+                rank, status, value = results.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"distributed test: no result from every rank within {timeout}s") from None
+            if status == "ok":
+                collected[rank] = _from_bytes(value)
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+                break  # the other ranks are likely blocked in a collective
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 30)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [collected[r] for r in range(world_size)]
