@@ -107,7 +107,7 @@ class RunConfig:
     def dims(self, world_size: int) -> ParallelDims:
         p = self.parallel
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        dp = world_size // max(tp * pp, 1)
+        dp = max(world_size // max(tp * pp, 1), 1)  # the indivisible case is reported by dims.problems()
         return ParallelDims(world_size=world_size, dp=dp, tp=tp, pp=pp, ep=p.moe_expert_parallel_size)
 
     def global_batch(self, dp: int) -> int:

@@ -236,6 +236,13 @@ class Trainer:
         return record
 
     # ------------------------------------------------------------------ checkpoints
+    def logger_print(self, line: str) -> None:
+        """Print on rank 0 (through the progress bar once training runs)."""
+        if self.logger is not None:
+            self.logger.print(line)
+        elif self.env.is_main:
+            print(line, flush=True)
+
     def _write_run_config(self) -> None:
         if self.env.is_main and self.run_dir:
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
