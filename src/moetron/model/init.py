@@ -34,6 +34,9 @@ def stable_seed(seed: int, name: str) -> int:
 def normal_(param: torch.Tensor, std: float, seed: int, name: str) -> None:
     """Fill `param` with N(0, std) drawn on CPU from the generator of (seed, name)."""
     generator = torch.Generator(device="cpu").manual_seed(stable_seed(seed, name))
+    if param.device.type == "cpu" and param.dtype == torch.float32 and param.is_contiguous():
+        param.normal_(0.0, std, generator=generator)  # the same draw as below, without a temporary
+        return
     values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
     param.copy_(values)
 
