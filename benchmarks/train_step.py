@@ -1,0 +1,170 @@
+"""Trainer overhead and activation-checkpointing memory, as ratios measured side by side in one process.
+
+    python benchmarks/train_step.py                       # dense and MoE, 30 interleaved steps each
+    python benchmarks/train_step.py --steps 50 --threads 2
+
+Time: one optimizer step of moetron's `Trainer` (accumulation, loss scaling path, clipping, skip check,
+LR schedule, metrics accumulated on device and logged every `--log-interval` steps to a temporary run dir)
+against a minimal plain-PyTorch loop on the SAME model object and the SAME batches (forward, backward with
+loss ÷ num_micro, `clip_grad_norm_`, torch AdamW with the same fused/foreach choice, no logging). Steps are
+interleaved (trainer, plain, trainer, plain, …) so machine noise hits both alike; the ratio of medians is
+printed (1.00 = no overhead; the goal is < 1.05).
+
+Memory: peak bytes live in torch's CPU allocator during one optimizer step (torch.profiler allocation events,
+summed in time order, minus what was live before), with and without `--checkpoint-activations`; on CUDA,
+`max_memory_allocated`. Printed as a ratio (checkpointed / not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moetron.config import RunConfig
+from moetron.model.gpt import create_model
+from moetron.parallel.env import DistEnv
+from moetron.train.trainer import Trainer
+
+
+class ListLoader:
+    """Cycles through pre-built micro-batches (so both loops see identical data and no loading cost)."""
+
+    def __init__(self, batches: list[torch.Tensor]):
+        self.batches, self.i = batches, 0
+
+    def next_micro_batch(self) -> torch.Tensor:
+        batch = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.i}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.i = state["consumed_samples"]
+
+
+def make_config(moe: bool, checkpoint_activations: bool = False, log_interval: int = 10) -> RunConfig:
+    cfg = RunConfig()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 4, 128, 4, 128, 2048
+    m.num_experts, m.topk = ([8], 2) if moe else ([1], 1)
+    m.checkpoint_activations = checkpoint_activations
+    t = cfg.train
+    t.micro_batch_size, t.global_batch_size, t.train_iters, t.log_interval = 4, 8, 10**6, log_interval
+    return cfg
+
+
+def make_batches(cfg: RunConfig, n: int = 8) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shape = (cfg.train.micro_batch_size, cfg.model.seq_length + 1)
+    return [torch.randint(0, cfg.model.vocab_size, shape, generator=g) for _ in range(n)]
+
+
+def build(cfg: RunConfig, run_dir: str) -> Trainer:
+    cfg.train.output_dir = run_dir
+    model = create_model(cfg.model, "cpu", 0)
+    trainer = Trainer(cfg, DistEnv(), model, ListLoader(make_batches(cfg)), None, "")
+    from moetron.train.metrics import RunLogger
+
+    trainer.logger = RunLogger(run_dir, None, True, cfg.train.train_iters)
+    trainer.logger.print = lambda line: None  # keep the benchmark's own output readable; files are still written
+    return trainer
+
+
+def trainer_step(trainer: Trainer, state: dict) -> None:
+    result = trainer.train_step()
+    trainer._account(result)
+    state["n"] += 1
+    if trainer.progress.iteration % trainer.cfg.train.log_interval == 0:
+        trainer._log(time.perf_counter() - state["t0"], state["n"])
+        state["t0"], state["n"] = time.perf_counter(), 0
+
+
+def plain_step(model, optimizer, batches, num_micro: int) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    for batch in batches:
+        out = model(batch[:, :-1], labels_BT=batch[:, 1:])
+        ((out.lm_loss + out.moe_loss) / num_micro).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
+def time_overhead(moe: bool, steps: int, warmup: int, run_dir: str) -> tuple[float, float, float]:
+    trainer = build(make_config(moe), run_dir)
+    plain_opt = torch.optim.AdamW(trainer.model.parameters(), lr=1e-4, fused=trainer.optimizer.defaults.get("fused"))
+    plain_batches = ListLoader(make_batches(trainer.cfg))
+    state = {"t0": time.perf_counter(), "n": 0}
+    times = {"trainer": [], "plain": []}
+    for i in range(warmup + steps):
+        for name in ("trainer", "plain") if i % 2 == 0 else ("plain", "trainer"):
+            start = time.perf_counter()
+            if name == "trainer":
+                trainer_step(trainer, state)
+            else:
+                batches = [plain_batches.next_micro_batch() for _ in range(trainer.num_micro)]
+                plain_step(trainer.model, plain_opt, batches, trainer.num_micro)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    t, p = statistics.median(times["trainer"]), statistics.median(times["plain"])
+    return t, p, t / p
+
+
+def peak_step_bytes(moe: bool, checkpoint_activations: bool, run_dir: str) -> int:
+    trainer = build(make_config(moe, checkpoint_activations), run_dir)
+    trainer.train_step()  # warm: optimizer state exists, one-time probes done
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trainer.train_step()
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    # raw allocation events only ("[memory]": +bytes on alloc, -bytes on free); op events would double count
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per loop and config")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = make_config(True)
+    m = cfg.model
+    print(
+        f"# layers={m.num_layers} hidden={m.hidden_size} seq={m.seq_length} vocab={m.vocab_size} "
+        f"micro={cfg.train.micro_batch_size} global={cfg.train.global_batch_size} (2 micro-batches) "
+        f"MoE: E=8 top-2 every 2nd layer; threads={args.threads}; torch {torch.__version__}"
+    )
+    print("| config | trainer step (ms) | plain loop step (ms) | trainer / plain |")
+    print("|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for moe in (False, True):
+            t, p, ratio = time_overhead(moe, args.steps, args.warmup, str(Path(tmp) / f"t{moe}"))
+            print(f"| {'MoE' if moe else 'dense'} | {1e3 * t:.1f} | {1e3 * p:.1f} | {ratio:.3f} |")
+        print()
+        print("| config | peak step memory, no ckpt (MiB) | with --checkpoint-activations (MiB) | ratio |")
+        print("|---|---|---|---|")
+        for moe in (False, True):
+            plain = peak_step_bytes(moe, False, str(Path(tmp) / "m0"))
+            ckpt = peak_step_bytes(moe, True, str(Path(tmp) / "m1"))
+            name = "MoE" if moe else "dense"
+            print(f"| {name} | {plain / 2**20:.1f} | {ckpt / 2**20:.1f} | {ckpt / plain:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
