@@ -1,6 +1,8 @@
 """One optimizer step done right: accumulation, parameter groups, clipping, fp16 skips, NaN stop, metrics."""
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -142,3 +144,20 @@ def test_exact_resume_single_process(tmp_path):
     resumed.load(tmp_path / "iter_0000003")
     tail = run_losses(resumed, n)
     assert head + tail == straight  # bit-identical, dropout and random token selection included
+
+
+def test_sigterm_finishes_the_step_saves_and_returns_zero(tmp_path):
+    cfg = tiny_config(train_iters=50, save=str(tmp_path), save_interval=100)
+    trainer = build_trainer(cfg)
+    step = trainer.train_step
+
+    def step_then_signal():
+        result = step()
+        if trainer.progress.iteration == 2:  # the signal arrives while iteration 3 runs
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    trainer.train_step = step_then_signal
+    assert trainer.train() == 0
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000003"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
