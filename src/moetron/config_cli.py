@@ -71,23 +71,29 @@ def field_specs() -> dict[str, FieldSpec]:
 
 # ---------------------------------------------------------------------------- CLI
 def _help(spec: FieldSpec) -> str:
-    return f"[{spec.section}] default: {spec.default}"
+    return f"default: {spec.default}"
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field; defaults are SUPPRESSed so only flags actually given override the YAML."""
     parser.allow_abbrev = False  # `--num-layer` must be an error with a suggestion, not a silent prefix match
+    parser.usage = "%(prog)s [--config FILE.yaml] [--flag value ...]   (--help lists every flag)"
+    groups = {s: parser.add_argument_group(f"{s} flags") for s in RunConfig.SECTIONS}
     for spec in field_specs().values():
+        group = groups[spec.section]
         kwargs = {"dest": spec.name, "default": argparse.SUPPRESS, "help": _help(spec)}
-        if spec.kind is bool:
-            parser.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **kwargs)
+        if spec.kind is bool and spec.name.startswith("no_"):  # already negative: no `--no-no-...` form
+            group.add_argument(spec.flag, action="store_true", **kwargs)
+        elif spec.kind is bool:
+            group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **kwargs)
         elif spec.is_list:
-            parser.add_argument(spec.flag, nargs="+", type=spec.kind, metavar="N", **kwargs)
+            group.add_argument(spec.flag, nargs="+", type=spec.kind, metavar=spec.kind.__name__.upper(), **kwargs)
         else:
-            parser.add_argument(spec.flag, type=_none_or(spec.kind) if spec.optional else spec.kind, **kwargs)
+            kind = _none_or(spec.kind) if spec.optional else spec.kind
+            group.add_argument(spec.flag, type=kind, metavar=spec.kind.__name__.upper(), **kwargs)
     for flag, name in NEGATIVE_FLAGS.items():
-        parser.add_argument(
-            "--" + flag, dest=name, action="store_false", default=argparse.SUPPRESS, help=f"sets {name} false"
+        groups[field_specs()[name].section].add_argument(
+            "--" + flag, dest=name, action="store_false", default=argparse.SUPPRESS, help=f"Megatron's: {name} false"
         )
     _install_did_you_mean(parser)
 
