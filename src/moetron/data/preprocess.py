@@ -82,13 +82,17 @@ class PreprocessSummary:
 
 
 _worker_tokenizer: Tokenizer | None = None
+_worker_error: Exception | None = None
 
 
 def _init_worker(tokenizer_args: tuple, single_threaded: bool) -> None:
-    global _worker_tokenizer
+    global _worker_tokenizer, _worker_error
     if single_threaded:  # one Rust thread per worker process: the processes are the parallelism
         os.environ["RAYON_NUM_THREADS"] = "1"
-    _worker_tokenizer = build_tokenizer(*tokenizer_args)
+    try:
+        _worker_tokenizer = build_tokenizer(*tokenizer_args)
+    except Exception as err:  # a failing initializer makes Pool respawn workers forever: report it per task
+        _worker_error = err
 
 
 def _parse_chunk(chunk: Chunk, keys: list[str]) -> tuple[list[tuple[int, dict[str, str]]], list]:
@@ -122,6 +126,8 @@ def _encode_key(good: list, key: str, append_eod: bool, source: str, note: str) 
 
 def encode_chunk(chunk: Chunk, keys: list[str], append_eod: bool) -> EncodedChunk:
     """Parse and tokenize one chunk in the current (worker) process."""
+    if _worker_error is not None:
+        raise _worker_error
     good, problems = _parse_chunk(chunk, keys)
     bad_records = len(problems)
     tokens, lengths = {}, {}
