@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import sys
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from trainer_support import build_trainer, run_losses, tiny_config
 
 from moetron.errors import UserError
 from moetron.model.gpt import create_model
-from moetron.train.metrics import EVAL_KEYS, METRIC_KEYS
+from moetron.train.metrics import EVAL_KEYS, METRIC_KEYS, open_tensorboard
 from moetron.train.optim import clip_gradients, param_groups
 
 
@@ -161,3 +162,9 @@ def test_sigterm_finishes_the_step_saves_and_returns_zero(tmp_path):
     assert trainer.train() == 0
     assert (tmp_path / "latest").read_text().strip() == "iter_0000003"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+
+
+def test_tensorboard_missing_is_a_note_not_a_crash(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
+    assert open_tensorboard("tb-dir") is None
+    assert "tensorboard is not installed" in capsys.readouterr().out

@@ -167,10 +167,12 @@ class Trainer:
                 interval_start, interval_iters = time.perf_counter(), 0
             if self.progress.consecutive_skips >= max(t.max_skipped_steps, 1):
                 self._stop_on_skips()
+            paused = time.perf_counter()  # evaluation and saving stay out of the throughput numbers
             if t.eval_interval and it % t.eval_interval == 0 and not self.done():
                 self.run_evaluation()
             if t.save and t.save_interval and it % t.save_interval == 0 and not self.progress.consecutive_skips:
                 self.save()  # never in the middle of a NaN streak: the last checkpoint stays a good one
+            interval_start += time.perf_counter() - paused
             if self._stop_requested(stop):
                 self.logger.print(f" received {stop.requested}: saving at iteration {it} and exiting")
                 if t.save:
