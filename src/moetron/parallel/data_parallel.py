@@ -83,3 +83,52 @@ def all_reduce_mean(env: DistEnv):
         return out / env.world_size
 
     return reduce
+
+
+# ---------------------------------------------------------------- expert-parallel gradients (ep > 1)
+def is_expert_parameter(name: str) -> bool:
+    """Routed-expert tensors (sharded over EP); shared experts and PR-MoE's MLP are dense."""
+    return ".experts." in name
+
+
+def reduce_expert_gradients(model: nn.Module, edp_group, dp_size: int) -> None:
+    """Sum each local expert's gradient over its expert-data-parallel replicas, divided by the FULL DP size.
+
+    The all-to-all backward already brought every EP peer's tokens into this rank's expert gradients, so the
+    EDP sum covers every data-parallel rank's loss once and `/ dp` makes it their mean: the same value as with
+    ep = 1 (DeepSpeed's rule, PR #5259). Missing gradients count as zeros so every rank joins the collective."""
+    params = [p for n, p in model.named_parameters() if is_expert_parameter(n) and p.requires_grad]
+    if not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    if edp_group is not None:
+        torch.distributed.all_reduce(flat, group=edp_group)
+    flat /= dp_size
+    for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
+        p.grad.copy_(piece.view_as(p.grad))
+
+
+def global_grad_norm_sq(model: nn.Module, ep_group):
+    """A `grad_norm_sq_fn` for `clip_gradients`: dense part local (identical on every rank after DDP), expert
+    part summed over the expert-parallel group (each rank holds different experts), so every rank clips by
+    the TRUE global norm of the whole model's gradient (DeepSpeed only averages the local norms)."""
+    expert_ids = {id(p) for n, p in model.named_parameters() if is_expert_parameter(n)}
+    device = next(model.parameters()).device
+
+    def norm_sq(params: list[torch.Tensor]) -> torch.Tensor:
+        dense = _sum_sq([p.grad for p in params if p.grad is not None and id(p) not in expert_ids], device)
+        experts = _sum_sq([p.grad for p in params if p.grad is not None and id(p) in expert_ids], device)
+        if ep_group is not None:
+            torch.distributed.all_reduce(experts, group=ep_group)
+        return dense + experts
+
+    return norm_sq
+
+
+def _sum_sq(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]).pow(2).sum()

@@ -15,6 +15,7 @@ is the loss scaler's job while the scale can still go down; every other skip cou
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,14 +26,24 @@ from moetron.config import RunConfig
 from moetron.errors import UserError
 from moetron.eval.perplexity import evaluate
 from moetron.model.flops import flops_per_token, megatron_tflops, peak_tflops
-from moetron.parallel.data_parallel import accumulation_context, all_reduce_mean, sync_router_loads, wrap_data_parallel
+from moetron.parallel.data_parallel import accumulation_context, all_reduce_mean, sync_router_loads
 from moetron.parallel.env import DistEnv
+from moetron.parallel.parallelize import parallelize
 from moetron.train.checkpoint_state import load_checkpoint, save_checkpoint
 from moetron.train.metrics import IntervalMetrics, RunLogger, StepSums
 from moetron.train.optim import build_optimizer, clip_gradients
 from moetron.train.precision import autocast_context, build_loss_scaler
 from moetron.train.schedule import LRScheduler, build_schedule_spec
 from moetron.train.signals import StopSignal
+
+
+def inject_fault(iteration: int, rank: int) -> None:
+    """Test-only hook: with MOETRON_FAULT_AT_ITER=N, rank 1 dies (os._exit(1), no cleanup) as iteration N starts,
+    on torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT=0), so `--max-restarts 1` can resume the run."""
+    fault_at = os.environ.get("MOETRON_FAULT_AT_ITER")
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if fault_at and int(fault_at) == iteration and rank == 1 and first_attempt:
+        os._exit(1)
 
 
 @dataclasses.dataclass
@@ -71,7 +82,8 @@ class Trainer:
         self.total_iters = cfg.total_iters(self.dims.dp)
         self.train_loader, self.make_valid_loader = train_loader, make_valid_loader
         self.config_yaml = config_yaml
-        self.ddp = wrap_data_parallel(model, env, self.dims)
+        self.parallel = parallelize(model, env, self.dims)  # EP: keeps this rank's experts; DDP for the rest
+        self.ddp = self.parallel.module
         self.optimizer = build_optimizer(model, cfg.train, env.device)
         self.params = [p for p in model.parameters() if p.requires_grad]
         spec = build_schedule_spec(cfg.train, self.gbs, self.seq, self.total_iters)
@@ -97,10 +109,11 @@ class Trainer:
                     out = self.ddp(batch[:, :-1], labels_BT=batch[:, 1:])
                 ((out.lm_loss + out.moe_loss) * (scale / self.num_micro)).backward()
             sums.add(out.lm_loss, out.moe_loss, out.moe_aux, 1.0 / self.num_micro)
+        self.parallel.finish_gradients()
         grads = [p.grad for p in self.params if p.grad is not None]
         if scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)  # a power of two: exact
-        norm = clip_gradients(self.params, self.cfg.train.clip_grad)
+        norm = clip_gradients(self.params, self.cfg.train.clip_grad, self.parallel.grad_norm_sq)
         grad_norm = float(norm)  # the one host sync of a step
         ok = grad_norm == grad_norm and grad_norm != float("inf")
         if ok:
@@ -157,6 +170,7 @@ class Trainer:
         t = self.cfg.train
         interval_start, interval_iters = time.perf_counter(), 0
         while not self.done():
+            inject_fault(self.progress.iteration + 1, self.env.rank)
             result = self.train_step()
             self._account(result)
             interval_iters += 1

@@ -1,0 +1,120 @@
+"""Expert parallelism: the all-to-all token dispatcher that plugs into the MoE layer's dispatcher seam.
+
+Each of the `ep` ranks of an expert-parallel group holds `L = E / ep` consecutive experts (rank r: global
+ids r·L … r·L + L − 1). One layer's forward, on every rank of the group:
+
+    x_ND, counts_E, order_N = permute(x_TD, …)        rows sorted by GLOBAL expert ⇒ grouped by owner rank
+    counts_RL  ─all_to_all─▶  recv_RL                  how many rows each peer sends to each of my experts
+    x_ND       ─all_to_all─▶  x_MD (uneven splits)     received rows, grouped by source rank, then expert
+    x_MD[local_order_M]  → experts(·, recv_RL.sum(0))  regrouped by local expert for the grouped GEMM
+    … and the reverse on combine (inverse regroup, all-to-all with swapped splits, unpermute).
+
+Only the counts travel with equal splits; the rows travel with uneven splits, so dropless routing needs no
+padding. Capacity mode takes the same path: the router applies capacity to the LOCAL tokens (DeepSpeed's
+semantics), so a capacity-limited layer simply sends fewer rows. With `--disable-moe-token-dropping`
+DeepSpeed MAX-all-reduces the capacity over the EP group so that its equal-split `[E, C, M]` buffers line
+up; nothing is dropped in that mode, so the all-reduce changes no value, and uneven splits make it
+unnecessary here. The one host sync per layer and step is the `.tolist()` of the exchanged counts (the
+split sizes must be host integers).
+
+Shape legend: T local tokens, D hidden size, E global experts, R ranks in the EP group, L local experts
+(E = R·L), N rows this rank sends (its kept routes), M rows it receives (routes for its own experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moetron.model.moe.dispatch import permute, unpermute
+from moetron.model.moe.routing import Routing
+
+
+class AllToAll(torch.autograd.Function):
+    """`all_to_all_single` with uneven splits; the backward sends the gradient back along the same routes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        return all_to_all_rows(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        return all_to_all_rows(grad_out, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Send `in_splits[r]` leading-dim rows of x to rank r; receive `out_splits[r]` rows from each rank r."""
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    return out
+
+
+@dataclass
+class AllToAllContext:
+    order_N: torch.Tensor  # flat route index (t·K + k) of each row sent, sorted by global expert
+    weights_TK: torch.Tensor
+    num_tokens: int
+    send_splits: list[int]  # rows sent to each rank of the group
+    recv_splits: list[int]  # rows received from each rank
+    local_order_M: torch.Tensor  # received row of each expert-sorted row
+
+
+class AllToAllDispatcher:
+    """Token dispatcher for a layer whose experts are spread over the ranks of `group` (the EP group)."""
+
+    def __init__(self, num_experts: int, group, ep_size: int, ep_rank: int):
+        if num_experts % ep_size:
+            raise ValueError(f"{num_experts} experts cannot be split over {ep_size} expert-parallel ranks")
+        self.num_experts, self.group = num_experts, group
+        self.ep_size, self.ep_rank = ep_size, ep_rank
+        self.num_local = num_experts // ep_size
+
+    def __repr__(self) -> str:
+        first = self.ep_rank * self.num_local
+        return (
+            f"AllToAllDispatcher(experts {first}..{first + self.num_local - 1} of {self.num_experts}, "
+            f"ep_rank={self.ep_rank}/{self.ep_size})"
+        )
+
+    def exchange_counts(self, counts_E: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """(recv_RL, send_splits, recv_splits): recv_RL[r, l] = rows peer r sends to my local expert l."""
+        counts_RL = counts_E.view(self.ep_size, self.num_local)
+        recv_RL = torch.empty_like(counts_RL)
+        dist.all_to_all_single(recv_RL, counts_RL, group=self.group)
+        # one host transfer for both split lists: the only sync this dispatcher adds
+        sizes = torch.cat([counts_RL.sum(1), recv_RL.sum(1)]).tolist()
+        return recv_RL, sizes[: self.ep_size], sizes[self.ep_size :]
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, AllToAllContext]:
+        """(x_MD, counts_L, ctx): the rows for this rank's experts from every peer, sorted by local expert."""
+        x_ND, counts_E, order_N = permute(x_TD, routing.expert_ids_TK, routing.kept_TK, self.num_experts)
+        recv_RL, send_splits, recv_splits = self.exchange_counts(counts_E)
+        x_MD = AllToAll.apply(x_ND, recv_splits, send_splits, self.group)
+        local_order_M = regroup_by_local_expert(recv_RL)
+        ctx = AllToAllContext(order_N, routing.weights_TK, x_TD.shape[0], send_splits, recv_splits, local_order_M)
+        return x_MD.index_select(0, local_order_M), recv_RL.sum(0), ctx
+
+    def combine(self, y_MD: torch.Tensor, ctx: AllToAllContext) -> torch.Tensor:
+        """y_TD: expert outputs sent back to the ranks that own the tokens, weighted and summed over routes."""
+        back_M = inverse_permutation(ctx.local_order_M)
+        y_ND = AllToAll.apply(y_MD.index_select(0, back_M), ctx.send_splits, ctx.recv_splits, self.group)
+        return unpermute(y_ND, ctx.order_N, ctx.weights_TK, ctx.num_tokens)
+
+
+def regroup_by_local_expert(recv_RL: torch.Tensor) -> torch.Tensor:
+    """local_order_M: received rows (grouped by source rank, then local expert) reordered to be grouped by
+    local expert, then source rank: a stable sort on each row's local expert id (all on device)."""
+    num_ranks, num_local = recv_RL.shape
+    expert_of_block = torch.arange(num_local, device=recv_RL.device).repeat(num_ranks)
+    expert_M = torch.repeat_interleave(expert_of_block, recv_RL.reshape(-1))
+    return torch.sort(expert_M, stable=True).indices
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
