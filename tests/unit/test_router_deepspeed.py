@@ -19,6 +19,8 @@ from moetron.model.moe.gating import gumbel_rsample, uniform_rsample
 from moetron.model.moe.router import Router, Routing
 
 HIDDEN = 12
+# DeepSpeed's choices (topk ties, RNG streams) are device-specific: compare on every device present.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 # ---------------------------------------------------------------- reference (dense, DeepSpeed's order of ops)
@@ -33,10 +35,15 @@ def ref_dense(gates_SE, locations_SE, mask_SE, capacity):
     return gates_SE.unsqueeze(2) * slot_onehot_SEC * mask_SE.unsqueeze(2)
 
 
+def on(device, value):
+    return torch.tensor(value, device=device)
+
+
 def ref_top1(logits, cf, min_cap, noisy, drop, rts):
     S, E = logits.shape
+    dev = logits.device
     if noisy == "RSample":
-        noisy_logits = logits + Gumbel(torch.tensor(0.0), torch.tensor(1.0)).rsample(logits.shape)
+        noisy_logits = logits + Gumbel(on(dev, 0.0), on(dev, 1.0)).rsample(logits.shape)
     gates = F.softmax(logits, dim=1)
     capacity = ref_capacity(S, E, cf, min_cap)
     mask1 = F.one_hot(torch.argmax(noisy_logits if noisy == "RSample" else gates, dim=1), E)
@@ -44,7 +51,7 @@ def ref_top1(logits, cf, min_cap, noisy, drop, rts):
     if not drop:
         capacity = min(int(counts.max()), S)
     l_aux = torch.sum(gates.mean(0) * mask1.float().mean(0)) * E
-    keys = mask1 * Uniform(torch.tensor(0.0), torch.tensor(1.0)).rsample(mask1.shape) if rts else mask1
+    keys = mask1 * Uniform(on(dev, 0.0), on(dev, 1.0)).rsample(mask1.shape) if rts else mask1
     top = torch.topk(keys, k=min(capacity, S), dim=0)[1]
     mask1 = mask1 * torch.zeros_like(mask1).scatter_(0, top, 1)
     locations = torch.cumsum(mask1, dim=0) - 1
@@ -57,7 +64,7 @@ def ref_top2(logits, cf, min_cap, drop, sampling):
     gates = F.softmax(logits, dim=1)
     mask1 = F.one_hot(torch.argmax(gates, dim=1), E)
     if sampling:
-        logits = logits + Gumbel(torch.tensor(0.0), torch.tensor(1.0)).rsample(logits.shape)
+        logits = logits + Gumbel(on(logits.device, 0.0), on(logits.device, 1.0)).rsample(logits.shape)
     mask2 = F.one_hot(torch.argmax(logits.masked_fill(mask1.bool(), float("-inf")), dim=1), E)
     loc1 = torch.cumsum(mask1, 0) - 1
     loc2 = torch.cumsum(mask2, 0) - 1 + mask1.sum(0, keepdim=True)
@@ -101,7 +108,7 @@ def ref_gate(x, weight, cfg: ModelConfig, training: bool):
     """DeepSpeed's TopKGate.forward: fp32 input, Jitter in training, fp32 logits, then the k-specific gating."""
     x = x.float()
     if cfg.moe_noisy_gate_policy == "Jitter" and training:
-        x = x * Uniform(torch.tensor(1.0 - 0.01), torch.tensor(1.0 + 0.01)).rsample(x.shape)
+        x = x * Uniform(on(x.device, 1.0 - 0.01), on(x.device, 1.0 + 0.01)).rsample(x.shape)
     logits = F.linear(x, weight.float())
     cf = cfg.moe_train_capacity_factor if training else cfg.moe_eval_capacity_factor
     drop = cfg.moe_token_dropping
@@ -116,7 +123,7 @@ def ref_gate(x, weight, cfg: ModelConfig, training: bool):
 def dense_from_routing(routing: Routing) -> torch.Tensor:
     """Scatter the router's kept routes into DeepSpeed's [S, E, C] combine tensor."""
     T, K = routing.expert_ids_TK.shape
-    combine = torch.zeros(T, routing.num_experts, routing.capacity)
+    combine = torch.zeros(T, routing.num_experts, routing.capacity, device=routing.weights_TK.device)
     tokens, ks = routing.kept_TK.nonzero(as_tuple=True)
     experts, slots = routing.expert_ids_TK[tokens, ks], routing.slots_TK[tokens, ks]
     combine[tokens, experts, slots] = routing.weights_TK.detach()[tokens, ks]
@@ -141,15 +148,16 @@ MODES = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_router_matches_deepspeed_reference(mode, training):
+def test_router_matches_deepspeed_reference(mode, training, device):
     num_experts = 6
     cfg = ModelConfig(hidden_size=HIDDEN, num_experts=[num_experts], moe_eval_capacity_factor=0.8, **MODES[mode])
     torch.manual_seed(0)
-    router = Router(cfg, num_experts).train(training)
+    router = Router(cfg, num_experts).train(training).to(device)
     # Peaked logits make some experts overflow, so dropping is exercised.
-    x = torch.randn(40, HIDDEN) * 3
+    x = torch.randn(40, HIDDEN, device=device) * 3
     for seed in range(3):
         torch.manual_seed(seed)
         routing = router(x)
