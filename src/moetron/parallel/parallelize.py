@@ -68,31 +68,37 @@ def ep_coordinates(env: DistEnv, dims: ParallelDims) -> tuple[int, int]:
 
 
 def shard_experts(model: GPTModel, ep_rank: int, ep_size: int) -> None:
-    """Keep only experts `ep_rank·L … ep_rank·L + L − 1` of every MoE layer (L = E / ep_size). On the meta
-    device this allocates nothing; on a built model the kept slices are copied and the rest freed."""
+    """Keep only this rank's experts in every MoE layer (see `shard_layer_experts`)."""
     for moe in model.moe_layers():
-        old = moe.experts
-        local = old.num_global_experts // ep_size
-        offset = ep_rank * local
-        device = old.w1_EDF.device
-        with torch.device("meta"):  # an uninitialised shell: no draw, no memory
-            new = GroupedExperts(
-                local,
-                old.hidden,
-                old.ffn,
-                old.swiglu,
-                old.b1_EF is not None,
-                activation=old.activation,
-                backend=old.backend,
-                expert_offset=offset,
-                num_global_experts=old.num_global_experts,
-            )
-        if device.type != "meta":
-            new.to_empty(device=device)
-            with torch.no_grad():
-                for name, param in new.named_parameters():
-                    param.copy_(getattr(old, name)[offset - old.expert_offset : offset - old.expert_offset + local])
-        moe.experts = new
+        shard_layer_experts(moe, ep_rank, ep_size)
+
+
+def shard_layer_experts(moe: MoELayer, ep_rank: int, ep_size: int) -> None:
+    """Keep experts `ep_rank·L … ep_rank·L + L − 1` of the layer (L = E / ep_size) and install nothing else.
+    On the meta device this allocates nothing; on a built layer the kept slices are copied, the rest freed."""
+    old = moe.experts
+    local = old.num_global_experts // ep_size
+    offset = ep_rank * local
+    device = old.w1_EDF.device
+    with torch.device("meta"):  # an uninitialised shell: no draw, no memory
+        new = GroupedExperts(
+            local,
+            old.hidden,
+            old.ffn,
+            old.swiglu,
+            old.b1_EF is not None,
+            activation=old.activation,
+            backend=old.backend,
+            expert_offset=offset,
+            num_global_experts=old.num_global_experts,
+        )
+    if device.type != "meta":
+        new.to_empty(device=device)
+        start = offset - old.expert_offset
+        with torch.no_grad():
+            for name, param in new.named_parameters():
+                param.copy_(getattr(old, name)[start : start + local])
+    moe.experts = new
 
 
 def install_dispatchers(model: GPTModel, ep_group, ep_size: int, ep_rank: int) -> None:
