@@ -47,7 +47,12 @@ def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     for param, state in optimizer.state.items():
         for key, value in state.items():
             flat[f"{names[id(param)]}{OPTIM_SEP}{key}"] = torch.as_tensor(value)
-    return ckpt.split_experts(flat, ckpt.expert_tensor_names(model), key=lambda n: n.rsplit(OPTIM_SEP, 1)[0])
+    return ckpt.split_experts(flat, ckpt.expert_tensor_names(model), key=_param_of)
+
+
+def _param_of(entry: str) -> str:
+    """The parameter an optimizer entry "<parameter>/<state>" belongs to."""
+    return entry.rsplit(OPTIM_SEP, 1)[0]
 
 
 def load_optimizer_tensors(model, optimizer: torch.optim.Optimizer, flat: dict, where: Path) -> None:
@@ -115,9 +120,13 @@ def save_checkpoint(run_dir, iteration: int, model, optimizer, state: dict, conf
     tmp = ckpt.staging_dir(run_dir, iteration)
     rng, rng_meta = rng_tensors()
     ckpt.write_tensors(tmp / "rng" / f"rank_{env.rank:05d}.safetensors", rng, rng_meta)
+    shard = ckpt.written_shard(model, env.rank)  # expert parallelism: one writer per expert shard
+    if shard is not None:
+        model_flat = ckpt.shard_entries(model_tensors(model), model, shard)
+        ckpt.write_tensors(tmp / ckpt.shard_file_name("model", shard), model_flat)
+        optim_flat = ckpt.shard_entries(optimizer_tensors(model, optimizer), model, shard, key=_param_of)
+        ckpt.write_tensors(tmp / ckpt.shard_file_name("optim", shard), optim_flat)
     if env.is_main:
-        ckpt.write_tensors(tmp / "model.safetensors", model_tensors(model))
-        ckpt.write_tensors(tmp / "optim.safetensors", optimizer_tensors(model, optimizer))
         ckpt.write_json(tmp / "state.json", {"format_version": ckpt.FORMAT_VERSION, **state})
         (tmp / "config.yaml").write_text(config_yaml)
         ckpt._fsync_file(tmp / "config.yaml")
@@ -132,10 +141,10 @@ def load_checkpoint(path: Path, model, optimizer=None, load_rng: bool = True, ra
     state = ckpt.read_json(path / "state.json")
     if state.get("format_version") != ckpt.FORMAT_VERSION:
         raise ckpt.corrupt(path, f"unknown format_version {state.get('format_version')!r}")
-    flat, _ = ckpt.read_tensors(path / "model.safetensors")
+    flat = ckpt.ShardedTensors(path, "model")  # every expert shard's file; reads only this rank's entries
     load_model_tensors(model, flat, path)
     if optimizer is not None:
-        optim_flat, _ = ckpt.read_tensors(path / "optim.safetensors")
+        optim_flat = ckpt.ShardedTensors(path, "optim")
         load_optimizer_tensors(model, optimizer, optim_flat, path)
     if load_rng:
         rng_file = path / "rng" / f"rank_{rank:05d}.safetensors"
