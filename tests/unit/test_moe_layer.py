@@ -237,6 +237,8 @@ def test_layer_with_a_slice_of_experts_gets_the_full_layers_slice() -> None:
     assert torch.equal(part.router.weight, full.router.weight)
     for name in ("w1_EDF", "w3_EDF", "w2_EFD", "b1_EF", "b2_ED"):
         assert torch.equal(getattr(part.experts, name), getattr(full.experts, name)[4:]), name
+    with pytest.raises(ValueError, match="expert-parallel dispatcher"):
+        part(torch.randn(B, T, D))  # the local dispatcher would hand it all 8 experts' rows
 
 
 def test_identical_expert_init_copies_one_template_including_the_residual_mlp() -> None:

@@ -162,6 +162,12 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x_ND: rows sorted by local expert; counts_E (int64 [E]): rows per expert (sums to N)."""
+        if counts_E.numel() != self.num_experts:
+            raise ValueError(
+                f"got token counts for {counts_E.numel()} experts but this module holds {self.num_experts} "
+                f"(experts {self.expert_offset}.. of {self.num_global_experts}); a layer holding a slice of the "
+                f"experts needs an expert-parallel dispatcher that sends it only its experts' rows"
+            )
         x_ND = x_ND.to(_compute_dtype(x_ND))
         backend = self.resolved_backend(x_ND)
         if backend == "grouped_mm":

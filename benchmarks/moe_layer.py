@@ -1,0 +1,280 @@
+"""MoE layer forward+backward time and peak memory, as ratios to a floor measured side by side in one process.
+
+    python benchmarks/moe_layer.py                 # all three shapes
+    python benchmarks/moe_layer.py --shapes 0 --reps 5 --threads 2
+
+Implementations (all SwiGLU experts without biases, the same weights and router weight; fp32; CPU):
+  floor                 the expert GEMMs alone on a perfectly balanced, pre-sorted batch of T·k rows (bmm on
+                        [E, T·k/E, D] views): no router, no permutation, no imbalance.
+  moetron dropless      MoELayer, Mixtral routing (softmax, top-k, renormalised), no capacity: the fair peer of
+                        HF Mixtral (also dropless). Outputs are checked against HF's (max |diff| printed).
+  hf eager / grouped_mm transformers' MixtralSparseMoeBlock with experts_implementation "eager" / "grouped_mm"
+                        (skipped with a message when transformers is not installed).
+  moetron capacity      MoELayer, DeepSpeed routing, capacity factor 1.0, token dropping: the fair peer of
+  deepspeed             deepspeed.moe.layer.MoE with the same settings (skipped when deepspeed is missing).
+Time: median over --reps runs of forward+backward (parameter grads and input grad), after --warmup runs,
+implementations interleaved in a rotating order within every rep. Memory: peak bytes live in torch's CPU
+allocator between the start of forward and the end of backward (torch.profiler's allocation events,
+profile_memory=True, summed in time order), minus what was live at the start: activations saved for
+backward, temporaries and gradients — the same accounting for every implementation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from moetron.model.config import ModelConfig
+from moetron.model.moe.layer import MoELayer
+
+
+@dataclass(frozen=True)
+class Shape:
+    tokens: int
+    hidden: int
+    ffn: int
+    experts: int
+    topk: int
+
+    def __str__(self) -> str:
+        return f"T={self.tokens} D={self.hidden} F={self.ffn} E={self.experts} k={self.topk}"
+
+
+SHAPES = [Shape(4096, 512, 1024, 8, 2), Shape(8192, 128, 256, 64, 1), Shape(8192, 256, 512, 128, 1)]
+Step = Callable[[], torch.Tensor]  # one forward+backward; returns the output (for the cross-checks)
+
+
+@dataclass
+class Weights:
+    w1_EDF: torch.Tensor  # gate projection (activation applied)
+    w3_EDF: torch.Tensor  # up projection
+    w2_EFD: torch.Tensor
+    router_ED: torch.Tensor
+
+
+def make_weights(s: Shape) -> Weights:
+    g = torch.Generator().manual_seed(0)
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    d, f, e = s.hidden, s.ffn, s.experts
+    return Weights(
+        normal(e, d, f, std=d**-0.5), normal(e, d, f, std=d**-0.5), normal(e, f, d, std=f**-0.5), normal(e, d, std=0.02)
+    )
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.clone().requires_grad_(True)
+
+
+# ---------------------------------------------------------------- implementations
+def floor_step(s: Shape, w: Weights) -> Step:
+    rows = s.tokens * s.topk
+    x_ECD = _leaf(torch.randn(s.experts, rows // s.experts, s.hidden))
+    grad_ECD = torch.randn(x_ECD.shape)
+    w1, w3, w2 = _leaf(w.w1_EDF), _leaf(w.w3_EDF), _leaf(w.w2_EFD)
+
+    def step() -> torch.Tensor:
+        h_ECF = nn.functional.silu(torch.bmm(x_ECD, w1)) * torch.bmm(x_ECD, w3)
+        y_ECD = torch.bmm(h_ECF, w2)
+        y_ECD.backward(grad_ECD)
+        return y_ECD
+
+    return step
+
+
+def _moetron_cfg(s: Shape, dropless: bool) -> ModelConfig:
+    cfg = ModelConfig(hidden_size=s.hidden, num_attention_heads=1, ffn_hidden_size=s.ffn, swiglu=True)
+    cfg.add_bias_linear, cfg.num_experts, cfg.topk = False, [s.experts], s.topk
+    if dropless:  # Mixtral: softmax over all experts, top-k, renormalise; no capacity
+        cfg.moe_token_dropping, cfg.moe_router_topk_renorm = False, True
+    else:  # DeepSpeed's MoE defaults at capacity factor 1.0
+        cfg.moe_train_capacity_factor, cfg.moe_min_capacity = 1.0, 4
+    return cfg
+
+
+def moetron_layer(s: Shape, w: Weights, dropless: bool) -> MoELayer:
+    layer = MoELayer(_moetron_cfg(s, dropless), s.experts, layer_index=0)
+    with torch.no_grad():
+        layer.experts.w1_EDF.copy_(w.w1_EDF)
+        layer.experts.w3_EDF.copy_(w.w3_EDF)
+        layer.experts.w2_EFD.copy_(w.w2_EFD)
+        layer.router.weight.copy_(w.router_ED)
+    return layer
+
+
+def module_step(module: nn.Module, s: Shape, x_BTD: torch.Tensor, grad_BTD: torch.Tensor) -> Step:
+    def step() -> torch.Tensor:
+        torch.manual_seed(1)  # the same random routing choices (RTS, 2nd-expert sampling) every call
+        out = module(x_BTD)
+        y_BTD = out[0] if isinstance(out, tuple) else out
+        y_BTD.backward(grad_BTD)
+        return y_BTD
+
+    return step
+
+
+def hf_block(s: Shape, w: Weights, implementation: str) -> nn.Module | None:
+    try:
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    except ImportError:
+        return None
+    config = MixtralConfig(
+        hidden_size=s.hidden,
+        intermediate_size=s.ffn,
+        num_local_experts=s.experts,
+        num_experts_per_tok=s.topk,
+        router_jitter_noise=0.0,
+    )
+    config._experts_implementation = implementation
+    block = MixtralSparseMoeBlock(config)
+    with torch.no_grad():  # gate_up_proj [E, 2F, D] = [gate | up] (act on gate); down_proj [E, D, F]
+        block.experts.gate_up_proj.copy_(torch.cat([w.w1_EDF, w.w3_EDF], dim=2).transpose(1, 2))
+        block.experts.down_proj.copy_(w.w2_EFD.transpose(1, 2))
+        block.gate.weight.copy_(w.router_ED)
+    return block
+
+
+class SwiGLUExpert(nn.Module):
+    """The expert module handed to DeepSpeed (it deep-copies it E times)."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+def deepspeed_moe(s: Shape, w: Weights) -> nn.Module | None:
+    try:
+        import deepspeed
+        from deepspeed.moe.layer import MoE
+    except Exception:  # ImportError, or a broken CPU install
+        return None
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(
+            dist_backend="gloo", auto_mpi_discovery=False, init_method="tcp://127.0.0.1:29591", rank=0, world_size=1
+        )
+    moe = MoE(
+        s.hidden,
+        SwiGLUExpert(s.hidden, s.ffn),
+        num_experts=s.experts,
+        ep_size=1,
+        k=s.topk,
+        capacity_factor=1.0,
+        eval_capacity_factor=1.0,
+        min_capacity=4,
+        drop_tokens=True,
+        use_rts=True,
+    )
+    with torch.no_grad():
+        for e, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
+            expert.w1.weight.copy_(w.w1_EDF[e].T)
+            expert.w3.weight.copy_(w.w3_EDF[e].T)
+            expert.w2.weight.copy_(w.w2_EFD[e].T)
+        moe.deepspeed_moe.gate.wg.weight.copy_(w.router_ED)
+    return moe
+
+
+def build_steps(s: Shape) -> tuple[dict[str, Step], list[str]]:
+    w = make_weights(s)
+    x_BTD = _leaf(torch.randn(1, s.tokens, s.hidden))
+    grad_BTD = torch.randn(x_BTD.shape)
+    steps: dict[str, Step] = {"floor": floor_step(s, w)}
+    notes: list[str] = []
+    steps["moetron dropless"] = module_step(moetron_layer(s, w, dropless=True), s, x_BTD, grad_BTD)
+    for impl in ("eager", "grouped_mm"):
+        block = hf_block(s, w, impl)
+        if block is None:
+            notes.append("transformers not installed: HF Mixtral rows skipped (pip install transformers)")
+            break
+        steps[f"hf {impl}"] = module_step(block, s, x_BTD, grad_BTD)
+    steps["moetron capacity"] = module_step(moetron_layer(s, w, dropless=False), s, x_BTD, grad_BTD)
+    ds = deepspeed_moe(s, w)
+    if ds is None:
+        notes.append("deepspeed not importable: DeepSpeed row skipped (DS_BUILD_OPS=0 pip install deepspeed)")
+    else:
+        steps["deepspeed"] = module_step(ds, s, x_BTD, grad_BTD)
+    return steps, notes
+
+
+# ---------------------------------------------------------------- measurement
+def peak_bytes(step: Step) -> int:
+    """Peak of (bytes live in torch's CPU allocator) during one step, relative to the start."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def median_times(steps: dict[str, Step], reps: int, warmup: int) -> dict[str, float]:
+    names = list(steps)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for rep in range(warmup + reps):
+        rotated = names[rep % len(names) :] + names[: rep % len(names)]
+        for name in rotated:
+            start = time.perf_counter()
+            steps[name]()
+            if rep >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def cross_checks(steps: dict[str, Step]) -> list[str]:
+    """Same weights and routing rule ⇒ same outputs: a benchmark of a wrong layer would be meaningless."""
+    lines = []
+    pairs = [("moetron dropless", "hf eager"), ("moetron dropless", "hf grouped_mm"), ("moetron capacity", "deepspeed")]
+    for ours, theirs in pairs:
+        if theirs in steps:
+            diff = (steps[ours]().detach() - steps[theirs]().detach()).abs().max().item()
+            lines.append(f"max |{ours} − {theirs}| = {diff:.2e}")
+    return lines
+
+
+def run_shape(s: Shape, reps: int, warmup: int) -> list[str]:
+    steps, notes = build_steps(s)
+    checks = cross_checks(steps)
+    seconds = median_times(steps, reps, warmup)
+    memory = {name: peak_bytes(step) for name, step in steps.items()}
+    rows = [
+        f"| {s} | {name} | {seconds[name] / seconds['floor']:.2f}× | {memory[name] / memory['floor']:.2f}× |"
+        for name in steps
+    ]
+    return rows + [f"<!-- {line} -->" for line in notes + checks]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", type=int, nargs="*", default=list(range(len(SHAPES))), help="indices into SHAPES")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU, median of {args.reps} fwd+bwd\n")
+    print("| shape | implementation | time / floor | peak memory / floor |")
+    print("|---|---|---|---|")
+    for index in args.shapes:
+        for line in run_shape(SHAPES[index], args.reps, args.warmup):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
