@@ -165,11 +165,10 @@ class GPTModel(nn.Module):
         return F.linear(x_BTC, weight_VC)
 
     def weighted_moe_loss(self, moe_aux: list[MoEAux], device: torch.device) -> torch.Tensor:
+        """moe_loss_coeff · Σ aux_loss + moe_z_loss_coeff · Σ z_loss over the MoE layers (fp32; 0 when dense)."""
         total = torch.zeros((), dtype=torch.float32, device=device)
         for aux in moe_aux:
-            total = total + self.cfg.moe_loss_coeff * aux.aux_loss.float()
-            if self.cfg.moe_z_loss_coeff:
-                total = total + self.cfg.moe_z_loss_coeff * aux.z_loss.float()
+            total = total + aux.loss(self.cfg)
         return total
 
     # ------------------------------------------------------------------ MoE helpers
