@@ -59,6 +59,7 @@ def build_loaders(cfg: RunConfig, env: DistEnv):
         cfg.train.seed,
         num_samples=sample_counts(cfg, dp),
         cache_barrier=env.barrier if env.distributed else None,
+        is_builder=env.is_main,
     )
     if train_ds is None or len(train_ds) == 0:
         raise UserError("the training split is empty; check --data-path and --split (e.g. --split 98,2,0)")
