@@ -1,5 +1,6 @@
 import functools
 import json
+import random
 
 import pytest
 from data_helpers import CORPUS, make_tiny_tokenizer, tiny_tokenizer, write_jsonl
@@ -102,3 +103,15 @@ def test_train_tokenizer_cli(tmp_path, capsys):
                  "--output-dir", str(tmp_path / "t2")]) == 2  # fmt: skip
     assert "error: --input" in capsys.readouterr().err
     assert not (tmp_path / "t2").exists()
+
+
+@pytest.mark.parametrize("source", ["tiny", "gpt2"])
+def test_ascii_word_cache_equals_the_rust_pipeline(request, tiny_tokenizer_dir, source):
+    # GPT2BPETokenizer splits ASCII text itself and caches words; it must agree with the full HF pipeline,
+    # including contractions, digit runs, every ASCII whitespace and control characters.
+    tok = tiny_tokenizer(tiny_tokenizer_dir) if source == "tiny" else _gpt2(*request.getfixturevalue("gpt2_files"))
+    rng = random.Random(0)
+    alphabet = "abZ09'sStlmrevd \t\n\r\x0b\x0c\x1c\x1f\x00\x7f.,!?-_~"
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24))) for _ in range(3000)]
+    texts += ["I'm  here\n\n  you've 123abc  ", "tail spaces   ", "\t\t\n x", "café mixed with ascii"]
+    assert tok.encode_batch(texts) == [tok.core.encode(t).ids for t in texts]

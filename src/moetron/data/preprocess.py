@@ -12,7 +12,9 @@ Megatron-DeepSpeed's writer would record them as zero-sequence documents in doc_
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
+import multiprocessing.pool
 import os
 import sys
 import time
@@ -187,21 +189,45 @@ class _Progress:
             self.bar.close()
 
 
+def _worker_pool(workers: int, tokenizer_args: tuple, tokenizer: Tokenizer) -> multiprocessing.pool.Pool:
+    """fork on Linux (workers inherit the loaded tokenizer and start in milliseconds), spawn elsewhere."""
+    if sys.platform != "linux":
+        return multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer_args, True))
+    # Set while forking: each child runs the Rust tokenizer single-threaded (the processes are the parallelism)
+    # and `tokenizers` does not warn about a fork after its thread pool was used.
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        return multiprocessing.get_context("fork").Pool(workers)
+    finally:
+        if saved is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+
 def _encoded_chunks(options: PreprocessOptions, files: list[Path], tokenizer: Tokenizer):
     """EncodedChunks in input order, computed in-process (1 worker) or by a bounded, ordered process pool."""
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
     chunks = iter_chunks(files, options.chunk_bytes)
     job = (options.json_keys, options.append_eod)
+    # The first chunk is encoded here, before any fork: its words warm the tokenizer's word cache, which forked
+    # workers inherit, and an input of one chunk never starts a pool at all.
+    first = next(chunks, None)
+    if first is None:
+        return
+    yield encode_chunk(first, *job)
+    second = next(chunks, None)
+    if second is None:
+        return
     if options.workers == 1:
-        global _worker_tokenizer
-        _worker_tokenizer = tokenizer  # in-process; the Rust tokenizer still uses every core per batch
-        for chunk in chunks:
+        for chunk in itertools.chain([second], chunks):
             yield encode_chunk(chunk, *job)
         return
-    # spawn: no fork after the Rust thread pool or torch started threads; workers import no torch.
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(options.workers, _init_worker, (options.tokenizer_args(), True)) as pool:
+    with _worker_pool(options.workers, options.tokenizer_args(), tokenizer) as pool:
         pending: deque = deque()
-        for chunk in chunks:
+        for chunk in itertools.chain([second], chunks):
             pending.append(pool.apply_async(encode_chunk, (chunk, *job)))
             if len(pending) >= 2 * options.workers:
                 yield pending.popleft().get()

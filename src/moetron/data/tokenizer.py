@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -58,8 +59,67 @@ class Tokenizer:
         return self._eod
 
 
-def _gpt2_core(vocab: dict[str, int], merges: list[tuple[str, str]]) -> HFTokenizerCore:
-    core = HFTokenizerCore(models.BPE(vocab, merges, fuse_unk=False))
+# GPT-2's split regex restricted to ASCII text, where \p{L} is [A-Za-z], \p{N} is [0-9] and \s is Unicode
+# White_Space (tab, LF, VT, FF, CR, space; not the \x1c-\x1f that Python's \s adds). Equal, on ASCII, to the
+# split of the ByteLevel pre-tokenizer; tests compare the two on random ASCII strings.
+_WS = r"\t\n\x0b\x0c\r "
+_ASCII_GPT2_SPLIT = re.compile(
+    rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+|[{_WS}]+(?![^{_WS}])|[{_WS}]+"
+)
+_WORD_CACHE_LIMIT = 1 << 20
+
+
+def _ascii_byte_level_table() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, for the ASCII bytes (printable ones map to themselves)."""
+    printable = set(range(ord("!"), ord("~") + 1))
+    shifted = [b for b in range(256) if b not in printable and not 0xA1 <= b <= 0xAC and not 0xAE <= b <= 0xFF]
+    table = {b: chr(256 + n) for n, b in enumerate(shifted) if b < 128}
+    return {**table, **{b: chr(b) for b in printable}}
+
+
+_ASCII_TO_BYTE_LEVEL = _ascii_byte_level_table()
+
+
+class GPT2BPETokenizer(Tokenizer):
+    """GPT-2 BPE with a word cache for ASCII documents.
+
+    The Rust pipeline spends most of its time splitting and building encodings; for ASCII text the same split is
+    one C-level `re.findall`, and each distinct word is run through the BPE model once and remembered. Other text
+    goes through the full Rust pipeline. Both give identical ids.
+    """
+
+    def __init__(self, core: HFTokenizerCore, eod: int | None, name: str):
+        super().__init__(core, eod, name)
+        self._words: dict[str, list[int]] = {}
+
+    def _word_ids(self, word: str) -> list[int]:
+        if len(self._words) >= _WORD_CACHE_LIMIT:
+            self._words.clear()
+        ids = [token.id for token in self.core.model.tokenize(word.translate(_ASCII_TO_BYTE_LEVEL))]
+        self._words[word] = ids
+        return ids
+
+    def _ascii_ids(self, text: str) -> list[int]:
+        ids: list[int] = []
+        words = self._words
+        for word in _ASCII_GPT2_SPLIT.findall(text):
+            known = words.get(word)
+            ids += self._word_ids(word) if known is None else known
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        return self._ascii_ids(text) if text.isascii() else super().encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        others = [i for i, text in enumerate(texts) if not text.isascii()]
+        ids = [self._ascii_ids(text) if text.isascii() else [] for text in texts]
+        for i, encoded in zip(others, super().encode_batch([texts[i] for i in others]), strict=True):
+            ids[i] = encoded
+        return ids
+
+
+def _gpt2_core(model: models.BPE) -> HFTokenizerCore:
+    core = HFTokenizerCore(model)
     # GPT-2: the byte-level regex split, no prefix space; decoding maps bytes back with replacement on bad UTF-8.
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()
@@ -97,14 +157,16 @@ def _gpt2_bpe(vocab_file, merge_file) -> Tokenizer:
         raise UserError(
             "--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file (merges.txt)"
         )
-    vocab, merges = _read_vocab(vocab_file), _read_merges(merge_file)
-    try:
-        core = _gpt2_core(vocab, merges)
-    except Exception as err:  # tokenizers raises plain Exception for merges naming unknown tokens
+    try:  # the Rust reader is fast; only when it fails do we parse in Python, to say which file is wrong
+        core = _gpt2_core(models.BPE.from_file(str(vocab_file), str(merge_file), fuse_unk=False))
+    except Exception as err:  # tokenizers raises plain Exception
+        _read_vocab(vocab_file)
+        _read_merges(merge_file)
         raise UserError(f"--vocab-file '{vocab_file}' and --merge-file '{merge_file}' do not match ({err})") from None
-    if EOD_TOKEN not in vocab:
+    eod = core.token_to_id(EOD_TOKEN)
+    if eod is None:
         raise UserError(f"--vocab-file '{vocab_file}' has no {EOD_TOKEN} token, which GPT2BPETokenizer uses as EOD")
-    return Tokenizer(core, vocab[EOD_TOKEN], f"GPT2BPETokenizer({Path(vocab_file).name})")
+    return GPT2BPETokenizer(core, eod, f"GPT2BPETokenizer({Path(vocab_file).name})")
 
 
 def _configured_eos(directory: Path) -> str | None:
@@ -164,7 +226,7 @@ def train_bpe_tokenizer(files: list[Path], vocab_size: int, output_dir: Path) ->
         raise UserError(f"--output-dir '{output_dir}' exists and is not a directory")
     if not output_dir.parent.is_dir():
         raise UserError(f"--output-dir '{output_dir}': parent directory '{output_dir.parent}' does not exist")
-    core = _gpt2_core({}, [])
+    core = _gpt2_core(models.BPE())
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=[EOD_TOKEN],
