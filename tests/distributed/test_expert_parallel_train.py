@@ -1,0 +1,176 @@
+"""Training with expert parallelism (gloo) against one process, and checkpoints that reshard across EP sizes.
+
+Two spawned groups carry every check (spawning is the expensive part):
+  2 processes, EP = 2:  20 steps follow the 1-process loss curve (same global batch, dropout off, no routing
+                        noise); the validation loss of a fixed batch; a checkpoint; the seed's 128-expert model
+                        (4 layers, hidden 256, 4 heads; seq 16 on CPU) runs a few steps with 64 experts per rank.
+  4 processes, EP = 2 × DP = 2: 20 steps follow the 1-process curve. EP = 4: each rank holds a quarter of every
+                        MoE layer's expert parameters and optimizer state; the EP = 1 checkpoint (itself loaded
+                        from the EP = 2 one) loads with the same validation loss and optimizer state, and saves.
+Between and after the groups, this process loads EP = 2 → EP = 1 and EP = 4 → EP = 1 (the round trip).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+
+from launch import run_distributed  # noqa: E402
+from trainer_support import MemoryLoader, random_samples, run_losses, tiny_config  # noqa: E402
+
+from moetron.parallel.env import DistEnv, init_distributed  # noqa: E402
+from moetron.parallel.parallelize import build_model  # noqa: E402
+from moetron.train.checkpoint import resolve_checkpoint  # noqa: E402
+from moetron.train.trainer import Trainer  # noqa: E402
+
+STEPS, MBS = 20, 2
+EXPERTS = 8
+
+
+def ep_config(ep: int, global_batch: int, **overrides):
+    cfg = tiny_config(micro_batch_size=MBS, global_batch_size=global_batch, train_iters=STEPS, hidden_dropout=0.0)
+    cfg.model.attention_dropout = 0.0
+    cfg.model.num_experts = [EXPERTS]
+    cfg.model.moe_use_rts = False  # no random draws that differ between layouts
+    cfg.model.moe_top2_2nd_expert_sampling = False
+    cfg.train.lr_warmup_iters = 2
+    cfg.parallel.moe_expert_parallel_size = ep
+    for key, value in overrides.items():
+        setattr(cfg.model if hasattr(cfg.model, key) else cfg.train, key, value)
+    return cfg
+
+
+def ep_trainer(cfg, env: DistEnv | None = None) -> Trainer:
+    """trainer_support.build_trainer, but the model comes from the meta-device recipe (local experts only)."""
+    env = env or DistEnv()
+    dims = cfg.dims(env.world_size)
+    torch.manual_seed(cfg.train.seed + env.rank)
+    model = build_model(cfg.model, env, dims, cfg.train.seed)
+    loader = MemoryLoader(random_samples(512), cfg.train.micro_batch_size, env.rank, dims.dp)
+    return Trainer(cfg, env, model, loader, None, config_yaml="# test\n")
+
+
+@torch.no_grad()
+def validation_loss(trainer: Trainer) -> float:
+    """LM loss of one fixed batch, the same on every rank (each rank runs all of it through its EP group)."""
+    batch = random_samples(8, seed=7)
+    trainer.model.eval()
+    try:
+        return float(trainer.model(batch[:, :-1], labels_BT=batch[:, 1:]).lm_loss)
+    finally:
+        trainer.model.train()
+
+
+def global_losses(per_rank: list[list[float]]) -> torch.Tensor:
+    """Each step's loss over the global batch: the mean of the ranks' local means."""
+    return torch.tensor(per_rank, dtype=torch.float64).mean(0)
+
+
+def expert_optimizer_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """exp_avg of every local expert tensor, by parameter name."""
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    return {
+        names[id(p)]: s["exp_avg"].clone() for p, s in trainer.optimizer.state.items() if ".experts." in names[id(p)]
+    }
+
+
+def expert_counts(trainer: Trainer) -> tuple[int, int]:
+    """(expert parameters held, expert optimizer-state elements held) by this rank."""
+    params = [p for n, p in trainer.model.named_parameters() if ".experts." in n]
+    state = sum(
+        s["exp_avg"].numel() + s["exp_avg_sq"].numel()
+        for p, s in trainer.optimizer.state.items()
+        if any(p is q for q in params)
+    )
+    return sum(p.numel() for p in params), state
+
+
+# ---------------------------------------------------------------- 2 processes
+def seed_model_steps(env: DistEnv) -> tuple[list[float], int]:
+    cfg = ep_config(2, global_batch=2, micro_batch_size=1, train_iters=2, topk=1)
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 4, 256, 4, 16
+    m.num_experts = [128]
+    trainer = ep_trainer(cfg, env)
+    local_experts = {moe.experts.num_experts for moe in trainer.model.moe_layers()}
+    return run_losses(trainer, 2), local_experts.pop()
+
+
+def two_process_checks(rank: int, world_size: int, save_dir: str) -> dict:
+    env = init_distributed()
+    trainer = ep_trainer(ep_config(2, global_batch=MBS * world_size, save=save_dir), env)
+    losses = run_losses(trainer, STEPS)
+    trainer.save()
+    seed_losses, seed_local = seed_model_steps(env)
+    return {"losses": losses, "valid": validation_loss(trainer), "seed": seed_losses, "seed_local": seed_local}
+
+
+# ---------------------------------------------------------------- 4 processes
+def four_process_checks(rank: int, world_size: int, ep1_dir: str, ep4_dir: str) -> dict:
+    env = init_distributed()
+    losses = run_losses(ep_trainer(ep_config(2, global_batch=MBS * world_size), env), STEPS)
+    trainer = ep_trainer(ep_config(4, global_batch=MBS * world_size, save=ep4_dir), env)
+    fresh_counts = expert_counts(trainer)
+    trainer.load(resolve_checkpoint(ep1_dir))
+    loaded = {"valid": validation_loss(trainer), "state": expert_optimizer_state(trainer)}
+    loaded["iteration"] = trainer.progress.iteration
+    trainer.save()
+    run_losses(trainer, 1)
+    return {"losses": losses, "counts": expert_counts(trainer), "fresh_counts": fresh_counts, **loaded}
+
+
+def reference_losses(global_batch: int) -> torch.Tensor:
+    return torch.tensor(run_losses(ep_trainer(ep_config(1, global_batch=global_batch)), STEPS), dtype=torch.float64)
+
+
+@pytest.mark.distributed
+def test_expert_parallel_training_and_resharding(tmp_path):
+    ep2_dir, ep1_dir, ep4_dir = (str(tmp_path / name) for name in ("ep2", "ep1", "ep4"))
+    two = run_distributed(two_process_checks, world_size=2, args=(ep2_dir,), timeout=240)
+    torch.set_num_threads(1)
+
+    # EP = 2 on 2 processes follows the 1-process curve of the same global batch
+    torch.testing.assert_close(global_losses([r["losses"] for r in two]), reference_losses(2 * MBS), rtol=1e-4, atol=0)
+    assert two[0]["losses"] != two[1]["losses"]  # the ranks really trained on different tokens
+    assert all(r["seed_local"] == 64 for r in two) and all(len(r["seed"]) == 2 for r in two)
+    assert all(torch.isfinite(torch.tensor(r["seed"])).all() for r in two)
+
+    # EP = 2 → EP = 1: same validation loss, optimizer state complete; saved again for the EP = 4 group
+    single = ep_trainer(ep_config(1, global_batch=2 * MBS, save=ep1_dir))
+    single.load(resolve_checkpoint(ep2_dir))
+    assert single.progress.iteration == STEPS
+    assert validation_loss(single) == pytest.approx(two[0]["valid"], rel=1e-5)
+    assert two[0]["valid"] == two[1]["valid"]
+    full_state = expert_optimizer_state(single)
+    single.save()
+
+    four = run_distributed(four_process_checks, world_size=4, args=(ep1_dir, ep4_dir), timeout=240)
+    torch.testing.assert_close(global_losses([r["losses"] for r in four]), reference_losses(4 * MBS), rtol=1e-4, atol=0)
+    for rank, r in enumerate(four):
+        assert r["iteration"] == STEPS
+        assert r["valid"] == pytest.approx(two[0]["valid"], rel=1e-5)
+        for name, exp_avg in r["state"].items():  # each rank's slice of the global experts' Adam moments
+            quarter = EXPERTS // 4
+            torch.testing.assert_close(exp_avg, full_state[name][rank * quarter : (rank + 1) * quarter])
+        full_params, full_state_numel = expert_counts(single)
+        assert r["counts"] == (full_params // 4, full_state_numel // 4)  # a quarter of params and state
+        assert r["fresh_counts"][0] == full_params // 4
+
+    # EP = 4 → EP = 1: the round trip keeps the validation loss
+    back = ep_trainer(ep_config(1, global_batch=2 * MBS))
+    back.load(resolve_checkpoint(ep4_dir))
+    assert validation_loss(back) == pytest.approx(two[0]["valid"], rel=1e-5)
+    for name, exp_avg in expert_optimizer_state(back).items():
+        torch.testing.assert_close(exp_avg, full_state[name])
+    assert sorted(p.name for p in (Path(ep4_dir) / f"iter_{STEPS:07d}").glob("model*")) == [
+        "model-ep00001.safetensors",
+        "model-ep00002.safetensors",
+        "model-ep00003.safetensors",
+        "model.safetensors",
+    ]
