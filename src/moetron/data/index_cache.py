@@ -1,0 +1,125 @@
+"""Index caches: `.npy` files named by the md5 of a description string, as Megatron names them.
+
+A GPT dataset's description (prefix, split name, sample count, epochs, sequence length, seed, split string)
+hashes to H; its arrays live in `H_doc_idx.npy`, `H_sample_idx.npy`, `H_shuffle_idx.npy` and the text in
+`H.dsc`. They are looked for in `index-cache/` beside the data first, then in `--data-cache-path`; a missing
+set is built into the last place looked (so `--data-cache-path` wins when given). Because the names and the
+description match Megatron's, caches Megatron already built are found and reused.
+
+Only the builder (rank 0) writes; every file is written to a temporary name and renamed, so a reader never
+sees half a file. Then `barrier()` lets the other ranks through, and everyone maps the files read-only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable
+
+import numpy as np
+
+from moetron.errors import UserError
+
+
+def describe_gpt_dataset(prefix: str, name: str, num_samples: int, num_epochs: int, seq_length: int, seed: int,
+                         split: str) -> str:  # fmt: skip
+    """Megatron's description string for a GPTDataset index (its md5 names the cache files)."""
+    return (
+        "GPT Dataset\n\n"
+        f"Data prefix {prefix}\n"
+        f"Dataset name {name}\n"
+        f"Number of samples {num_samples}\n"
+        f"Number of epochs {num_epochs}\n"
+        f"Sequence length {seq_length}\n"
+        f"Random seed {seed}\n"
+        f"Split {split}\n"
+    )
+
+
+def desc_hash(description: str) -> str:
+    return hashlib.md5(description.encode("utf-8")).hexdigest()
+
+
+class IndexCache:
+    """A set of named arrays stored as `H_<name>.npy` + `H.dsc` in the first directory that has them all."""
+
+    def __init__(self, description: str, array_names: list[str], search_dirs: list[str]):
+        self.description = description
+        self.hash = desc_hash(description)
+        self.array_names = list(array_names)
+        self.search_dirs = list(search_dirs)
+        self.directory = self._find() or self.search_dirs[-1]
+
+    def paths(self, directory: str) -> dict[str, str]:
+        files = {name: os.path.join(directory, f"{self.hash}_{name}.npy") for name in self.array_names}
+        files["desc"] = os.path.join(directory, f"{self.hash}.dsc")
+        return files
+
+    def _find(self) -> str | None:
+        for directory in self.search_dirs:
+            if all(os.path.isfile(p) for p in self.paths(directory).values()):
+                return directory
+        return None
+
+    def exists(self) -> bool:
+        return self._find() is not None
+
+    def save(self, arrays: dict[str, np.ndarray]) -> None:
+        """Write every array, then the description last (its presence completes the set)."""
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            paths = self.paths(self.directory)
+            for name in self.array_names:
+                _atomic_write(paths[name], lambda f, a=arrays[name]: np.save(f, a, allow_pickle=False))
+            _atomic_write(paths["desc"], lambda f: f.write(self.description.encode("utf-8")))
+        except OSError as err:
+            raise UserError(
+                f"cannot write the dataset index cache in {self.directory!r} ({err.strerror or err}); "
+                f"give a writable directory with --data-cache-path"
+            ) from None
+
+    def load(self) -> dict[str, np.ndarray]:
+        """Map every array read-only (raises UserError when the set is incomplete)."""
+        directory = self._find()
+        if directory is None:
+            raise UserError(
+                f"dataset index cache {self.hash} not found in {self.search_dirs}; the building rank (rank 0) "
+                f"failed to write it — check its error, or give a shared writable --data-cache-path"
+            )
+        paths = self.paths(directory)
+        return {name: np.load(paths[name], mmap_mode="r", allow_pickle=False) for name in self.array_names}
+
+
+def build_or_load(cache: IndexCache, build: Callable[[], dict[str, np.ndarray]], is_builder: bool,
+                  barrier: Callable[[], None] | None) -> tuple[dict[str, np.ndarray], bool]:  # fmt: skip
+    """Build+save on the builder when missing, wait at `barrier`, then load everywhere: (arrays, built_now).
+
+    The barrier is reached on every rank even when the builder fails, so the others do not hang; they then
+    report the missing cache and the builder re-raises its own error.
+    """
+    built_now, failure = False, None
+    if is_builder and not cache.exists():
+        try:
+            cache.save(build())
+            built_now = True
+        except UserError as err:
+            failure = err
+    if barrier is not None:
+        barrier()
+    if failure is not None:
+        raise failure
+    return cache.load(), built_now
+
+
+def _atomic_write(path: str, write: Callable) -> None:
+    directory, base = os.path.split(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
