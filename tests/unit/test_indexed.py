@@ -1,3 +1,4 @@
+import pickle
 import struct
 
 import numpy as np
@@ -131,3 +132,11 @@ def test_mismatched_bin_is_an_error(tmp_path):
     (tmp_path / "d.bin").write_bytes(b"\x00" * 21)
     with pytest.raises(UserError, match=r"not a whole number of uint16 tokens"):
         IndexedDataset(tmp_path / "d")
+
+
+def test_pickles_as_its_prefix(tmp_path):
+    ds = build(tmp_path / "d")
+    payload = pickle.dumps(ds)
+    assert len(payload) < 500  # the token data is not copied into the pickle
+    again = pickle.loads(payload)
+    assert [again[i].tolist() for i in range(len(again))] == DOCS

@@ -222,6 +222,13 @@ class IndexedDataset:
                     f"file has {self._bin_bytes} bytes (truncated, or the .bin and .idx come from different runs)"
                 )
 
+    def __getstate__(self) -> dict:
+        # Pickled (e.g. into spawned DataLoader workers) as its prefix: the copy maps the files again.
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["prefix"])
+
     def __len__(self) -> int:
         return len(self.sizes)
 
