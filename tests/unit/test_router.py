@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from moetron.errors import ConfigError
+from moetron.errors import ConfigError, UserError
 from moetron.model.config import ModelConfig
 from moetron.model.moe.capacity import capacity_from_factor
 from moetron.model.moe.router import Router
@@ -54,8 +54,9 @@ def test_capacity_formula(tokens, experts, factor, k, min_capacity, expected):
 
 def test_top1_with_fewer_tokens_than_min_capacity_is_a_clear_error():
     router = identity_router(4, topk=1, moe_min_capacity=4)
-    with pytest.raises(ValueError, match="--moe-min-capacity is 4"):
+    with pytest.raises(ValueError, match="--moe-min-capacity is 4") as info:
         router(torch.randn(3, 4))
+    assert isinstance(info.value, UserError)  # the CLI prints it as one line, no traceback
 
 
 def test_eval_uses_eval_capacity_factor():

@@ -6,9 +6,18 @@ Dropping never builds a [T, E, C] tensor: a route either fits in its expert's C 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from moetron.errors import UserError
 
+
+class RoutingInputError(UserError, ValueError):
+    """Tokens the router cannot route as configured (a ValueError; the CLI prints it as one line)."""
+
+
+@functools.lru_cache(maxsize=1024)  # pure function of a few numbers; called every forward
 def capacity_from_factor(num_tokens: int, num_experts: int, capacity_factor: float, k: int, min_capacity: int) -> int:
     """DeepSpeed's `_capacity`: max(ceil(T / E · k·cf), min_capacity).
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moetron.model.moe.capacity import (
+    RoutingInputError,
     capacity_from_factor,
     dropless_capacity,
     gather_slots,
@@ -53,7 +54,7 @@ def _no_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
 
 def _check_top1_tokens(num_tokens: int, min_capacity: int) -> None:
     if num_tokens < min_capacity:
-        raise ValueError(
+        raise RoutingInputError(
             f"top-1 routing got {num_tokens} tokens but --moe-min-capacity is {min_capacity}; DeepSpeed's top-1 "
             f"gate needs at least min_capacity tokens per batch: lower --moe-min-capacity (0 is allowed) "
             f"or route more tokens at once (larger micro batch or sequence)"

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from moetron.model.config import ModelConfig
 from moetron.model.moe.capacity import (
+    RoutingInputError,
     capacity_from_factor,
     dropless_capacity,
     gather_slots,
@@ -131,7 +132,10 @@ def sequence_aux_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor, seq_len: int
     num_tokens, num_experts = probs_TE.shape
     seq_len = seq_len or num_tokens
     if num_tokens % seq_len:
-        raise ValueError(f"sequence aux loss: {num_tokens} tokens are not a whole number of {seq_len}-token sequences")
+        raise RoutingInputError(
+            f"--moe-aux-loss-type seq: {num_tokens} tokens are not a whole number of {seq_len}-token sequences; "
+            f"route whole sequences (x flattened from [B, seq_len, D])"
+        )
     mask_TE = torch.zeros_like(probs_TE).scatter_(1, ids_TK, 1.0)
     probs_BLE = probs_TE.view(-1, seq_len, num_experts)
     mask_BLE = mask_TE.view(-1, seq_len, num_experts)
