@@ -34,7 +34,7 @@ class GPTDataset:
     """Samples of `seq_length + 1` tokens from `documents` of one indexed dataset, in Megatron's order."""
 
     def __init__(self, name: str, prefix: str, documents: np.ndarray, indexed, split: str, num_samples: int,
-                 seq_length: int, seed: int, cache_dirs: list[str], is_builder: bool = True,
+                 seq_length: int, seed: int, cache_dirs: list[str] | None = None, is_builder: bool = True,
                  cache_barrier: Callable[[], None] | None = None):  # fmt: skip
         self.name, self.prefix, self.indexed = name, prefix, indexed
         sizes = np.asarray(indexed.sizes)
@@ -45,10 +45,13 @@ class GPTDataset:
                 f"{self.plan.tokens_per_epoch} tokens, too few for a sample; change --split or add data"
             )
         self.desc = describe_gpt_dataset(prefix, name, num_samples, self.plan.num_epochs, seq_length, seed, split)
-        cache = IndexCache(self.desc, ["doc_idx", "sample_idx", "shuffle_idx"], cache_dirs)
-        arrays, self.built_index = build_or_load(cache, lambda: self._build(sizes), is_builder, cache_barrier)
+        if cache_dirs:
+            cache = IndexCache(self.desc, ["doc_idx", "sample_idx", "shuffle_idx"], cache_dirs)
+            arrays, self.built_index = build_or_load(cache, lambda: self._build(sizes), is_builder, cache_barrier)
+            self.cache_dir = cache.directory
+        else:  # no cache: every rank builds in memory (tests, tiny data)
+            arrays, self.built_index, self.cache_dir = self._build(sizes), True, None
         self.doc_idx, self.sample_idx, self.shuffle_idx = arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"]
-        self.cache_dir = cache.directory
 
     def _build(self, sizes: np.ndarray) -> dict[str, np.ndarray]:
         arrays = build_index_mappings(self.plan, sizes)

@@ -89,7 +89,7 @@ def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, nu
 
 def build_shuffle_idx(num_shuffled_together: int, total: int, rng: np.random.RandomState) -> np.ndarray:
     """A permutation of `[0, num_shuffled_together)` followed by a separate permutation of the rest."""
-    dtype = np.int64 if total >= np.iinfo(np.uint32).max - 1 else np.uint32
+    dtype = shuffle_dtype(total)
     first = np.arange(num_shuffled_together, dtype=dtype)
     rng.shuffle(first)
     if num_shuffled_together == total:
@@ -97,6 +97,11 @@ def build_shuffle_idx(num_shuffled_together: int, total: int, rng: np.random.Ran
     last = np.arange(num_shuffled_together, total, dtype=dtype)
     rng.shuffle(last)
     return np.concatenate((first, last))
+
+
+def shuffle_dtype(total: int) -> type:
+    """uint32 halves the file; int64 once `total` reaches 2^32 − 2 (Megatron's threshold)."""
+    return np.int64 if total >= np.iinfo(np.uint32).max - 1 else np.uint32
 
 
 @dataclass
