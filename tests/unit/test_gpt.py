@@ -102,10 +102,12 @@ def ref_rope(x_BHTD, base):
 def test_dense_model_equals_reference(options):
     cfg = tiny_cfg(**options)
     model = create_model(cfg, "cpu", seed=3).eval()
-    with torch.no_grad():  # non-trivial norms and biases so that every parameter matters
+    with torch.no_grad():  # non-trivial norms and biases, activations outside GELU's near-linear region
         for name, p in model.named_parameters():
             if "layernorm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+            elif "dense_h_to_4h" in name:
+                p.normal_(0.0, 0.5)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     x = tokens()
     torch.testing.assert_close(model(x).logits, reference_logits(cfg, sd, x), atol=1e-4, rtol=1e-4)
@@ -342,3 +344,104 @@ def test_tiny_moe_gpt_overfits_a_batch():
         if losses[-1] < 0.1 * losses[0]:
             break
     assert losses[-1] < 0.1 * losses[0], losses[::20]
+
+
+# ---------------------------------------------------------------------- equality with Hugging Face models
+def perturbed_norms(model: torch.nn.Module) -> None:
+    """Non-trivial norms, and weights large enough that activations leave GELU's near-linear region
+    (with std 0.02 the tanh and erf GELUs would agree within the tolerance)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif "mlp.c_fc" in name:
+                p.normal_(0.0, 0.5)
+
+
+def test_megatron_default_model_equals_hf_gpt2():
+    """Megatron's GPT (LayerNorm, learned positions, tanh-GELU MLP with biases, tied head) is GPT-2."""
+    transformers = pytest.importorskip("transformers", reason="optional: checks equality with HF GPT-2")
+    torch.manual_seed(0)
+    hf_cfg = transformers.GPT2Config(vocab_size=64, n_positions=12, n_embd=32, n_layer=2, n_head=4, n_inner=48)
+    hf_cfg.resid_pdrop = hf_cfg.embd_pdrop = hf_cfg.attn_pdrop = 0.0
+    hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    perturbed_norms(hf)
+    sd = {"word_embeddings.weight": hf.transformer.wte.weight, "position_embeddings.weight": hf.transformer.wpe.weight}
+    sd |= {"final_layernorm.weight": hf.transformer.ln_f.weight, "final_layernorm.bias": hf.transformer.ln_f.bias}
+    for i, block in enumerate(hf.transformer.h):
+        pairs = {
+            "input_layernorm": block.ln_1,
+            "self_attention.query_key_value": block.attn.c_attn,
+            "self_attention.dense": block.attn.c_proj,
+            "post_attention_layernorm": block.ln_2,
+            "mlp.dense_h_to_4h": block.mlp.c_fc,
+            "mlp.dense_4h_to_h": block.mlp.c_proj,
+        }
+        for ours, theirs in pairs.items():  # HF's Conv1D stores [in, out]: transpose to nn.Linear's [out, in]
+            weight = theirs.weight if "layernorm" in ours else theirs.weight.T
+            sd |= {f"layers.{i}.{ours}.weight": weight, f"layers.{i}.{ours}.bias": theirs.bias}
+    model = GPTModel(tiny_cfg()).eval()
+    model.load_state_dict({k: v.detach().clone() for k, v in sd.items()})
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, hf(x).logits, atol=1e-5, rtol=1e-4)
+
+
+MIXTRAL = dict(
+    MODERN,
+    vocab_size=64,
+    rotary_base=1e6,
+    ffn_hidden_size=16,
+    num_experts=[4],
+    expert_interval=1,
+    topk=2,
+    moe_token_dropping=False,
+    moe_top2_2nd_expert_sampling=False,
+)
+
+
+def test_modern_options_express_hf_mixtral_exactly():
+    """RMSNorm + RoPE + GQA + SwiGLU experts, no biases, untied head, softmax-top-2-renormalised dropless routing."""
+    transformers = pytest.importorskip("transformers", reason="optional: checks equality with HF Mixtral")
+    torch.manual_seed(0)
+    hf_cfg = transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=12,
+        rms_norm_eps=1e-5,
+        rope_theta=1e6,
+    )
+    hf_cfg._attn_implementation = "eager"
+    hf = transformers.MixtralForCausalLM(hf_cfg).eval()
+    perturbed_norms(hf)
+    F_ = hf_cfg.intermediate_size
+    sd = {
+        "word_embeddings.weight": hf.model.embed_tokens.weight,
+        "output_layer.weight": hf.lm_head.weight,
+        "final_layernorm.weight": hf.model.norm.weight,
+    }
+    for i, layer in enumerate(hf.model.layers):
+        attn, moe, p = layer.self_attn, layer.mlp, f"layers.{i}."
+        sd[p + "input_layernorm.weight"] = layer.input_layernorm.weight
+        sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        sd[p + "self_attention.query_key_value.weight"] = torch.cat(
+            [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        )
+        sd[p + "self_attention.dense.weight"] = attn.o_proj.weight
+        sd[p + "mlp.router.weight"] = moe.gate.weight
+        gate_up = moe.experts.gate_up_proj  # [E, 2F, D] = [gate | up] along dim 1
+        sd[p + "mlp.experts.w1_EDF"] = gate_up[:, :F_].transpose(1, 2)
+        sd[p + "mlp.experts.w3_EDF"] = gate_up[:, F_:].transpose(1, 2)
+        sd[p + "mlp.experts.w2_EFD"] = moe.experts.down_proj.transpose(1, 2)
+    model = create_model(tiny_cfg(**MIXTRAL), "cpu", seed=0).eval()
+    missing, unexpected = model.load_state_dict({k: v.detach().clone() for k, v in sd.items()}, strict=False)
+    assert not unexpected and all(name.endswith("router.expert_bias") for name in missing), missing
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, hf(x).logits, atol=1e-5, rtol=1e-4)
