@@ -400,6 +400,16 @@ MIXTRAL = dict(
 )
 
 
+def hf_mixtral_experts(experts: torch.nn.Module, ffn: int) -> dict[str, torch.Tensor]:
+    """Our [E, …] expert tensors from HF Mixtral's experts (fused in transformers >= 5, a list before)."""
+    if hasattr(experts, "gate_up_proj"):  # [E, 2F, D] = [gate | up] along dim 1; down [E, D, F]
+        gate_up = experts.gate_up_proj
+        w1, w3, w2 = gate_up[:, :ffn], gate_up[:, ffn:], experts.down_proj
+    else:  # ModuleList of MixtralBlockSparseTop2MLP(w1, w2, w3) nn.Linears
+        w1, w3, w2 = (torch.stack([getattr(e, n).weight for e in experts]) for n in ("w1", "w3", "w2"))
+    return {"w1_EDF": w1.transpose(1, 2), "w3_EDF": w3.transpose(1, 2), "w2_EFD": w2.transpose(1, 2)}
+
+
 def test_modern_options_express_hf_mixtral_exactly():
     """RMSNorm + RoPE + GQA + SwiGLU experts, no biases, untied head, softmax-top-2-renormalised dropless routing."""
     transformers = pytest.importorskip("transformers", reason="optional: checks equality with HF Mixtral")
@@ -427,7 +437,7 @@ def test_modern_options_express_hf_mixtral_exactly():
         "final_layernorm.weight": hf.model.norm.weight,
     }
     for i, layer in enumerate(hf.model.layers):
-        attn, moe, p = layer.self_attn, layer.mlp, f"layers.{i}."
+        attn, moe, p = layer.self_attn, getattr(layer, "mlp", None) or layer.block_sparse_moe, f"layers.{i}."
         sd[p + "input_layernorm.weight"] = layer.input_layernorm.weight
         sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
         sd[p + "self_attention.query_key_value.weight"] = torch.cat(
@@ -435,10 +445,7 @@ def test_modern_options_express_hf_mixtral_exactly():
         )
         sd[p + "self_attention.dense.weight"] = attn.o_proj.weight
         sd[p + "mlp.router.weight"] = moe.gate.weight
-        gate_up = moe.experts.gate_up_proj  # [E, 2F, D] = [gate | up] along dim 1
-        sd[p + "mlp.experts.w1_EDF"] = gate_up[:, :F_].transpose(1, 2)
-        sd[p + "mlp.experts.w3_EDF"] = gate_up[:, F_:].transpose(1, 2)
-        sd[p + "mlp.experts.w2_EFD"] = moe.experts.down_proj.transpose(1, 2)
+        sd |= {p + "mlp.experts." + k: v for k, v in hf_mixtral_experts(moe.experts, F_).items()}
     model = create_model(tiny_cfg(**MIXTRAL), "cpu", seed=0).eval()
     missing, unexpected = model.load_state_dict({k: v.detach().clone() for k, v in sd.items()}, strict=False)
     assert not unexpected and all(name.endswith("router.expert_bias") for name in missing), missing
