@@ -35,8 +35,10 @@ def documents(prefix):
 
 def test_round_trip_decodes_back_to_the_text(tmp_path, tok_dir, capsys):
     source = write_jsonl(tmp_path / "in.jsonl", CORPUS)
-    assert run_preprocess(tok_dir, [source], tmp_path / "out") == 0
-    assert "4 documents" in capsys.readouterr().out
+    assert run_preprocess(tok_dir, [source], tmp_path / "out", "--log-interval", "2") == 0
+    out, err = capsys.readouterr()
+    assert "4 documents" in out and "MB/s" in out
+    assert "processed 4 documents" in err  # progress lines, as stderr is not a terminal here
     tok = tiny_tokenizer(tok_dir)
     assert [tok.decode(doc) for doc in documents(tmp_path / "out_text_document")] == CORPUS
 

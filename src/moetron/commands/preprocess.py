@@ -25,13 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tok.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
     tok.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
     tok.add_argument("--tokenizer-model", help="tokenizer.json or its directory (HFTokenizer)")
-    tok.add_argument("--append-eod", action="store_true", help="append the EOD token to every document")
+    tok.add_argument("--append-eod", action="store_true", help="append EOD to every document (counted in its size)")
     out = parser.add_argument_group("output data")
     out.add_argument(
         "--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx; the directory must exist"
     )
     run = parser.add_argument_group("runtime")
-    run.add_argument("--workers", type=int, default=1, help="tokenizer processes (1: in-process, multi-threaded)")
+    run.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1: in-process)")
     run.add_argument("--log-interval", type=int, default=1000, help="progress line every N documents (no terminal)")
     run.add_argument("--strict", action="store_true", help="stop at the first bad record instead of skipping it")
 
