@@ -1,0 +1,79 @@
+"""`torchrun --nproc-per-node 2 -m moetron train ... --moe-expert-parallel-size 2` end to end on a tiny corpus.
+
+The 2-process EP run trains, logs and writes one model/optim file per expert shard; a single process then
+resumes that checkpoint with EP = 1 (the experts reshard on load) and finishes; an impossible EP size is one
+clear error before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from moetron.data.indexed import IndexedDatasetBuilder
+from moetron.data.tokenizer import build_tokenizer
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TINY = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+    "--global-batch-size 8 --num-experts 4 --topk 2 --lr 3e-3 --lr-warmup-iters 2 --log-interval 5 "
+    "--eval-iters 1 --eval-interval 10 --hidden-dropout 0 --attention-dropout 0"
+).split()
+
+
+@pytest.fixture
+def corpus_flags(tmp_path, shakespeare, gpt2_files):
+    vocab, merges = gpt2_files
+    tokenizer = build_tokenizer("GPT2BPETokenizer", str(vocab), str(merges))
+    prefix = tmp_path / "corpus" / "shakespeare_text_document"
+    prefix.parent.mkdir()
+    builder = IndexedDatasetBuilder(prefix, np.uint16)
+    for paragraph in shakespeare.read_text()[:40_000].split("\n\n"):
+        builder.add_document(tokenizer.encode(paragraph) + [tokenizer.eod])
+    builder.finalize()
+    flags = ["--data-path", str(prefix), "--split", "90,10,0", "--tokenizer-type", "GPT2BPETokenizer"]
+    return flags + ["--vocab-file", str(vocab), "--merge-file", str(merges)]
+
+
+def moetron_train(*args: str, nproc: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    command = [*launcher, "-m", "moetron"] if nproc > 1 else [sys.executable, "-m", "moetron"]
+    return subprocess.run([*command, "train", *args], capture_output=True, text=True, env=env or ENV, timeout=240)
+
+
+@pytest.mark.distributed
+def test_torchrun_expert_parallel_train_then_resume_on_one_process(tmp_path, corpus_flags):
+    run = tmp_path / "run"
+    common = [*TINY, *corpus_flags, "--save", str(run)]
+    proc = moetron_train(*common, "--train-iters", "10", "--moe-expert-parallel-size", "2", nproc=2)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f" iteration {10:>7d}/10 |" in proc.stdout
+    checkpoint = run / "iter_0000010"
+    assert sorted(p.name for p in checkpoint.glob("*.safetensors")) == [
+        "model-ep00001.safetensors",
+        "model.safetensors",
+        "optim-ep00001.safetensors",
+        "optim.safetensors",
+    ]
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert evals and all(np.isfinite(e["valid_loss"]) for e in evals)
+
+    resumed = moetron_train(*common, "--train-iters", "12", "--load", str(run))  # EP = 1, one process
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "loaded checkpoint" in resumed.stdout and "iteration 10" in resumed.stdout
+    assert (run / "latest").read_text().strip() == "iter_0000012"
+
+
+def test_impossible_expert_parallel_size_is_one_clear_error(tmp_path, corpus_flags):
+    run = tmp_path / "never"
+    env = {**ENV, "WORLD_SIZE": "2"}  # what torchrun announces; the check runs before any process group
+    args = [*TINY, *corpus_flags, "--train-iters", "2", "--save", str(run), "--moe-expert-parallel-size", "3"]
+    proc = moetron_train(*args, env=env)
+    assert proc.returncode == 2
+    assert "--moe-expert-parallel-size 3" in proc.stderr and "Traceback" not in proc.stderr
+    assert not run.exists()
