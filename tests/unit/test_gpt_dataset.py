@@ -200,7 +200,7 @@ def test_build_from_real_files_with_split(tmp_path):
     pytest.importorskip("moetron.data.indexed")
     docs = [[t % 60000 for t in d] for d in random_docs(100, 7)]
     _write_prefix(tmp_path / "corpus_text_document", docs)
-    cfg = DataConfig(data_path=[str(tmp_path / "corpus_text_document")], split="90,8,2")
+    cfg = DataConfig(data_path=[str(tmp_path / "corpus_text_document")], split="90,8,2", mmap_warmup=True)
     train, valid, test = build_gpt_datasets(cfg, seq_length=16, seed=11, num_samples=(70, 10, 3))
     for ds, docs_range, n in [(train, range(0, 90), 70), (valid, range(90, 98), 10), (test, range(98, 100), 3)]:
         expected, _, _ = reference_samples(docs, docs_range, n, 16, 11)
@@ -224,6 +224,11 @@ def test_unwritable_cache_dir_names_the_flag(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(UserError, match="--data-cache-path"):
         _ds_for(random_docs(10, 1), 5, 4, blocker / "sub")
+
+
+def test_too_few_tokens_is_a_user_error():
+    with pytest.raises(UserError, match="holds 1 tokens"):
+        GPTDataset("valid", "p", np.arange(1, 2, dtype=np.int32), FakeIndexed([[5, 6], [7]]), "1", 3, 4, 1)
 
 
 def test_megatron_num_samples():

@@ -38,12 +38,13 @@ class GPTDataset:
                  cache_barrier: Callable[[], None] | None = None):  # fmt: skip
         self.name, self.prefix, self.indexed = name, prefix, indexed
         sizes = np.asarray(indexed.sizes)
-        self.plan = IndexPlan.make(documents, sizes, num_samples, seq_length, seed)
-        if self.plan.tokens_per_epoch <= 1:
+        tokens = int(np.sum(sizes[documents], dtype=np.int64))
+        if tokens <= 1:
             raise UserError(
-                f"{prefix!r}: the {name} split (documents {documents[0]}..{documents[-1]}) holds "
-                f"{self.plan.tokens_per_epoch} tokens, too few for a sample; change --split or add data"
+                f"{prefix!r}: the {name} split ({len(documents)} documents) holds {tokens} tokens, too few for "
+                f"a sample; change --split or add data"
             )
+        self.plan = IndexPlan.make(documents, sizes, num_samples, seq_length, seed)
         self.desc = describe_gpt_dataset(prefix, name, num_samples, self.plan.num_epochs, seq_length, seed, split)
         if cache_dirs:
             cache = IndexCache(self.desc, ["doc_idx", "sample_idx", "shuffle_idx"], cache_dirs)
@@ -104,6 +105,14 @@ def open_indexed_dataset(prefix: str):
     return IndexedDataset(prefix)
 
 
+def warmup_files(prefix: str, chunk_bytes: int = 100 * 2**20) -> None:
+    """Read `PREFIX.idx` and `PREFIX.bin` once so the page cache holds them (Megatron's --mmap-warmup)."""
+    for path in (prefix + ".idx", prefix + ".bin"):
+        with open(path, "rb") as f:
+            while f.read(chunk_bytes):
+                pass
+
+
 def build_gpt_datasets(cfg: DataConfig, seq_length: int, seed: int, num_samples: Sequence[int],
                        cache_barrier: Callable[[], None] | None = None, *, is_builder: bool = True,
                        open_dataset: Opener = open_indexed_dataset):  # fmt: skip
@@ -135,6 +144,8 @@ class _Builder:
     def indexed(self, prefix: str):
         if prefix not in self._opened:
             self._opened[prefix] = self.open_dataset(prefix)
+            if self.cfg.mmap_warmup:
+                warmup_files(prefix)
         return self._opened[prefix]
 
     def gpt(self, name: str, prefix: str, documents: np.ndarray, num_samples: int) -> GPTDataset:
