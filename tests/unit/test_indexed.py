@@ -140,3 +140,10 @@ def test_pickles_as_its_prefix(tmp_path):
     assert len(payload) < 500  # the token data is not copied into the pickle
     again = pickle.loads(payload)
     assert [again[i].tolist() for i in range(len(again))] == DOCS
+
+
+def test_megatron_lm_sequence_modes_are_tolerated(tmp_path):
+    # Megatron-LM's multimodal writer appends one int8 mode per sequence after doc_idx.
+    build(tmp_path / "d")
+    (tmp_path / "d.idx").write_bytes((tmp_path / "d.idx").read_bytes() + bytes(len(DOCS)))
+    assert [a.tolist() for a in IndexedDataset(tmp_path / "d")[:]] == DOCS

@@ -155,3 +155,11 @@ def test_one_output_pair_per_json_key(tmp_path, tok_dir):
     assert [tok.decode(d) for d in documents(tmp_path / "out_title_document")] == [t[:10] for t in CORPUS]
     assert [tok.decode(d) for d in documents(tmp_path / "out_text_document")] == CORPUS
     assert IndexedDataset(tmp_path / "out_text_document").dtype == np.uint16
+
+
+def test_corrupt_gzip_is_a_one_line_error_and_leaves_nothing(tmp_path, tok_dir, capsys):
+    payload = gzip.compress(("\n".join(json.dumps({"text": t}) for t in CORPUS * 50)).encode())
+    (tmp_path / "in.jsonl.gz").write_bytes(payload[: len(payload) // 2])
+    assert run_preprocess(tok_dir, [tmp_path / "in.jsonl.gz"], tmp_path / "out") == 2
+    assert "in.jsonl.gz' cannot be read to the end" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["in.jsonl.gz"]

@@ -115,3 +115,9 @@ def test_ascii_word_cache_equals_the_rust_pipeline(request, tiny_tokenizer_dir, 
     texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24))) for _ in range(3000)]
     texts += ["I'm  here\n\n  you've 123abc  ", "tail spaces   ", "\t\t\n x", "café mixed with ascii"]
     assert tok.encode_batch(texts) == [tok.core.encode(t).ids for t in texts]
+
+
+def test_training_without_usable_text_is_an_error(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", CORPUS, key="body")
+    with pytest.raises(UserError, match="holds no usable text"):
+        train_bpe_tokenizer([corpus], 280, tmp_path / "tok")
