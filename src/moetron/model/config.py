@@ -145,9 +145,6 @@ class ModelConfig:
             )
         if any(e < 1 for e in self.num_experts):
             p.append(f"--num-experts values must be >= 1, got {self.num_experts}")
-        moe_counts = [e for e in self.num_experts if e > 1]
-        if moe_counts and not 1 <= self.topk <= min(moe_counts):
-            p.append(f"--topk {self.topk} must be between 1 and the smallest expert count {min(moe_counts)}")
         for name, allowed in [
             ("normalization", ("layernorm", "rmsnorm")),
             ("position_embedding_type", ("learned_absolute", "rope")),
@@ -161,13 +158,11 @@ class ModelConfig:
             if value not in allowed:
                 flag = "--" + name.replace("_", "-")
                 p.append(f"{flag} {value!r} is not one of {', '.join(map(str, allowed))}")
-        if moe_counts and self.num_expert_groups > 1:
-            if any(e % self.num_expert_groups for e in moe_counts):
-                p.append(
-                    f"--num-expert-groups {self.num_expert_groups} must divide every expert count {moe_counts}"
-                )
-            if not 1 <= self.topk_groups <= self.num_expert_groups:
-                p.append(f"--topk-groups {self.topk_groups} must be in 1..{self.num_expert_groups}")
+        # The router owns its own compatibility rules; ask it once per distinct expert count.
+        from moetron.model.moe.router import router_problems
+
+        for count in sorted({e for e in self.num_experts if e > 1}):
+            p.extend(q for q in router_problems(self, count) if q not in p)
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 p.append(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
