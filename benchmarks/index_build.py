@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from moetron.data.blend import _choices, build_blending_indices
+from moetron.data.blend import build_blending_indices, step_choices
 from moetron.data.sample_index import IndexPlan, build_doc_idx, build_index_mappings, build_sample_idx
 
 
@@ -87,7 +87,7 @@ def full_index(num_tokens: int, seq_length: int, seed: int) -> float:
 def blend_ratio(size: int, weights: list[float]) -> None:
     """Blending indices: the period-verified builder vs the plain step-by-step loop, same size and weights."""
     (index, _), fast = timed(build_blending_indices, weights, size, repeat=1)
-    steps, slow = timed(_choices, weights, [0] * len(weights), 0, size, repeat=1)
+    steps, slow = timed(step_choices, weights, [0] * len(weights), 0, size, repeat=1)
     assert np.array_equal(index, np.frombuffer(steps, dtype=np.uint8)), "blending builders differ"
     print(f"| {size:.0e} | {weights} | {slow / fast:.1f}x | identical |")
 

@@ -7,6 +7,8 @@ weights and the size. The decisions are made in float64 with the same operations
 ties break identically.
 
 Megatron caches the two index arrays only when `--data-cache-path` is given; so does this module.
+
+Shapes: D = samples in the blend, B = one block of guessed decisions, K = datasets.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
         raise UserError(f"a blend holds at most {MAX_DATASETS} datasets, got {len(w)}; merge some prefixes")
     dataset_index = np.empty(size, dtype=np.uint8)
     done, counts = _speculate(w, dataset_index)
-    dataset_index[done:] = np.frombuffer(_choices(w.tolist(), counts.tolist(), done, size), dtype=np.uint8)
+    dataset_index[done:] = np.frombuffer(step_choices(w.tolist(), counts.tolist(), done, size), dtype=np.uint8)
     # the j-th time dataset i is chosen it serves its sample j
     dataset_sample_index = np.zeros(size, dtype=np.int64)
     for i in range(len(w)):
@@ -46,7 +48,7 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
     return dataset_index, dataset_sample_index
 
 
-def _choices(w: list[float], counts: list[int], start: int, size: int) -> bytearray:
+def step_choices(w: list[float], counts: list[int], start: int, size: int) -> bytearray:
     """The rule step by step for samples `[start, size)` from per-dataset `counts`, as Megatron's C++ loop.
 
     An int times a float is the same float64 product as in C++; `list.index(max)` is the lowest tied index.
@@ -84,7 +86,7 @@ def _speculate(w: np.ndarray, out_D: np.ndarray) -> tuple[int, np.ndarray]:
     K, size = len(w), len(out_D)
     period = _best_period(w)
     head = min(size, 2 * period)
-    out_D[:head] = np.frombuffer(_choices(w.tolist(), [0] * K, 0, head), dtype=np.uint8)
+    out_D[:head] = np.frombuffer(step_choices(w.tolist(), [0] * K, 0, head), dtype=np.uint8)
     counts_K = np.bincount(out_D[:head], minlength=K).astype(np.int64)
     k, block, rounds, eye_KK = head, 256, 0, np.eye(K, dtype=np.int64)
     while k < size:
