@@ -47,7 +47,7 @@ def corpus(tmp_path_factory, shakespeare, gpt2_files):
 
 TINY = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 4 "
-    "--global-batch-size 8 --num-experts 4 --topk 2 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
+    "--global-batch-size 4 --num-experts 4 --topk 2 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
     "--lr-warmup-iters 5 --log-interval 10 --eval-iters 2 --hidden-dropout 0 --attention-dropout 0"
 ).split()
 
@@ -65,22 +65,22 @@ def test_train_evaluate_save_and_resume(corpus):
     flags, tmp = corpus
     run = tmp / "run"
     common = [*TINY, *flags, "--save", str(run), "--save-interval", "20", "--eval-interval", "20"]
-    proc = moetron_train(*common, "--train-iters", "60")
+    proc = moetron_train(*common, "--train-iters", "40")
     assert proc.returncode == 0, proc.stderr
-    assert " iteration      60/60 | consumed tokens 15360 |" in proc.stdout and "ETA" in proc.stdout
+    assert " iteration      40/40 | consumed tokens 5120 |" in proc.stdout and "ETA" in proc.stdout
     evals = read_jsonl(run / "eval.jsonl")
-    assert [e["iteration"] for e in evals] == [20, 40, 60]
-    assert evals[-1]["valid_loss"] < evals[0]["valid_loss"] - 0.3  # it learns
+    assert [e["iteration"] for e in evals] == [20, 40]
+    assert evals[-1]["valid_loss"] < evals[0]["valid_loss"] - 0.5  # it learns
     metrics = read_jsonl(run / "metrics.jsonl")
-    assert len(metrics) == 6 and len(metrics[-1]["expert_load_max_over_mean"]) == 1
-    assert (run / "latest").read_text().strip() == "iter_0000060"
-    assert (run / "config.yaml").exists() and (run / "iter_0000060" / "config.yaml").exists()
+    assert len(metrics) == 4 and len(metrics[-1]["expert_load_max_over_mean"]) == 1
+    assert (run / "latest").read_text().strip() == "iter_0000040"
+    assert (run / "config.yaml").exists() and (run / "iter_0000040" / "config.yaml").exists()
 
-    resumed = moetron_train(*common, "--train-iters", "70", "--load", str(run))
+    resumed = moetron_train(*common, "--train-iters", "45", "--load", str(run))
     assert resumed.returncode == 0, resumed.stderr
-    assert "loaded checkpoint" in resumed.stdout and "iteration 60" in resumed.stdout
-    assert read_jsonl(run / "metrics.jsonl")[-1]["iteration"] == 70
-    assert (run / "latest").read_text().strip() == "iter_0000070"
+    assert "loaded checkpoint" in resumed.stdout and "iteration 40" in resumed.stdout
+    assert read_jsonl(run / "metrics.jsonl")[-1]["iteration"] == 45
+    assert (run / "latest").read_text().strip() == "iter_0000045"
 
 
 def test_sigterm_saves_and_exits_zero(corpus):

@@ -74,29 +74,36 @@ def build_loaders(cfg: RunConfig, env: DistEnv):
     return train_loader, make_valid
 
 
-def maybe_load(trainer: Trainer, cfg: RunConfig) -> None:
+def find_checkpoint(cfg: RunConfig):
+    """The checkpoint `--load` names (None: start fresh); checked before any data or model is built."""
     t = cfg.train
     if not t.load:
-        return
+        return None
     path = resolve_checkpoint(t.load)
+    if path is None and t.exit_on_missing_checkpoint:
+        raise UserError(
+            f"--load {t.load}: no checkpoint there (no 'latest' file or iter_* directory) and "
+            f"--exit-on-missing-checkpoint is set; fix the path or drop the flag to start fresh"
+        )
+    return path
+
+
+def load_into(trainer: Trainer, cfg: RunConfig, path) -> None:
     if path is None:
-        if t.exit_on_missing_checkpoint:
-            raise UserError(
-                f"--load {t.load}: no checkpoint there (no 'latest' file or iter_* directory) and "
-                f"--exit-on-missing-checkpoint is set; fix the path or drop the flag to start fresh"
-            )
-        trainer.logger_print(f"warning: --load {t.load} holds no checkpoint; starting from scratch")
+        if cfg.train.load:
+            trainer.logger_print(f"warning: --load {cfg.train.load} holds no checkpoint; starting from scratch")
         return
     trainer.load(path)
-    what = "weights (finetune)" if t.finetune else f"iteration {trainer.progress.iteration}"
+    what = "weights (finetune)" if cfg.train.finetune else f"iteration {trainer.progress.iteration}"
     trainer.logger_print(f" loaded checkpoint {path}: {what}")
 
 
 def run_training(cfg: RunConfig, explicit: set[str], env: DistEnv) -> int:
+    checkpoint = find_checkpoint(cfg)
     seed_everything(cfg.train.seed, env.rank)
     resolve_vocab_size(cfg, explicit)
     train_loader, make_valid = build_loaders(cfg, env)
     model = create_model(cfg.model, env.device, cfg.train.seed)
     trainer = Trainer(cfg, env, model, train_loader, make_valid, config_yaml=to_yaml(cfg))
-    maybe_load(trainer, cfg)
+    load_into(trainer, cfg, checkpoint)
     return trainer.train()
