@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from moetron import __version__
@@ -67,3 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `moetron inspect ... | head`: the reader left; silence the flush at exit as well.
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        return 0
