@@ -64,7 +64,7 @@ def build_loaders(cfg: RunConfig, env: DistEnv):
     if train_ds is None or len(train_ds) == 0:
         raise UserError("the training split is empty; check --data-path and --split (e.g. --split 98,2,0)")
     mbs = cfg.train.micro_batch_size
-    train_loader = DistributedBatchLoader(train_ds, mbs, env.rank, dp)
+    train_loader = DistributedBatchLoader(train_ds, mbs, env.rank, dp, num_workers=cfg.data.num_workers)
     make_valid = None
     if valid_ds is not None and len(valid_ds) > 0 and cfg.train.eval_iters > 0:
 
