@@ -116,3 +116,16 @@ def test_blend_cache_only_with_data_cache_path(tmp_path):
     assert len([n for n in os.listdir(cache) if n.endswith("_doc_idx.npy")]) == 2
     other = build_gpt_datasets(cfg, 8, 4, (60, 0, 0), open_dataset=opener)[0]
     assert other.built_index and other.desc != first.desc
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_blending_indices_match_megatron_core_helpers(weights):
+    """Against Megatron's compiled C++ helper itself (int16 dataset index there), when megatron-core is installed."""
+    helpers = pytest.importorskip("megatron.core.datasets.helpers_cpp", reason="megatron-core not installed")
+    w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+    size = 50000
+    expected_index, expected_sample = np.zeros(size, dtype=np.int16), np.zeros(size, dtype=np.int64)
+    helpers.build_blending_indices(expected_index, expected_sample, w, len(w), size, False)
+    index, sample = build_blending_indices(w, size)
+    np.testing.assert_array_equal(index, expected_index)
+    np.testing.assert_array_equal(sample, expected_sample)

@@ -11,6 +11,7 @@ from moetron.data.config import DataConfig
 from moetron.data.gpt_dataset import GPTDataset, build_gpt_datasets, megatron_num_samples
 from moetron.data.sample_index import (
     IndexPlan,
+    build_doc_idx,
     build_index_mappings,
     build_sample_idx,
     get_train_valid_test_split,
@@ -262,3 +263,18 @@ def _has_indexed() -> bool:
 def _touch(prefix) -> None:
     for ext in (".bin", ".idx"):
         open(str(prefix) + ext, "wb").close()
+
+
+def test_sample_idx_matches_megatron_core_helpers():
+    """Against Megatron's compiled C++ helper itself, when megatron-core is installed."""
+    helpers = pytest.importorskip("megatron.core.datasets.helpers_cpp", reason="megatron-core not installed")
+    rng = np.random.default_rng(0)
+    for trial in range(10):
+        sizes = rng.integers(trial % 2, 200, size=int(rng.integers(5, 2000))).astype(np.int32)
+        sizes[0] = max(int(sizes[0]), 1)
+        epochs, seq_length = int(rng.integers(1, 4)), int(rng.integers(2, 300))
+        documents = np.arange(len(sizes), dtype=np.int32)
+        doc_idx = build_doc_idx(documents, epochs, np.random.RandomState(trial), trial % 3 == 0)
+        tokens = int(sizes.sum())
+        expected = helpers.build_sample_idx_int64(sizes, doc_idx, seq_length, epochs, tokens, True, 1)
+        np.testing.assert_array_equal(build_sample_idx(sizes, doc_idx, seq_length, epochs, tokens), expected)
