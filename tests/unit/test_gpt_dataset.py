@@ -278,3 +278,25 @@ def test_sample_idx_matches_megatron_core_helpers():
         tokens = int(sizes.sum())
         expected = helpers.build_sample_idx_int64(sizes, doc_idx, seq_length, epochs, tokens, True, 1)
         np.testing.assert_array_equal(build_sample_idx(sizes, doc_idx, seq_length, epochs, tokens), expected)
+
+
+@pytest.mark.parametrize("num_samples", [40, 130, 170])  # one epoch; two with a separate last; two together
+def test_index_matches_megatron_core_functions(num_samples):
+    """doc/sample/shuffle arrays against megatron-core's own builders, called in its order, when installed."""
+    pytest.importorskip("megatron.core.datasets.helpers_cpp", reason="megatron-core not installed")
+    mcore = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    from megatron.core.datasets import helpers
+
+    sizes = FakeIndexed(random_docs(40, 12)).sizes
+    plan = IndexPlan.make(np.arange(5, 40), sizes, num_samples, 8, 77)
+    rng = np.random.RandomState(77)
+    doc_idx = mcore._build_document_index(plan.documents, plan.num_epochs, rng, plan.separate_last_epoch)
+    sample_idx = helpers.build_sample_idx(sizes, doc_idx, 8, plan.num_epochs, plan.tokens_per_epoch, True, True)
+    total = sample_idx.shape[0] - 1
+    together = ((plan.num_epochs - 1) * plan.tokens_per_epoch - 1) // 8 if plan.separate_last_epoch else total
+    shuffle_idx = mcore._build_shuffle_index(together, total, rng)
+    ours = build_index_mappings(plan, sizes)
+    np.testing.assert_array_equal(ours["doc"], doc_idx)
+    np.testing.assert_array_equal(ours["sample"], sample_idx)
+    np.testing.assert_array_equal(ours["shuffle"], shuffle_idx)
+    assert ours["shuffle"].dtype == shuffle_idx.dtype
