@@ -2,7 +2,8 @@
 
 One spawned group runs every check (spawning is the expensive part):
 1. DP gradients: 2 ranks × micro batch 2 give the gradients of 1 process × micro batch 2 × 2 accumulation steps
-   (same global batch, same samples, dropout off), and every rank ends the step with identical weights;
+   (same global batch, same samples, dropout off), every rank ends the step with identical weights, and the
+   aux-loss-free expert biases are updated from all ranks' routing (equal to the single-process update);
 2. exact resume: 2N steps straight and N steps + checkpoint + N steps give bit-identical losses on every rank
    (dropout and MoE random token selection on, per-rank RNG offsets), with rank-specific RNG files saved.
 """
@@ -31,6 +32,7 @@ def first_step_grads(env: DistEnv | None, micro: int, global_batch: int) -> tupl
     cfg.model.attention_dropout = 0.0
     cfg.model.moe_use_rts = False  # no random draws that differ between layouts:
     cfg.model.moe_top2_2nd_expert_sampling = False  # positional dropping, argmax second expert
+    cfg.model.moe_router_bias_update_rate = 1e-3  # aux-loss-free balancing: biases from all ranks' loads
     trainer = build_trainer(cfg, env)
     grads, step = {}, trainer.optimizer.step
 
@@ -40,7 +42,7 @@ def first_step_grads(env: DistEnv | None, micro: int, global_batch: int) -> tupl
 
     trainer.optimizer.step = capture
     assert trainer.train_step().ok
-    return grads, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return grads, {n: t.detach().clone() for n, t in trainer.model.state_dict().items()}
 
 
 def resume_losses(env: DistEnv, save_dir: str) -> tuple[list[float], list[float]]:
@@ -66,12 +68,16 @@ def all_checks(rank: int, world_size: int, save_dir: str) -> dict:
 def test_two_process_data_parallel(tmp_path):
     results = run_distributed(all_checks, world_size=2, args=(str(tmp_path),))
     torch.set_num_threads(1)
-    reference, _ = first_step_grads(None, micro=2, global_batch=4)  # 1 process, 2 accumulation steps
+    reference, reference_state = first_step_grads(None, micro=2, global_batch=4)  # 1 process, 2 accumulations
     for name, grad in reference.items():
         for r in results:
             torch.testing.assert_close(r["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
     for name, value in results[0]["params"].items():
-        assert torch.equal(value, results[1]["params"][name]), name  # replicas stay identical
+        assert torch.equal(value, results[1]["params"][name]), name  # replicas (and expert biases) stay identical
+    biases = [n for n in reference_state if n.endswith("expert_bias")]
+    assert biases and any(reference_state[n].abs().sum() > 0 for n in biases)
+    for name in biases:  # the bias update saw every rank's routing, as the single process saw all tokens
+        torch.testing.assert_close(results[0]["params"][name], reference_state[name], rtol=0, atol=1e-7)
     for r in results:
         assert r["straight"] == r["resumed"]  # bit-identical exact resume on every rank
     assert results[0]["straight"] != results[1]["straight"]  # ranks really saw different data
