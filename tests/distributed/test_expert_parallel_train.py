@@ -4,6 +4,7 @@ Two spawned groups carry every check (spawning is the expensive part):
   2 processes, EP = 2:  20 steps follow the 1-process loss curve (same global batch, dropout off, no routing
                         noise); the validation loss of a fixed batch; a checkpoint; the seed's 128-expert model
                         (4 layers, hidden 256, 4 heads; seq 16 on CPU) runs a few steps with 64 experts per rank.
+                        Aux-loss-free expert biases stay identical on every rank and equal the 1-process ones.
   4 processes, EP = 2 × DP = 2: 20 steps follow the 1-process curve. EP = 4: each rank holds a quarter of every
                         MoE layer's expert parameters and optimizer state; the EP = 1 checkpoint (itself loaded
                         from the EP = 2 one) loads with the same validation loss and optimizer state, and saves.
@@ -102,13 +103,21 @@ def seed_model_steps(env: DistEnv) -> tuple[list[float], int]:
     return run_losses(trainer, 2), local_experts.pop()
 
 
+def expert_biases(ep: int, global_batch: int, env: DistEnv | None = None) -> list[torch.Tensor]:
+    """Aux-loss-free balancing: every router's expert bias after 3 steps."""
+    trainer = ep_trainer(ep_config(ep, global_batch, moe_router_bias_update_rate=0.01), env)
+    run_losses(trainer, 3)
+    return [moe.router.expert_bias.clone() for moe in trainer.model.moe_layers()]
+
+
 def two_process_checks(rank: int, world_size: int, save_dir: str) -> dict:
     env = init_distributed()
     trainer = ep_trainer(ep_config(2, global_batch=MBS * world_size, save=save_dir), env)
     losses = run_losses(trainer, STEPS)
     trainer.save()
     seed_losses, seed_local = seed_model_steps(env)
-    return {"losses": losses, "valid": validation_loss(trainer), "seed": seed_losses, "seed_local": seed_local}
+    out = {"losses": losses, "valid": validation_loss(trainer), "seed": seed_losses, "seed_local": seed_local}
+    return {**out, "biases": expert_biases(2, MBS * world_size, env)}
 
 
 # ---------------------------------------------------------------- 4 processes
@@ -140,6 +149,11 @@ def test_expert_parallel_training_and_resharding(tmp_path):
     assert two[0]["losses"] != two[1]["losses"]  # the ranks really trained on different tokens
     assert all(r["seed_local"] == 64 for r in two) and all(len(r["seed"]) == 2 for r in two)
     assert all(torch.isfinite(torch.tensor(r["seed"])).all() for r in two)
+    # expert biases: loads all-reduced over DP before the update, so every rank's equal the 1-process ones
+    for got, want in zip(two[1]["biases"], expert_biases(1, 2 * MBS), strict=True):
+        torch.testing.assert_close(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(two[0]["biases"], two[1]["biases"], strict=True))
+    assert any(b.abs().sum() > 0 for b in two[0]["biases"])  # the biases really moved
 
     # EP = 2 → EP = 1: same validation loss, optimizer state complete; saved again for the EP = 4 group
     single = ep_trainer(ep_config(1, global_batch=2 * MBS, save=ep1_dir))
