@@ -47,6 +47,7 @@ def moetron_train(*args: str, nproc: int = 1, env: dict | None = None) -> subpro
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_torchrun_expert_parallel_train_then_resume_on_one_process(tmp_path, corpus_flags):
     run = tmp_path / "run"
     common = [*TINY, *corpus_flags, "--save", str(run)]

@@ -99,6 +99,7 @@ def all_cases(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_all_to_all_layer_matches_single_process():
     results = run_distributed(all_cases, world_size=4)
     for (ep, topk, dropless), _ in results[0].items():

@@ -139,6 +139,7 @@ def reference_losses(global_batch: int) -> torch.Tensor:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_expert_parallel_training_and_resharding(tmp_path):
     ep2_dir, ep1_dir, ep4_dir = (str(tmp_path / name) for name in ("ep2", "ep1", "ep4"))
     two = run_distributed(two_process_checks, world_size=2, args=(ep2_dir,), timeout=240)

@@ -15,6 +15,7 @@ own flag; TP and PP (later) slot in before step (2).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +39,7 @@ class ParallelModel:
     module: nn.Module  # what forward runs through: DDP over the dense parameters, or the model itself
     dims: ParallelDims
     meshes: dict = field(default_factory=dict)  # "ep", "edp", "dp" → 1-D DeviceMesh (empty in one process)
-    grad_norm_sq: object = None  # `grad_norm_sq_fn` for clip_gradients
+    grad_norm_sq: Callable[[list[torch.Tensor]], torch.Tensor] | None = None  # for clip_gradients: global norm²
 
     def group(self, name: str):
         mesh = self.meshes.get(name)
@@ -51,10 +52,12 @@ class ParallelModel:
 
 
 def unwrap_model(module: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (or the module itself)."""
     return getattr(module, "module", module)
 
 
 def check_dims(cfg: ModelConfig, dims: ParallelDims) -> None:
+    """Every layout problem (degrees, and expert counts the EP size must divide) as one ConfigError."""
     problems = dims.problems(cfg.experts_per_layer())
     if problems:
         raise ConfigError(problems)
@@ -102,6 +105,7 @@ def shard_layer_experts(moe: MoELayer, ep_rank: int, ep_size: int) -> None:
 
 
 def install_dispatchers(model: GPTModel, ep_group, ep_size: int, ep_rank: int) -> None:
+    """Swap every MoE layer's local dispatcher for the all-to-all one over `ep_group`."""
     for moe in model.moe_layers():
         moe.dispatcher = AllToAllDispatcher(moe.num_experts, ep_group, ep_size, ep_rank)
 
