@@ -14,6 +14,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
+import inspect
+import re
 import types
 import typing
 from pathlib import Path
@@ -70,8 +73,22 @@ def field_specs() -> dict[str, FieldSpec]:
 
 
 # ---------------------------------------------------------------------------- CLI
+@functools.cache
+def _field_comments(cls: type) -> dict[str, str]:
+    """The trailing `# comment` of each field in a dataclass's source: the flag's help text."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    found = re.findall(r"^\s+(\w+): [^#\n]*#\s*(.+)$", source, flags=re.MULTILINE)
+    return {name: text.strip() for name, text in found}
+
+
 def _help(spec: FieldSpec) -> str:
-    return f"default: {spec.default}"
+    cls = type(getattr(RunConfig(), spec.section))
+    comment = _field_comments(cls).get(spec.name, "")
+    default = f"default: {spec.default}"
+    return f"{comment} ({default})".replace("%", "%%") if comment else default
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
