@@ -43,8 +43,10 @@ def routing_stats(moe_aux: list) -> torch.Tensor | None:
         return None
     rows = []
     for aux in moe_aux:
-        stats = aux.stats() if hasattr(aux, "stats") else aux.routing.stats()
-        rows.append(torch.stack([stats["load_max_over_mean"].float(), stats["dropped_fraction"].float()]))
+        load_E = aux.tokens_per_expert_E.float()  # routes per expert before dropping
+        routes = max(aux.routing.kept_TK.numel(), 1)
+        load = load_E.max() / load_E.mean().clamp_min(1e-9)
+        rows.append(torch.stack([load, aux.dropped_routes.float() / routes]))
     return torch.stack(rows)
 
 
