@@ -1,7 +1,7 @@
 """MoE layer forward+backward time and peak memory, as ratios to a floor measured side by side in one process.
 
     python benchmarks/moe_layer.py                 # all three shapes
-    python benchmarks/moe_layer.py --shapes 0 --reps 5 --threads 2
+    python benchmarks/moe_layer.py --shapes 0 --reps 5 --threads 0 --clock wall   # all cores, elapsed time
 
 Implementations (all SwiGLU experts without biases, the same weights and router weight; fp32; CPU):
   floor                 the expert GEMMs alone on a perfectly balanced, pre-sorted batch of T·k rows (bmm on
@@ -12,11 +12,11 @@ Implementations (all SwiGLU experts without biases, the same weights and router 
                         (skipped with a message when transformers is not installed).
   moetron capacity      MoELayer, DeepSpeed routing, capacity factor 1.0, token dropping: the fair peer of
   deepspeed             deepspeed.moe.layer.MoE with the same settings (skipped when deepspeed is missing).
-Time: median over --reps runs of forward+backward (parameter grads and input grad), after --warmup runs,
-implementations interleaved in a rotating order within every rep. Memory: peak bytes live in torch's CPU
-allocator between the start of forward and the end of backward (torch.profiler's allocation events,
-profile_memory=True, summed in time order), minus what was live at the start: activations saved for
-backward, temporaries and gradients — the same accounting for every implementation.
+Time: median over --reps runs of forward+backward (parameter grads and input grad; process CPU time on one
+thread by default), after --warmup runs, implementations interleaved in a rotating order within every rep.
+Memory: peak bytes live in torch's CPU allocator between the start of forward and the end of backward
+(torch.profiler's allocation events, profile_memory=True, summed in time order), minus what was live at
+the start: saved activations, temporaries and gradients, the same accounting for every implementation.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ class Shape:
         return f"T={self.tokens} D={self.hidden} F={self.ffn} E={self.experts} k={self.topk}"
 
 
+# Process CPU time by default: on a shared machine wall time mostly measures the other jobs (one step of
+# the same code varied 3x in wall time here under load). With one thread it is the work done by this step.
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+CLOCK_HELP = "cpu: process CPU time (robust on a shared machine; use with --threads 1), wall: elapsed time"
 SHAPES = [Shape(4096, 512, 1024, 8, 2), Shape(8192, 128, 256, 64, 1), Shape(8192, 256, 512, 128, 1)]
 Step = Callable[[], torch.Tensor]  # one forward+backward; returns the output (for the cross-checks)
 
@@ -223,16 +227,16 @@ def peak_bytes(step: Step) -> int:
     return peak
 
 
-def median_times(steps: dict[str, Step], reps: int, warmup: int) -> dict[str, float]:
+def median_times(steps: dict[str, Step], reps: int, warmup: int, clock: Callable[[], float]) -> dict[str, float]:
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
     for rep in range(warmup + reps):
         rotated = names[rep % len(names) :] + names[: rep % len(names)]
         for name in rotated:
-            start = time.perf_counter()
+            start = clock()
             steps[name]()
             if rep >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
     return {n: statistics.median(t) for n, t in times.items()}
 
 
@@ -247,10 +251,10 @@ def cross_checks(steps: dict[str, Step]) -> list[str]:
     return lines
 
 
-def run_shape(s: Shape, reps: int, warmup: int) -> list[str]:
+def run_shape(s: Shape, reps: int, warmup: int, clock: Callable[[], float]) -> list[str]:
     steps, notes = build_steps(s)
     checks = cross_checks(steps)
-    seconds = median_times(steps, reps, warmup)
+    seconds = median_times(steps, reps, warmup, clock)
     memory = {name: peak_bytes(step) for name, step in steps.items()}
     rows = [
         f"| {s} | {name} | {seconds[name] / seconds['floor']:.2f}× | {memory[name] / memory['floor']:.2f}× |"
@@ -264,15 +268,17 @@ def main() -> None:
     parser.add_argument("--shapes", type=int, nargs="*", default=list(range(len(SHAPES))), help="indices into SHAPES")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help=CLOCK_HELP)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU, median of {args.reps} fwd+bwd\n")
+    threads, reps = torch.get_num_threads(), args.reps
+    print(f"torch {torch.__version__}, {threads} thread(s), {args.clock} time, fp32 CPU, median of {reps} fwd+bwd\n")
     print("| shape | implementation | time / floor | peak memory / floor |")
     print("|---|---|---|---|")
     for index in args.shapes:
-        for line in run_shape(SHAPES[index], args.reps, args.warmup):
+        for line in run_shape(SHAPES[index], args.reps, args.warmup, CLOCKS[args.clock]):
             print(line, flush=True)
 
 
