@@ -1,0 +1,95 @@
+"""One plan: parameters, FLOPs, per-rank memory, the verdict and a step-time estimate for a config on N devices.
+
+Step time is compute only: FLOPs per step per device (6·N_active + attention per token, ×4/3 when
+activations are recomputed) divided by `peak × mfu`. The MFU is an assumption the user can change
+(`--mfu`); all-to-all time and routing imbalance are not modelled separately, so they are part of what
+that assumption has to absorb.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moetron.config import RunConfig, train_problems
+from moetron.errors import ConfigError
+from moetron.model.flops import ParamCounts, count_parameters, flops_per_token
+from moetron.parallel.dims import ParallelDims
+from moetron.plan.hardware import Accelerator
+from moetron.plan.memory import LocalParams, MemoryEstimate, estimate_memory, local_parameters
+
+DEFAULT_MFU = 0.30
+NOT_SUPPORTED = "is not supported yet"
+
+
+@dataclass
+class Plan:
+    cfg: RunConfig
+    gpus: int
+    device: Accelerator
+    mfu: float
+    dims: ParallelDims
+    params: ParamCounts
+    local: LocalParams
+    flops_per_token: float
+    memory: MemoryEstimate
+    step_time_s: float
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def needed_bytes(self) -> int:
+        """The peak plus the device's context (CUDA context, library workspaces)."""
+        return self.memory.peak + self.device.context_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.needed_bytes <= self.device.memory_bytes
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.global_batch(self.dims.dp) * self.cfg.model.seq_length
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.cfg.num_micro_batches(self.dims.dp)
+
+
+def layout_problems(cfg: RunConfig, gpus: int) -> tuple[list[str], list[str]]:
+    """(errors, warnings): errors make a plan meaningless; warnings are layouts moetron cannot run yet."""
+    dims = cfg.dims(gpus)
+    problems = dims.problems() + cfg.model.problems() + train_problems(cfg, max(dims.dp, 1))
+    experts = [e for e in cfg.model.num_experts if e > 1]
+    ep = cfg.parallel.moe_expert_parallel_size
+    if ep > 1 and any(e % ep for e in experts):
+        problems.append(f"--num-experts {cfg.model.num_experts} must be divisible by --moe-expert-parallel-size {ep}")
+    errors = [p for p in problems if NOT_SUPPORTED not in p]
+    return errors, [p for p in problems if NOT_SUPPORTED in p]
+
+
+def step_time(cfg: RunConfig, dims: ParallelDims, device: Accelerator, mfu: float) -> tuple[float, float]:
+    """(seconds per optimizer step, training FLOPs per token) at `mfu` of the device's peak."""
+    per_token = flops_per_token(cfg.model, cfg.model.seq_length)
+    recompute = 4 / 3 if cfg.model.checkpoint_activations else 1.0  # one more forward pass
+    tokens_per_device = cfg.global_batch(dims.dp) * cfg.model.seq_length / dims.dp
+    return tokens_per_device * per_token * recompute / (device.peak_tflops * 1e12 * mfu), per_token
+
+
+def make_plan(cfg: RunConfig, gpus: int, device: Accelerator, mfu: float = DEFAULT_MFU) -> Plan:
+    """The plan of `cfg` on `gpus` devices; raises ConfigError for layouts that cannot exist at all."""
+    errors, warnings = layout_problems(cfg, gpus)
+    if errors:
+        raise ConfigError(errors)
+    dims = cfg.dims(gpus)
+    seconds, per_token = step_time(cfg, dims, device, mfu)
+    return Plan(
+        cfg=cfg,
+        gpus=gpus,
+        device=device,
+        mfu=mfu,
+        dims=dims,
+        params=count_parameters(cfg.model),
+        local=local_parameters(cfg.model, dims),
+        flops_per_token=per_token,
+        memory=estimate_memory(cfg, dims, device.kind),
+        step_time_s=seconds,
+        warnings=warnings,
+    )

@@ -1,0 +1,167 @@
+"""The plan as a readable table (`moetron plan`) or as JSON (`moetron plan --json`)."""
+
+from __future__ import annotations
+
+from moetron.plan.advice import Suggestion
+from moetron.plan.estimate import Plan
+from moetron.plan.hardware import GIB
+
+MEMORY_ROWS = [  # (MemoryEstimate field, label)
+    ("weights", "weights (fp32; also the master copy)"),
+    ("gradients", "gradients (fp32)"),
+    ("ddp_buckets", "DDP gradient buckets (fp32)"),
+    ("optimizer", "Adam moments exp_avg + exp_avg_sq (fp32)"),
+    ("weight_casts", "{dtype} copies of the matmul weights"),
+    ("activations", "activations ({activations})"),
+    ("logits", "logits and loss buffers [{tokens}, {vocab}]"),
+    ("all_to_all", "all-to-all send/receive buffers"),
+]
+
+
+def precision(plan: Plan) -> str:
+    t = plan.cfg.train
+    return "fp16" if t.fp16 else "bf16" if t.bf16 else "fp32"
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def human(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(int(n))
+
+
+def describe_model(plan: Plan) -> str:
+    m = plan.cfg.model
+    moe = [e for e in m.experts_per_layer() if e > 1]
+    experts = "dense" if not moe else f"{len(moe)} MoE layers of {'/'.join(map(str, sorted(set(moe))))} experts"
+    extra = ", residual (PR-MoE)" if moe and m.mlp_type == "residual" else ""
+    top = f", top-{m.topk}" if moe else ""
+    return (
+        f"{human(plan.params.total)} parameters, {human(plan.params.active)} active per token "
+        f"({m.num_layers} layers, hidden {m.hidden_size}, {experts}{top}{extra})"
+    )
+
+
+def describe_layout(plan: Plan) -> str:
+    d, t = plan.dims, plan.cfg.train
+    local = [e // d.ep for e in plan.cfg.model.num_experts if e > 1]
+    experts = f" ({'/'.join(map(str, sorted(set(local))))} experts per GPU)" if local else ""
+    return (
+        f"{plan.gpus} GPU(s): data parallel {d.dp}, expert parallel {d.ep}{experts}; micro batch "
+        f"{t.micro_batch_size} × {plan.accumulation_steps} accumulation step(s) × {d.dp} = global batch "
+        f"{plan.cfg.global_batch(d.dp)}, seq {plan.cfg.model.seq_length}"
+    )
+
+
+def memory_lines(plan: Plan) -> list[str]:
+    m, mem = plan.cfg.model, plan.memory
+    ckpt = ", checkpointed" if m.checkpoint_activations else ""
+    fill = {
+        "dtype": precision(plan),
+        "activations": f"micro batch {plan.cfg.train.micro_batch_size} × seq {m.seq_length}{ckpt}",
+        "tokens": plan.cfg.train.micro_batch_size * m.seq_length,
+        "vocab": m.padded_vocab_size(),
+    }
+    lines = [f"  {'memory per GPU':<52} {'GiB':>8}"]
+    for name, label in MEMORY_ROWS:
+        value = getattr(mem, name)
+        if value:
+            lines.append(f"  {label.format(**fill):<52} {gib(value):>8}")
+    if plan.device.context_bytes:
+        lines.append(f"  {'CUDA context and library workspaces (typical)':<52} {gib(plan.device.context_bytes):>8}")
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    room = plan.device.memory_bytes - plan.needed_bytes
+    lines.append(f"  {f'needed at the peak ({mem.phase})':<52} {gib(plan.needed_bytes):>8}")
+    lines.append(
+        f"  {'available on a ' + plan.device.name:<52} {gib(plan.device.memory_bytes):>8}   → {verdict} "
+        f"({gib(abs(room))} GiB {'free' if room >= 0 else 'short'})"
+    )
+    return lines
+
+
+def format_plan(plan: Plan, suggestions: list[Suggestion], source: str = "") -> str:
+    t = plan.cfg.train
+    title = f"moetron plan{': ' + source if source else ''} on {plan.gpus} × {plan.device.name}"
+    tflops = plan.device.peak_tflops * plan.mfu
+    lines = [
+        title,
+        f"  model      {describe_model(plan)}",
+        f"  layout     {describe_layout(plan)}",
+        f"  precision  {precision(plan)}"
+        + ("" if precision(plan) == "fp32" else " autocast; fp32 weights, grads and Adam"),
+        f"  FLOPs      {human(plan.flops_per_token)} per token (6·active + attention, forward + backward)",
+        "",
+        *memory_lines(plan),
+        "",
+        f"  step time  ~{plan.step_time_s:.2f} s for {human(plan.tokens_per_step)} tokens "
+        f"(assumed {plan.mfu:.0%} MFU of {plan.device.peak_tflops:g} peak = {tflops:.0f} TFLOP/s per GPU; --mfu)",
+    ]
+    if t.train_iters or t.train_tokens:
+        lines.append(f"  run        ~{human(plan.cfg.total_iters(plan.dims.dp))} steps ≈ {_duration(plan)}")
+    for warning in plan.warnings:
+        lines.append(f"  warning    {warning}")
+    if not plan.fits:
+        lines += ["", *suggestion_lines(plan, suggestions)]
+    return "\n".join(lines)
+
+
+def _duration(plan: Plan) -> str:
+    seconds = plan.cfg.total_iters(plan.dims.dp) * plan.step_time_s
+    for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def suggestion_lines(plan: Plan, suggestions: list[Suggestion]) -> list[str]:
+    if not suggestions:
+        replicated = plan.memory.weights + plan.memory.gradients + plan.memory.optimizer
+        return [
+            "  nothing moetron offers today makes it fit: the fp32 weights, gradients and Adam state alone take "
+            f"{gib(replicated)} GiB per GPU. Use GPUs with more memory, or a smaller model (tensor parallelism "
+            "and ZeRO-style sharding are not implemented yet)."
+        ]
+    lines = [f"  {'changes that fit':<44} {'needs GiB':>9} {'step s':>8}  flags"]
+    for s in suggestions:
+        lines.append(f"  {s.change:<44} {gib(s.plan.needed_bytes):>9} {s.plan.step_time_s:>8.2f}  {s.flags}")
+    return lines
+
+
+def plan_dict(plan: Plan, suggestions: list[Suggestion]) -> dict:
+    d = plan.dims
+    return {
+        "gpus": plan.gpus,
+        "device": {
+            "name": plan.device.name,
+            "memory_bytes": plan.device.memory_bytes,
+            "peak_tflops": plan.device.peak_tflops,
+            "context_bytes": plan.device.context_bytes,
+        },
+        "parallel": {"dp": d.dp, "ep": d.ep, "tp": d.tp, "pp": d.pp},
+        "precision": precision(plan),
+        "micro_batch_size": plan.cfg.train.micro_batch_size,
+        "global_batch_size": plan.cfg.global_batch(d.dp),
+        "accumulation_steps": plan.accumulation_steps,
+        "seq_length": plan.cfg.model.seq_length,
+        "parameters": {"total": plan.params.total, "active": plan.params.active, "per_gpu": plan.local.total},
+        "flops_per_token": plan.flops_per_token,
+        "memory": plan.memory.to_dict(),
+        "needed_bytes": plan.needed_bytes,
+        "fits": plan.fits,
+        "mfu_assumed": plan.mfu,
+        "step_time_s": plan.step_time_s,
+        "warnings": plan.warnings,
+        "suggestions": [
+            {
+                "change": s.change,
+                "flags": s.flags,
+                "needed_bytes": s.plan.needed_bytes,
+                "step_time_s": s.plan.step_time_s,
+            }
+            for s in suggestions
+        ],
+    }

@@ -1,0 +1,141 @@
+"""`moetron plan`'s memory model against the peak memory of real training steps on this CPU.
+
+Method: each measurement runs in a fresh Python process (this file, run as a script) that builds the model,
+materialises the AdamW state (one step on zero gradients, so the measured step is a steady-state one), then
+runs one real optimizer step through `Trainer.train_step` (accumulation, loss, backward, clipping, AdamW), and
+reports `ru_maxrss`, the peak resident set size. A baseline process does the same with a tiny model (torch,
+moetron, kernels and thread pools loaded, nothing big allocated); planned peak is compared with
+`maxrss(run) - maxrss(baseline)`. Both run with `MALLOC_MMAP_THRESHOLD_=65536`, so glibc serves every tensor
+of 64 KiB or more with mmap and gives it back on free: the RSS then follows the live tensors instead of
+whatever the heap kept from earlier allocations (without it the peak drifts up by tens of MB at random).
+tracemalloc does not see torch's allocations, hence RSS.
+
+Configs (both fp32, one process, EP 1, as moetron trains on a CPU):
+  quickstart   configs/quickstart.yaml with a ~8k vocabulary, EP 1 instead of its 2 processes' EP 2.
+  seed-2x4090  configs/seed-2x4090-moe128.yaml shrunk for a CPU: seq 256 instead of 2048, EP 1 (all 128
+               experts in one process), fp32 instead of fp16, global batch 8 = the per-GPU share of 16
+               (2 micro-batches of 4, as each of the two GPUs runs them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TOLERANCE = 0.25
+CASES = {
+    "quickstart": (
+        "configs/quickstart.yaml",
+        {"vocab_size": 8192, "moe_expert_parallel_size": 1},
+    ),
+    "seed-2x4090": (
+        "configs/seed-2x4090-moe128.yaml",
+        {"seq_length": 256, "moe_expert_parallel_size": 1, "fp16": False, "global_batch_size": 8},
+    ),
+}
+BASELINE = (
+    "configs/quickstart.yaml",
+    {
+        "num_layers": 2,
+        "hidden_size": 16,
+        "seq_length": 8,
+        "vocab_size": 64,
+        "micro_batch_size": 1,
+        "global_batch_size": 1,
+        "moe_expert_parallel_size": 1,
+    },
+)
+
+
+# ---------------------------------------------------------------------------- the measuring process
+class RandomTokens:
+    """A loader with the trainer's interface: random [mbs, seq + 1] token blocks."""
+
+    def __init__(self, micro_batch_size: int, seq_length: int, vocab_size: int):
+        import torch
+
+        self.shape, self.vocab = (micro_batch_size, seq_length + 1), vocab_size
+        self.generator = torch.Generator().manual_seed(0)
+
+    def next_micro_batch(self):
+        import torch
+
+        return torch.randint(0, self.vocab, self.shape, generator=self.generator)
+
+
+def load(config: str, overrides: dict):
+    from moetron.config_cli import load_config
+
+    cfg, _ = load_config(str(REPO / config), overrides)
+    return cfg
+
+
+def measure_in_this_process(config: str, overrides: dict) -> int:
+    """Peak RSS (bytes) after one steady-state training step of the config."""
+    import torch
+
+    from moetron.model.gpt import create_model
+    from moetron.parallel.env import DistEnv
+    from moetron.train.trainer import Trainer
+
+    torch.set_num_threads(2)
+    cfg = load(config, overrides)
+    env = DistEnv()
+    model = create_model(cfg.model, env.device, cfg.train.seed)
+    loader = RandomTokens(cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
+    trainer = Trainer(cfg, env, model, loader)
+    model.train()
+    for param in model.parameters():  # allocate the Adam moments up front: the measured step is a steady one
+        param.grad = torch.zeros_like(param)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.train_step()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def measure(config: str, overrides: dict) -> int:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "2"}
+    out = subprocess.run(
+        [sys.executable, __file__, json.dumps([config, overrides])],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------- the test
+@pytest.fixture(scope="module")
+def baseline_rss() -> int:
+    return measure(*BASELINE)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss units and MALLOC_MMAP_THRESHOLD_ are Linux/glibc's")
+@pytest.mark.parametrize("case", list(CASES))
+def test_planned_peak_memory_matches_a_real_step(case, baseline_rss):
+    from moetron.plan.estimate import make_plan
+    from moetron.plan.hardware import accelerator
+
+    config, overrides = CASES[case]
+    cfg = load(config, overrides)
+    plan = make_plan(cfg, 1, accelerator("cpu", "64GB"))
+    measured = measure(config, overrides) - baseline_rss
+    ratio = plan.memory.peak / measured
+    assert abs(ratio - 1) <= TOLERANCE, (
+        f"{case}: planned {plan.memory.peak / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB "
+        f"(ratio {ratio:.2f}); planned parts: {plan.memory.to_dict()}"
+    )
+
+
+if __name__ == "__main__":
+    config_path, config_overrides = json.loads(sys.argv[1])
+    print(measure_in_this_process(config_path, config_overrides))
