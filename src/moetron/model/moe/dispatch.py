@@ -44,9 +44,13 @@ def permute(
 
     Gradient flows to x_TD (index_select's backward adds the rows of a token routed K times)."""
     order_N, counts_E = sort_routes(expert_ids_TK, kept_TK, num_experts)
-    topk = expert_ids_TK.shape[1]
-    x_ND = x_TD.index_select(0, order_N // topk)
+    x_ND = x_TD.index_select(0, route_tokens(order_N, expert_ids_TK.shape[1]))
     return x_ND, counts_E, order_N
+
+
+def route_tokens(order_N: torch.Tensor, topk: int) -> torch.Tensor:
+    """The token of each flat route index (t·K + k → t)."""
+    return order_N if topk == 1 else order_N // topk
 
 
 def unpermute(y_ND: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -58,7 +62,8 @@ def unpermute(y_ND: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tenso
     acc_dtype = torch.promote_types(y_ND.dtype, torch.float32)
     weights_N = weights_TK.reshape(-1).index_select(0, order_N).to(acc_dtype)
     weighted_ND = y_ND.to(acc_dtype) * weights_N.unsqueeze(1)
-    y_TD = weighted_ND.new_zeros(num_tokens, y_ND.shape[1]).index_add(0, order_N // topk, weighted_ND)
+    # In place on a fresh buffer: the out-of-place index_add would first copy the zeros.
+    y_TD = weighted_ND.new_zeros(num_tokens, y_ND.shape[1]).index_add_(0, route_tokens(order_N, topk), weighted_ND)
     return y_TD.to(y_ND.dtype)
 
 
