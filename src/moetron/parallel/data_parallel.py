@@ -3,10 +3,11 @@
 Every rank holds the whole model (same seed ⇒ identical initial weights; DDP also broadcasts rank 0's at
 construction). Gradients are averaged over the data-parallel group in backward of the last micro-batch only.
 
-The seam for expert parallelism: `expert_parameter_names(model, dims)` lists parameters DDP must leave alone.
-With `ep == 1` every expert is replicated, so experts are reduced with the dense parameters and the list is
-empty. With `ep > 1` each rank holds different experts: they are excluded here, and the expert-parallel code
-reduces them over the expert-data-parallel group (divided by the full DP size, DeepSpeed's rule).
+Expert parallelism: `expert_parameter_names(model, dims)` lists parameters DDP must leave alone. With
+`ep == 1` every expert is replicated, so experts are reduced with the dense parameters and the list is empty.
+With `ep > 1` each rank holds different experts: DDP skips them, `reduce_expert_gradients` sums them over the
+expert-data-parallel group divided by the FULL DP size (DeepSpeed's rule: values equal the ep = 1 run), and
+`global_grad_norm_sq` makes clipping use the true global norm across the EP shards.
 """
 
 from __future__ import annotations
