@@ -1,0 +1,222 @@
+"""`moetron plan`: the memory model's parts, the advice, the report and the command line.
+
+The activation counts are checked against what autograd really saves: `saved_tensors_hooks` see every
+tensor kept for backward; parameters are left out (they are counted as weights), and layers are isolated
+by the difference between a 4-layer and a 2-layer model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetron.cli import main
+from moetron.config import RunConfig
+from moetron.config_cli import load_config
+from moetron.errors import UserError
+from moetron.model.flops import PEAK_TFLOPS, flops_per_token
+from moetron.model.gpt import create_model
+from moetron.plan.advice import suggestions
+from moetron.plan.estimate import make_plan
+from moetron.plan.hardware import GIB, accelerator, parse_memory
+from moetron.plan.memory import estimate_memory, layer_bytes, local_parameters
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+SEED = str(CONFIGS / "seed-2x4090-moe128.yaml")
+
+
+def small(**model) -> RunConfig:
+    cfg = RunConfig()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 2, 64, 4, 64
+    m.vocab_size, m.make_vocab_size_divisible_by = 256, 128
+    for key, value in model.items():
+        setattr(m, key, value)
+    cfg.train.micro_batch_size, cfg.train.train_iters = 2, 10
+    return cfg
+
+
+def saved_bytes(cfg: RunConfig, dtype: torch.dtype | None) -> int:
+    """Bytes of the non-parameter tensors autograd saves in one training forward (each storage once)."""
+    torch.manual_seed(0)
+    model = create_model(cfg.model)
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length))
+    autocast = torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        model(tokens, labels_BT=tokens)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize(
+    "model, bf16",
+    [
+        ({}, False),
+        ({"attention_dropout": 0.0}, False),
+        ({"num_experts": [8], "expert_interval": 1}, False),
+        ({"num_experts": [8], "expert_interval": 1, "topk": 2}, False),
+        ({"num_experts": [8], "expert_interval": 1, "mlp_type": "residual"}, False),
+        ({"attention_dropout": 0.0}, True),
+    ],
+)
+def test_layer_activations_match_what_autograd_saves(model, bf16):
+    configs = [small(**model, num_layers=n) for n in (2, 4)]
+    for cfg in configs:
+        cfg.train.bf16 = bf16
+    dtype = torch.bfloat16 if bf16 else None
+    measured = (saved_bytes(configs[1], dtype) - saved_bytes(configs[0], dtype)) / 2
+    cfg = configs[0]
+    m, c = cfg.model, 2 if bf16 else 4
+    tokens = cfg.train.micro_batch_size * m.seq_length
+    planned = layer_bytes(m, m.experts_per_layer()[-1], tokens, m.seq_length, c, "cpu", ep=1)
+    if bf16:  # autocast's bf16 weight copies are saved too; the plan counts them as weight casts
+        planned += 2 * 12 * m.hidden_size**2
+    assert planned == pytest.approx(measured, rel=0.15)
+
+
+def test_expert_parallel_splits_only_the_experts():
+    cfg = small(num_experts=[8], expert_interval=1)
+    one, four = (local_parameters(cfg.model, dataclasses.replace(cfg.dims(4), ep=ep)) for ep in (1, 4))
+    assert four.experts * 4 == one.experts
+    assert one.total - one.experts == four.total - four.experts  # dense parts are replicated
+    assert four.replicated == four.total - four.experts and one.replicated == one.total
+
+
+def test_memory_parts_follow_the_config():
+    cfg = small(num_experts=[8], expert_interval=1, num_layers=6)
+    base = estimate_memory(cfg, cfg.dims(1))
+    params = local_parameters(cfg.model, cfg.dims(1)).total
+    assert (base.weights, base.gradients, base.optimizer) == (4 * params, 4 * params, 8 * params)
+    assert base.weight_casts == 0 and base.ddp_buckets == 0 and base.all_to_all == 0
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+    assert base.logits == 16 * tokens * cfg.model.padded_vocab_size()  # the [T, V] loss buffers, not forgotten
+
+    def variant(**changes):
+        c = RunConfig(**{s: dataclasses.replace(getattr(cfg, s)) for s in RunConfig.SECTIONS})
+        for key, value in changes.items():
+            setattr(c.model if hasattr(c.model, key) else c.train, key, value)
+        return estimate_memory(c, c.dims(1))
+
+    assert variant(checkpoint_activations=True).activations < base.activations / 2
+    half = variant(micro_batch_size=1)
+    assert (half.logits, half.activations) == pytest.approx((base.logits / 2, base.activations / 2), rel=0.01)
+    bf16 = variant(bf16=True)
+    assert bf16.weight_casts > 0 and bf16.activations < base.activations
+    acc = variant(global_batch_size=4)  # 2 micro-batches: the first one's gradients are alive in the second's backward
+    assert acc.peak == acc.weights + acc.optimizer + acc.gradients + acc.activations + acc.logits
+    assert acc.logits > base.logits  # ... and the trainer still holds the first one's logits
+
+
+def test_data_and_expert_parallel_buffers():
+    cfg = small(num_experts=[8], expert_interval=1)
+    cfg.parallel.moe_expert_parallel_size = 2
+    mem = estimate_memory(cfg, cfg.dims(2))
+    local = local_parameters(cfg.model, cfg.dims(2))
+    assert mem.ddp_buckets == 4 * local.replicated  # DDP reduces the dense parameters only
+    assert mem.all_to_all > 0
+
+
+def test_step_time_is_flops_over_assumed_throughput():
+    cfg, _ = load_config(SEED, {})
+    device = accelerator("4090")
+    plan = make_plan(cfg, 2, device, mfu=0.5)
+    tokens_per_gpu = 16 * 2048 / 2
+    expected = tokens_per_gpu * flops_per_token(cfg.model) * 4 / 3 / (PEAK_TFLOPS["RTX 4090"] * 1e12 * 0.5)
+    assert plan.step_time_s == pytest.approx(expected)
+    assert make_plan(cfg, 2, device, mfu=0.25).step_time_s == pytest.approx(2 * expected)
+
+
+def test_seed_2x4090_fits_two_4090s_and_advice_makes_a_small_gpu_fit():
+    cfg, _ = load_config(SEED, {})
+    assert make_plan(cfg, 2, accelerator("4090")).fits
+    tight = make_plan(cfg, 2, accelerator("4090", "6GB"))
+    assert not tight.fits
+    fixes = suggestions(tight)
+    assert fixes and all(s.plan.fits for s in fixes)
+    # each suggestion, applied as the flags it prints, really fits
+    for fix in fixes:
+        flags = fix.flags.split()
+        gpus = int(flags[flags.index("--gpus") + 1]) if "--gpus" in flags else 2
+        overrides = _flags_to_overrides(
+            [f for i, f in enumerate(flags) if "--gpus" not in flags[max(i - 1, 0) : i + 1]]
+        )
+        again, _ = load_config(SEED, overrides)
+        assert make_plan(again, gpus, accelerator("4090", "6GB")).fits, fix.flags
+
+
+def _flags_to_overrides(flags: list[str]) -> dict:
+    out, i = {}, 0
+    while i < len(flags):
+        name = flags[i][2:].replace("-", "_")
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            out[name] = int(flags[i + 1])
+            i += 2
+        else:
+            out[name] = True
+            i += 1
+    return out
+
+
+def test_nothing_fits_when_the_replicated_state_alone_is_too_big():
+    cfg, _ = load_config(str(CONFIGS / "gpt-6.7B.yaml"), {})
+    plan = make_plan(cfg, 64, accelerator("A100-80GB"))
+    assert not plan.fits and suggestions(plan) == []
+
+
+def test_memory_sizes_and_devices():
+    assert parse_memory("24GB") == parse_memory("24GiB") == parse_memory("24") == 24 * GIB
+    assert parse_memory("16384MB") == 16 * GIB
+    assert accelerator("rtx4090").memory_bytes == 24 * GIB
+    assert accelerator("H100").peak_tflops == PEAK_TFLOPS["H100"]
+    assert accelerator("A100-80GB", "40GB").memory_bytes == 40 * GIB
+    with pytest.raises(UserError, match="--gpu-memory 'lots'"):
+        parse_memory("lots")
+    with pytest.raises(UserError, match="--gpu-type 'TPU'.*--gpu-memory"):
+        accelerator("TPU")
+    assert accelerator("TPU", "32GB", 100.0).peak_tflops == 100.0
+
+
+def test_cli_table_and_json(capsys):
+    assert main(["plan", "--config", SEED, "--gpus", "2", "--gpu-type", "4090"]) == 0
+    text = capsys.readouterr().out
+    assert "fits" in text and "logits and loss buffers [8192, 50304]" in text and "MFU" in text
+    assert (
+        main(["plan", "--config", SEED, "--gpus", "2", "--gpu-type", "4090", "--micro-batch-size", "2", "--json"]) == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] and data["parallel"] == {"dp": 2, "ep": 2, "tp": 1, "pp": 1}
+    assert data["micro_batch_size"] == 2 and data["accumulation_steps"] == 4
+    assert data["memory"]["peak"] + data["device"]["context_bytes"] == data["needed_bytes"]
+
+
+def test_cli_shows_changes_that_fit(capsys):
+    assert main(["plan", "--config", SEED, "--gpus", "2", "--gpu-type", "4090", "--gpu-memory", "6GB"]) == 0
+    text = capsys.readouterr().out
+    assert "DOES NOT FIT" in text and "changes that fit" in text and "--micro-batch-size" in text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpus", "3"], "data-parallel size 3 is not divisible by --moe-expert-parallel-size 2"),
+        (["--gpu-type", "TPU"], "--gpu-type 'TPU' is not in the table"),
+        (["--mfu", "30"], "--mfu is a fraction"),
+    ],
+)
+def test_cli_errors_are_one_clear_message(argv, message, capsys):
+    assert main(["plan", "--config", SEED, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err and "Traceback" not in err
