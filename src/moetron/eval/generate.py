@@ -1,0 +1,182 @@
+"""Text generation from a checkpoint with the model's KV cache: greedy, temperature, top-k, top-p, stop at EOD.
+
+    model, cfg, path = load_model("runs/quickstart")            # a run directory (follows `latest`) or iter_*
+    tokenizer = load_tokenizer(cfg)
+    ids = generate(model, tokenizer.encode("def main"), GenerationOptions(max_new_tokens=40), eod=tokenizer.eod)
+
+Each prompt is decoded on its own (batch 1): the prompt goes through the model once (prefill), then one
+token per step reads and extends the cache. Prompts of different lengths are therefore never padded, and
+every result equals what the model gives that prompt alone.
+
+Routing at inference (`inference_routing`): dropless by default, so no token of a prompt is ever dropped;
+with a capacity factor the routers drop at that factor, except in forward passes of fewer tokens than
+`moe_min_capacity` (every decode step), where nothing can be dropped anyway (the capacity is at least
+min_capacity) and the pass routes dropless instead of hitting DeepSpeed's top-1 minimum-token check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moetron.config import RunConfig
+from moetron.config_cli import load_config
+from moetron.errors import UserError
+from moetron.model.gpt import GPTModel, create_model
+from moetron.model.kv_cache import KVCache
+from moetron.train.checkpoint import resolve_checkpoint
+from moetron.train.checkpoint_state import load_checkpoint
+
+
+@dataclass
+class GenerationOptions:
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0: greedy (argmax)
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0  # 1.0: no nucleus filter
+    seed: int = 1234
+    capacity_factor: float | None = None  # None: dropless routing
+
+    def problems(self) -> list[str]:
+        p = []
+        if self.max_new_tokens < 1:
+            p.append(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            p.append(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            p.append(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            p.append(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            p.append(f"--capacity-factor must be > 0, got {self.capacity_factor}")
+        return p
+
+
+# ---------------------------------------------------------------------------- loading
+def load_model(load: str, device: torch.device | str = "cpu") -> tuple[GPTModel, RunConfig, Path]:
+    """(model in eval mode with the checkpoint's weights, the run config it was saved with, the iter_* path).
+
+    `load` is a run directory (its `latest` checkpoint) or one `iter_*` directory. The model holds every expert
+    whatever expert-parallel size saved it (checkpoint keys are layout-free).
+    """
+    path = resolve_checkpoint(load)
+    if path is None:
+        raise UserError(
+            f"--load {load}: no checkpoint there (expected a run directory with a 'latest' file or an iter_* "
+            f"directory); give the --save directory of a training run"
+        )
+    config_file = path / "config.yaml"
+    if not config_file.is_file():
+        raise UserError(f"--load {load}: {config_file} is missing; the checkpoint is incomplete, --load another")
+    cfg, _ = load_config(str(config_file), {})
+    model = create_model(cfg.model, device, cfg.train.seed)
+    load_checkpoint(path, model, None, load_rng=False)
+    model.eval()
+    return model, cfg, path
+
+
+def load_tokenizer(cfg: RunConfig):
+    """The tokenizer named in the run config (the files must still be where training found them)."""
+    from moetron.data.tokenizer import build_tokenizer
+
+    d = cfg.data
+    return build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model)
+
+
+# ---------------------------------------------------------------------------- routing
+def _router_configs(model: GPTModel, num_tokens: int, capacity_factor: float | None):
+    base = model.cfg
+    if capacity_factor is None or num_tokens < base.moe_min_capacity:
+        return dataclasses.replace(base, moe_token_dropping=False, moe_min_capacity=0)
+    return dataclasses.replace(base, moe_token_dropping=True, moe_eval_capacity_factor=capacity_factor)
+
+
+@contextlib.contextmanager
+def inference_routing(model: GPTModel, num_tokens: int, capacity_factor: float | None = None) -> Iterator[None]:
+    """Route a forward pass of `num_tokens` tokens for generation (see the module docstring); restores after."""
+    routers = [moe.router for moe in model.moe_layers()]
+    previous = [r.cfg for r in routers]
+    cfg = _router_configs(model, num_tokens, capacity_factor)
+    try:
+        for router in routers:
+            router.cfg = cfg
+        yield
+    finally:
+        for router, old in zip(routers, previous, strict=True):
+            router.cfg = old
+
+
+# ---------------------------------------------------------------------------- sampling
+def filter_logits(logits_V: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Logits with everything outside the top-k and outside the top-p nucleus set to -inf."""
+    if top_k > 0 and top_k < logits_V.shape[-1]:
+        kth = torch.topk(logits_V, top_k).values[-1]
+        logits_V = logits_V.masked_fill(logits_V < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_V, order_V = torch.sort(logits_V, descending=True)
+        cumulative_V = torch.softmax(sorted_V, dim=-1).cumsum(-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the first token always stays).
+        drop_sorted_V = (cumulative_V - torch.softmax(sorted_V, dim=-1)) >= top_p
+        logits_V = logits_V.masked_fill(drop_sorted_V.scatter(0, order_V, drop_sorted_V), float("-inf"))
+    return logits_V
+
+
+def next_token(logits_V: torch.Tensor, options: GenerationOptions, generator: torch.Generator) -> int:
+    """Greedy at temperature 0, else a draw from softmax(filtered logits / temperature)."""
+    if options.temperature == 0:
+        return int(torch.argmax(logits_V))
+    filtered_V = filter_logits(logits_V.float() / options.temperature, options.top_k, options.top_p)
+    probs_V = torch.softmax(filtered_V, dim=-1)
+    return int(torch.multinomial(probs_V, 1, generator=generator))
+
+
+def _check_length(model: GPTModel, prompt_len: int, options: GenerationOptions) -> None:
+    limit = model.cfg.max_positions
+    if model.position_embeddings is not None and prompt_len + options.max_new_tokens > limit:
+        raise UserError(
+            f"the prompt has {prompt_len} tokens and --max-new-tokens is {options.max_new_tokens}, but the model "
+            f"was trained for at most {limit} positions; shorten the prompt or lower --max-new-tokens"
+        )
+
+
+@torch.no_grad()
+def generate(model: GPTModel, prompt_ids: list[int], options: GenerationOptions, eod: int | None = None) -> list[int]:
+    """The new token ids for one prompt (ending with `eod` when the model produced it)."""
+    if not prompt_ids:
+        raise UserError("empty prompt: give at least one character of text to continue")
+    _check_length(model, len(prompt_ids), options)
+    vocab = model.cfg.vocab_size  # the embedding is padded past the tokenizer's vocabulary: never sample there
+    generator = torch.Generator(device="cpu").manual_seed(options.seed)
+    device = next(model.parameters()).device
+    cache = KVCache.for_model(model.cfg, 1, len(prompt_ids) + options.max_new_tokens, device)
+    tokens_1T = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    new: list[int] = []
+    model.eval()
+    for _ in range(options.max_new_tokens):
+        with inference_routing(model, tokens_1T.numel(), options.capacity_factor):
+            logits_1TV = model(tokens_1T, kv_cache=cache).logits
+        token = next_token(logits_1TV[0, -1, :vocab].cpu(), options, generator)
+        new.append(token)
+        if token == eod:
+            break
+        tokens_1T = torch.tensor([[token]], dtype=torch.long, device=device)
+    return new
+
+
+def generate_texts(model: GPTModel, tokenizer, prompts: list[str], options: GenerationOptions) -> list[str]:
+    """Each prompt's continuation as text (the EOD token, when produced, is not part of it)."""
+    try:
+        eod = tokenizer.eod
+    except UserError:  # a tokenizer without an end-of-document token: generation simply never stops early
+        eod = None
+    torch.manual_seed(options.seed)  # routing draws (random token selection, 2nd-expert sampling), if any
+    out = []
+    for prompt in prompts:
+        ids = generate(model, tokenizer.encode(prompt), options, eod)
+        out.append(tokenizer.decode(ids[:-1] if ids and ids[-1] == eod else ids))
+    return out

@@ -1,0 +1,114 @@
+"""Generation with the KV cache against an uncached reference decode; sampling filters; CLI errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetron.cli import main
+from moetron.eval.generate import GenerationOptions, filter_logits, generate, inference_routing
+from moetron.model.config import ModelConfig
+from moetron.model.gpt import create_model
+
+PROMPT = [3, 17, 5, 42, 8, 11]
+
+
+def tiny_model(topk: int = 1, **overrides) -> torch.nn.Module:
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=32,
+        vocab_size=50,  # padded to 128 in the embedding: sampling must never return an id >= 50
+        num_experts=[4],
+        expert_interval=1,
+        topk=topk,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        moe_top2_2nd_expert_sampling=False,
+        **overrides,
+    )
+    return create_model(cfg, seed=7).eval()
+
+
+@torch.no_grad()
+def uncached_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """The reference: the whole sequence through the model at every step, no cache, argmax of the last position."""
+    tokens = list(prompt)
+    with model.inference_routing(dropless=True):
+        for _ in range(steps):
+            logits = model(torch.tensor([tokens])).logits[0, -1, : model.cfg.vocab_size]
+            tokens.append(int(torch.argmax(logits)))
+    return tokens[len(prompt) :]
+
+
+@pytest.mark.parametrize(
+    "topk, overrides",
+    [(1, {}), (2, {}), (2, {"position_embedding_type": "rope", "num_key_value_heads": 2, "swiglu": True})],
+)
+def test_greedy_with_cache_equals_uncached_decode(topk, overrides):
+    model = tiny_model(topk, **overrides)
+    got = generate(model, PROMPT, GenerationOptions(max_new_tokens=12, temperature=0))
+    assert got == uncached_greedy(model, PROMPT, 12)
+
+
+def test_top_k_one_equals_greedy_and_sampling_repeats_with_the_seed():
+    model = tiny_model()
+    greedy = generate(model, PROMPT, GenerationOptions(max_new_tokens=10, temperature=0))
+    assert generate(model, PROMPT, GenerationOptions(max_new_tokens=10, temperature=1.5, top_k=1)) == greedy
+    hot = GenerationOptions(max_new_tokens=20, temperature=5.0, seed=3)
+    first, again = generate(model, PROMPT, hot), generate(model, PROMPT, hot)
+    assert first == again
+    assert all(0 <= t < 50 for t in first)  # never a padding id of the embedding
+    assert first != generate(model, PROMPT, GenerationOptions(max_new_tokens=20, temperature=5.0, seed=4))
+
+
+def test_stops_at_end_of_document():
+    model = tiny_model()
+    greedy = generate(model, PROMPT, GenerationOptions(max_new_tokens=10, temperature=0))
+    eod = greedy[3]
+    stopped = generate(model, PROMPT, GenerationOptions(max_new_tokens=10, temperature=0), eod=eod)
+    assert stopped == greedy[: greedy.index(eod) + 1]
+    assert stopped[-1] == eod
+
+
+def test_top1_decode_under_min_capacity_routes_with_a_capacity_factor():
+    """Batch-1 decode steps route 1 token (< moe_min_capacity 4): dropless there, the factor elsewhere."""
+    model = tiny_model(topk=1, moe_min_capacity=4)
+    with_factor = generate(model, PROMPT, GenerationOptions(max_new_tokens=6, temperature=0, capacity_factor=8.0))
+    assert with_factor == generate(model, PROMPT, GenerationOptions(max_new_tokens=6, temperature=0))
+    with inference_routing(model, 1, capacity_factor=1.0):
+        assert not model.moe_layers()[0].router.cfg.moe_token_dropping
+    with inference_routing(model, 16, capacity_factor=1.0):
+        assert model.moe_layers()[0].router.cfg.moe_token_dropping
+        assert model.moe_layers()[0].router.cfg.moe_eval_capacity_factor == 1.0
+    assert model.moe_layers()[0].router.cfg is model.cfg  # restored
+
+
+def test_filters_keep_the_top_k_and_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.isfinite(filter_logits(logits, top_k=2, top_p=1.0)).tolist() == [True, True, False, False]
+    assert torch.isfinite(filter_logits(logits, top_k=0, top_p=0.8)).tolist() == [True, True, False, False]
+    assert torch.isfinite(filter_logits(logits, top_k=0, top_p=0.81)).tolist() == [True, True, True, False]
+    assert torch.isfinite(filter_logits(logits, top_k=0, top_p=0.1)).tolist() == [True, False, False, False]
+
+
+def test_too_long_for_the_positions_is_a_clear_error():
+    from moetron.errors import UserError
+
+    with pytest.raises(UserError, match="--max-new-tokens"):
+        generate(tiny_model(), PROMPT, GenerationOptions(max_new_tokens=40))
+
+
+def test_bad_load_path_is_one_line_error(tmp_path, capsys):
+    rc = main(["generate", "--load", str(tmp_path / "nowhere"), "--prompt", "hello"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("error: --load ") and "no checkpoint" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bad_sampling_flags_are_reported_together(tmp_path, capsys):
+    rc = main(["generate", "--load", str(tmp_path), "--prompt", "x", "--top-p", "0", "--temperature", "-1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--top-p" in err and "--temperature" in err
