@@ -118,3 +118,18 @@ def test_data_parallel_size_enters_batch_checks():
     batch_problems = [p for p in validate(cfg, world_size=2) if "global-batch-size" in p]
     assert batch_problems and "data-parallel size 2" in batch_problems[0]
     assert RunConfig().num_micro_batches(1) == 1 and cfg.num_micro_batches(1) == 3
+
+
+def test_print_config_shows_the_resolved_yaml(tmp_path, capsys):
+    from moetron.cli import main
+
+    prefix = tmp_path / "corpus"
+    for ext in (".bin", ".idx"):
+        prefix.with_suffix(ext).write_bytes(b"")  # existence is all validation checks
+    argv = ["train", "--print-config", "--num-layers", "2", "--train-iters", "3", "--data-path", str(prefix)]
+    assert main(argv) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["num_layers"] == 2 and printed["train"]["train_iters"] == 3
+    assert printed["data"]["data_path"] == [str(prefix)]
+    assert main(["train", "--fp16", "--bf16", "--data-path", str(prefix), "--train-iters", "1"]) == 2
+    assert "--fp16 and --bf16 are both set" in capsys.readouterr().err
