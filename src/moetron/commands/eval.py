@@ -67,6 +67,8 @@ def _valid_dataset(cfg, dp: int):
 def evaluate_checkpoint(load: str, data_path: str | None = None, eval_iters: int | None = None,
                         dropless: bool = False) -> dict:  # fmt: skip
     """{"checkpoint", "iteration", "valid_loss", "valid_ppl", "micro_batches", "routing": [LayerReport dicts]}."""
+    import torch
+
     from moetron.data.loader import DistributedBatchLoader
     from moetron.eval.generate import load_model
     from moetron.eval.perplexity import evaluate, perplexity
@@ -79,6 +81,7 @@ def evaluate_checkpoint(load: str, data_path: str | None = None, eval_iters: int
     dp = cfg.dims(int(state.get("world_size", 1))).dp
     valid = _valid_dataset(cfg, dp)
     recorder = RoutingRecorder(model)
+    torch.manual_seed(cfg.train.seed)  # routing draws (random token selection) repeat from run to run
     iters = cfg.train.eval_iters * cfg.num_micro_batches(dp)
     losses = []
     with model.inference_routing(dropless=True) if dropless else contextlib.nullcontext():
