@@ -58,11 +58,7 @@ def step(title: str) -> None:
 
 # ---------------------------------------------------------------------------- data
 def build_corpus(options: QuickstartOptions, run_dir: Path) -> list[Path]:
-    """The training text files: the user's (--input) or the built-in corpus written into the run directory."""
-    from moetron.data.readers import resolve_inputs
-
-    if options.inputs:
-        return resolve_inputs(options.inputs)
+    """The built-in corpus, written into the run directory."""
     from moetron.quickstart.corpus import write_corpus
 
     path = run_dir / "corpus" / "corpus.jsonl"
@@ -223,9 +219,15 @@ def prepare_run_dir(output_dir: Path) -> Path:
 def run_quickstart(options: QuickstartOptions) -> dict:
     start = time.perf_counter()
     config_source = options.config or default_config_path()  # fail on a missing config before any work
+    from moetron.data.readers import resolve_inputs
+
+    files = resolve_inputs(options.inputs) if options.inputs else None  # a bad --input fails before any output
     run_dir = prepare_run_dir(options.output_dir)
     step("1/6 corpus")
-    files = build_corpus(options, run_dir)
+    if files:
+        print(f"your corpus: {' '.join(map(str, files))}")
+    else:
+        files = build_corpus(options, run_dir)
     step("2/6 tokenizer")
     tokenizer_dir = build_tokenizer_files(files, run_dir, options.vocab_size)
     step("3/6 preprocess")
