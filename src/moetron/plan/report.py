@@ -121,13 +121,14 @@ def suggestion_lines(plan: Plan, suggestions: list[Suggestion]) -> list[str]:
     if not suggestions:
         replicated = plan.memory.weights + plan.memory.gradients + plan.memory.optimizer
         return [
-            "  nothing moetron offers today makes it fit: the fp32 weights, gradients and Adam state alone take "
-            f"{gib(replicated)} GiB per GPU. Use GPUs with more memory, or a smaller model (tensor parallelism "
+            "  no change tried fits (more expert parallelism or GPUs, a smaller micro batch, checkpointing, bf16, "
+            f"and all of them together); in this layout the fp32 weights, gradients and Adam state alone take "
+            f"{gib(replicated)} GiB per GPU. Use GPUs with more memory or a smaller model (tensor parallelism "
             "and ZeRO-style sharding are not implemented yet)."
         ]
-    lines = [f"  {'changes that fit':<44} {'needs GiB':>9} {'step s':>8}  flags"]
+    lines = ["  changes that fit (needed GiB per GPU, step time):"]
     for s in suggestions:
-        lines.append(f"  {s.change:<44} {gib(s.plan.needed_bytes):>9} {s.plan.step_time_s:>8.2f}  {s.flags}")
+        lines.append(f"    {s.change}: {gib(s.plan.needed_bytes)} GiB, ~{s.plan.step_time_s:.2f} s  →  {s.flags}")
     return lines
 
 
