@@ -180,17 +180,13 @@ def train_problems(cfg: RunConfig, dp: int) -> list[str]:
 def validate(cfg: RunConfig, world_size: int) -> list[str]:
     """Every problem of every section, before any process group, data load or allocation."""
     dims = cfg.dims(world_size)
-    problems = list(dims.problems())
+    problems = list(dims.problems(cfg.model.experts_per_layer()))
     problems += cfg.model.problems()
     problems += cfg.data.problems()
     problems += train_problems(cfg, dims.dp)
     backend = cfg.parallel.distributed_backend
     if backend not in (None, "gloo", "nccl"):
         problems.append(f"--distributed-backend {backend!r} is not one of gloo, nccl (or leave it unset: automatic)")
-    experts = [e for e in cfg.model.num_experts if e > 1]
-    ep = cfg.parallel.moe_expert_parallel_size
-    if ep > 1 and any(e % ep for e in experts):
-        problems.append(f"--num-experts {cfg.model.num_experts} must be divisible by --moe-expert-parallel-size {ep}")
     return problems
 
 

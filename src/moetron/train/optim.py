@@ -7,8 +7,8 @@ biases, so the name decides for them. The torch AdamW is used with its fused ker
 
 Clipping computes the norm over every gradient this process holds. Dense gradients are identical on every
 data-parallel rank after DDP's all-reduce, so the local norm is the global one. Expert-parallel shards hold
-different experts: `grad_norm_sq_fn` is the seam where the expert-parallel engineer adds the all-reduce of the
-expert part of the squared norm over the expert-parallel group.
+different experts: `grad_norm_sq_fn` takes the squared norm from `ParallelModel.grad_norm_sq`, which all-reduces the
+expert part over the expert-parallel group.
 """
 
 from __future__ import annotations

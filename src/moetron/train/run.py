@@ -17,8 +17,8 @@ import torch
 from moetron.config import RunConfig
 from moetron.config_cli import to_yaml
 from moetron.errors import UserError
-from moetron.model.gpt import create_model
 from moetron.parallel.env import DistEnv
+from moetron.parallel.parallelize import build_model
 from moetron.train.checkpoint import resolve_checkpoint
 from moetron.train.trainer import Trainer
 
@@ -103,7 +103,7 @@ def run_training(cfg: RunConfig, explicit: set[str], env: DistEnv) -> int:
     seed_everything(cfg.train.seed, env.rank)
     resolve_vocab_size(cfg, explicit)
     train_loader, make_valid = build_loaders(cfg, env)
-    model = create_model(cfg.model, env.device, cfg.train.seed)
+    model = build_model(cfg.model, env, cfg.dims(env.world_size), cfg.train.seed)
     trainer = Trainer(cfg, env, model, train_loader, make_valid, config_yaml=to_yaml(cfg))
     load_into(trainer, cfg, checkpoint)
     return trainer.train()
