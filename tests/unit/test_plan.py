@@ -20,7 +20,7 @@ from moetron.config_cli import load_config
 from moetron.errors import UserError
 from moetron.model.flops import PEAK_TFLOPS, flops_per_token
 from moetron.model.gpt import create_model
-from moetron.plan.advice import suggestions
+from moetron.plan.advice import largest_micro_batch, suggestions
 from moetron.plan.estimate import make_plan
 from moetron.plan.hardware import GIB, accelerator, parse_memory
 from moetron.plan.memory import estimate_memory, layer_bytes, local_parameters
@@ -170,6 +170,16 @@ def _flags_to_overrides(flags: list[str]) -> dict:
     return out
 
 
+def test_headroom_is_the_largest_micro_batch_that_fits():
+    cfg, _ = load_config(SEED, {"global_batch_size": 256})
+    device = accelerator("4090")
+    larger = largest_micro_batch(make_plan(cfg, 2, device))
+    mbs = larger.plan.cfg.train.micro_batch_size
+    assert mbs > 4 and larger.plan.fits and larger.plan.cfg.global_batch(2) == 256
+    cfg.train.micro_batch_size = 2 * mbs
+    assert not make_plan(cfg, 2, device).fits
+
+
 def test_nothing_fits_when_the_replicated_state_alone_is_too_big():
     cfg, _ = load_config(str(CONFIGS / "gpt-6.7B.yaml"), {})
     plan = make_plan(cfg, 64, accelerator("A100-80GB"))
@@ -199,6 +209,7 @@ def test_cli_table_and_json(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] and data["parallel"] == {"dp": 2, "ep": 2, "tp": 1, "pp": 1}
     assert data["micro_batch_size"] == 2 and data["accumulation_steps"] == 4
+    assert data["largest_micro_batch"] == 8  # 16 would need a global batch of 32 on 2 GPUs
     assert data["memory"]["peak"] + data["device"]["context_bytes"] == data["needed_bytes"]
 
 

@@ -14,7 +14,7 @@ import json
 
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
 from moetron.errors import UserError
-from moetron.plan.advice import suggestions
+from moetron.plan.advice import largest_micro_batch, suggestions
 from moetron.plan.estimate import DEFAULT_MFU, make_plan
 from moetron.plan.hardware import KNOWN, accelerator
 from moetron.plan.report import format_plan, plan_dict
@@ -48,9 +48,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--mfu is a fraction in (0, 1], got {args.mfu}; e.g. 0.3 for 30 %")
     device = accelerator(args.gpu_type, args.gpu_memory, cfg.train.peak_tflops)
     plan = make_plan(cfg, gpus, device, args.mfu)
-    fixes = suggestions(plan)
+    fixes, larger = suggestions(plan), largest_micro_batch(plan)
     if args.json:
-        print(json.dumps(plan_dict(plan, fixes), indent=2))
+        print(json.dumps(plan_dict(plan, fixes, args.config, larger), indent=2))
     else:
-        print(format_plan(plan, fixes, source=args.config))
+        print(format_plan(plan, fixes, args.config, larger))
     return 0

@@ -154,3 +154,17 @@ def suggestions(plan: Plan) -> list[Suggestion]:
     if not fitting:
         fitting = _stacked(plan, changes)
     return sorted(fitting, key=lambda s: (s.plan.step_time_s, s.plan.gpus))
+
+
+def largest_micro_batch(plan: Plan, limit: int = 1024) -> Suggestion | None:
+    """For a plan that fits: the largest micro batch (doubling, global batch kept) that still fits."""
+    best, mbs = None, plan.cfg.train.micro_batch_size * 2
+    gbs = plan.cfg.global_batch(plan.dims.dp)
+    while plan.fits and mbs <= limit:
+        edit = _chain([_set("train", "micro_batch_size", mbs), _set("train", "global_batch_size", gbs)])
+        flags = f"--micro-batch-size {mbs} --global-batch-size {gbs}"
+        found = _try(plan, Change("mbs", f"micro batch {mbs}", flags, plan.gpus, edit))
+        if found is None or not found.plan.fits:
+            break
+        best, mbs = found, mbs * 2
+    return best

@@ -83,7 +83,7 @@ def memory_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def format_plan(plan: Plan, suggestions: list[Suggestion], source: str = "") -> str:
+def format_plan(plan: Plan, suggestions: list[Suggestion], source: str = "", larger: Suggestion | None = None) -> str:
     t = plan.cfg.train
     title = f"moetron plan{': ' + source if source else ''} on {plan.gpus} × {plan.device.name}"
     tflops = plan.device.peak_tflops * plan.mfu
@@ -104,6 +104,11 @@ def format_plan(plan: Plan, suggestions: list[Suggestion], source: str = "") -> 
         lines.append(f"  run        ~{human(plan.cfg.total_iters(plan.dims.dp))} steps ≈ {_duration(plan)}")
     for warning in plan.warnings:
         lines.append(f"  warning    {warning}")
+    if larger is not None:
+        lines.append(
+            f"  headroom   micro batch {larger.plan.cfg.train.micro_batch_size} still fits "
+            f"({gib(larger.plan.needed_bytes)} GiB): {larger.flags}"
+        )
     if not plan.fits:
         lines += ["", *suggestion_lines(plan, suggestions)]
     return "\n".join(lines)
@@ -132,9 +137,10 @@ def suggestion_lines(plan: Plan, suggestions: list[Suggestion]) -> list[str]:
     return lines
 
 
-def plan_dict(plan: Plan, suggestions: list[Suggestion]) -> dict:
+def plan_dict(plan: Plan, suggestions: list[Suggestion], source: str = "", larger: Suggestion | None = None) -> dict:
     d = plan.dims
     return {
+        "config": source,
         "gpus": plan.gpus,
         "device": {
             "name": plan.device.name,
@@ -165,4 +171,5 @@ def plan_dict(plan: Plan, suggestions: list[Suggestion]) -> dict:
             }
             for s in suggestions
         ],
+        "largest_micro_batch": larger.plan.cfg.train.micro_batch_size if larger else None,
     }
