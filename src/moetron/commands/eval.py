@@ -8,6 +8,11 @@ exactly as the trainer read it: the same micro-batches of every data-parallel ra
 the checkpoint, each rank's mean loss averaged as the trainer's all-reduce does; so the numbers equal the
 trainer's final evaluation of that checkpoint. With `--data-path PREFIX` the whole indexed dataset is the
 validation set. Routing uses the eval capacity factor (`--dropless`: no token is dropped).
+
+Routers that draw random numbers in evaluation (DeepSpeed's random token selection when top-1 drops
+tokens, top-2's sampled second expert) make any evaluation depend on the draws: they are seeded from the
+run's seed, so `moetron eval` repeats itself, but it equals the trainer's numbers only for deterministic
+routing (top-2 without second-expert sampling, `--no-moe-use-rts`, or nothing dropped).
 """
 
 from __future__ import annotations
