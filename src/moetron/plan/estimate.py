@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moetron.config import RunConfig, train_problems
+from moetron.config import RunConfig, validate
 from moetron.errors import ConfigError
 from moetron.model.flops import ParamCounts, count_parameters, flops_per_token
 from moetron.parallel.dims import ParallelDims
@@ -54,13 +54,12 @@ class Plan:
 
 
 def layout_problems(cfg: RunConfig, gpus: int) -> tuple[list[str], list[str]]:
-    """(errors, warnings): errors make a plan meaningless; warnings are layouts moetron cannot run yet."""
-    dims = cfg.dims(gpus)
-    problems = dims.problems() + cfg.model.problems() + train_problems(cfg, max(dims.dp, 1))
-    experts = [e for e in cfg.model.num_experts if e > 1]
-    ep = cfg.parallel.moe_expert_parallel_size
-    if ep > 1 and any(e % ep for e in experts):
-        problems.append(f"--num-experts {cfg.model.num_experts} must be divisible by --moe-expert-parallel-size {ep}")
+    """(errors, warnings): errors make a plan meaningless; warnings are layouts moetron cannot run yet.
+
+    The data section is not checked: a plan needs no dataset (the recipes' example paths are fine here).
+    """
+    data_problems = set(cfg.data.problems())
+    problems = [p for p in validate(cfg, gpus) if p not in data_problems]
     errors = [p for p in problems if NOT_SUPPORTED not in p]
     return errors, [p for p in problems if NOT_SUPPORTED in p]
 
@@ -79,6 +78,11 @@ def make_plan(cfg: RunConfig, gpus: int, device: Accelerator, mfu: float = DEFAU
     if errors:
         raise ConfigError(errors)
     dims = cfg.dims(gpus)
+    if dims.tp > 1 or dims.pp > 1:
+        warnings.append(
+            "the memory model does not shard by tensor/pipeline parallelism yet: each GPU is planned holding the "
+            f"whole model, with data parallel {dims.dp}"
+        )
     seconds, per_token = step_time(cfg, dims, device, mfu)
     return Plan(
         cfg=cfg,
