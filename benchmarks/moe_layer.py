@@ -17,6 +17,7 @@ thread by default), after --warmup runs, implementations interleaved in a rotati
 Memory: peak bytes live in torch's CPU allocator between the start of forward and the end of backward
 (torch.profiler's allocation events, profile_memory=True, summed in time order), minus what was live at
 the start: saved activations, temporaries and gradients, the same accounting for every implementation.
+Gradients are set to None before every step (zero_grad(set_to_none=True)), as in training.
 """
 
 from __future__ import annotations
@@ -52,7 +53,22 @@ class Shape:
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 CLOCK_HELP = "cpu: process CPU time (robust on a shared machine; use with --threads 1), wall: elapsed time"
 SHAPES = [Shape(4096, 512, 1024, 8, 2), Shape(8192, 128, 256, 64, 1), Shape(8192, 256, 512, 128, 1)]
-Step = Callable[[], torch.Tensor]  # one forward+backward; returns the output (for the cross-checks)
+
+
+@dataclass
+class Step:
+    """One forward+backward (returns the output, for the cross-checks) and the leaves it writes .grad to."""
+
+    run: Callable[[], torch.Tensor]
+    leaves: list[torch.Tensor]
+
+    def __call__(self) -> torch.Tensor:
+        return self.run()
+
+    def clear_grads(self) -> None:
+        """optimizer.zero_grad(set_to_none=True) before every step, as in training: no accumulation work."""
+        for leaf in self.leaves:
+            leaf.grad = None
 
 
 @dataclass
@@ -92,7 +108,7 @@ def floor_step(s: Shape, w: Weights) -> Step:
         y_ECD.backward(grad_ECD)
         return y_ECD
 
-    return step
+    return Step(step, [x_ECD, w1, w3, w2])
 
 
 def _moetron_cfg(s: Shape, dropless: bool) -> ModelConfig:
@@ -123,7 +139,7 @@ def module_step(module: nn.Module, s: Shape, x_BTD: torch.Tensor, grad_BTD: torc
         y_BTD.backward(grad_BTD)
         return y_BTD
 
-    return step
+    return Step(step, [x_BTD, *module.parameters()])
 
 
 def hf_block(s: Shape, w: Weights, implementation: str) -> nn.Module | None:
@@ -217,6 +233,7 @@ def build_steps(s: Shape) -> tuple[dict[str, Step], list[str]]:
 # ---------------------------------------------------------------- measurement
 def peak_bytes(step: Step) -> int:
     """Peak of (bytes live in torch's CPU allocator) during one step, relative to the start."""
+    step.clear_grads()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
@@ -233,6 +250,7 @@ def median_times(steps: dict[str, Step], reps: int, warmup: int, clock: Callable
     for rep in range(warmup + reps):
         rotated = names[rep % len(names) :] + names[: rep % len(names)]
         for name in rotated:
+            steps[name].clear_grads()
             start = clock()
             steps[name]()
             if rep >= warmup:

@@ -124,7 +124,7 @@ class GroupedExperts(nn.Module):
         self.b1_EF = nn.Parameter(torch.empty(num_experts, ffn)) if bias else None
         self.b2_ED = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
         if not self.w1_EDF.is_meta:  # meta-built models are initialised after `to_empty` instead
-            self.reset_parameters(std=0.02, out_std=0.02, seed=0)
+            self.reset_parameters()
 
     def extra_repr(self) -> str:
         first, last = self.expert_offset, self.expert_offset + self.num_experts - 1
@@ -135,7 +135,9 @@ class GroupedExperts(nn.Module):
 
     # ------------------------------------------------------------ initialisation
     @torch.no_grad()
-    def reset_parameters(self, std: float, out_std: float, seed: int, *key: object, identical: bool = False) -> None:
+    def reset_parameters(
+        self, std: float = 0.02, out_std: float = 0.02, seed: int = 0, *key: object, identical: bool = False
+    ) -> None:
         """Local expert i gets global expert (expert_offset + i)'s weights from the generator of
         (seed, *key, global id): N(0, std) for w1/w3, N(0, out_std) for w2, zero biases.
         `identical`: every expert takes expert 0's draw (DeepSpeed's deep copies of one template)."""
