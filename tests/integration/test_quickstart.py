@@ -94,6 +94,16 @@ def test_quickstart_end_to_end_with_expert_parallel_then_its_commands(tmp_path):
     assert generated.returncode == 0, generated.stderr
     assert generated.stdout.startswith("Return the")
 
+    # a prompt file is a batch: each prompt's greedy text equals the same prompt given alone
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The list\n\nimport os\n")
+    greedy = ["--load", str(run), "--temperature", "0", "--max-new-tokens", "8"]
+    batch = moetron("generate", *greedy, "--prompt-file", str(prompts))
+    alone = moetron("generate", *greedy, "--prompt", "import os")
+    assert batch.returncode == 0 and alone.returncode == 0, batch.stderr + alone.stderr
+    assert batch.stdout.count("--- prompt ") == 2
+    assert batch.stdout.split("--- prompt 2\n", 1)[1] == alone.stdout
+
 
 def test_user_input_on_one_process(tmp_path, shakespeare):
     text = tmp_path / "plays.txt"
