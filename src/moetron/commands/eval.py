@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -79,6 +80,7 @@ def evaluate_checkpoint(load: str, data_path: str | None = None, eval_iters: int
     from moetron.eval.perplexity import evaluate, perplexity
     from moetron.eval.routing_report import RoutingRecorder
     from moetron.train.checkpoint import read_json
+    from moetron.train.precision import autocast_context
 
     model, cfg, path = load_model(load)
     state = read_json(path / "state.json")
@@ -86,13 +88,15 @@ def evaluate_checkpoint(load: str, data_path: str | None = None, eval_iters: int
     dp = cfg.dims(int(state.get("world_size", 1))).dp
     valid = _valid_dataset(cfg, dp)
     recorder = RoutingRecorder(model)
+    device = next(model.parameters()).device
+    autocast = functools.partial(autocast_context, device, cfg.train.fp16, cfg.train.bf16)  # as the trainer
     torch.manual_seed(cfg.train.seed)  # routing draws (random token selection) repeat from run to run
     iters = cfg.train.eval_iters * cfg.num_micro_batches(dp)
     losses = []
     with model.inference_routing(dropless=True) if dropless else contextlib.nullcontext():
         for rank in range(dp):  # the trainer's ranks, one after the other
             loader = DistributedBatchLoader(valid, cfg.train.micro_batch_size, rank, dp)
-            losses.append(evaluate(recorder, loader, iters)["valid_loss"])
+            losses.append(evaluate(recorder, loader, iters, autocast)["valid_loss"])
     loss = sum(losses) / dp
     report = [r.to_dict() for r in recorder.report()]
     return {

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--input", nargs="+", help="your JSONL (key 'text') or .txt files instead of the built-in corpus"
     )
     parser.add_argument("--output-dir", type=Path, default=Path("runs/quickstart"), help="the run directory")
-    parser.add_argument("--nproc", type=int, default=2, help="training processes = expert-parallel size (1 or 2)")
+    parser.add_argument("--nproc", type=int, default=2, help="training processes = expert-parallel size: 2 (default) or 1")
     parser.add_argument("--train-iters", type=int, help="training iterations (default: the config's)")
     parser.add_argument(
         "--max-corpus-mb", type=float, help="cut the built-in corpus at this many MB (quick trials and tests)"
@@ -35,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _problems(args: argparse.Namespace) -> list[str]:
     p = []
-    if args.nproc not in (1, 2, 4):
-        p.append(f"--nproc {args.nproc}: use 1, 2 or 4 (the quickstart model has 4 experts per MoE layer)")
+    if args.nproc not in (1, 2):
+        p.append(f"--nproc {args.nproc}: use 1 or 2 (a global batch of 8 = 2 processes × micro-batch 4)")
     if args.train_iters is not None and args.train_iters < 1:
         p.append(f"--train-iters must be >= 1, got {args.train_iters}")
     if args.max_corpus_mb is not None and args.max_corpus_mb <= 0:

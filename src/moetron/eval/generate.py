@@ -58,7 +58,11 @@ class GenerationOptions:
 
 
 # ---------------------------------------------------------------------------- loading
-def load_model(load: str, device: torch.device | str = "cpu") -> tuple[GPTModel, RunConfig, Path]:
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(load: str, device: torch.device | str | None = None) -> tuple[GPTModel, RunConfig, Path]:
     """(model in eval mode with the checkpoint's weights, the run config it was saved with, the iter_* path).
 
     `load` is a run directory (its `latest` checkpoint) or one `iter_*` directory. The model holds every expert
@@ -74,7 +78,7 @@ def load_model(load: str, device: torch.device | str = "cpu") -> tuple[GPTModel,
     if not config_file.is_file():
         raise UserError(f"--load {load}: {config_file} is missing; the checkpoint is incomplete, --load another")
     cfg, _ = load_config(str(config_file), {})
-    model = create_model(cfg.model, device, cfg.train.seed)
+    model = create_model(cfg.model, device or default_device(), cfg.train.seed)
     load_checkpoint(path, model, None, load_rng=False)
     model.eval()
     return model, cfg, path
