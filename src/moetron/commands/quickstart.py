@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--input", nargs="+", help="your JSONL (key 'text') or .txt files instead of the built-in corpus"
     )
     parser.add_argument("--output-dir", type=Path, default=Path("runs/quickstart"), help="the run directory")
-    parser.add_argument("--nproc", type=int, default=2, help="training processes = expert-parallel size: 2 (default) or 1")
+    parser.add_argument("--nproc", type=int, default=2, help="training processes = expert-parallel size: 2 or 1")
     parser.add_argument("--train-iters", type=int, help="training iterations (default: the config's)")
     parser.add_argument(
         "--max-corpus-mb", type=float, help="cut the built-in corpus at this many MB (quick trials and tests)"
