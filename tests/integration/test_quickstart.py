@@ -136,6 +136,15 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, args, expected):
     assert not run.exists() or not any(run.iterdir())
 
 
+def test_too_few_documents_for_a_validation_split(tmp_path, capsys):
+    text = tmp_path / "one.txt"
+    text.write_text("a single paragraph of text without any blank line, so one document\n" * 20)
+    rc = main(["quickstart", "--input", str(text), "--nproc", "1", "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "holds 1 document(s)" in err and "--split" in err
+    assert not (tmp_path / "run" / "latest").exists()
+
+
 def test_an_existing_run_is_not_overwritten(tmp_path, capsys):
     (tmp_path / "config.yaml").write_text("num_layers: 2\n")
     assert main(["quickstart", "--output-dir", str(tmp_path)]) == 2

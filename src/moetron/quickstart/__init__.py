@@ -1,1 +1,1 @@
-"""`moetron quickstart`: the built-in corpus (`corpus.py`) and the steps from text to a trained model (`pipeline.py`)."""
+"""`moetron quickstart`: the built-in corpus (`corpus.py`) and the steps to a trained model (`pipeline.py`)."""

@@ -94,6 +94,22 @@ def build_dataset(files: list[Path], tokenizer_dir: Path, run_dir: Path) -> str:
     return summary.outputs[0]
 
 
+def split_bounds(prefix: str, split: str) -> list[int]:
+    """Document boundaries [train start, valid start, test start, end] of --split; a clear error when the
+    corpus is too small to hold out any validation document."""
+    from moetron.data.indexed import IndexedDataset
+    from moetron.data.sample_index import get_train_valid_test_split
+
+    documents = len(IndexedDataset(prefix))
+    bounds = get_train_valid_test_split(split, documents)
+    if bounds[1] <= bounds[0] or bounds[2] <= bounds[1]:
+        raise UserError(
+            f"--input holds {documents} document(s): too few to hold out validation documents with --split {split}; "
+            f"give more documents (JSONL: one per line; text: separated by blank lines)"
+        )
+    return bounds
+
+
 # ---------------------------------------------------------------------------- config and training
 def write_run_config(options: QuickstartOptions, run_dir: Path, prefix: str, tokenizer_dir: Path) -> Path:
     """configs/quickstart.yaml + this run's paths and overrides, validated, written as run_dir/config.yaml."""
@@ -152,10 +168,9 @@ def unigram_perplexity(prefix: str, split: str) -> float:
     """Perplexity of the valid split's tokens under the train split's token frequencies (add-one smoothed):
     what a model that ignores context entirely would score."""
     from moetron.data.indexed import IndexedDataset
-    from moetron.data.sample_index import get_train_valid_test_split
 
     data = IndexedDataset(prefix)
-    bounds = get_train_valid_test_split(split, len(data))
+    bounds = split_bounds(prefix, split)
     train_tokens = np.concatenate([data.get(i) for i in range(bounds[0], bounds[1])]).astype(np.int64)
     valid_tokens = np.concatenate([data.get(i) for i in range(bounds[1], bounds[2])]).astype(np.int64)
     vocab = int(max(train_tokens.max(), valid_tokens.max())) + 1
@@ -217,11 +232,12 @@ def prepare_run_dir(output_dir: Path) -> Path:
 
 
 def run_quickstart(options: QuickstartOptions) -> dict:
-    start = time.perf_counter()
-    config_source = options.config or default_config_path()  # fail on a missing config before any work
+    from moetron.config_cli import load_config
     from moetron.data.readers import resolve_inputs
 
-    files = resolve_inputs(options.inputs) if options.inputs else None  # a bad --input fails before any output
+    start = time.perf_counter()
+    options.config = options.config or default_config_path()  # a missing config or --input fails before any output
+    files = resolve_inputs(options.inputs) if options.inputs else None
     run_dir = prepare_run_dir(options.output_dir)
     step("1/6 corpus")
     if files:
@@ -232,14 +248,12 @@ def run_quickstart(options: QuickstartOptions) -> dict:
     tokenizer_dir = build_tokenizer_files(files, run_dir, options.vocab_size)
     step("3/6 preprocess")
     prefix = build_dataset(files, tokenizer_dir, run_dir)
-    options.config = config_source
     config = write_run_config(options, run_dir, prefix, tokenizer_dir)
+    cfg, _ = load_config(str(config), {})
+    split_bounds(prefix, cfg.data.split)  # enough documents for a validation split, before training
     step(f"4/6 train ({options.nproc} process{'es' if options.nproc > 1 else ''}, expert parallel {options.nproc})")
     train(config, options.nproc)
     step("5/6 evaluate")
-    from moetron.config_cli import load_config
-
-    cfg, _ = load_config(str(config), {})
     result = evaluate_run(run_dir, prefix, cfg.data.split)
     step("6/6 generate")
     print_samples(run_dir)
