@@ -142,7 +142,7 @@ def test_too_few_documents_for_a_validation_split(tmp_path, capsys):
     rc = main(["quickstart", "--input", str(text), "--nproc", "1", "--output-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert rc == 2 and "holds 1 document(s)" in err and "--split" in err
-    assert not (tmp_path / "run" / "latest").exists()
+    assert not (tmp_path / "run" / "config.yaml").exists()  # not a run: the same --output-dir can be used again
 
 
 def test_an_existing_run_is_not_overwritten(tmp_path, capsys):

@@ -248,9 +248,10 @@ def run_quickstart(options: QuickstartOptions) -> dict:
     tokenizer_dir = build_tokenizer_files(files, run_dir, options.vocab_size)
     step("3/6 preprocess")
     prefix = build_dataset(files, tokenizer_dir, run_dir)
+    split = load_config(str(options.config), {})[0].data.split
+    split_bounds(prefix, split)  # enough documents for a validation split? (before config.yaml marks a run)
     config = write_run_config(options, run_dir, prefix, tokenizer_dir)
     cfg, _ = load_config(str(config), {})
-    split_bounds(prefix, cfg.data.split)  # enough documents for a validation split, before training
     step(f"4/6 train ({options.nproc} process{'es' if options.nproc > 1 else ''}, expert parallel {options.nproc})")
     train(config, options.nproc)
     step("5/6 evaluate")
