@@ -2,13 +2,15 @@
 
 Method: each measurement runs in a fresh Python process (this file, run as a script) that builds the model,
 materialises the AdamW state (one step on zero gradients, so the measured step is a steady-state one), then
-runs one real optimizer step through `Trainer.train_step` (accumulation, loss, backward, clipping, AdamW), and
-reports `ru_maxrss`, the peak resident set size. A baseline process does the same with a tiny model (torch,
-moetron, kernels and thread pools loaded, nothing big allocated); planned peak is compared with
-`maxrss(run) - maxrss(baseline)`. Both run with `MALLOC_MMAP_THRESHOLD_=65536`, so glibc serves every tensor
-of 64 KiB or more with mmap and gives it back on free: the RSS then follows the live tensors instead of
-whatever the heap kept from earlier allocations (without it the peak drifts up by tens of MB at random).
-tracemalloc does not see torch's allocations, hence RSS.
+runs one real optimizer step through `Trainer.train_step` (accumulation, loss, backward, clipping, AdamW),
+and reports `VmHWM` from /proc/self/status: the peak resident set size of its own address space. (Not
+`ru_maxrss`: Linux carries the parent's peak RSS over vfork + exec into the child's, so after other tests
+have grown the pytest process it would read the parent's peak.) A baseline process does the same with a
+tiny model (torch, moetron, kernels and thread pools loaded, nothing big allocated); the planned peak is
+compared with `peak(run) - peak(baseline)`. Both run with `MALLOC_MMAP_THRESHOLD_=65536`, so glibc serves
+every allocation of 64 KiB or more with mmap and gives it back on free: the RSS then follows the live
+tensors instead of whatever the heap kept from earlier allocations (without it the peak drifts up by tens
+of MB). tracemalloc does not see torch's allocations, hence RSS.
 
 Configs (both fp32, one process, EP 1, as moetron trains on a CPU):
   quickstart   configs/quickstart.yaml with a ~8k vocabulary, EP 1 instead of its 2 processes' EP 2 (where
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -115,7 +116,15 @@ def measure_in_this_process(config: str, overrides: dict) -> int:
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.train_step()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return peak_rss()
+
+
+def peak_rss() -> int:
+    """VmHWM: the high-water mark of this process's resident memory, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # reported in kB
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def measure(config: str, overrides: dict) -> int:
@@ -137,7 +146,7 @@ def baseline_rss() -> int:
     return measure(*BASELINE)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss units and MALLOC_MMAP_THRESHOLD_ are Linux/glibc's")
+@pytest.mark.skipif(sys.platform != "linux", reason="VmHWM and MALLOC_MMAP_THRESHOLD_ are Linux/glibc's")
 @pytest.mark.parametrize(
     "case", [pytest.param(name, marks=[pytest.mark.slow] if name == "seed-2x4090" else []) for name in CASES]
 )
@@ -152,7 +161,7 @@ def test_planned_peak_memory_matches_a_real_step(case, baseline_rss):
     ratio = plan.memory.peak / measured
     assert abs(ratio - 1) <= TOLERANCE, (
         f"{case}: planned {plan.memory.peak / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB "
-        f"(ratio {ratio:.2f}); planned parts: {plan.memory.to_dict()}"
+        f"(ratio {ratio:.2f}; baseline {baseline_rss / 2**20:.0f} MiB); planned parts: {plan.memory.to_dict()}"
     )
 
 
