@@ -66,7 +66,8 @@ def _valid_dataset(cfg, dp: int):
         counts = (0, counts[1], 0)  # a separate valid set: nothing else to index
     _, valid, _ = build_gpt_datasets(cfg.data, cfg.model.seq_length, cfg.train.seed, num_samples=counts)
     if valid is None or len(valid) == 0:
-        raise UserError(f"{cfg.data.data_path}: the --split {cfg.data.split!r} leaves no validation documents")
+        where = " ".join(cfg.data.data_path or cfg.data.valid_data_path)
+        raise UserError(f"{where}: the --split {cfg.data.split!r} leaves no validation documents; evaluate another")
     return valid
 
 
