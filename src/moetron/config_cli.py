@@ -25,6 +25,7 @@ import yaml
 
 from moetron.config import RunConfig
 from moetron.errors import ConfigError, UserError
+from moetron.recipes import list_recipes, resolve_config_path
 
 # Megatron's negative switches: flag → (field, value it sets)
 NEGATIVE_FLAGS = {
@@ -149,9 +150,12 @@ def cli_overrides(args: argparse.Namespace) -> dict:
 
 # ---------------------------------------------------------------------------- YAML
 def read_yaml(path: str | Path) -> dict:
-    path = Path(path)
+    path = resolve_config_path(path)
     if not path.is_file():
-        raise UserError(f"--config {path}: no such file; give the path of a YAML config")
+        raise UserError(
+            f"--config {path}: no such file; give the path of a YAML config or a built-in recipe name "
+            f"({', '.join(list_recipes())})"
+        )
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:

@@ -1,7 +1,7 @@
 """`moetron train`: train a GPT / MoE GPT from a YAML config and Megatron-named flags.
 
-    moetron train --config configs/moe-tiny.yaml --train-iters 200 --save runs/tiny
-    torchrun --nproc-per-node 2 -m moetron train --config configs/moe-tiny.yaml   # data parallel
+    moetron train --config configs/seed-2x4090-moe128.yaml --train-iters 200 --save runs/tiny
+    torchrun --nproc-per-node 2 -m moetron train --config configs/seed-2x4090-moe128.yaml   # data parallel
 
 The config is parsed and validated (every problem at once) before any process group or data is touched.
 """

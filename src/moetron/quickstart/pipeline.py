@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from moetron.errors import UserError
+from moetron.recipes import RECIPES_DIR
 
 SAMPLE_PROMPTS = ("Return the", "The module")
 
@@ -42,14 +43,8 @@ class QuickstartOptions:
 
 
 def default_config_path() -> Path:
-    """configs/quickstart.yaml of the source tree this package is installed from (editable install)."""
-    path = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
-    if not path.is_file():
-        raise UserError(
-            f"the quickstart config {path} is not there (moetron is not installed from its source tree); "
-            f"pass --config PATH/TO/quickstart.yaml from the moetron repository"
-        )
-    return path
+    """The quickstart recipe shipped inside the package (`configs/quickstart.yaml` in the repository)."""
+    return RECIPES_DIR / "quickstart.yaml"
 
 
 def step(title: str) -> None:
