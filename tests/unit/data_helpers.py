@@ -6,6 +6,8 @@ import json
 import struct
 from pathlib import Path
 
+import numpy as np
+
 from moetron.data.tokenizer import build_tokenizer, train_bpe_tokenizer
 
 CORPUS = [
@@ -70,3 +72,18 @@ def tiny_tokenizer_flags(directory: Path) -> list[str]:
 
 def tiny_tokenizer(directory: Path):
     return build_tokenizer("GPT2BPETokenizer", directory / "vocab.json", directory / "merges.txt")
+
+
+class FakeIndexed:
+    """In-memory stand-in for IndexedDataset: `.sizes`, `len()`, `get(i, offset, length)`."""
+
+    def __init__(self, docs):
+        self.docs = [np.asarray(d, dtype=np.int32) for d in docs]
+        self.sizes = np.array([len(d) for d in docs], dtype=np.int32)
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def get(self, i, offset=0, length=None):
+        doc = self.docs[i]
+        return doc[offset:] if length is None else doc[offset : offset + length]

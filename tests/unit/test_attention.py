@@ -13,16 +13,6 @@ from moetron.model.kv_cache import KVCache
 from moetron.model.rotary import apply_rotary, rotary_angles
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes run fastest on one thread; on a busy 2-core machine OpenMP's spinning threads make
-    every small op ~100x slower. Restored afterwards so other modules keep their setting."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def tiny_cfg(**overrides) -> ModelConfig:
     base = dict(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=50, seq_length=16)
     base.update(hidden_dropout=0.0, attention_dropout=0.0)

@@ -7,25 +7,11 @@ import os
 
 import numpy as np
 import pytest
+from data_helpers import FakeIndexed
 
 from moetron.data.blend import BlendableDataset, blend_num_samples, build_blending_indices
 from moetron.data.config import DataConfig
 from moetron.data.gpt_dataset import build_gpt_datasets
-
-
-class FakeIndexed:
-    """In-memory stand-in for IndexedDataset: `.sizes`, `len()`, `get(i, offset, length)`."""
-
-    def __init__(self, docs: list[np.ndarray]):
-        self.docs = docs
-        self.sizes = np.array([len(d) for d in docs], dtype=np.int32)
-
-    def __len__(self) -> int:
-        return len(self.docs)
-
-    def get(self, i, offset=0, length=None):
-        doc = self.docs[i]
-        return doc[offset:] if length is None else doc[offset : offset + length]
 
 
 def random_docs(n: int, seed: int) -> list[np.ndarray]:

@@ -10,14 +10,6 @@ from moetron.train import checkpoint as ckpt
 from moetron.train import checkpoint_state
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def trained(tmp_path, steps=2, **kw):
     trainer = build_trainer(tiny_config(save=str(tmp_path), **kw))
     run_losses(trainer, steps)

@@ -11,15 +11,6 @@ D, F = 16, 32
 BACKENDS = ["grouped_mm", "batched", "loop"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes: a second intra-op thread only adds wake-up latency (large on a shared 2-core box)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _skip_unsupported(backend: str, dtype: torch.dtype = torch.float32) -> None:
     if backend == "grouped_mm" and not grouped_mm_supported(torch.device("cpu"), dtype, D, F):
         pytest.skip("torch._grouped_mm does not run on this CPU build")

@@ -15,16 +15,6 @@ from moetron.model import GPTModel, KVCache, ModelConfig, create_model
 VOCAB = 50  # padded to 64 below
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes run fastest on one thread; on a busy 2-core machine OpenMP's spinning threads make
-    every small op ~100x slower. Restored afterwards so other modules keep their setting."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def tiny_cfg(**overrides) -> ModelConfig:
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=12)
     base.update(make_vocab_size_divisible_by=64, hidden_dropout=0.0, attention_dropout=0.0, ffn_hidden_size=48)

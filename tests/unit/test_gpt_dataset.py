@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+from data_helpers import FakeIndexed
 
 from moetron.data.config import DataConfig
 from moetron.data.gpt_dataset import GPTDataset, build_gpt_datasets, megatron_num_samples
@@ -18,21 +19,6 @@ from moetron.data.sample_index import (
     shuffle_dtype,
 )
 from moetron.errors import UserError
-
-
-class FakeIndexed:
-    """In-memory stand-in for IndexedDataset: `.sizes`, `len()`, `get(i, offset, length)`."""
-
-    def __init__(self, docs: list[list[int]]):
-        self.docs = [np.asarray(d, dtype=np.int32) for d in docs]
-        self.sizes = np.array([len(d) for d in docs], dtype=np.int32)
-
-    def __len__(self) -> int:
-        return len(self.docs)
-
-    def get(self, i, offset=0, length=None):
-        doc = self.docs[i]
-        return doc[offset:] if length is None else doc[offset : offset + length]
 
 
 def random_docs(n: int, seed: int, max_len: int = 40, empty_every: int = 0) -> list[list[int]]:

@@ -12,16 +12,6 @@ from moetron.model import GPTModel, ModelConfig, create_model
 from moetron.model.init import init_tree, normal_, stable_seed
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes run fastest on one thread; on a busy 2-core machine OpenMP's spinning threads make
-    every small op ~100x slower. Restored afterwards so other modules keep their setting."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def cfg(**overrides) -> ModelConfig:
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100, seq_length=16)
     base.update(overrides)

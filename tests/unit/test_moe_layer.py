@@ -16,15 +16,6 @@ from moetron.model.moe.layer import MoEAux, MoELayer
 B, T, D, F = 2, 16, 16, 32
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes: a second intra-op thread only adds wake-up latency (large on a shared 2-core box)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _cfg(**kw) -> ModelConfig:
     base = dict(hidden_size=D, num_attention_heads=2, num_layers=4, ffn_hidden_size=F, num_experts=[8], topk=1)
     base.update(kw)

@@ -15,15 +15,6 @@ from moetron.train.metrics import EVAL_KEYS, METRIC_KEYS, open_tensorboard
 from moetron.train.optim import clip_gradients, param_groups
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine run far faster (and steadier) on one thread."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def grads_of_one_step(micro, global_batch):
     """The clipped gradients the optimizer sees in the first step (captured just before `optimizer.step`)."""
     cfg = tiny_config(moe=False, micro_batch_size=micro, global_batch_size=global_batch, hidden_dropout=0.0)
