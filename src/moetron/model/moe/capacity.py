@@ -62,7 +62,37 @@ def keep_by_position(mask_TE: torch.Tensor, capacity: int) -> torch.Tensor:
     return mask_TE & (slots_in_token_order(mask_TE) < capacity)
 
 
-def gather_slots(slots_TE: torch.Tensor, expert_ids_TK: torch.Tensor, kept_TK: torch.Tensor) -> torch.Tensor:
-    """int64 [T, K]: each route's slot in its expert's buffer, -1 where the route was dropped."""
-    slots_TK = slots_TE.gather(1, expert_ids_TK)
-    return torch.where(kept_TK, slots_TK, torch.full_like(slots_TK, -1))
+def first_argmax(x_TE: torch.Tensor) -> torch.Tensor:
+    """int64 [T]: `torch.argmax(x_TE, dim=1)` (the FIRST maximal column), several times faster on CPU.
+
+    argmax's CPU kernel is scalar; amax and the comparisons vectorise. Ties resolve to the lowest column
+    exactly as argmax does. NaN rows differ (argmax points at the NaN); the router's logits have none.
+    """
+    num_experts = x_TE.shape[1]
+    is_max_TE = x_TE == x_TE.amax(dim=1, keepdim=True)
+    # Score E - e at the maxima (0 elsewhere): the largest score is the lowest maximal column.
+    reverse_E = torch.arange(num_experts, 0, -1, device=x_TE.device, dtype=torch.int32)
+    return num_experts - (is_max_TE * reverse_E).amax(dim=1).long()
+
+
+def route_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [E]: routes per expert (= the one-hot [T, E] mask summed over tokens, without building it)."""
+    return torch.bincount(expert_ids.reshape(-1), minlength=num_experts)
+
+
+def route_fraction(counts_E: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """fp32 [E]: the one-hot mask's mean over tokens, `mask_TE.float().mean(0)`, bitwise (mean = exact sum / T)."""
+    return counts_E.float() / num_tokens
+
+
+def keep_top_keys_top1(ids_T: torch.Tensor, keys_TE: torch.Tensor, capacity: int) -> torch.Tensor:
+    """bool [T]: `keep_top_keys(one_hot(ids_T), keys_TE, capacity, sort=True)` read at each token's expert.
+
+    The same `torch.topk` call (so ties break identically), but the kept routes are read off the [C, E]
+    winners instead of scattering them into a [T, E] mask and multiplying it with the one-hot mask.
+    """
+    num_tokens, num_experts = keys_TE.shape
+    top_rows_CE = torch.topk(keys_TE, k=min(capacity, num_tokens), dim=0, sorted=True).indices
+    # A winner row counts only if that token really routes to this column's expert.
+    routed_CE = ids_T[top_rows_CE] == torch.arange(num_experts, device=ids_T.device)
+    return torch.zeros(num_tokens, dtype=torch.bool, device=ids_T.device).index_fill_(0, top_rows_CE[routed_CE], True)

@@ -16,16 +16,20 @@ from moetron.model.moe.capacity import (
     RoutingInputError,
     capacity_from_factor,
     dropless_capacity,
-    gather_slots,
+    first_argmax,
     keep_top_keys,
-    slots_in_token_order,
+    keep_top_keys_top1,
+    route_counts,
+    route_fraction,
 )
-from moetron.model.moe.routing import Routing
+from moetron.model.moe.routing import Routing, buffer_slots
 
 
 # ---------------------------------------------------------------- noise (torch.distributions' formulas)
 def uniform_rsample(shape: torch.Size, low: float, high: float, device: torch.device) -> torch.Tensor:
     """`Uniform(low, high).rsample(shape)` with float32 tensor bounds: low + rand·(high − low)."""
+    if low == 0.0 and high == 1.0:  # 0 + r·1 is r bitwise: skip two passes over the [T, E] draw (RTS keys)
+        return torch.rand(shape, device=device)
     low_t = torch.tensor(low, device=device)
     high_t = torch.tensor(high, device=device)
     return low_t + torch.rand(shape, device=device) * (high_t - low_t)
@@ -44,12 +48,10 @@ def multiplicative_jitter(x: torch.Tensor, epsilon: float = 1e-2) -> torch.Tenso
 
 
 # ---------------------------------------------------------------- helpers
-def _one_hot(ids_T: torch.Tensor, num_experts: int) -> torch.Tensor:
-    return F.one_hot(ids_T, num_classes=num_experts)  # int64, like DeepSpeed's masks
-
-
-def _no_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
-    return torch.zeros((), dtype=torch.float32, device=logits_TE.device)
+def _one_hot_bool(ids_T: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """bool [T, E] mask of one route per token (DeepSpeed's int64 one-hot, as a cheaper bool)."""
+    mask_TE = torch.zeros(ids_T.shape[0], num_experts, dtype=torch.bool, device=ids_T.device)
+    return mask_TE.scatter_(1, ids_T.unsqueeze(1), True)
 
 
 def _check_top1_tokens(num_tokens: int, min_capacity: int) -> None:
@@ -83,23 +85,24 @@ def top1_gating(
     probs_TE = F.softmax(logits_TE, dim=1)
     capacity = capacity_from_factor(num_tokens, num_experts, capacity_factor, 1, min_capacity)
 
-    ids_T = torch.argmax(noisy_logits_TE if noisy_logits_TE is not None else probs_TE, dim=1)
-    mask_TE = _one_hot(ids_T, num_experts)
-    counts_E = mask_TE.sum(0).detach()
+    ids_T = first_argmax(noisy_logits_TE if noisy_logits_TE is not None else probs_TE)
+    counts_E = route_counts(ids_T, num_experts)
     if not drop_tokens:
         capacity = dropless_capacity(counts_E, num_tokens)
-    aux_loss = torch.sum(probs_TE.mean(0) * mask_TE.float().mean(0)) * num_experts
+    aux_loss = torch.sum(probs_TE.mean(0) * route_fraction(counts_E, num_tokens)) * num_experts
 
     # Random token selection: an over-full expert keeps the C routes with the largest random keys. The
     # draw happens even when nothing can overflow (dropless), to keep the RNG stream in step with DeepSpeed.
-    keys_TE = mask_TE * uniform_rsample(mask_TE.shape, 0.0, 1.0, logits_TE.device) if use_rts else mask_TE
-    kept_mask_TE = keep_top_keys(mask_TE, keys_TE, capacity, sort=True)
+    mask_TE = _one_hot_bool(ids_T, num_experts)
+    if use_rts:  # mask · U(0, 1) as DeepSpeed computes it (0 off the route, the draw on it)
+        keys_TE = torch.where(mask_TE, uniform_rsample(mask_TE.shape, 0.0, 1.0, logits_TE.device), 0.0)
+    else:
+        keys_TE = mask_TE.long()  # DeepSpeed's int64 one-hot mask as the keys: its exact ties
+    kept_T = keep_top_keys_top1(ids_T, keys_TE, capacity)
 
-    ids_TK = ids_T.unsqueeze(1)
-    kept_TK = kept_mask_TE.gather(1, ids_TK).bool()
+    ids_TK, kept_TK = ids_T.unsqueeze(1), kept_T.unsqueeze(1)
     weights_TK = probs_TE.gather(1, ids_TK) * kept_TK  # raw probability, no renormalisation for k = 1
-    slots_TK = gather_slots(slots_in_token_order(kept_mask_TE), ids_TK, kept_TK)
-    return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, _no_z_loss(logits_TE), counts_E, slots_TK, probs_TE)
+    return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, counts_E, probs_TE, "token")
 
 
 # ---------------------------------------------------------------- top-2
@@ -117,32 +120,30 @@ def top2_gating(
     """
     num_tokens, num_experts = logits_TE.shape
     probs_TE = F.softmax(logits_TE, dim=1)
-    ids1_T = torch.argmax(probs_TE, dim=1)
-    mask1_TE = _one_hot(ids1_T, num_experts)
+    ids1_T = first_argmax(probs_TE)
     if second_expert_sampling:  # DeepSpeed adds the noise in place; out of place gives the same values
         logits_TE = logits_TE + gumbel_rsample(logits_TE.shape, logits_TE.device)
-    ids2_T = torch.argmax(logits_TE.masked_fill(mask1_TE.bool(), float("-inf")), dim=1)
-    mask2_TE = _one_hot(ids2_T, num_experts)
+    ids2_T = first_argmax(logits_TE.masked_fill(_one_hot_bool(ids1_T, num_experts), float("-inf")))
 
-    slots1_TE = slots_in_token_order(mask1_TE)
-    slots2_TE = slots_in_token_order(mask2_TE) + mask1_TE.sum(0, keepdim=True)  # after all first choices
-    aux_loss = torch.mean(probs_TE.mean(0) * mask1_TE.float().mean(0)) * num_experts * num_experts
-    counts_E = (mask1_TE + mask2_TE).sum(0).detach()
-
+    counts1_E = route_counts(ids1_T, num_experts)
+    aux_loss = torch.mean(probs_TE.mean(0) * route_fraction(counts1_E, num_tokens)) * num_experts * num_experts
     ids_TK = torch.stack([ids1_T, ids2_T], dim=1)
-    slots_TK = torch.stack([slots1_TE.gather(1, ids1_T[:, None]), slots2_TE.gather(1, ids2_T[:, None])], 1)[..., 0]
+    counts_E = route_counts(ids_TK, num_experts)
+
+    # Queue positions: every first choice (token order), then every second choice; drop past capacity.
+    all_routes_TK = torch.ones_like(ids_TK, dtype=torch.bool)
+    slots_TK = buffer_slots(ids_TK, all_routes_TK, num_experts, "choice")
     if drop_tokens:
         capacity = capacity_from_factor(num_tokens, num_experts, capacity_factor, 2, min_capacity)
         kept_TK = slots_TK < capacity
     else:
         capacity = dropless_capacity(counts_E)  # no clamp to T for top-2, as in DeepSpeed
-        kept_TK = torch.ones_like(slots_TK, dtype=torch.bool)
+        kept_TK = all_routes_TK
 
     gates_TK = probs_TE.gather(1, ids_TK) * kept_TK
     denom_T = torch.clamp(gates_TK[:, 0] + gates_TK[:, 1], min=torch.finfo(torch.float32).eps)
     weights_TK = gates_TK / denom_T[:, None]
-    slots_TK = torch.where(kept_TK, slots_TK, torch.full_like(slots_TK, -1))
-    return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, _no_z_loss(logits_TE), counts_E, slots_TK, probs_TE)
+    return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, counts_E, probs_TE, "choice")
 
 
 # ---------------------------------------------------------------- top-k (k > 2)
@@ -155,8 +156,8 @@ def topk_gating(
     probs_TE = F.softmax(logits_TE, dim=1)
     top_probs_TK, ids_TK = torch.topk(probs_TE, k=k, dim=1)
     mask_TE = torch.zeros_like(probs_TE, dtype=torch.bool).scatter_(1, ids_TK, True)
-    counts_E = mask_TE.sum(0).detach()
-    aux_loss = torch.mean(probs_TE.mean(0) * mask_TE.float().mean(0)) * num_experts * num_experts / k
+    counts_E = route_counts(ids_TK, num_experts)
+    aux_loss = torch.mean(probs_TE.mean(0) * route_fraction(counts_E, num_tokens)) * num_experts * num_experts / k
 
     if drop_tokens:
         capacity = capacity_from_factor(num_tokens, num_experts, capacity_factor, k, min_capacity)
@@ -170,5 +171,4 @@ def topk_gating(
     denom_T1 = torch.clamp(gates_TE.sum(-1, keepdim=True), min=torch.finfo(torch.float32).eps)
     weights_TK = (gates_TE / denom_T1).gather(1, ids_TK)
     kept_TK = mask_TE.gather(1, ids_TK)
-    slots_TK = gather_slots(slots_in_token_order(mask_TE), ids_TK, kept_TK)
-    return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, _no_z_loss(logits_TE), counts_E, slots_TK, probs_TE)
+    return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, counts_E, probs_TE, "token")

@@ -39,11 +39,15 @@ class MoEAux:
     the model (or `loss(cfg)`) applies moe_loss_coeff and moe_z_loss_coeff."""
 
     aux_loss: torch.Tensor  # fp32 scalar, differentiable (to the router)
-    z_loss: torch.Tensor  # fp32 scalar
     tokens_per_expert_E: torch.Tensor  # int64 [E], routes per expert before dropping (detached)
     dropped_routes: torch.Tensor  # int64 scalar: routes cut by capacity (device tensor, no host sync)
     capacity: int  # per-expert capacity used this step
     routing: Routing  # the full routing decision, for reports (routing.stats())
+
+    @property
+    def z_loss(self) -> torch.Tensor:
+        """fp32 scalar router z-loss (differentiable when moe_z_loss_coeff != 0; else computed when read)."""
+        return self.routing.z_loss
 
     def loss(self, cfg: ModelConfig) -> torch.Tensor:
         """moe_loss_coeff · aux_loss + moe_z_loss_coeff · z_loss (fp32 scalar)."""
@@ -132,7 +136,6 @@ class MoELayer(nn.Module):
         dropped = (~routing.kept_TK).sum()
         return MoEAux(
             routing.aux_loss,
-            routing.z_loss,
             routing.tokens_per_expert_E.detach(),
             dropped,
             routing.capacity,

@@ -23,10 +23,10 @@ from moetron.model.moe.capacity import (
     RoutingInputError,
     capacity_from_factor,
     dropless_capacity,
-    gather_slots,
     keep_by_position,
     keep_top_keys,
-    slots_in_token_order,
+    route_counts,
+    route_fraction,
 )
 from moetron.model.moe.routing import Routing
 
@@ -34,9 +34,13 @@ from moetron.model.moe.routing import Routing
 def routing_probs(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:
     """[T, E] probabilities over all experts (sum to 1), what the aux losses and the entropy measure."""
     if score_function == "sigmoid":
-        scores_TE = torch.sigmoid(logits_TE)
-        return scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).eps)
+        return normalised(torch.sigmoid(logits_TE))
     return F.softmax(logits_TE, dim=-1)
+
+
+def normalised(scores_TE: torch.Tensor) -> torch.Tensor:
+    """Sigmoid scores rescaled to sum to 1 per token."""
+    return scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).eps)
 
 
 def limit_to_best_groups(select_TE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
@@ -51,14 +55,25 @@ def limit_to_best_groups(select_TE: torch.Tensor, num_groups: int, topk_groups: 
     return select_TE.masked_fill(~allowed_TE, float("-inf"))
 
 
-def _choose_experts(logits_TE: torch.Tensor, cfg: ModelConfig, k: int, expert_bias_E: torch.Tensor | None):
-    """(ids_TK, route_scores_TK): which experts each token picks, and the unbiased score of each pick."""
+def _scores(logits_TE: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """[T, E] selection scores: logits (pre-softmax: weights are a softmax over the chosen k), sigmoid or softmax."""
     if cfg.moe_router_pre_softmax:
-        scores_TE = logits_TE  # select on logits; weights are a softmax over the chosen k
-    elif cfg.moe_router_score_function == "sigmoid":
-        scores_TE = torch.sigmoid(logits_TE)
-    else:
-        scores_TE = F.softmax(logits_TE, dim=-1)
+        return logits_TE
+    if cfg.moe_router_score_function == "sigmoid":
+        return torch.sigmoid(logits_TE)
+    return F.softmax(logits_TE, dim=-1)
+
+
+def _probs_from_scores(logits_TE: torch.Tensor, scores_TE: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """`routing_probs`, reusing the selection scores when they already are (or hold) the same function:
+    one softmax (and one softmax backward) per step instead of two."""
+    if cfg.moe_router_pre_softmax:
+        return routing_probs(logits_TE, cfg.moe_router_score_function)
+    return normalised(scores_TE) if cfg.moe_router_score_function == "sigmoid" else scores_TE
+
+
+def _choose_experts(scores_TE: torch.Tensor, cfg: ModelConfig, k: int, expert_bias_E: torch.Tensor | None):
+    """(ids_TK, route_scores_TK): which experts each token picks, and the unbiased score of each pick."""
     select_TE = scores_TE.detach()
     if expert_bias_E is not None:  # the bias steers selection only, never the weights
         select_TE = select_TE + expert_bias_E
@@ -85,30 +100,38 @@ def generic_topk_gating(
 ) -> Routing:
     """Top-k routing with the modern options; capacity and dropping as DeepSpeed's `topkgating`."""
     num_tokens, num_experts = logits_TE.shape
-    ids_TK, route_scores_TK = _choose_experts(logits_TE, cfg, k, expert_bias_E)
-    mask_TE = torch.zeros_like(logits_TE, dtype=torch.bool).scatter_(1, ids_TK, True)
-    counts_E = mask_TE.sum(0).detach()
-    probs_TE = routing_probs(logits_TE, cfg.moe_router_score_function)
+    scores_TE = _scores(logits_TE, cfg)
+    ids_TK, route_scores_TK = _choose_experts(scores_TE, cfg, k, expert_bias_E)
+    counts_E = route_counts(ids_TK, num_experts)
+    probs_TE = _probs_from_scores(logits_TE, scores_TE, cfg)
 
-    if not cfg.moe_token_dropping:
+    if not cfg.moe_token_dropping:  # every route fits: no [T, E] mask at all
         capacity = dropless_capacity(counts_E)
+        kept_TK = torch.ones_like(ids_TK, dtype=torch.bool)
     else:
         capacity = capacity_from_factor(num_tokens, num_experts, capacity_factor, k, cfg.moe_min_capacity)
-        if cfg.moe_use_rts:  # 'probs': keep each expert's highest-scoring routes
-            keys_TE = torch.zeros_like(logits_TE).scatter(1, ids_TK, route_scores_TK.detach())
-            mask_TE = keep_top_keys(mask_TE, keys_TE, capacity, sort=False)
-        else:  # 'position': keep each expert's earliest routes
-            mask_TE = keep_by_position(mask_TE, capacity)
-    kept_TK = mask_TE.gather(1, ids_TK)
+        kept_TK = _keep_within_capacity(logits_TE, ids_TK, route_scores_TK, capacity, cfg.moe_use_rts)
 
     weights_TK = route_scores_TK * kept_TK
     if renormalises(cfg, k):
         weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).eps)
     weights_TK = weights_TK * cfg.moe_router_topk_scaling_factor
-    aux_loss = global_aux_loss(probs_TE, ids_TK)
-    slots_TK = gather_slots(slots_in_token_order(mask_TE), ids_TK, kept_TK)
-    zero = torch.zeros((), dtype=torch.float32, device=logits_TE.device)
-    return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, zero, counts_E, slots_TK, probs_TE)
+    aux_loss = _balance(probs_TE.mean(0), route_fraction(counts_E, num_tokens), k)
+    return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, counts_E, probs_TE, "token")
+
+
+def _keep_within_capacity(
+    logits_TE: torch.Tensor, ids_TK: torch.Tensor, route_scores_TK: torch.Tensor, capacity: int, by_score: bool
+) -> torch.Tensor:
+    """bool [T, K]: 'probs' policy (each over-full expert keeps its highest-scoring routes) or 'position'
+    (its earliest tokens)."""
+    mask_TE = torch.zeros_like(logits_TE, dtype=torch.bool).scatter_(1, ids_TK, True)
+    if by_score:
+        keys_TE = torch.zeros_like(logits_TE).scatter(1, ids_TK, route_scores_TK.detach())
+        mask_TE = keep_top_keys(mask_TE, keys_TE, capacity, sort=False)
+    else:
+        mask_TE = keep_by_position(mask_TE, capacity)
+    return mask_TE.gather(1, ids_TK)
 
 
 # ---------------------------------------------------------------- balancing losses
@@ -120,8 +143,8 @@ def _balance(probs_XE: torch.Tensor, route_fraction_XE: torch.Tensor, k: int) ->
 
 def global_aux_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
     """Switch/GShard loss over the whole batch, every route counted, divided by k (DeepSpeed's top-k form)."""
-    mask_TE = torch.zeros_like(probs_TE).scatter_(1, ids_TK, 1.0)
-    return _balance(probs_TE.mean(0), mask_TE.mean(0), ids_TK.shape[1])
+    counts_E = route_counts(ids_TK, probs_TE.shape[1])
+    return _balance(probs_TE.mean(0), route_fraction(counts_E, probs_TE.shape[0]), ids_TK.shape[1])
 
 
 def sequence_aux_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor, seq_len: int | None) -> torch.Tensor:
@@ -145,3 +168,12 @@ def sequence_aux_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor, seq_len: int
 def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     """ST-MoE router z-loss: mean over tokens of logsumexp(logits)²."""
     return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+def z_loss_from_route(logit_T: torch.Tensor, prob_T: torch.Tensor) -> torch.Tensor:
+    """`z_loss` from one logit and its softmax probability per token: logsumexp = logit − log(prob).
+
+    O(T) instead of O(T·E). Exact up to rounding when the route's probability is not tiny, which holds for
+    a token's first choice; only for a z-loss that is reported, not trained on (no gradient)."""
+    lse_T = logit_T.float() - prob_T.float().clamp_min(torch.finfo(torch.float32).tiny).log()
+    return lse_T.square().mean()

@@ -17,7 +17,7 @@ Shape legend: T tokens, D hidden size, E experts, K routes per token.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 
 import torch
@@ -27,7 +27,7 @@ from torch import nn
 from moetron.errors import ConfigError
 from moetron.model.config import ModelConfig
 from moetron.model.moe.gating import multiplicative_jitter, top1_gating, top2_gating, topk_gating
-from moetron.model.moe.modern_gating import generic_topk_gating, sequence_aux_loss, z_loss
+from moetron.model.moe.modern_gating import generic_topk_gating, sequence_aux_loss, z_loss, z_loss_from_route
 from moetron.model.moe.routing import Routing
 
 __all__ = ["Router", "Routing", "uses_generic_path"]
@@ -139,15 +139,24 @@ class Router(nn.Module):
     def _with_losses(self, routing: Routing, logits_TE: torch.Tensor, seq_len: int | None) -> Routing:
         """Replace the path's global aux loss when another type is asked for, and add the z-loss."""
         aux_type = self.cfg.moe_aux_loss_type
-        aux_loss = routing.aux_loss
         if aux_type == "seq":
-            aux_loss = sequence_aux_loss(routing.probs_TE, routing.expert_ids_TK, seq_len)
+            routing.aux_loss = sequence_aux_loss(routing.probs_TE, routing.expert_ids_TK, seq_len)
         elif aux_type == "none":
-            aux_loss = torch.zeros((), dtype=torch.float32, device=logits_TE.device)
-        z = z_loss(logits_TE)
-        if self.cfg.moe_z_loss_coeff == 0:
-            z = z.detach()  # still logged; no backward work when it is not trained on
-        return dataclasses.replace(routing, aux_loss=aux_loss, z_loss=z)
+            routing.aux_loss = torch.zeros((), dtype=torch.float32, device=logits_TE.device)
+        routing.z_loss_source = self._z_loss(routing, logits_TE)
+        return routing
+
+    def _z_loss(self, routing: Routing, logits_TE: torch.Tensor):
+        """The z-loss (differentiable) when it is trained on; otherwise a detached value computed on first
+        read, from each token's first-choice logit and probability (O(T), no [T, E] logsumexp per step)."""
+        if self.cfg.moe_z_loss_coeff != 0:
+            return z_loss(logits_TE)
+        if self.cfg.moe_router_score_function != "softmax":  # probs_TE is not softmax(logits): no shortcut
+            return z_loss(logits_TE.detach())
+        first_T1 = routing.expert_ids_TK[:, :1]
+        logit_T = logits_TE.detach().gather(1, first_T1)
+        prob_T = routing.probs_TE.detach().gather(1, first_T1)
+        return functools.partial(z_loss_from_route, logit_T, prob_T)
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:

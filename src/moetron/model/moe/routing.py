@@ -3,26 +3,52 @@
 Shape legend: T tokens (the flattened batch), K routes per token (topk), E experts in the layer.
 Column k of every `_TK` tensor is a token's k-th choice (column 0 = first choice). Dropped routes keep
 their expert id (so statistics can see where they wanted to go) but carry weight 0 and `kept=False`.
+
+`slots_TK` and `z_loss` are computed on first read: the dispatcher needs neither, and building them
+eagerly (an int64 [T, E] cumsum, a [T, E] logsumexp) cost more than the routing decision itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
+SLOT_ORDERS = ("token", "choice")
 
-@dataclass
+
+@dataclass(eq=False)
 class Routing:
     expert_ids_TK: torch.Tensor  # int64 [T, K]: the global expert of each route
     weights_TK: torch.Tensor  # fp32 [T, K]: combine weight, 0.0 for dropped routes; carries the gate's gradient
     kept_TK: torch.Tensor  # bool [T, K]: the route fits in its expert's capacity
     capacity: int  # per-expert capacity used (the max load in dropless mode)
     aux_loss: torch.Tensor  # fp32 scalar load-balancing loss, NOT multiplied by moe_loss_coeff
-    z_loss: torch.Tensor  # fp32 scalar router z-loss, NOT multiplied by moe_z_loss_coeff
     tokens_per_expert_E: torch.Tensor  # int64 [E]: routes per expert before dropping (DeepSpeed's exp_counts)
-    slots_TK: torch.Tensor | None = None  # int64 [T, K]: position in the expert's capacity buffer, -1 if dropped
     probs_TE: torch.Tensor | None = None  # fp32 [T, E]: router probabilities over all experts (sum to 1 per token)
+    # How an expert's buffer fills: "token" = in token order; "choice" = all first choices (in token order)
+    # before any second choice (DeepSpeed's top-2). Only `slots_TK` reads it.
+    slot_order: str = "token"
+    # fp32 scalar router z-loss (NOT multiplied by moe_z_loss_coeff), or a function computing it on first read.
+    z_loss_source: torch.Tensor | Callable[[], torch.Tensor] | None = field(default=None, repr=False)
+    _slots_TK: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    @property
+    def z_loss(self) -> torch.Tensor:
+        """fp32 scalar router z-loss (0 when the router did not set one)."""
+        if callable(self.z_loss_source):
+            self.z_loss_source = self.z_loss_source()
+        if self.z_loss_source is None:
+            self.z_loss_source = torch.zeros((), dtype=torch.float32, device=self.expert_ids_TK.device)
+        return self.z_loss_source
+
+    @property
+    def slots_TK(self) -> torch.Tensor:
+        """int64 [T, K]: position in the expert's capacity buffer, -1 if dropped (computed on first read)."""
+        if self._slots_TK is None:
+            self._slots_TK = buffer_slots(self.expert_ids_TK, self.kept_TK, self.num_experts, self.slot_order)
+        return self._slots_TK
 
     @property
     def num_tokens(self) -> int:
@@ -59,3 +85,24 @@ class Routing:
             probs_TE = self.probs_TE.detach().float()
             out["entropy"] = -(probs_TE * probs_TE.clamp_min(1e-30).log()).sum(-1).mean()
         return out
+
+
+@torch.no_grad()
+def buffer_slots(expert_ids_TK: torch.Tensor, kept_TK: torch.Tensor, num_experts: int, order: str) -> torch.Tensor:
+    """int64 [T, K]: each kept route's rank among its expert's kept routes, -1 for dropped routes.
+
+    Ranks count in token order ("token"), or choice-major ("choice": column 0 of every token, then column 1…).
+    Every path keeps a prefix of its expert's queue or keeps by key, so the rank among KEPT routes is the
+    buffer position DeepSpeed's cumsum over the [T, E] mask gives them.
+    """
+    if order not in SLOT_ORDERS:
+        raise ValueError(f"slot order {order!r} is not one of {SLOT_ORDERS}")
+    ids_TK = torch.where(kept_TK, expert_ids_TK, num_experts)  # dropped routes queue at a phantom expert
+    keys_R = (ids_TK.t() if order == "choice" else ids_TK).reshape(-1)
+    order_R = torch.sort(keys_R, stable=True).indices
+    counts_E = torch.bincount(keys_R, minlength=num_experts + 1)
+    starts_R = (torch.cumsum(counts_E, 0) - counts_E)[keys_R[order_R]]
+    sorted_ranks_R = torch.arange(keys_R.numel(), device=keys_R.device) - starts_R
+    ranks_R = torch.empty_like(keys_R).index_copy_(0, order_R, sorted_ranks_R)
+    ranks_TK = ranks_R.view(ids_TK.t().shape).t() if order == "choice" else ranks_R.view(ids_TK.shape)
+    return torch.where(kept_TK, ranks_TK, -1).contiguous()
