@@ -96,3 +96,27 @@ def keep_top_keys_top1(ids_T: torch.Tensor, keys_TE: torch.Tensor, capacity: int
     # A winner row counts only if that token really routes to this column's expert.
     routed_CE = ids_T[top_rows_CE] == torch.arange(num_experts, device=ids_T.device)
     return torch.zeros(num_tokens, dtype=torch.bool, device=ids_T.device).index_fill_(0, top_rows_CE[routed_CE], True)
+
+
+def keep_top_random_keys_top1(ids_T: torch.Tensor, rand_TE: torch.Tensor, capacity: int) -> torch.Tensor:
+    """bool [T]: `keep_top_keys_top1(ids_T, one_hot(ids_T) · rand_TE, capacity)` without the [T, E] topk.
+
+    One sort of the T routes (expert ascending, key descending) ranks each route within its expert; the
+    routes ranked below C are kept. That is exactly the topk's choice whenever it has a unique answer: no
+    routed key is 0 (0 ties with every unrouted entry of the column) and no over-full expert has equal
+    keys across its capacity boundary. Otherwise (one batch in millions) it runs the topk itself, so the
+    result is DeepSpeed's, ties included. Reads the device once (the tie check).
+    """
+    num_tokens = ids_T.shape[0]
+    keep = min(capacity, num_tokens)
+    key_T = rand_TE.gather(1, ids_T.unsqueeze(1)).squeeze(1)
+    # 2e + (1 − key) lies in (2e, 2e + 1]: experts never overlap, and float64 holds it exactly.
+    sorted_T, order_T = torch.sort(ids_T.double() * 2 + (1 - key_T.double()), stable=True)
+    counts_E = torch.bincount(ids_T, minlength=rand_TE.shape[1])
+    rank_T = torch.arange(num_tokens, device=ids_T.device) - (torch.cumsum(counts_E, 0) - counts_E)[ids_T[order_T]]
+    first_dropped_T = rank_T == keep
+    boundary_tie = first_dropped_T[1:] & (sorted_T[1:] == sorted_T[:-1])
+    if bool(boundary_tie.any() | (key_T == 0).any()):
+        keys_TE = torch.zeros_like(rand_TE).scatter_(1, ids_T.unsqueeze(1), key_T.unsqueeze(1))
+        return keep_top_keys_top1(ids_T, keys_TE, capacity)
+    return torch.empty_like(ids_T, dtype=torch.bool).index_copy_(0, order_T, rank_T < keep)

@@ -19,6 +19,7 @@ from moetron.model.moe.capacity import (
     first_argmax,
     keep_top_keys,
     keep_top_keys_top1,
+    keep_top_random_keys_top1,
     route_counts,
     route_fraction,
 )
@@ -93,12 +94,11 @@ def top1_gating(
 
     # Random token selection: an over-full expert keeps the C routes with the largest random keys. The
     # draw happens even when nothing can overflow (dropless), to keep the RNG stream in step with DeepSpeed.
-    mask_TE = _one_hot_bool(ids_T, num_experts)
-    if use_rts:  # mask · U(0, 1) as DeepSpeed computes it (0 off the route, the draw on it)
-        keys_TE = torch.where(mask_TE, uniform_rsample(mask_TE.shape, 0.0, 1.0, logits_TE.device), 0.0)
-    else:
-        keys_TE = mask_TE.long()  # DeepSpeed's int64 one-hot mask as the keys: its exact ties
-    kept_T = keep_top_keys_top1(ids_T, keys_TE, capacity)
+    if use_rts:  # keys = one-hot mask · U(0, 1), as DeepSpeed computes them
+        rand_TE = uniform_rsample(logits_TE.shape, 0.0, 1.0, logits_TE.device)
+        kept_T = keep_top_random_keys_top1(ids_T, rand_TE, capacity)
+    else:  # DeepSpeed's int64 one-hot mask as the keys: its exact ties
+        kept_T = keep_top_keys_top1(ids_T, _one_hot_bool(ids_T, num_experts).long(), capacity)
 
     ids_TK, kept_TK = ids_T.unsqueeze(1), kept_T.unsqueeze(1)
     weights_TK = probs_TE.gather(1, ids_TK) * kept_TK  # raw probability, no renormalisation for k = 1

@@ -1,0 +1,106 @@
+"""The fast paths of the MoE router against the straightforward computations they replace (bitwise)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moetron.model.moe.capacity import (
+    first_argmax,
+    keep_top_keys,
+    keep_top_keys_top1,
+    keep_top_random_keys_top1,
+    route_counts,
+    route_fraction,
+    slots_in_token_order,
+)
+from moetron.model.moe.modern_gating import z_loss, z_loss_from_route
+from moetron.model.moe.routing import Routing, buffer_slots
+
+
+def _reference_top1_keep(ids_T: torch.Tensor, keys_TE: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The [T, E] form: DeepSpeed's topk over the masked keys, then read at each token's expert."""
+    mask_TE = F.one_hot(ids_T, keys_TE.shape[1])
+    kept_TE = keep_top_keys(mask_TE, mask_TE * keys_TE, capacity, sort=True)
+    return kept_TE.gather(1, ids_T.unsqueeze(1)).squeeze(1).bool()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_first_argmax_is_argmax_with_ties(seed):
+    g = torch.Generator().manual_seed(seed)
+    x_TE = torch.randint(0, 4, (300, 9), generator=g).float()  # many ties
+    x_TE[::7, 3] = float("-inf")
+    x_TE[5] = float("-inf")
+    x_TE[6, :] = 2.0
+    assert torch.equal(first_argmax(x_TE), torch.argmax(x_TE, dim=1))
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 7, 25, 40, 1000])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_key_keep_matches_topk(capacity, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids_T = torch.randint(0, 8, (200,), generator=g)
+    rand_TE = torch.rand(200, 8, generator=g)
+    expected = _reference_top1_keep(ids_T, rand_TE, capacity)
+    assert torch.equal(keep_top_random_keys_top1(ids_T, rand_TE, capacity), expected)
+    assert torch.equal(keep_top_keys_top1(ids_T, F.one_hot(ids_T, 8) * rand_TE, capacity), expected)
+
+
+@pytest.mark.parametrize("capacity", [3, 10, 30])
+def test_random_key_keep_falls_back_on_ties_and_zero_keys(capacity):
+    g = torch.Generator().manual_seed(0)
+    ids_T = torch.randint(0, 4, (100,), generator=g)
+    for rand_TE in (torch.full((100, 4), 0.5), torch.randint(0, 3, (100, 4), generator=g) / 4):
+        assert torch.equal(
+            keep_top_random_keys_top1(ids_T, rand_TE, capacity), _reference_top1_keep(ids_T, rand_TE, capacity)
+        )
+
+
+def test_route_counts_and_fraction_are_the_mask_forms():
+    g = torch.Generator().manual_seed(2)
+    ids_TK = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(333)])  # distinct experts per token
+    mask_TE = torch.zeros(333, 6).scatter_(1, ids_TK, 1.0)
+    assert torch.equal(route_counts(ids_TK, 6), mask_TE.sum(0).long())
+    assert torch.equal(route_fraction(route_counts(ids_TK[:, 0], 6), 333), F.one_hot(ids_TK[:, 0], 6).float().mean(0))
+
+
+def test_buffer_slots_token_and_choice_order():
+    g = torch.Generator().manual_seed(1)
+    ids_TK = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(40)])
+    kept_TK = torch.rand(40, 2, generator=g) > 0.3
+    kept_TE = torch.zeros(40, 5, dtype=torch.bool).scatter_(1, ids_TK, kept_TK)
+    token = slots_in_token_order(kept_TE).gather(1, ids_TK)
+    assert torch.equal(buffer_slots(ids_TK, kept_TK, 5, "token"), torch.where(kept_TK, token, -1))
+    all_TK = torch.ones_like(kept_TK)
+    first_TE, second_TE = (F.one_hot(ids_TK[:, k], 5) for k in (0, 1))
+    choice = torch.stack(
+        [slots_in_token_order(first_TE), slots_in_token_order(second_TE) + first_TE.sum(0, keepdim=True)], 1
+    ).gather(2, ids_TK.unsqueeze(2))[..., 0]
+    assert torch.equal(buffer_slots(ids_TK, all_TK, 5, "choice"), choice)
+    with pytest.raises(ValueError, match="slot order"):
+        buffer_slots(ids_TK, all_TK, 5, "expert")
+
+
+def test_z_loss_from_the_first_route_and_lazy_routing_fields():
+    logits_TE = torch.randn(64, 8) * 4
+    probs_TE = logits_TE.softmax(-1)
+    first_T1 = probs_TE.argmax(-1, keepdim=True)
+    torch.testing.assert_close(
+        z_loss_from_route(logits_TE.gather(1, first_T1), probs_TE.gather(1, first_T1)), z_loss(logits_TE)
+    )
+    ids_TK = first_T1
+    routing = Routing(
+        ids_TK,
+        probs_TE.gather(1, ids_TK),
+        torch.ones_like(ids_TK, dtype=torch.bool),
+        64,
+        torch.zeros(()),
+        route_counts(ids_TK, 8),
+        probs_TE,
+    )
+    assert routing.z_loss.item() == 0.0  # no source set: zero
+    routing.z_loss_source = lambda: torch.tensor(3.0)
+    assert routing.z_loss.item() == 3.0 and routing.z_loss_source.item() == 3.0  # computed once, then kept
+    assert routing.slots_TK is routing.slots_TK  # cached
+    assert int(routing.slots_TK.max()) == int(route_counts(ids_TK, 8).max()) - 1
