@@ -130,4 +130,39 @@ def test_peak_table_and_mfu():
     assert peak_tflops("NVIDIA GeForce RTX 4090") == 165.0
     assert peak_tflops("cpu") == CPU_PEAK_TFLOPS
     assert peak_tflops("anything", override=42.0) == 42.0
+    assert mfu(1.0, None) is None
     assert mfu(123.6, 989.0) == pytest.approx(0.125, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "device, expected",
+    [
+        ("NVIDIA L40S", 362.0),
+        ("NVIDIA RTX A6000", 155.0),
+        ("NVIDIA GeForce RTX 3090", 71.0),
+        ("NVIDIA GeForce RTX 5090", 209.5),
+        ("NVIDIA H200", 989.0),
+    ],
+)
+def test_known_gpus_get_the_table_value(device, expected):
+    assert peak_tflops(device) == expected
+
+
+def test_unknown_gpu_has_no_peak_so_mfu_is_not_invented():
+    # the old fallback (the CPU's 0.086) made MFU ~1000x too flattering on any GPU missing from the table
+    assert peak_tflops("NVIDIA GeForce GTX 1080") is None
+    assert peak_tflops("Some Future Accelerator", override=123.0) == 123.0
+
+
+def test_planner_uses_the_same_peaks():
+    from moetron.plan.hardware import accelerator
+
+    for gpu_type, device_name in [
+        ("L40S", "NVIDIA L40S"),
+        ("A6000", "NVIDIA RTX A6000"),
+        ("3090", "RTX 3090"),
+        ("5090", "RTX 5090"),
+        ("4090", "RTX 4090"),
+        ("H100", "H100 SXM"),
+    ]:
+        assert accelerator(gpu_type).peak_tflops == peak_tflops(device_name)

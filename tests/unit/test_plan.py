@@ -213,6 +213,26 @@ def test_cli_table_and_json(capsys):
     assert data["memory"]["peak"] + data["device"]["context_bytes"] == data["needed_bytes"]
 
 
+def test_only_gpu_memory_describes_a_gpu_of_that_size(capsys):
+    assert main(["plan", "--config", SEED, "--gpus", "2", "--gpu-memory", "24GB"]) == 0
+    text = capsys.readouterr().out
+    assert "on 2 × 24 GiB GPU" in text and "available on a 24 GiB GPU" in text
+    assert "A100-80GB" not in text.split("device")[0]  # the title and header name no A100 ...
+    assert "assumes 312 peak TFLOP/s (an A100-80GB's); set --peak-tflops" in text  # ... only the stated assumption
+    assert main(["plan", "--config", SEED, "--gpus", "2", "--gpu-memory", "24GB", "--peak-tflops", "165"]) == 0
+    text = capsys.readouterr().out
+    assert "A100" not in text and "of 165 peak" in text
+
+
+def test_default_device_is_stated(capsys):
+    assert main(["plan", "--config", SEED, "--gpus", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "on 2 × A100-80GB" in text and "planned for the default, an A100-80GB" in text
+    assert "available on an A100-80GB" in text
+    assert main(["plan", "--config", SEED, "--gpus", "2", "--gpu-type", "4090"]) == 0
+    assert "device " not in capsys.readouterr().out  # nothing assumed, nothing to say
+
+
 def test_cli_shows_changes_that_fit(capsys):
     assert main(["plan", "--config", SEED, "--gpus", "2", "--gpu-type", "4090", "--gpu-memory", "6GB"]) == 0
     text = capsys.readouterr().out

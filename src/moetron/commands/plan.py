@@ -16,7 +16,7 @@ from moetron.config_cli import add_config_arguments, cli_overrides, load_config
 from moetron.errors import UserError
 from moetron.plan.advice import largest_micro_batch, suggestions
 from moetron.plan.estimate import DEFAULT_MFU, make_plan
-from moetron.plan.hardware import KNOWN, accelerator
+from moetron.plan.hardware import DEFAULT_GPU, KNOWN, accelerator
 from moetron.plan.report import format_plan, plan_dict
 
 HELP = "Parameters, FLOPs, per-GPU memory and a fits/doesn't-fit verdict, without running."
@@ -28,7 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--gpus", type=int, help="number of GPUs (processes) of the run; default: --moe-expert-parallel-size"
     )
-    group.add_argument("--gpu-type", help=f"one of {', '.join(KNOWN)} (default A100-80GB)")
+    group.add_argument(
+        "--gpu-type",
+        help=f"one of {', '.join(KNOWN)}; default: with --gpu-memory a GPU of that size "
+        f"({DEFAULT_GPU} peak unless --peak-tflops), else an {DEFAULT_GPU}",
+    )
     group.add_argument(
         "--gpu-memory", metavar="SIZE", help="memory per GPU, e.g. 24GB (GB = GiB); overrides the type's"
     )

@@ -13,12 +13,19 @@ import torch
 
 from moetron.model.config import ModelConfig
 
-# Dense peak TFLOP/s per device for bf16/fp16 tensor-core math (no sparsity); matched by substring.
+# THE table of GPU peaks (moetron.plan.hardware builds on it, so MFU and plans agree): dense bf16/fp16
+# tensor-core TFLOP/s with fp32 accumulation, no sparsity, from the vendors' data sheets. Keys are matched
+# as substrings of `torch.cuda.get_device_name()` ("NVIDIA GeForce RTX 4090", "NVIDIA RTX A6000"), longest
+# first so that a more specific key wins over a shorter one it contains.
 PEAK_TFLOPS = {
     "H200": 989.0,
     "H100": 989.0,
     "A100": 312.0,
+    "L40S": 362.0,
+    "A6000": 155.0,
+    "RTX 5090": 209.5,
     "RTX 4090": 165.0,
+    "RTX 3090": 71.0,
     "V100": 125.0,
 }
 # fp32 matmul throughput measured on the 2-core development machine; pass your own with `override`.
@@ -138,23 +145,31 @@ def megatron_tflops(
     return 2 * macs / (iter_time_s * world_size * 1e12)
 
 
-def mfu(achieved_tflops_per_device: float, peak_tflops: float) -> float:
-    """Model FLOPs utilisation: achieved / peak (a fraction, 0.4 = 40 %)."""
-    return achieved_tflops_per_device / peak_tflops
+def mfu(achieved_tflops_per_device: float, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved / peak (a fraction, 0.4 = 40 %); None when the peak is unknown."""
+    return None if peak_tflops is None else achieved_tflops_per_device / peak_tflops
 
 
-def peak_tflops(device_name: str | None = None, override: float | None = None) -> float:
+def gpu_peak_tflops(device_name: str) -> float | None:
+    """The table entry whose key is in `device_name` (case-insensitive), longest key first; None if none is."""
+    lowered = device_name.lower()
+    for name in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if name.lower() in lowered:
+            return PEAK_TFLOPS[name]
+    return None
+
+
+def peak_tflops(device_name: str | None = None, override: float | None = None) -> float | None:
     """Peak TFLOP/s of one device: `override` if given, else the table entry matching the device name.
 
-    With no name, the first visible CUDA device is asked; on a machine without one the CPU default is
-    used. An unknown GPU falls back to the CPU value so MFU is never silently flattering — pass
-    `override` (e.g. from `--peak-tflops`) for hardware not in the table.
+    With no name, the first visible CUDA device is asked; "cpu" (or no CUDA) gives the CPU value. An
+    unknown GPU gives None — MFU is then reported as n/a: any guess (the CPU value would make MFU
+    ~1000× too flattering) is worse than none. Pass `override` (`--peak-tflops`) for such hardware.
     """
     if override is not None:
         return float(override)
     if device_name is None:
         device_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    for name, value in PEAK_TFLOPS.items():
-        if name.lower() in device_name.lower():
-            return value
-    return CPU_PEAK_TFLOPS
+    if device_name.strip().lower() == "cpu":
+        return CPU_PEAK_TFLOPS
+    return gpu_peak_tflops(device_name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from moetron.plan.advice import Suggestion
 from moetron.plan.estimate import Plan
-from moetron.plan.hardware import GIB
+from moetron.plan.hardware import GIB, with_article
 
 MEMORY_ROWS = [  # (MemoryEstimate field, label)
     ("weights", "weights (fp32; also the master copy)"),
@@ -77,7 +77,7 @@ def memory_lines(plan: Plan) -> list[str]:
     room = plan.device.memory_bytes - plan.needed_bytes
     lines.append(f"  {f'needed at the peak ({mem.phase})':<52} {gib(plan.needed_bytes):>8}")
     lines.append(
-        f"  {'available on a ' + plan.device.name:<52} {gib(plan.device.memory_bytes):>8}   → {verdict} "
+        f"  {'available on ' + with_article(plan.device.name):<52} {gib(plan.device.memory_bytes):>8}   → {verdict} "
         f"({gib(abs(room))} GiB {'free' if room >= 0 else 'short'})"
     )
     return lines
@@ -94,6 +94,7 @@ def format_plan(plan: Plan, suggestions: list[Suggestion], source: str = "", lar
         f"  precision  {precision(plan)}"
         + ("" if precision(plan) == "fp32" else " autocast; fp32 weights, grads and Adam"),
         f"  FLOPs      {human(plan.flops_per_token)} per token (6·active + attention, forward + backward)",
+        *([f"  device     {plan.device.assumed}"] if plan.device.assumed else []),
         "",
         *memory_lines(plan),
         "",
@@ -147,6 +148,7 @@ def plan_dict(plan: Plan, suggestions: list[Suggestion], source: str = "", large
             "memory_bytes": plan.device.memory_bytes,
             "peak_tflops": plan.device.peak_tflops,
             "context_bytes": plan.device.context_bytes,
+            "assumed": plan.device.assumed,
         },
         "parallel": {"dp": d.dp, "ep": d.ep, "tp": d.tp, "pp": d.pp},
         "precision": precision(plan),
