@@ -95,3 +95,38 @@ def test_loading_into_a_different_model_names_the_mismatch(tmp_path):
     other = build_trainer(tiny_config(hidden_size=64))
     with pytest.raises(UserError, match="has shape .* the model expects"):
         checkpoint_state.load_checkpoint(tmp_path / "iter_0000002", other.model)
+
+
+def test_crash_between_the_renames_of_a_resave_leaves_a_loadable_checkpoint(tmp_path, monkeypatch):
+    trainer = trained(tmp_path)  # iter_0000002 published
+    renames, real_rename = [], ckpt.os.rename
+
+    def rename_then_crash(src, dst):
+        renames.append((src, dst))
+        if len(renames) == 2:  # the final → .tmp_old_ rename happened; the staging → final one never does
+            raise OSError("killed mid-swap (simulated)")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "rename", rename_then_crash)
+    with pytest.raises(OSError, match="mid-swap"):
+        trainer.save()  # the same iteration again: the swap path
+    monkeypatch.undo()
+    assert not (tmp_path / "iter_0000002").exists() and (tmp_path / ".tmp_old_iter_0000002").is_dir()
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000002"  # dangling
+
+    parked = ckpt.resolve_checkpoint(str(tmp_path))
+    assert parked == tmp_path / ".tmp_old_iter_0000002"
+    fresh = build_trainer(tiny_config(save=str(tmp_path)))
+    fresh.load(parked)
+    assert fresh.progress.iteration == 2
+    run_losses(fresh, 1)
+    fresh.save()  # puts the parked copy back, cleans the temporaries, publishes iteration 3
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["iter_0000002", "iter_0000003"]
+    assert not list(tmp_path.glob(".tmp_*"))
+    assert ckpt.resolve_checkpoint(str(tmp_path)) == tmp_path / "iter_0000003"
+
+
+def test_first_save_crashed_before_latest_is_still_found(tmp_path):
+    trained(tmp_path)
+    (tmp_path / "latest").unlink()  # as if the process died right after renaming staging → iter_0000002
+    assert ckpt.resolve_checkpoint(str(tmp_path)) == tmp_path / "iter_0000002"

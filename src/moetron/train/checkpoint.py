@@ -26,6 +26,9 @@ loads with EP = 1 or EP = 4, optimizer state included.
 Atomic publish: everything is written into `.tmp_iter_0000010/`, fsynced, the directory is renamed to
 `iter_0000010/`, and only then `latest` is replaced (write-to-temp + `os.replace`). A crash at any moment leaves
 the previous checkpoint and its `latest` pointer intact; stale temporaries are removed by the next save.
+Re-saving an existing iteration parks the old directory as `.tmp_old_iter_*` for the swap; if a crash strands it
+there (`latest` then names a missing directory), `resolve_checkpoint` loads the parked copy and the next save
+puts it back before cleaning up.
 """
 
 from __future__ import annotations
@@ -189,10 +192,25 @@ def staging_dir(run_dir: Path, iteration: int) -> Path:
     return run_dir / f".tmp_{iteration_dir_name(iteration)}"
 
 
+def swapped_out_dir(final: Path) -> Path:
+    """Where `publish` parks an existing checkpoint of the same iteration while the new one takes its name."""
+    return final.parent / f".tmp_old_{final.name}"
+
+
+def restore_swapped_out(run_dir: Path) -> None:
+    """Undo a swap that crashed between its two renames: `latest` names a missing directory whose complete
+    predecessor is still parked; put it back so the run directory is whole again."""
+    target = read_latest(run_dir)
+    if target is not None and not target.is_dir() and swapped_out_dir(target).is_dir():
+        os.rename(swapped_out_dir(target), target)
+        _fsync_dir(run_dir)
+
+
 def prepare_staging(run_dir: Path, iteration: int) -> Path:
     """(rank 0, before a barrier) a fresh, empty staging directory; stale temporaries of crashed saves go."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in run_dir.glob(".tmp_iter_*"):
+    restore_swapped_out(run_dir)  # first: a parked checkpoint may be the only complete copy of `latest`
+    for stale in [*run_dir.glob(".tmp_iter_*"), *run_dir.glob(".tmp_old_iter_*")]:
         shutil.rmtree(stale, ignore_errors=True)
     tmp = staging_dir(run_dir, iteration)
     (tmp / "rng").mkdir(parents=True)
@@ -205,7 +223,7 @@ def publish(run_dir: Path, iteration: int, keep_last_n: int) -> Path:
     _fsync_dir(tmp / "rng")
     _fsync_dir(tmp)
     if final.exists():  # the same iteration saved again (e.g. a signal right after a resume): swap it out
-        old = run_dir / f".tmp_old_{final.name}"
+        old = swapped_out_dir(final)  # a crash from here to the next rename: see restore_swapped_out
         os.rename(final, old)
         os.rename(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
@@ -246,8 +264,11 @@ def resolve_checkpoint(load: str) -> Path | None:
     if not path.is_dir():
         return None
     target = read_latest(path)
-    if target is None:
-        return None
+    if target is None:  # a first save that crashed before writing `latest`: its iter_* directory is complete
+        found = list_checkpoints(path)
+        return found[-1] if found else None
+    if not target.is_dir() and swapped_out_dir(target).is_dir():
+        return swapped_out_dir(target)  # a re-save of the same iteration crashed mid-swap: the parked copy
     if not target.is_dir():
         raise UserError(
             f"checkpoint {path}/{LATEST} points to {target.name}, which does not exist; "
