@@ -44,6 +44,11 @@ def _top_level_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_rank_zero() -> bool:
+    """True outside torchrun and on its global rank 0."""
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     top = _top_level_parser()
@@ -63,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        if _is_rank_zero():  # under torchrun every rank hits the same config error: say it once
+            print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -36,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
     check(cfg, world_size_from_env())
     if args.print_config:
         from moetron.config_cli import to_yaml
+        from moetron.train.run import resolve_vocab_size
 
+        resolve_vocab_size(cfg, explicit)  # show the vocabulary the tokenizer gives, as training would use it
         print(to_yaml(cfg), end="")
         return 0
     from moetron.train.run import run_training

@@ -16,6 +16,7 @@ import torch
 
 from moetron.config import RunConfig
 from moetron.config_cli import to_yaml
+from moetron.data.config import DataConfig, parse_blend
 from moetron.errors import UserError
 from moetron.parallel.env import DistEnv
 from moetron.parallel.parallelize import build_model
@@ -40,11 +41,60 @@ def resolve_vocab_size(cfg: RunConfig, explicit: set[str]) -> None:
     cfg.model.vocab_size = tokenizer.vocab_size
 
 
+SCAN_BYTES = 8 << 20  # per dataset: enough to catch a wrong tokenizer (its ids are everywhere), cheap to read
+
+
+def dataset_prefixes(data: DataConfig) -> list[str]:
+    """Every indexed-dataset prefix the data flags name (blend weights dropped, each once)."""
+    prefixes: list[str] = []
+    for paths in (data.data_path, data.train_data_path, data.valid_data_path, data.test_data_path):
+        if paths:
+            prefixes += parse_blend(paths)[1]
+    return list(dict.fromkeys(prefixes))
+
+
+def max_token_id(prefix: str, scan_bytes: int = SCAN_BYTES) -> int | None:
+    """The largest token id in the first `scan_bytes` of `prefix.bin` (None when empty): a bounded memmap read."""
+    from moetron.data.indexed import IndexedDataset, bin_path
+
+    dtype = IndexedDataset(prefix).dtype  # validates the .idx header and the .bin size on the way
+    count = min(bin_path(prefix).stat().st_size, scan_bytes) // dtype.itemsize
+    if count == 0:
+        return None
+    return int(np.memmap(bin_path(prefix), dtype=dtype, mode="r", shape=(count,)).max())
+
+
+def check_token_ids(data: DataConfig, vocab_size: int, fix: str) -> None:
+    """Fail with the dataset, the id and `fix` before an embedding lookup crashes on an id >= `vocab_size`."""
+    for prefix in dataset_prefixes(data):
+        high = max_token_id(prefix)
+        if high is not None and high >= vocab_size:
+            raise UserError(
+                f"{prefix}: token id {high} is out of range for the vocabulary of {vocab_size} tokens, so the data "
+                f"was preprocessed with another tokenizer; {fix}"
+            )
+
+
+TRAIN_VOCAB_FIX = (
+    "train with the tokenizer the data was made with (--tokenizer-type with --vocab-file/--merge-file or "
+    "--tokenizer-model), preprocess the data again with this one, or raise --vocab-size above the largest id"
+)
+
+
 def sample_counts(cfg: RunConfig, dp: int) -> tuple[int, int, int]:
     """(train, valid, test) samples to index: the whole run, and the fixed validation batches."""
     gbs = cfg.global_batch(dp)
     eval_samples = cfg.train.eval_iters * gbs
     return cfg.total_iters(dp) * gbs, eval_samples, eval_samples
+
+
+def no_validation_warning(cfg: RunConfig) -> str:
+    d = cfg.data
+    why = f"--split {d.split!r} leaves no validation documents" if d.data_path else "no --valid-data-path"
+    return (
+        f"warning: {why}; --eval-iters {cfg.train.eval_iters} is ignored and no evaluation runs "
+        f"(give the split a validation part, e.g. --split 98,2,0, or pass --eval-iters 0)"
+    )
 
 
 def build_loaders(cfg: RunConfig, env: DistEnv):
@@ -66,7 +116,11 @@ def build_loaders(cfg: RunConfig, env: DistEnv):
     mbs = cfg.train.micro_batch_size
     train_loader = DistributedBatchLoader(train_ds, mbs, env.rank, dp, num_workers=cfg.data.num_workers)
     make_valid = None
-    if valid_ds is not None and len(valid_ds) > 0 and cfg.train.eval_iters > 0:
+    has_valid = valid_ds is not None and len(valid_ds) > 0
+    if not has_valid and cfg.train.eval_iters > 0 and env.is_main:
+        # Not an error (training without validation is legitimate), but not silent: eval.jsonl stays empty.
+        print(no_validation_warning(cfg), flush=True)
+    if has_valid and cfg.train.eval_iters > 0:
 
         def make_valid():
             return DistributedBatchLoader(valid_ds, mbs, env.rank, dp)
@@ -102,6 +156,7 @@ def run_training(cfg: RunConfig, explicit: set[str], env: DistEnv) -> int:
     checkpoint = find_checkpoint(cfg)
     seed_everything(cfg.train.seed, env.rank)
     resolve_vocab_size(cfg, explicit)
+    check_token_ids(cfg.data, cfg.model.vocab_size, TRAIN_VOCAB_FIX)
     train_loader, make_valid = build_loaders(cfg, env)
     model = build_model(cfg.model, env, cfg.dims(env.world_size), cfg.train.seed)
     trainer = Trainer(cfg, env, model, train_loader, make_valid, config_yaml=to_yaml(cfg))
