@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_helpers import make_tiny_tokenizer, tiny_tokenizer_flags
 
 from moetron.cli import main
 from moetron.config import RunConfig
@@ -231,6 +232,28 @@ def test_default_device_is_stated(capsys):
     assert "available on an A100-80GB" in text
     assert main(["plan", "--config", SEED, "--gpus", "2", "--gpu-type", "4090"]) == 0
     assert "device " not in capsys.readouterr().out  # nothing assumed, nothing to say
+
+
+def test_quickstart_recipe_plans_its_own_vocabulary(capsys):
+    assert main(["plan", "--config", "quickstart", "--gpus", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"]["logits"] > 0
+    assert main(["plan", "--config", "quickstart", "--gpus", "2"]) == 0
+    assert "logits and loss buffers [512, 8192]" in capsys.readouterr().out  # not GPT-2's 50304
+
+
+def test_vocab_size_comes_from_the_tokenizer_files(tmp_path, capsys):
+    config = tmp_path / "tiny.yaml"  # no vocab_size: `moetron train` would take the tokenizer's
+    config.write_text(
+        "num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nseq_length: 64\nmicro_batch_size: 2\ntrain_iters: 10\n"
+    )
+    flags = tiny_tokenizer_flags(make_tiny_tokenizer(tmp_path))  # 300 entries, padded to 384 (divisible by 128)
+    assert main(["plan", "--config", str(config), "--gpus", "1", "--gpu-type", "4090", *flags]) == 0
+    assert "logits and loss buffers [128, 384]" in capsys.readouterr().out
+    assert (
+        main(["plan", "--config", str(config), "--gpus", "1", "--gpu-type", "4090", *flags, "--vocab-size", "1000"])
+        == 0
+    )
+    assert "logits and loss buffers [128, 1024]" in capsys.readouterr().out  # an explicit --vocab-size wins
 
 
 def test_cli_shows_changes_that_fit(capsys):

@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from moetron.config import RunConfig
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
 from moetron.errors import UserError
 from moetron.plan.advice import largest_micro_batch, suggestions
 from moetron.plan.estimate import DEFAULT_MFU, make_plan
 from moetron.plan.hardware import DEFAULT_GPU, KNOWN, accelerator
 from moetron.plan.report import format_plan, plan_dict
+from moetron.train.run import resolve_vocab_size
 
 HELP = "Parameters, FLOPs, per-GPU memory and a fits/doesn't-fit verdict, without running."
 
@@ -43,8 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
 
 
+def tokenizer_given(cfg: RunConfig) -> bool:
+    return bool(cfg.data.vocab_file if cfg.data.tokenizer_type == "GPT2BPETokenizer" else cfg.data.tokenizer_model)
+
+
 def run(args: argparse.Namespace) -> int:
-    cfg, _ = load_config(args.config, cli_overrides(args))
+    cfg, explicit = load_config(args.config, cli_overrides(args))
+    if tokenizer_given(cfg):
+        # the vocabulary `moetron train` would use: the tokenizer's, unless --vocab-size is set (same rule as train)
+        resolve_vocab_size(cfg, explicit)
     gpus = args.gpus if args.gpus is not None else cfg.parallel.moe_expert_parallel_size
     if gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {gpus}")
