@@ -67,6 +67,22 @@ def choose_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def restart_safe_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun's agent store, a store whose keys are private to this restart attempt (None otherwise).
+
+    After `torchrun --max-restarts N` restarts the workers, the agent's TCPStore still holds the previous attempt's
+    keys, and gloo's rendezvous then reads the dead peers' addresses ("Connection refused"). Prefixing every key
+    with the restart count gives each attempt a clean namespace.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"moetron/attempt_{attempt}", store)
+
+
 def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) -> DistEnv:
     """Join torchrun's process group (or reuse an existing one); a plain single-process env without torchrun."""
     world_size = world_size_from_env()
@@ -77,8 +93,12 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) 
     created = False
     if not dist.is_initialized():
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         kwargs = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
+        store = restart_safe_store(world_size, timeout)
+        if store is not None:
+            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=world_size)
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
         created = True
     return DistEnv(
         rank=dist.get_rank(),
