@@ -125,11 +125,18 @@ def write_run_config(options: QuickstartOptions, run_dir: Path, prefix: str, tok
         overrides["train_iters"] = options.train_iters
     if tensorboard_installed():
         overrides["tensorboard_dir"] = str(run_dir / "tensorboard")
+    else:
+        print(missing_output_note("tensorboard", "tensorboard", "tensorboard"))
     cfg, _ = load_config(str(options.config or default_config_path()), overrides)
     check(cfg, options.nproc)
     path = run_dir / "config.yaml"
     path.write_text(to_yaml(cfg))
     return path
+
+
+def missing_output_note(directory: str, package: str, extra: str) -> str:
+    """One line saying which output is left out and the install that brings it (quoted: brackets are shell globs)."""
+    return f'note: no {directory}/ in the run directory: {package} is not installed; pip install "moetron[{extra}]"'
 
 
 def tensorboard_installed() -> bool:
@@ -176,19 +183,39 @@ def unigram_perplexity(prefix: str, split: str) -> float:
 
 # ---------------------------------------------------------------------------- report
 def evaluate_run(run_dir: Path, prefix: str, split: str) -> dict:
-    from moetron.commands.eval import evaluate_checkpoint, print_result, write_json_atomic, write_plots
+    from moetron.commands.eval import evaluate_checkpoint, print_result, write_json_atomic
 
     result = evaluate_checkpoint(str(run_dir))
     print_result(result)
     result["unigram_ppl"] = unigram_perplexity(prefix, split)
     print(
         f"\nvalidation perplexity {result['valid_ppl']:.1f} vs unigram baseline {result['unigram_ppl']:.1f} "
-        f"(train-split token frequencies): {result['unigram_ppl'] / result['valid_ppl']:.1f}x lower"
+        f"(train-split token frequencies): {baseline_comparison(result['valid_ppl'], result['unigram_ppl'])}"
     )
     write_json_atomic(str(run_dir / "eval_report.json"), result)
+    write_run_plots(result, run_dir)
+    return result
+
+
+def baseline_comparison(valid_ppl: float, unigram_ppl: float) -> str:
+    """'3.7x lower' when the model beats the baseline; a model worse than it must not read as '0.5x lower'."""
+    ratio = unigram_ppl / valid_ppl
+    if f"{ratio:.1f}" == "1.0" or f"{1 / ratio:.1f}" == "1.0":
+        return "about the same as the baseline (train longer: --train-iters)"
+    if ratio > 1:
+        return f"{ratio:.1f}x lower"
+    return f"{1 / ratio:.1f}x higher: worse than the baseline (train longer: --train-iters)"
+
+
+def write_run_plots(result: dict, run_dir: Path) -> None:
+    from moetron.commands.eval import write_plots
+    from moetron.eval.plots import matplotlib_missing
+
+    if matplotlib_missing():  # our own note: write_plots' generic one does not name the run directory's plots/
+        print(missing_output_note("plots", "matplotlib", "plot"))
+        return
     for path in write_plots(result, str(run_dir / "plots")):
         print(f"wrote {path}")
-    return result
 
 
 def print_samples(run_dir: Path) -> None:
