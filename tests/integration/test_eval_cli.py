@@ -98,3 +98,38 @@ def test_bad_inputs_are_one_line_errors(trained_run, tmp_path, capsys, extra, ex
     err = capsys.readouterr().err
     assert err.startswith(f"error: {expected}") and len(err.strip().splitlines()) == 1, err
     assert not list(tmp_path.rglob("*.json"))
+
+
+@pytest.mark.parametrize(
+    "routing",
+    [
+        ["--topk", "2"],  # DeepSpeed's default top-2: the second expert is sampled, in eval too
+        ["--topk", "1", "--moe-eval-capacity-factor", "0.5"],  # top-1 drops tokens: random token selection
+    ],
+    ids=["top2-sampling", "top1-rts-drops"],
+)
+def test_eval_equals_the_trainer_with_random_routing(tmp_path, capsys, routing):
+    prefix = write_dataset(tmp_path / "corpus_text_document", seed=0)
+    run = tmp_path / "run"
+    tiny = [a for a in TINY if a != "--disable-moe-top2-2nd-expert-sampling"]
+    assert main(["train", *tiny, *routing, "--data-path", prefix, "--save", str(run)]) == 0
+    final = json.loads((run / "eval.jsonl").read_text().splitlines()[-1])
+    out_json = tmp_path / "eval.json"
+    assert main(["eval", "--load", str(run), "--json", str(out_json)]) == 0
+    result = json.loads(out_json.read_text())
+    assert result["valid_loss"] == final["valid_loss"] and result["valid_ppl"] == final["valid_ppl"]
+    if routing[1] == "1":
+        assert any(r["dropped_fraction"] > 0 for r in result["routing"])  # the random selection did run
+
+
+def test_wrong_tokenizer_data_is_one_line_error(trained_run, tmp_path, capsys):
+    run, _ = trained_run
+    prefix = tmp_path / "wide_text_document"
+    builder = IndexedDatasetBuilder(prefix, np.uint16)
+    for _ in range(10):
+        builder.add_document(np.arange(400, 440))  # ids of a bigger vocabulary than the checkpoint's 96
+    builder.finalize()
+    assert main(["eval", "--load", str(run), "--data-path", str(prefix)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {prefix}: token id 439 is out of range for the vocabulary of {VOCAB} tokens")
+    assert "tokenizer" in err and len(err.strip().splitlines()) == 1

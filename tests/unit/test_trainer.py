@@ -1,17 +1,19 @@
 """One optimizer step done right: accumulation, parameter groups, clipping, fp16 skips, NaN stop, metrics."""
 
 import json
+import math
 import os
 import signal
 import sys
+import types
 
 import pytest
 import torch
-from trainer_support import build_trainer, run_losses, tiny_config
+from trainer_support import SEQ, build_trainer, run_losses, tiny_config
 
 from moetron.errors import UserError
 from moetron.model.gpt import create_model
-from moetron.train.metrics import EVAL_KEYS, METRIC_KEYS, open_tensorboard
+from moetron.train.metrics import EVAL_KEYS, METRIC_KEYS, RunLogger, open_tensorboard
 from moetron.train.optim import clip_gradients, param_groups
 
 
@@ -159,3 +161,72 @@ def test_tensorboard_missing_is_a_note_not_a_crash(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
     assert open_tensorboard("tb-dir") is None
     assert "tensorboard is not installed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "limits, stops_at",
+    [
+        ({"train_iters": 3, "train_samples": 100, "train_tokens": 10**6}, 3),  # iterations first
+        ({"train_iters": 50, "train_samples": 10, "train_tokens": 10**6}, 3),  # 10 samples: 3 batches of 4
+        ({"train_iters": 50, "train_samples": 100, "train_tokens": 2 * 4 * SEQ}, 2),  # tokens first, exactly 2
+        ({"train_iters": None, "train_samples": None, "train_tokens": 4 * SEQ + 1}, 2),  # tokens alone, rounded up
+    ],
+)
+def test_stops_at_the_first_of_iters_samples_tokens(limits, stops_at):
+    cfg = tiny_config(log_interval=100, **limits)
+    trainer = build_trainer(cfg)
+    assert trainer.train() == 0
+    assert trainer.progress.iteration == stops_at
+    assert trainer.progress.consumed_samples == 4 * stops_at and trainer.progress.consumed_tokens == 4 * SEQ * stops_at
+
+
+def test_evaluation_repeats_itself_and_leaves_the_training_rng_alone():
+    cfg = tiny_config(eval_iters=2, moe_eval_capacity_factor=0.5)  # top-2 second-expert sampling: random in eval
+    assert cfg.model.moe_top2_2nd_expert_sampling
+    trainer = build_trainer(cfg)
+    trainer.logger = RunLogger(None, None, True, cfg.train.train_iters)
+    before = torch.get_rng_state()
+    first = trainer.run_evaluation()
+    assert torch.equal(torch.get_rng_state(), before)  # training's dropout/routing stream is untouched
+    torch.rand(5)  # whatever the RNG state, the evaluation draws the same numbers
+    assert trainer.run_evaluation()["valid_loss"] == first["valid_loss"]
+
+
+class RecordingWriter:
+    """Stands in for tensorboard's SummaryWriter: remembers every (tag, value, step)."""
+
+    scalars: list[tuple[str, float, int]] = []
+
+    def __init__(self, log_dir: str, max_queue: int = 10):
+        self.log_dir = log_dir
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        RecordingWriter.scalars.append((tag, float(value), int(step)))
+
+    def close(self) -> None:
+        pass
+
+
+def test_tensorboard_uses_megatrons_tag_names(monkeypatch, tmp_path):
+    tensorboard = types.ModuleType("torch.utils.tensorboard")
+    tensorboard.SummaryWriter = RecordingWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", tensorboard)
+    monkeypatch.setattr(RecordingWriter, "scalars", [])
+    cfg = tiny_config(train_iters=4, log_interval=2, eval_interval=2, eval_iters=1, tensorboard_dir=str(tmp_path))
+    assert build_trainer(cfg).train() == 0
+    steps: dict[str, list[int]] = {}
+    for tag, _, step in RecordingWriter.scalars:
+        steps.setdefault(tag, []).append(step)
+    tokens = [2 * 4 * SEQ, 4 * 4 * SEQ]
+    for tag in ("lm-loss-training/lm loss", "lm-loss-training/moe loss", "learning-rate/learning-rate",
+                "grad-norm/grad-norm", "loss-scale/loss-scale"):  # fmt: skip
+        assert steps[tag] == [2, 4], tag
+        assert steps[f"{tag} vs tokens"] == tokens, tag
+    for tag in ("lm-loss-validation/lm loss validation", "lm-loss-validation/lm loss validation ppl"):
+        assert steps[tag] == [2, 4], tag  # at the eval interval and the final evaluation
+        assert steps[f"{tag} vs tokens"] == tokens, tag
+    assert steps["steps-vs-tokens/steps-vs-tokens"] == tokens
+    assert "moe/load-max-over-mean layer 0" in steps and "iteration-time/tokens-per-sec" in steps
+    values = {tag: value for tag, value, _ in RecordingWriter.scalars}
+    ppl, loss = values["lm-loss-validation/lm loss validation ppl"], values["lm-loss-validation/lm loss validation"]
+    assert ppl == pytest.approx(math.exp(loss), rel=1e-6)

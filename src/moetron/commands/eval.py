@@ -10,9 +10,9 @@ trainer's final evaluation of that checkpoint. With `--data-path PREFIX` the who
 validation set. Routing uses the eval capacity factor (`--dropless`: no token is dropped).
 
 Routers that draw random numbers in evaluation (DeepSpeed's random token selection when top-1 drops
-tokens, top-2's sampled second expert) make any evaluation depend on the draws: they are seeded from the
-run's seed, so `moetron eval` repeats itself, but it equals the trainer's numbers only for deterministic
-routing (top-2 without second-expert sampling, `--no-moe-use-rts`, or nothing dropped).
+tokens, top-2's sampled second expert) draw them from a generator seeded per data-parallel rank from the
+run's seed (`moetron.eval.perplexity.evaluation_rng`), exactly as the trainer's evaluation does, so the
+numbers match for random routing too.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from pathlib import Path
 
 from moetron.errors import UserError
 
+EVAL_VOCAB_FIX = (
+    "evaluate data preprocessed with the tokenizer of the checkpoint's run (the tokenizer flags in its config.yaml)"
+)
 HELP = "Validation loss, perplexity and the routing report of a checkpoint."
 
 
@@ -74,30 +77,30 @@ def _valid_dataset(cfg, dp: int):
 def evaluate_checkpoint(load: str, data_path: str | None = None, eval_iters: int | None = None,
                         dropless: bool = False) -> dict:  # fmt: skip
     """{"checkpoint", "iteration", "valid_loss", "valid_ppl", "micro_batches", "routing": [LayerReport dicts]}."""
-    import torch
-
     from moetron.data.loader import DistributedBatchLoader
     from moetron.eval.generate import load_model
-    from moetron.eval.perplexity import evaluate, perplexity
+    from moetron.eval.perplexity import evaluate, evaluation_rng, perplexity
     from moetron.eval.routing_report import RoutingRecorder
     from moetron.train.checkpoint import read_json
     from moetron.train.precision import autocast_context
+    from moetron.train.run import check_token_ids
 
     model, cfg, path = load_model(load)
     state = read_json(path / "state.json")
     cfg = _eval_config(cfg, data_path, eval_iters)
+    check_token_ids(cfg.data, cfg.model.vocab_size, EVAL_VOCAB_FIX)
     dp = cfg.dims(int(state.get("world_size", 1))).dp
     valid = _valid_dataset(cfg, dp)
     recorder = RoutingRecorder(model)
     device = next(model.parameters()).device
     autocast = functools.partial(autocast_context, device, cfg.train.fp16, cfg.train.bf16)  # as the trainer
-    torch.manual_seed(cfg.train.seed)  # routing draws (random token selection) repeat from run to run
     iters = cfg.train.eval_iters * cfg.num_micro_batches(dp)
     losses = []
     with model.inference_routing(dropless=True) if dropless else contextlib.nullcontext():
         for rank in range(dp):  # the trainer's ranks, one after the other
             loader = DistributedBatchLoader(valid, cfg.train.micro_batch_size, rank, dp)
-            losses.append(evaluate(recorder, loader, iters, autocast)["valid_loss"])
+            with evaluation_rng(cfg.train.seed, rank, device):  # the draws the trainer's rank `rank` made
+                losses.append(evaluate(recorder, loader, iters, autocast)["valid_loss"])
     loss = sum(losses) / dp
     report = [r.to_dict() for r in recorder.report()]
     return {

@@ -9,9 +9,28 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
+
+
+def eval_seed(seed: int, dp_rank: int) -> int:
+    """The seed of data-parallel rank `dp_rank`'s routing draws in evaluation (a function of the run's seed only)."""
+    return seed + dp_rank
+
+
+@contextlib.contextmanager
+def evaluation_rng(seed: int, dp_rank: int, device: torch.device | str) -> Iterator[None]:
+    """Seed the routing draws of evaluation (DeepSpeed keeps random token selection and top-2's sampled second
+    expert active in eval) so every evaluation of a model gives the same numbers — the trainer's and
+    `moetron eval`'s alike — and restore the RNG state afterwards, so evaluating never shifts training's stream
+    (exact resume stays exact)."""
+    device = torch.device(device)
+    accelerator = device.type != "cpu"  # the CPU generator is always forked; an accelerator's only when named
+    devices = [device] if accelerator else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if accelerator else None):
+        torch.manual_seed(eval_seed(seed, dp_rank))
+        yield
 
 
 def perplexity(loss: float) -> float:

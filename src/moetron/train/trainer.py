@@ -24,7 +24,7 @@ import torch
 
 from moetron.config import RunConfig
 from moetron.errors import UserError
-from moetron.eval.perplexity import evaluate
+from moetron.eval.perplexity import evaluate, evaluation_rng
 from moetron.model.flops import flops_per_token, megatron_tflops, peak_tflops
 from moetron.parallel.data_parallel import accumulation_context, all_reduce_mean, sync_router_loads
 from moetron.parallel.env import DistEnv
@@ -244,9 +244,10 @@ class Trainer:
         t = self.cfg.train
         if self.make_valid_loader is None or t.eval_iters == 0:
             return None
-        result = evaluate(
-            self.model, self.make_valid_loader(), t.eval_iters * self.num_micro, self.autocast, self.reduce_mean
-        )
+        with evaluation_rng(t.seed, self.env.rank, self.env.device):  # repeatable, and training's RNG is kept
+            result = evaluate(
+                self.model, self.make_valid_loader(), t.eval_iters * self.num_micro, self.autocast, self.reduce_mean
+            )
         record = {"iteration": self.progress.iteration, "consumed_tokens": self.progress.consumed_tokens, **result}
         self.logger.log_eval(record)
         return record
