@@ -2,33 +2,71 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from moetron.cli import main
-from moetron.eval.generate import GenerationOptions, filter_logits, generate, inference_routing
+from moetron.eval.generate import GenerationOptions, filter_logits, generate, generate_texts, inference_routing
 from moetron.model.config import ModelConfig
 from moetron.model.gpt import create_model
 
 PROMPT = [3, 17, 5, 42, 8, 11]
+VOCAB = 50
+# A cycle through every token, starting with PROMPT: trained on walks along it, the model's greedy continuation
+# of PROMPT walks on (13, 29, ...), so outputs vary and a cache bug cannot hide behind a repeated token (an
+# untrained tied-embedding model just repeats the last token, whatever the cache does).
+CYCLE = PROMPT + [
+    t for t in torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0)).tolist() if t not in PROMPT
+]
+
+TRAIN_STEPS = 40
 
 
-def tiny_model(topk: int = 1, **overrides) -> torch.nn.Module:
-    cfg = ModelConfig(
+def model_config(topk: int = 1, **overrides) -> ModelConfig:
+    return ModelConfig(
         num_layers=2,
         hidden_size=32,
         num_attention_heads=4,
         seq_length=32,
-        vocab_size=50,  # padded to 128 in the embedding: sampling must never return an id >= 50
+        vocab_size=VOCAB,  # padded to 128 in the embedding: sampling must never return an id >= 50
         num_experts=[4],
         expert_interval=1,
         topk=topk,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         moe_top2_2nd_expert_sampling=False,
+        untie_embeddings_and_output_weights=True,
         **overrides,
     )
-    return create_model(cfg, seed=7).eval()
+
+
+def cycle_batch(batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """`batch` windows of `length + 1` tokens along CYCLE, at random starts."""
+    cycle = torch.tensor(CYCLE * 3)
+    starts = torch.randint(0, VOCAB, (batch,), generator=generator)
+    return torch.stack([cycle[s : s + length + 1] for s in starts.tolist()])
+
+
+@functools.cache
+def trained_model(topk: int = 1, overrides: tuple = ()) -> torch.nn.Module:
+    """A few Adam steps on CYCLE walks: enough for the greedy path to follow the cycle for a while."""
+    model = create_model(model_config(topk, **dict(overrides)), seed=7)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+    model.train()
+    for _ in range(TRAIN_STEPS):
+        batch = cycle_batch(16, 24, generator)
+        out = model(batch[:, :-1], labels_BT=batch[:, 1:])
+        optimizer.zero_grad()
+        (out.lm_loss + out.moe_loss).backward()
+        optimizer.step()
+    return model.eval()
+
+
+def tiny_model(topk: int = 1, **overrides) -> torch.nn.Module:
+    return trained_model(topk, tuple(sorted(overrides.items())))
 
 
 @torch.no_grad()
@@ -42,14 +80,37 @@ def uncached_greedy(model, prompt: list[int], steps: int) -> list[int]:
     return tokens[len(prompt) :]
 
 
+class IdTokenizer:
+    """Text is space-separated token ids: lets `generate_texts` (the CLI's path) run on the tiny model."""
+
+    eod = None
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f" {t}" for t in ids)
+
+
 @pytest.mark.parametrize(
     "topk, overrides",
     [(1, {}), (2, {}), (2, {"position_embedding_type": "rope", "num_key_value_heads": 2, "swiglu": True})],
 )
 def test_greedy_with_cache_equals_uncached_decode(topk, overrides):
     model = tiny_model(topk, **overrides)
-    got = generate(model, PROMPT, GenerationOptions(max_new_tokens=12, temperature=0))
-    assert got == uncached_greedy(model, PROMPT, 12)
+    reference = uncached_greedy(model, PROMPT, 12)
+    assert len(set(reference)) >= 3, reference  # a decode that varies, or the comparison proves nothing
+    assert generate(model, PROMPT, GenerationOptions(max_new_tokens=12, temperature=0)) == reference
+    # the CLI's path: text in, text out, through the same cached decode
+    prompt_text = " ".join(map(str, PROMPT))
+    texts = generate_texts(model, IdTokenizer(), [prompt_text], GenerationOptions(max_new_tokens=12, temperature=0))
+    assert IdTokenizer().encode(texts[0]) == reference
+
+
+def test_the_trained_model_follows_the_cycle():
+    # the premise of the tests here: greedy decoding walks on along CYCLE, distinct tokens at every step
+    following = CYCLE[len(PROMPT) : len(PROMPT) + 6]
+    assert generate(tiny_model(), PROMPT, GenerationOptions(max_new_tokens=6, temperature=0)) == following
 
 
 def test_top_k_one_equals_greedy_and_sampling_repeats_with_the_seed():
@@ -65,11 +126,12 @@ def test_top_k_one_equals_greedy_and_sampling_repeats_with_the_seed():
 
 def test_stops_at_end_of_document():
     model = tiny_model()
-    greedy = generate(model, PROMPT, GenerationOptions(max_new_tokens=10, temperature=0))
-    eod = greedy[3]
-    stopped = generate(model, PROMPT, GenerationOptions(max_new_tokens=10, temperature=0), eod=eod)
-    assert stopped == greedy[: greedy.index(eod) + 1]
-    assert stopped[-1] == eod
+    options = GenerationOptions(max_new_tokens=10, temperature=0)
+    eod = CYCLE[len(PROMPT) + 3]  # the 4th greedy token (the cycle's next after PROMPT), never seen before it
+    greedy = generate(model, PROMPT, options)
+    assert greedy.index(eod) == 3 and len(greedy) == 10
+    stopped = generate(model, PROMPT, options, eod=eod)
+    assert stopped == greedy[:4] and stopped[-1] == eod  # stopped right there, 6 tokens early
 
 
 def test_top1_decode_under_min_capacity_routes_with_a_capacity_factor():
