@@ -29,6 +29,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
 
 
+def _resolve_vocab_size_if_given(cfg, explicit: set[str]) -> None:
+    """Show the vocabulary the tokenizer files give, as training will use it; without tokenizer files (a config
+    being drafted) the printed value stays the default."""
+    from moetron.train.run import resolve_vocab_size
+
+    if cfg.data.vocab_file or cfg.data.tokenizer_model:
+        resolve_vocab_size(cfg, explicit)
+
+
 def run(args: argparse.Namespace) -> int:
     from moetron.parallel.env import init_distributed, world_size_from_env
 
@@ -36,9 +45,8 @@ def run(args: argparse.Namespace) -> int:
     check(cfg, world_size_from_env())
     if args.print_config:
         from moetron.config_cli import to_yaml
-        from moetron.train.run import resolve_vocab_size
 
-        resolve_vocab_size(cfg, explicit)  # show the vocabulary the tokenizer gives, as training would use it
+        _resolve_vocab_size_if_given(cfg, explicit)
         print(to_yaml(cfg), end="")
         return 0
     from moetron.train.run import run_training
