@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from moetron.cli import main
-from moetron.eval.generate import GenerationOptions, filter_logits, generate, generate_texts, inference_routing
+from moetron.eval.generate import (
+    GenerationOptions,
+    filter_logits,
+    generate,
+    generate_batch,
+    generate_texts,
+    inference_routing,
+)
 from moetron.model.config import ModelConfig
 from moetron.model.gpt import create_model
 
@@ -132,6 +139,42 @@ def test_stops_at_end_of_document():
     assert greedy.index(eod) == 3 and len(greedy) == 10
     stopped = generate(model, PROMPT, options, eod=eod)
     assert stopped == greedy[:4] and stopped[-1] == eod  # stopped right there, 6 tokens early
+
+
+PROMPTS = ["3 17 5 42 8 11", "44 39 7 6", "1 2 3 4 5 6", "7 6 29 21 37 33"]  # lengths 6, 4, 6, 6
+
+
+def count_forwards(model) -> list[int]:
+    calls = [0]
+    model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0), dict(temperature=1.5, top_k=10, seed=5)])
+def test_prompts_of_one_length_share_forwards_and_equal_each_prompt_alone(options):
+    model = create_model(tiny_model().cfg, seed=7)  # a fresh copy: the hook must not stay on the cached model
+    model.load_state_dict(tiny_model().state_dict())
+    model.eval()
+    opts = GenerationOptions(max_new_tokens=5, **options)
+    alone = [generate_texts(model, IdTokenizer(), [p], opts)[0] for p in PROMPTS]
+    calls = count_forwards(model)
+    assert generate_texts(model, IdTokenizer(), PROMPTS, opts) == alone
+    assert calls[0] == 2 * 5  # two lengths → two batches of 5 steps (one prompt at a time: 4 × 5)
+    calls[0] = 0
+    # a capacity factor makes tokens of a batch compete for capacity: one prompt at a time then
+    capped = GenerationOptions(max_new_tokens=5, capacity_factor=2.0, **options)
+    generate_texts(model, IdTokenizer(), PROMPTS, capped)
+    assert calls[0] == 4 * 5
+
+
+def test_rows_of_a_batch_stop_at_end_of_document_on_their_own():
+    model = tiny_model()
+    options = GenerationOptions(max_new_tokens=8, temperature=0)
+    prompts = [PROMPT, CYCLE[1:7]]  # the second runs one step ahead along the cycle
+    eod = CYCLE[len(PROMPT) + 3]
+    batched = generate_batch(model, prompts, options, eod=eod)
+    assert batched == [generate(model, p, options, eod=eod) for p in prompts]
+    assert [len(ids) for ids in batched] == [4, 3] and all(ids[-1] == eod for ids in batched)
 
 
 def test_top1_decode_under_min_capacity_routes_with_a_capacity_factor():

@@ -5,7 +5,8 @@
 
 Sampling: greedy (`--temperature 0`), temperature, top-k, top-p (nucleus); generation stops at the
 end-of-document token or after `--max-new-tokens`. MoE layers route dropless unless `--capacity-factor`
-is given. The same `--seed` gives the same text.
+is given. The same `--seed` gives the same text. With `--prompt-file`, prompts of equal token length share
+their forward passes (a batch, no padding); each prompt's text is the same as when given alone.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", required=True, help="a run directory (its latest checkpoint) or an iter_* directory")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the text to continue")
-    prompt.add_argument("--prompt-file", type=Path, help="a text file of prompts, one per line (blank lines skipped)")
+    prompt.add_argument(
+        "--prompt-file",
+        type=Path,
+        help="a text file of prompts, one per line (blank lines skipped); prompts of the same token length are "
+        "decoded together as one batch (one at a time with --capacity-factor), each giving what it gives alone",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy; higher = more random (default 1)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")

@@ -4,9 +4,13 @@
     tokenizer = load_tokenizer(cfg)
     ids = generate(model, tokenizer.encode("def main"), GenerationOptions(max_new_tokens=40), eod=tokenizer.eod)
 
-Each prompt is decoded on its own (batch 1): the prompt goes through the model once (prefill), then one
-token per step reads and extends the cache. Prompts of different lengths are therefore never padded, and
-every result equals what the model gives that prompt alone.
+A prompt goes through the model once (prefill), then one token per step reads and extends the cache.
+`generate_texts` decodes prompts of the same token length together, as one batch sharing every forward
+(nothing is padded, so no row can see another's tokens); each row samples with its own generator seeded
+like a prompt alone, so a result equals what the model gives that prompt alone (up to float rounding in
+the batched matmuls). Batching needs routing where each token is routed on its own: with
+`--capacity-factor` (tokens compete for capacity) or top-2 2nd-expert sampling (random draws shared by
+the batch), prompts are decoded one at a time.
 
 Routing at inference (`inference_routing`): dropless by default, so no token of a prompt is ever dropped;
 with a capacity factor the routers drop at that factor, except in forward passes of fewer tokens than
@@ -148,28 +152,65 @@ def _check_length(model: GPTModel, prompt_len: int, options: GenerationOptions) 
         )
 
 
-@torch.no_grad()
-def generate(model: GPTModel, prompt_ids: list[int], options: GenerationOptions, eod: int | None = None) -> list[int]:
-    """The new token ids for one prompt (ending with `eod` when the model produced it)."""
-    if not prompt_ids:
+def _check_prompts(model: GPTModel, prompts_ids: list[list[int]], options: GenerationOptions) -> None:
+    if any(not ids for ids in prompts_ids):
         raise UserError("empty prompt: give at least one character of text to continue")
-    _check_length(model, len(prompt_ids), options)
+    if len({len(ids) for ids in prompts_ids}) != 1:
+        raise ValueError("a batch of prompts must have one token length (generate_texts groups them)")
+    _check_length(model, len(prompts_ids[0]), options)
+
+
+@torch.no_grad()
+def generate_batch(
+    model: GPTModel, prompts_ids: list[list[int]], options: GenerationOptions, eod: int | None = None
+) -> list[list[int]]:
+    """The new token ids of B prompts of equal length, decoded as one batch (each ends with `eod` if produced).
+
+    Row b draws from its own generator seeded with `options.seed`, exactly like `generate` on that prompt
+    alone. Finished rows keep stepping (their outputs ignored) until every row is done.
+    """
+    _check_prompts(model, prompts_ids, options)
+    batch, prompt_len = len(prompts_ids), len(prompts_ids[0])
     vocab = model.cfg.vocab_size  # the embedding is padded past the tokenizer's vocabulary: never sample there
-    generator = torch.Generator(device="cpu").manual_seed(options.seed)
+    generators = [torch.Generator(device="cpu").manual_seed(options.seed) for _ in range(batch)]
     device = next(model.parameters()).device
-    cache = KVCache.for_model(model.cfg, 1, len(prompt_ids) + options.max_new_tokens, device)
-    tokens_1T = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    new: list[int] = []
+    cache = KVCache.for_model(model.cfg, batch, prompt_len + options.max_new_tokens, device)
+    tokens_BT = torch.tensor(prompts_ids, dtype=torch.long, device=device)
+    new: list[list[int]] = [[] for _ in range(batch)]
+    done = [False] * batch
     model.eval()
     for _ in range(options.max_new_tokens):
-        with inference_routing(model, tokens_1T.numel(), options.capacity_factor):
-            logits_1TV = model(tokens_1T, kv_cache=cache).logits
-        token = next_token(logits_1TV[0, -1, :vocab].cpu(), options, generator)
-        new.append(token)
-        if token == eod:
+        with inference_routing(model, tokens_BT.numel(), options.capacity_factor):
+            logits_BV = model(tokens_BT, kv_cache=cache).logits[:, -1, :vocab].cpu()
+        step = [next_token(logits_BV[b], options, generators[b]) for b in range(batch)]
+        for b, token in enumerate(step):
+            if not done[b]:
+                new[b].append(token)
+                done[b] = token == eod
+        if all(done):
             break
-        tokens_1T = torch.tensor([[token]], dtype=torch.long, device=device)
+        tokens_BT = torch.tensor([[token] for token in step], dtype=torch.long, device=device)
     return new
+
+
+def generate(model: GPTModel, prompt_ids: list[int], options: GenerationOptions, eod: int | None = None) -> list[int]:
+    """The new token ids for one prompt (ending with `eod` when the model produced it)."""
+    return generate_batch(model, [prompt_ids], options, eod)[0]
+
+
+def batchable(model: GPTModel, options: GenerationOptions) -> bool:
+    """Whether a batch routes each token exactly as alone: dropless, and no random draws shared by the batch."""
+    return options.capacity_factor is None and not model.cfg.moe_top2_2nd_expert_sampling
+
+
+def length_groups(prompts_ids: list[list[int]], batched: bool) -> list[list[int]]:
+    """Indices of the prompts decoded together: one group per token length, or one prompt per group."""
+    if not batched:
+        return [[i] for i in range(len(prompts_ids))]
+    groups: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompts_ids):
+        groups.setdefault(len(ids), []).append(i)
+    return list(groups.values())
 
 
 def generate_texts(model: GPTModel, tokenizer, prompts: list[str], options: GenerationOptions) -> list[str]:
@@ -179,8 +220,9 @@ def generate_texts(model: GPTModel, tokenizer, prompts: list[str], options: Gene
     except UserError:  # a tokenizer without an end-of-document token: generation simply never stops early
         eod = None
     torch.manual_seed(options.seed)  # routing draws (random token selection, 2nd-expert sampling), if any
-    out = []
-    for prompt in prompts:
-        ids = generate(model, tokenizer.encode(prompt), options, eod)
-        out.append(tokenizer.decode(ids[:-1] if ids and ids[-1] == eod else ids))
-    return out
+    prompts_ids = [tokenizer.encode(prompt) for prompt in prompts]
+    results: list[list[int]] = [[] for _ in prompts]
+    for group in length_groups(prompts_ids, batchable(model, options)):
+        for i, ids in zip(group, generate_batch(model, [prompts_ids[i] for i in group], options, eod), strict=True):
+            results[i] = ids
+    return [tokenizer.decode(ids[:-1] if ids and ids[-1] == eod else ids) for ids in results]
