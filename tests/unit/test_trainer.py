@@ -217,14 +217,15 @@ def test_tensorboard_uses_megatrons_tag_names(monkeypatch, tmp_path):
     steps: dict[str, list[int]] = {}
     for tag, _, step in RecordingWriter.scalars:
         steps.setdefault(tag, []).append(step)
-    tokens = [2 * 4 * SEQ, 4 * 4 * SEQ]
+    samples, tokens = [2 * 4, 4 * 4], [2 * 4 * SEQ, 4 * 4 * SEQ]
     for tag in ("lm-loss-training/lm loss", "lm-loss-training/moe loss", "learning-rate/learning-rate",
                 "grad-norm/grad-norm", "loss-scale/loss-scale"):  # fmt: skip
         assert steps[tag] == [2, 4], tag
-        assert steps[f"{tag} vs tokens"] == tokens, tag
+        assert steps[f"{tag} vs samples"] == samples and steps[f"{tag} vs tokens"] == tokens, tag
     for tag in ("lm-loss-validation/lm loss validation", "lm-loss-validation/lm loss validation ppl"):
         assert steps[tag] == [2, 4], tag  # at the eval interval and the final evaluation
-        assert steps[f"{tag} vs tokens"] == tokens, tag
+        assert steps[f"{tag} vs samples"] == samples and steps[f"{tag} vs tokens"] == tokens, tag
+    assert steps["steps-vs-samples/steps-vs-samples"] == samples
     assert steps["steps-vs-tokens/steps-vs-tokens"] == tokens
     assert "moe/load-max-over-mean layer 0" in steps and "iteration-time/tokens-per-sec" in steps
     values = {tag: value for tag, value, _ in RecordingWriter.scalars}

@@ -178,8 +178,7 @@ class RunLogger:
         )
         if self.tb is not None:
             for key, tag in (("valid_loss", "lm loss validation"), ("valid_ppl", "lm loss validation ppl")):
-                self.tb.add_scalar(f"lm-loss-validation/{tag}", record[key], record["iteration"])
-                self.tb.add_scalar(f"lm-loss-validation/{tag} vs tokens", record[key], record["consumed_tokens"])
+                add_scalar_vs(self.tb, f"lm-loss-validation/{tag}", record[key], record)
 
     def print(self, line: str) -> None:
         if not self.is_main:
@@ -205,8 +204,15 @@ def open_tensorboard(directory: str):
     return SummaryWriter(log_dir=directory, max_queue=1000)
 
 
+def add_scalar_vs(tb, tag: str, value: float, record: dict) -> None:
+    """Megatron's three x-axes for one value: iterations, `<tag> vs samples`, `<tag> vs tokens`."""
+    tb.add_scalar(tag, value, record["iteration"])
+    tb.add_scalar(f"{tag} vs samples", value, record["consumed_samples"])
+    tb.add_scalar(f"{tag} vs tokens", value, record["consumed_tokens"])
+
+
 def write_tensorboard_train(tb, m: dict) -> None:
-    """Megatron's tag names (reference §4.10): value vs iteration, and the `vs tokens` variants."""
+    """Megatron's tag names (reference §4.10): value vs iteration, and the `vs samples` / `vs tokens` variants."""
     it, tokens = m["iteration"], m["consumed_tokens"]
     scalars = {
         "learning-rate/learning-rate": m["lr"],
@@ -215,10 +221,10 @@ def write_tensorboard_train(tb, m: dict) -> None:
         "grad-norm/grad-norm": m["grad_norm"],
         "loss-scale/loss-scale": m["loss_scale"],
     }
+    tb.add_scalar("steps-vs-samples/steps-vs-samples", it, m["consumed_samples"])
     tb.add_scalar("steps-vs-tokens/steps-vs-tokens", it, tokens)
     for tag, value in scalars.items():
-        tb.add_scalar(tag, value, it)
-        tb.add_scalar(f"{tag} vs tokens", value, tokens)
+        add_scalar_vs(tb, tag, value, m)
     tb.add_scalar("iteration-time/tokens-per-sec", m["tokens_per_sec"], it)
     for layer, (load, dropped) in enumerate(zip(m["expert_load_max_over_mean"], m["dropped_fraction"], strict=True)):
         tb.add_scalar(f"moe/load-max-over-mean layer {layer}", load, it)

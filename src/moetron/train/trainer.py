@@ -229,6 +229,7 @@ class Trainer:
         peak = peak_tflops(override=cfg.train.peak_tflops)
         record = {
             "iteration": p.iteration,
+            "consumed_samples": p.consumed_samples,  # TensorBoard's "vs samples" axis (not in metrics.jsonl)
             "consumed_tokens": p.consumed_tokens,
             "lr": self.scheduler.get_lr(),
             "loss_scale": self.scaler.scale,
@@ -248,7 +249,13 @@ class Trainer:
             result = evaluate(
                 self.model, self.make_valid_loader(), t.eval_iters * self.num_micro, self.autocast, self.reduce_mean
             )
-        record = {"iteration": self.progress.iteration, "consumed_tokens": self.progress.consumed_tokens, **result}
+        p = self.progress
+        record = {
+            "iteration": p.iteration,
+            "consumed_samples": p.consumed_samples,  # TensorBoard's "vs samples" axis (not in eval.jsonl)
+            "consumed_tokens": p.consumed_tokens,
+            **result,
+        }
         self.logger.log_eval(record)
         return record
 
