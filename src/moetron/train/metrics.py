@@ -37,6 +37,11 @@ METRIC_KEYS = (
 EVAL_KEYS = ("iteration", "consumed_tokens", "valid_loss", "valid_ppl")
 
 
+def mfu_text(value: float | None) -> str:
+    """An unknown peak (a GPU missing from the table, no --peak-tflops) gives no number rather than a wrong one."""
+    return "MFU n/a (--peak-tflops)" if value is None else f"MFU {100 * value:.2f}%"
+
+
 def routing_stats(moe_aux: list) -> torch.Tensor | None:
     """[L_moe, 2] (load max/mean, dropped fraction) of one forward pass, still on device."""
     if not moe_aux:
@@ -126,7 +131,7 @@ def console_line(m: dict, total_iters: int, eta_s: float) -> str:
     ]
     if m.get("loss_scale", 1.0) != 1.0:
         parts.append(f"loss scale {m['loss_scale']:.1f}")
-    parts += [f"tokens/s {m['tokens_per_sec']:.0f}", f"TFLOPs {m['tflops']:.2f}", f"MFU {100 * m['mfu']:.2f}%"]
+    parts += [f"tokens/s {m['tokens_per_sec']:.0f}", f"TFLOPs {m['tflops']:.2f}", mfu_text(m["mfu"])]
     if m["expert_load_max_over_mean"]:
         parts.append("load max/mean " + ",".join(f"{v:.2f}" for v in m["expert_load_max_over_mean"]))
         parts.append("dropped " + ",".join(f"{v:.3f}" for v in m["dropped_fraction"]))

@@ -25,7 +25,7 @@ import torch
 from moetron.config import RunConfig
 from moetron.errors import UserError
 from moetron.eval.perplexity import evaluate, evaluation_rng
-from moetron.model.flops import flops_per_token, megatron_tflops, peak_tflops
+from moetron.model.flops import flops_per_token, megatron_tflops, mfu, peak_tflops
 from moetron.parallel.data_parallel import accumulation_context, all_reduce_mean, sync_router_loads
 from moetron.parallel.env import DistEnv
 from moetron.parallel.parallelize import parallelize
@@ -235,7 +235,7 @@ class Trainer:
             "loss_scale": self.scaler.scale,
             "tokens_per_sec": tokens_per_sec,
             "tflops": tflops,
-            "mfu": achieved / peak,
+            "mfu": mfu(achieved, peak),
             "skipped_steps": p.skipped_steps,
             **reduced,
         }
