@@ -104,30 +104,33 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int]):
         y_ND = x_ND.new_empty(x_ND.shape[0], w2_EFD.shape[-1])
-        a_NF = x_ND.new_empty(x_ND.shape[0], w1_EDF.shape[-1])
-        b_NF = torch.empty_like(a_NF)
+        # Per-expert activation tensors, not one [N, F] buffer: allocations past glibc's 32 MiB mmap ceiling
+        # get fresh pages every step, and faulting them in cost more system time than the GEMMs they feed.
+        a_list, b_list = [], []
         start = 0
         for e, rows in enumerate(counts):
             end = start + rows
             x_e = x_ND[start:end]
-            torch.mm(x_e, w1_EDF[e], out=a_NF[start:end])
-            torch.mm(x_e, w3_EDF[e], out=b_NF[start:end])
-            torch.mm(torch.nn.functional.silu(a_NF[start:end]) * b_NF[start:end], w2_EFD[e], out=y_ND[start:end])
+            a_e, b_e = torch.mm(x_e, w1_EDF[e]), torch.mm(x_e, w3_EDF[e])
+            torch.mm(torch.nn.functional.silu(a_e) * b_e, w2_EFD[e], out=y_ND[start:end])
+            a_list.append(a_e)
+            b_list.append(b_e)
             start = end
-        ctx.save_for_backward(x_ND, w1_EDF, w3_EDF, w2_EFD, a_NF, b_NF)
-        ctx.counts = counts
+        ctx.save_for_backward(x_ND, w1_EDF, w3_EDF, w2_EFD)
+        ctx.activations, ctx.counts = (a_list, b_list), counts
         return y_ND
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_ND):
-        x_ND, w1_EDF, w3_EDF, w2_EFD, a_NF, b_NF = ctx.saved_tensors
+        x_ND, w1_EDF, w3_EDF, w2_EFD = ctx.saved_tensors
+        a_list, b_list = ctx.activations
         grad_x = x_ND.new_empty(x_ND.shape) if ctx.needs_input_grad[0] else None
         grad_w1, grad_w3, grad_w2 = (torch.empty_like(w) for w in (w1_EDF, w3_EDF, w2_EFD))
         start = 0
         for e, rows in enumerate(ctx.counts):
             end = start + rows
-            g_e, x_e, a_e, b_e = grad_ND[start:end], x_ND[start:end], a_NF[start:end], b_NF[start:end]
+            g_e, x_e, a_e, b_e = grad_ND[start:end], x_ND[start:end], a_list[e], b_list[e]
             silu_e = torch.nn.functional.silu(a_e)
             torch.mm((silu_e * b_e).t(), g_e, out=grad_w2[e])
             dh_e = torch.mm(g_e, w2_EFD[e].t())
@@ -138,6 +141,7 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
             if grad_x is not None:
                 torch.mm(da_e, w1_EDF[e].t(), out=grad_x[start:end]).add_(torch.mm(db_e, w3_EDF[e].t()))
             start = end
+        ctx.activations = None
         return grad_x, grad_w1, grad_w3, grad_w2, None
 
 
