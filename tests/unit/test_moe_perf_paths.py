@@ -145,3 +145,19 @@ def test_expert_by_expert_swiglu_expanded_gradient_and_bf16_autocast():
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
     assert experts.w1_EDF.grad.dtype == torch.float32
+
+
+def test_empty_for_gradient_is_empty_like_large_or_small():
+    from moetron.model.moe.experts import empty_for_gradient
+
+    for like in (torch.zeros(3, 4), torch.zeros(9, 1024, 1024)):  # below and above the 32 MiB threshold
+        out = empty_for_gradient(like)
+        assert out.shape == like.shape and out.dtype == like.dtype and out.is_contiguous()
+        out.fill_(2.0)
+        assert out.sum().item() == 2.0 * like.numel()
+
+
+def test_expert_by_expert_swiglu_input_without_gradient():
+    experts = _swiglu_experts("grouped_mm")
+    experts(torch.randn(6, 16), torch.tensor([1, 2, 0, 3])).sum().backward()  # frozen input: weights only
+    assert experts.w1_EDF.grad is not None and torch.isfinite(experts.w1_EDF.grad).all()

@@ -134,8 +134,8 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
 
     On CPU `torch._grouped_mm` is a loop of one mm per expert, so the three grouped projections stream
     every expert's rows and [N, F] activations through memory three times forward and more backward.
-    Expert by expert, an expert's rows, activations and weights are reused from cache by its next GEMM:
-    measured 10–20% faster than the grouped projections (and than one bmm per projection) at MoE sizes.
+    Expert by expert, an expert's rows and activations are reused from cache by its next GEMM: ~10% less
+    CPU time than the grouped projections (or one bmm per projection) at E=64, D=128, F=256.
     Same per-expert mm calls on the same operands as the grouped_mm fallback, so the same values.
     Saves x·w1 and x·w3 only; silu(x·w1) and the product are recomputed per expert in the backward.
     """
@@ -163,13 +163,13 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
     def backward(ctx, grad_ND):
         x_ND, w1_EDF, w3_EDF, w2_EFD = ctx.saved_tensors
         counts = ctx.counts
-        grad_x = x_ND.new_empty(x_ND.shape)  # the router always feeds x with a gradient
+        grad_x = x_ND.new_empty(x_ND.shape) if ctx.needs_input_grad[0] else None
         grad_w1, grad_w3, grad_w2 = (empty_for_gradient(w) for w in (w1_EDF, w3_EDF, w2_EFD))
         per_expert = zip(
             grad_ND.split(counts),
             x_ND.split(counts),
             *ctx.activations,
-            grad_x.split(counts),
+            grad_x.split(counts) if grad_x is not None else [None] * len(counts),
             w1_EDF.transpose(1, 2).unbind(0),
             w3_EDF.transpose(1, 2).unbind(0),
             w2_EFD.transpose(1, 2).unbind(0),
@@ -187,7 +187,8 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
             x_DN = x_e.t()
             torch.mm(x_DN, da_e, out=gw1_DF)
             torch.mm(x_DN, db_e, out=gw3_DF)
-            torch.mm(da_e, w1_FD, out=gx_e).add_(torch.mm(db_e, w3_FD))
+            if gx_e is not None:
+                torch.mm(da_e, w1_FD, out=gx_e).add_(torch.mm(db_e, w3_FD))
         ctx.activations = None
         return grad_x, grad_w1, grad_w3, grad_w2, None
 
