@@ -96,7 +96,10 @@ def top1_gating(
     # draw happens even when nothing can overflow (dropless), to keep the RNG stream in step with DeepSpeed.
     if use_rts:  # keys = one-hot mask · U(0, 1), as DeepSpeed computes them
         rand_TE = uniform_rsample(logits_TE.shape, 0.0, 1.0, logits_TE.device)
-        kept_T = keep_top_random_keys_top1(ids_T, rand_TE, capacity)
+        if rand_TE.device.type == "cpu":  # the sort path reads the device once: free on CPU, a sync on GPU
+            kept_T = keep_top_random_keys_top1(ids_T, rand_TE, capacity)
+        else:
+            kept_T = keep_top_keys_top1(ids_T, torch.where(_one_hot_bool(ids_T, num_experts), rand_TE, 0.0), capacity)
     else:  # DeepSpeed's int64 one-hot mask as the keys: its exact ties
         kept_T = keep_top_keys_top1(ids_T, _one_hot_bool(ids_T, num_experts).long(), capacity)
 
