@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
+from memory_peak import peak_cpu_bytes
 from moetron.model.config import ModelConfig
 from moetron.model.moe.layer import MoELayer
 
@@ -234,14 +234,7 @@ def build_steps(s: Shape) -> tuple[dict[str, Step], list[str]]:
 def peak_bytes(step: Step) -> int:
     """Peak of (bytes live in torch's CPU allocator) during one step, relative to the start."""
     step.clear_grads()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    return peak_cpu_bytes(step)
 
 
 def median_times(steps: dict[str, Step], reps: int, warmup: int, clock: Callable[[], float]) -> dict[str, float]:

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from memory_peak import peak_cpu_bytes
 from moetron.config import RunConfig
 from moetron.model.gpt import create_model
 from moetron.parallel.env import DistEnv
@@ -122,17 +122,8 @@ def peak_step_bytes(moe: bool, checkpoint_activations: bool, run_dir: str) -> in
     trainer.train_step()  # warm: optimizer state exists, one-time probes done
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        trainer.train_step()
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
-    # raw allocation events only ("[memory]": +bytes on alloc, -bytes on free); op events would double count
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    cpu_peak = peak_cpu_bytes(trainer.train_step)
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else cpu_peak
 
 
 def main(argv: list[str] | None = None) -> int:
