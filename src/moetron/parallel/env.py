@@ -56,6 +56,9 @@ class DistEnv:
 
     def close(self) -> None:
         if self.initialized_here and dist.is_initialized():
+            # Leave together: a rank tearing down gloo while a peer is still inside its last collective makes the
+            # peer's transport thread abort the process (seen after torchrun restarts).
+            dist.barrier()
             dist.destroy_process_group()
             self.initialized_here = False
 
