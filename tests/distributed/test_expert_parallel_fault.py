@@ -40,9 +40,11 @@ def worker(run_dir: str) -> int:
         if env.is_main:
             print(f"resumed from {checkpoint.name} at iteration {trainer.progress.iteration}", flush=True)
     try:
-        return trainer.train()
-    finally:
+        returncode = trainer.train()
+    except BaseException:
         env.close()
+        raise
+    return env.finish(returncode)  # as `moetron train` ends a torchrun job
 
 
 def launch(run_dir: Path, fault_at: int | None) -> subprocess.CompletedProcess:

@@ -53,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
 
     env = init_distributed(cfg.parallel.distributed_backend)
     try:
-        return run_training(cfg, explicit, env)
-    finally:
+        returncode = run_training(cfg, explicit, env)
+    except BaseException:
         env.close()
+        raise
+    return env.finish(returncode)

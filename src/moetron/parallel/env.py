@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -56,11 +57,24 @@ class DistEnv:
 
     def close(self) -> None:
         if self.initialized_here and dist.is_initialized():
-            # Leave together: a rank tearing down gloo while a peer is still inside its last collective makes the
-            # peer's transport thread abort the process (seen after torchrun restarts).
-            dist.barrier()
             dist.destroy_process_group()
             self.initialized_here = False
+
+    def finish(self, returncode: int) -> int:
+        """End a finished run: `close()` in one process; under torchrun, leave together and exit at once.
+
+        Tearing down gloo's C++ transport after the work is done sometimes aborts the process ("terminate called
+        without an active exception"; seen after torchrun restarts), and torchrun would then count a completed run
+        as failed. So every rank waits for the others, flushes its output and exits without that teardown — the
+        OS closes the sockets.
+        """
+        if not (self.initialized_here and dist.is_initialized() and self.distributed):
+            self.close()
+            return returncode
+        dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(returncode)
 
 
 def choose_device(local_rank: int) -> torch.device:
