@@ -22,7 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
 from launch import run_distributed  # noqa: E402
-from test_plan_vs_measured import BASELINE, QUICKSTART, TOLERANCE, RandomTokens, load, peak_rss  # noqa: E402
+from test_plan_vs_measured import (  # noqa: E402
+    BASELINE,
+    QUICKSTART,
+    TOLERANCE,
+    RandomTokens,
+    load,
+    peak_after_steady_step,
+)
 
 WORLD_SIZE, EP = 2, 2
 CASE = ("configs/quickstart.yaml", {"vocab_size": 8192, "moe_expert_parallel_size": EP})
@@ -31,8 +38,6 @@ EP_BASELINE = (BASELINE[0], {**BASELINE[1], "moe_expert_parallel_size": EP, "glo
 
 def measure_rank(rank: int, world_size: int, config: str, overrides: dict) -> int:
     """Peak RSS (bytes) of this rank after one steady-state training step of its EP shard."""
-    import torch
-
     from moetron.parallel.env import init_distributed
     from moetron.parallel.parallelize import build_model
     from moetron.train.trainer import Trainer
@@ -43,13 +48,7 @@ def measure_rank(rank: int, world_size: int, config: str, overrides: dict) -> in
     model = build_model(cfg.model, env, dims, cfg.train.seed)
     loader = RandomTokens(cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
     trainer = Trainer(cfg, env, model, loader, None, config_yaml="# test\n")
-    model.train()
-    for param in model.parameters():  # allocate the Adam moments up front: the measured step is a steady one
-        param.grad = torch.zeros_like(param)
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.train_step()
-    return peak_rss()
+    return peak_after_steady_step(trainer, model)
 
 
 def measure_group(config: str, overrides: dict) -> list[int]:

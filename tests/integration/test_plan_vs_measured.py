@@ -110,8 +110,15 @@ def measure_in_this_process(config: str, overrides: dict) -> int:
     model = create_model(cfg.model, env.device, cfg.train.seed)
     loader = RandomTokens(cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
     trainer = Trainer(cfg, env, model, loader)
+    return peak_after_steady_step(trainer, model)
+
+
+def peak_after_steady_step(trainer, model) -> int:
+    """Peak RSS after one training step whose Adam moments already exist (a steady step, as in a long run)."""
+    import torch  # in the measured subprocess only (the parent's baseline stays free of it)
+
     model.train()
-    for param in model.parameters():  # allocate the Adam moments up front: the measured step is a steady one
+    for param in model.parameters():
         param.grad = torch.zeros_like(param)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
