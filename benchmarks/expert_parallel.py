@@ -24,8 +24,10 @@ import time
 import torch
 
 from moetron.config import RunConfig
+from moetron.data.synthetic import RandomTokenLoader
 from moetron.parallel import expert_parallel
 from moetron.parallel.env import init_distributed
+from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build_model
 from moetron.train.trainer import Trainer
 
@@ -42,17 +44,6 @@ def seed_config(args: argparse.Namespace, world: int, ep: int) -> RunConfig:
     t.train_iters, t.log_interval, t.eval_iters = args.warmup + args.steps, 1000, 0
     cfg.parallel.moe_expert_parallel_size = ep
     return cfg
-
-
-class RandomTokens:
-    """Endless random micro-batches (the data path is not what is measured)."""
-
-    def __init__(self, mbs: int, seq: int, vocab: int, seed: int):
-        self.shape, self.vocab = (mbs, seq + 1), vocab
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def next_micro_batch(self) -> torch.Tensor:
-        return torch.randint(0, self.vocab, self.shape, generator=self.generator)
 
 
 class CountingAllToAll:
@@ -74,9 +65,10 @@ def measure(rank: int, world: int, port: int, args: argparse.Namespace, ep: int,
     env = init_distributed(backend="gloo")
     cfg = seed_config(args, world, ep)
     torch.manual_seed(rank)
-    model = build_model(cfg.model, env, cfg.dims(world), cfg.train.seed)
-    loader = RandomTokens(args.micro_batch, args.seq, cfg.model.vocab_size, seed=rank)
-    trainer = Trainer(cfg, env, model, loader)
+    mesh = ParallelMesh.build(cfg.dims(world), env)
+    model = build_model(cfg.model, mesh, env.device, cfg.train.seed)
+    loader = RandomTokenLoader(args.micro_batch, args.seq, cfg.model.vocab_size, seed=rank)
+    trainer = Trainer(cfg, env, model, loader, mesh=mesh)
     counter = CountingAllToAll()
     for _ in range(args.warmup):
         trainer.train_step()

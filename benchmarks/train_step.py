@@ -39,6 +39,10 @@ class ListLoader:
     def __init__(self, batches: list[torch.Tensor]):
         self.batches, self.i = batches, 0
 
+    @property
+    def next_first_sample(self) -> int:
+        return self.i * self.batches[0].shape[0]
+
     def next_micro_batch(self) -> torch.Tensor:
         batch = self.batches[self.i % len(self.batches)]
         self.i += 1

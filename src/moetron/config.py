@@ -68,6 +68,7 @@ class TrainConfig:
     max_skipped_steps: int = 10  # stop after this many consecutive NaN/Inf steps
 
     seed: int = 1234
+    compile: bool = False  # torch.compile each transformer block (see moetron/parallel/compile.py)
 
     # ---- logging and evaluation ----
     log_interval: int = 10

@@ -1,8 +1,9 @@
 """A rank that dies mid-run under `torchrun --max-restarts 1` (EP = 2 on 2 processes): the restarted job
 resumes from the last checkpoint and finishes with the loss curve of an uninterrupted run.
 
-The fault is the trainer's test-only hook: MOETRON_FAULT_AT_ITER=7 makes rank 1 `os._exit(1)` as iteration 7
-starts, on the first attempt only (TORCHELASTIC_RESTART_COUNT=0); rank 0 is then inside step 7's collectives.
+The fault is injected by this file's worker (the trainer has no test hooks): with MOETRON_FAULT_AT_ITER=7 rank 1
+`os._exit(1)`s as iteration 7 starts, on the first attempt only (TORCHELASTIC_RESTART_COUNT=0); rank 0 is then
+inside step 7's collectives.
 Checkpoints every 2 iterations, so the restart resumes from iteration 6 and redoes 7 … 10.
 
 This file is also the worker torchrun runs: `python test_expert_parallel_fault.py RUN_DIR`.
@@ -34,6 +35,7 @@ def worker(run_dir: str) -> int:
     env = init_distributed(backend="gloo", timeout_minutes=1)
     cfg = ep_config(2, global_batch=4, train_iters=ITERS, save=run_dir, save_interval=SAVE_INTERVAL, log_interval=1)
     trainer = ep_trainer(cfg, env)
+    inject_fault(trainer, env.rank)
     checkpoint = resolve_checkpoint(run_dir)
     if checkpoint is not None:
         trainer.load(checkpoint)
@@ -45,6 +47,21 @@ def worker(run_dir: str) -> int:
         env.close()
         raise
     return env.finish(returncode)  # as `moetron train` ends a torchrun job
+
+
+def inject_fault(trainer, rank: int) -> None:
+    """Rank 1 dies (no cleanup) as iteration MOETRON_FAULT_AT_ITER starts, on torchrun's first attempt only."""
+    fault_at = os.environ.get("MOETRON_FAULT_AT_ITER")
+    if not fault_at or rank != 1 or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    step = trainer.train_step
+
+    def step_or_die():
+        if trainer.progress.iteration + 1 == int(fault_at):
+            os._exit(1)
+        return step()
+
+    trainer.train_step = step_or_die
 
 
 def launch(run_dir: Path, fault_at: int | None) -> subprocess.CompletedProcess:

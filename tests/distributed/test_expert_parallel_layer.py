@@ -24,8 +24,13 @@ from launch import run_distributed  # noqa: E402
 from moetron.model.config import ModelConfig  # noqa: E402
 from moetron.model.moe.layer import MoELayer  # noqa: E402
 from moetron.parallel.dims import ParallelDims  # noqa: E402
-from moetron.parallel.expert_parallel import AllToAllDispatcher, regroup_by_local_expert  # noqa: E402
-from moetron.parallel.parallelize import shard_layer_experts  # noqa: E402
+from moetron.parallel.env import DistEnv  # noqa: E402
+from moetron.parallel.expert_parallel import (  # noqa: E402
+    AllToAllDispatcher,
+    regroup_by_local_expert,
+    shard_layer_experts,
+)
+from moetron.parallel.mesh import ParallelMesh  # noqa: E402
 
 HIDDEN, EXPERTS = 16, 8
 EXPERT_PARAMS = ("w1_EDF", "w2_EFD", "b1_EF", "b2_ED")
@@ -91,7 +96,7 @@ def all_cases(rank: int, world_size: int) -> dict:
     dropped = {}
     for ep in (2, 4):
         dims = ParallelDims(world_size=world_size, dp=world_size, ep=ep)
-        group = dims.build_mesh("cpu")["ep"].get_group()
+        group = ParallelMesh.build(dims, DistEnv(rank=rank, world_size=world_size)).group("ep")
         for topk in (1, 2):
             for dropless in (False, True):
                 dropped[(ep, topk, dropless)] = check_case(rank, ep, group, topk, dropless)
@@ -114,10 +119,10 @@ def test_regroup_by_local_expert_orders_rows_by_expert_then_source():
 
 
 def test_dims_report_every_expert_parallel_problem_at_once():
-    problems = ParallelDims(world_size=6, dp=6, ep=4, tp=2).problems(experts_per_layer=[1, 6, 1, 8])
+    problems = ParallelDims(world_size=6, dp=3, ep=4, tp=2).problems(experts_per_layer=[1, 6, 1, 8])
     text = "\n".join(problems)
     assert "--tensor-model-parallel-size 2 is not supported yet" in text
-    assert "data-parallel size 6 is not divisible by --moe-expert-parallel-size 4" in text
+    assert "data- × tensor-parallel size 6 is not divisible by --moe-expert-parallel-size 4" in text
     assert "expert count(s) [6]" in text
     assert len(problems) == 3
     assert ParallelDims(world_size=8, dp=8, ep=4).problems([8, 16]) == []

@@ -26,7 +26,6 @@ from test_plan_vs_measured import (  # noqa: E402
     BASELINE,
     QUICKSTART,
     TOLERANCE,
-    RandomTokens,
     load,
     peak_after_steady_step,
 )
@@ -38,16 +37,17 @@ EP_BASELINE = (BASELINE[0], {**BASELINE[1], "moe_expert_parallel_size": EP, "glo
 
 def measure_rank(rank: int, world_size: int, config: str, overrides: dict) -> int:
     """Peak RSS (bytes) of this rank after one steady-state training step of its EP shard."""
+    from trainer_support import parallel_model
+
+    from moetron.data.synthetic import RandomTokenLoader
     from moetron.parallel.env import init_distributed
-    from moetron.parallel.parallelize import build_model
     from moetron.train.trainer import Trainer
 
     env = init_distributed()
     cfg = load(config, overrides)
-    dims = cfg.dims(env.world_size)
-    model = build_model(cfg.model, env, dims, cfg.train.seed)
-    loader = RandomTokens(cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
-    trainer = Trainer(cfg, env, model, loader, None, config_yaml="# test\n")
+    mesh, model = parallel_model(cfg, env)
+    loader = RandomTokenLoader(cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
+    trainer = Trainer(cfg, env, model, loader, None, config_yaml="# test\n", mesh=mesh)
     return peak_after_steady_step(trainer, model)
 
 

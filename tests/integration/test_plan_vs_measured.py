@@ -74,21 +74,6 @@ BASELINE = (  # torch, moetron, kernels and thread pools loaded; nothing big all
 
 
 # ---------------------------------------------------------------------------- the measuring process
-class RandomTokens:
-    """A loader with the trainer's interface: random [mbs, seq + 1] token blocks."""
-
-    def __init__(self, micro_batch_size: int, seq_length: int, vocab_size: int):
-        import torch
-
-        self.shape, self.vocab = (micro_batch_size, seq_length + 1), vocab_size
-        self.generator = torch.Generator().manual_seed(0)
-
-    def next_micro_batch(self):
-        import torch
-
-        return torch.randint(0, self.vocab, self.shape, generator=self.generator)
-
-
 def load(config: str, overrides: dict):
     from moetron.config_cli import load_config
 
@@ -100,6 +85,7 @@ def measure_in_this_process(config: str, overrides: dict) -> int:
     """Peak RSS (bytes) after one steady-state training step of the config."""
     import torch
 
+    from moetron.data.synthetic import RandomTokenLoader
     from moetron.model.gpt import create_model
     from moetron.parallel.env import DistEnv
     from moetron.train.trainer import Trainer
@@ -108,7 +94,7 @@ def measure_in_this_process(config: str, overrides: dict) -> int:
     cfg = load(config, overrides)
     env = DistEnv()
     model = create_model(cfg.model, env.device, cfg.train.seed)
-    loader = RandomTokens(cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
+    loader = RandomTokenLoader(cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
     trainer = Trainer(cfg, env, model, loader)
     return peak_after_steady_step(trainer, model)
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moetron.model.attention import SelfAttention
+from moetron.model.attention import SelfAttention, fuse_qkv, split_qkv_weight
 from moetron.model.config import ModelConfig
 from moetron.model.kv_cache import KVCache
 from moetron.model.rotary import apply_rotary, rotary_angles
@@ -20,15 +20,19 @@ def tiny_cfg(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def naive_attention(attn: SelfAttention, x_BTC: torch.Tensor) -> torch.Tensor:
-    """Softmax(QKᵀ/√D + causal mask)·V with K/V heads repeated by hand, Q/K/V cut as contiguous thirds."""
+def naive_attention(attn: SelfAttention, x_BTC: torch.Tensor, H: int, K: int) -> torch.Tensor:
+    """Softmax(QKᵀ/√D + causal mask)·V with K/V heads repeated by hand; the fused output is read group by group:
+    for each key/value group g, its H/K query heads, then its key head, then its value head."""
     B, T, C = x_BTC.shape
-    H, K, D = attn.num_heads, attn.kv_heads, attn.head_dim
+    D, R = attn.head_dim, H // K
     qkv = x_BTC @ attn.query_key_value.weight.T + attn.query_key_value.bias
-    q, k, v = qkv[..., : H * D], qkv[..., H * D : (H + K) * D], qkv[..., (H + K) * D :]
-    q = q.reshape(B, T, H, D).permute(0, 2, 1, 3)
-    k = k.reshape(B, T, K, D).permute(0, 2, 1, 3).repeat_interleave(H // K, dim=1)
-    v = v.reshape(B, T, K, D).permute(0, 2, 1, 3).repeat_interleave(H // K, dim=1)
+    heads = qkv.reshape(B, T, K * (R + 2), D)
+    q = torch.stack([heads[:, :, g * (R + 2) + r] for g in range(K) for r in range(R)], dim=2)
+    k = torch.stack([heads[:, :, g * (R + 2) + R] for g in range(K)], dim=2)
+    v = torch.stack([heads[:, :, g * (R + 2) + R + 1] for g in range(K)], dim=2)
+    q = q.permute(0, 2, 1, 3)
+    k = k.permute(0, 2, 1, 3).repeat_interleave(R, dim=1)
+    v = v.permute(0, 2, 1, 3).repeat_interleave(R, dim=1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(D)
     scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
     y = (scores.softmax(-1) @ v).permute(0, 2, 1, 3).reshape(B, T, H * D)
@@ -40,7 +44,32 @@ def test_attention_matches_naive_reference(kv_heads):
     torch.manual_seed(0)
     attn = SelfAttention(tiny_cfg(num_key_value_heads=kv_heads), layer_index=0)
     x = torch.randn(2, 7, 32)
-    torch.testing.assert_close(attn(x), naive_attention(attn, x), atol=1e-5, rtol=1e-5)
+    reference = naive_attention(attn, x, 4, kv_heads or 4)
+    torch.testing.assert_close(attn(x), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_fuse_and_split_qkv_round_trip_and_shard_by_whole_groups():
+    H, K, D, C = 4, 2, 8, 32
+    q, k, v = torch.randn(H * D, C), torch.randn(K * D, C), torch.randn(K * D, C)
+    fused = fuse_qkv(q, k, v, H, K)
+    for mine, theirs in zip(split_qkv_weight(fused, H, K), (q, k, v), strict=True):
+        assert torch.equal(mine, theirs)
+    # the first half of the rows (a tensor-parallel column shard of 2) is group 0: query heads 0-1, key 0, value 0
+    shard = fuse_qkv(q[: 2 * D], k[:D], v[:D], 2, 1)
+    assert torch.equal(fused[: fused.shape[0] // 2], shard)
+    # a layer built with the shard's weight computes that group's heads: attention is independent per group
+    torch.manual_seed(4)
+    full = SelfAttention(tiny_cfg(num_key_value_heads=K), layer_index=0)
+    half = SelfAttention(tiny_cfg(num_key_value_heads=K), layer_index=0)
+    rows = full.query_key_value.weight.shape[0] // 2
+    half.query_key_value = torch.nn.Linear(C, rows)
+    with torch.no_grad():
+        half.query_key_value.weight.copy_(full.query_key_value.weight[:rows])
+        half.query_key_value.bias.copy_(full.query_key_value.bias[:rows])
+    x = torch.randn(2, 5, C)
+    q_full = full.split_qkv(x)[0]
+    q_half = half.split_qkv(x)[0]
+    torch.testing.assert_close(q_half, q_full[:, : H // 2])
 
 
 def test_fused_qkv_sizes_follow_gqa():

@@ -1,13 +1,16 @@
 """Checkpoints: atomic publish under a crash, corrupt files, keep-last-n, layout-free expert keys, finetune."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
-from safetensors.torch import load_file
+import torch.distributed.checkpoint as dcp
 from trainer_support import build_trainer, run_losses, tiny_config
 
 from moetron.errors import UserError
-from moetron.train import checkpoint as ckpt
-from moetron.train import checkpoint_state
+from moetron.train.checkpoint import files as ckpt
+from moetron.train.checkpoint import load_weights
 
 
 def trained(tmp_path, steps=2, **kw):
@@ -41,12 +44,16 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch, crash_i
 
 def test_corrupt_or_truncated_checkpoint_is_one_line_error(tmp_path):
     trained(tmp_path)
-    model_file = tmp_path / "iter_0000002" / "model.safetensors"
-    model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])
+    data_file = next((tmp_path / "iter_0000002").glob("*.distcp"))
+    data_file.write_bytes(data_file.read_bytes()[: data_file.stat().st_size // 2])
     fresh = build_trainer(tiny_config())
     with pytest.raises(UserError, match="iter_0000002 is corrupt or truncated") as err:
         fresh.load(tmp_path / "iter_0000002")
-    assert "\n" not in str(err.value) and "model.safetensors" in str(err.value)
+    assert "\n" not in str(err.value)
+    metadata = tmp_path / "iter_0000002" / ".metadata"
+    metadata.write_bytes(b"garbage")
+    with pytest.raises(UserError, match="corrupt or truncated .*metadata"):
+        fresh.load(tmp_path / "iter_0000002")
     (tmp_path / "iter_0000002" / "state.json").write_text("{not json")
     with pytest.raises(UserError, match="state.json"):
         fresh.load(tmp_path / "iter_0000002")
@@ -64,19 +71,28 @@ def test_keep_last_n_and_missing_dir(tmp_path):
     assert ckpt.resolve_checkpoint(str(tmp_path / "nothing-here")) is None
 
 
-def test_expert_tensors_are_stored_per_global_expert(tmp_path):
+def test_tensors_are_stored_layout_free_under_global_names(tmp_path):
     trainer = trained(tmp_path)
-    model_keys = load_file(str(tmp_path / "iter_0000002" / "model.safetensors"))
-    optim_keys = load_file(str(tmp_path / "iter_0000002" / "optim.safetensors"))
+    saved = dcp.FileSystemReader(str(tmp_path / "iter_0000002")).read_metadata().state_dict_metadata
     layer = trainer.cfg.model.moe_layer_indices()[0]
-    w1 = trainer.model.layers[layer].mlp.experts.w1_EDF
-    for e in range(4):
-        stored = model_keys[f"layers.{layer}.mlp.experts.w1_EDF/expert_{e}"]
-        assert torch.equal(stored, w1[e].detach())
-        assert f"layers.{layer}.mlp.experts.w1_EDF/exp_avg/expert_{e}" in optim_keys
-    assert f"layers.{layer}.mlp.experts.w1_EDF" not in model_keys
-    assert f"layers.{layer}.mlp.router.expert_bias" in model_keys  # buffers travel too
-    assert "word_embeddings.weight/exp_avg_sq" in optim_keys
+    w1 = trainer.model.get_parameter(f"layers.{layer}.mlp.experts.w1_EDF")
+    key = f"model.layers.{layer}.mlp.experts.w1_EDF"
+    assert tuple(saved[key].size) == tuple(w1.shape)  # every expert, global id = row
+    assert tuple(saved[f"optim.layers.{layer}.mlp.experts.w1_EDF.exp_avg"].size) == tuple(w1.shape)
+    assert f"model.layers.{layer}.mlp.router.expert_bias" in saved  # buffers travel too
+    assert "optim.word_embeddings.weight.exp_avg_sq" in saved and "optim.word_embeddings.weight.step" in saved
+    stored = {key: torch.empty_like(w1)}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(stored, checkpoint_id=str(tmp_path / "iter_0000002"), no_dist=True)
+    assert torch.equal(stored[key], w1.detach())
+
+
+def test_moetron_0_1_checkpoints_get_a_one_line_conversion_hint(tmp_path):
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "v1_checkpoints" / "modern"
+    shutil.copytree(fixture, tmp_path / "old")
+    fresh = build_trainer(tiny_config())
+    with pytest.raises(UserError, match="moetron 0.1 .*moetron convert-checkpoint --load"):
+        fresh.load(ckpt.resolve_checkpoint(str(tmp_path / "old")))
 
 
 def test_finetune_and_no_load_optim(tmp_path):
@@ -94,7 +110,7 @@ def test_loading_into_a_different_model_names_the_mismatch(tmp_path):
     trained(tmp_path)
     other = build_trainer(tiny_config(hidden_size=64))
     with pytest.raises(UserError, match="has shape .* the model expects"):
-        checkpoint_state.load_checkpoint(tmp_path / "iter_0000002", other.model)
+        load_weights(tmp_path / "iter_0000002", other.model)
 
 
 def test_crash_between_the_renames_of_a_resave_leaves_a_loadable_checkpoint(tmp_path, monkeypatch):
@@ -102,9 +118,10 @@ def test_crash_between_the_renames_of_a_resave_leaves_a_loadable_checkpoint(tmp_
     renames, real_rename = [], ckpt.os.rename
 
     def rename_then_crash(src, dst):
-        renames.append((src, dst))
-        if len(renames) == 2:  # the final → .tmp_old_ rename happened; the staging → final one never does
-            raise OSError("killed mid-swap (simulated)")
+        if Path(dst).parent == tmp_path:  # the run directory's renames (not DCP's own inside the staging dir)
+            renames.append((src, dst))
+            if len(renames) == 2:  # the final → .tmp_old_ rename happened; the staging → final one never does
+                raise OSError("killed mid-swap (simulated)")
         real_rename(src, dst)
 
     monkeypatch.setattr(ckpt.os, "rename", rename_then_crash)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from moetron.errors import ConfigError, UserError
 from moetron.model import GPTModel, KVCache, ModelConfig, create_model
+from moetron.model.attention import fuse_qkv, split_qkv_weight
 
 VOCAB = 50  # padded to 64 below
 
@@ -48,19 +49,24 @@ def reference_logits(cfg: ModelConfig, sd: dict[str, torch.Tensor], tokens_BT: t
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         h = ref_norm(cfg, sd, p + "input_layernorm", x)
-        qkv = ref_linear(sd, p + "self_attention.query_key_value", h)
-        q = qkv[..., : H * D].reshape(B, T, H, D).transpose(1, 2)
-        k = qkv[..., H * D : (H + K) * D].reshape(B, T, K, D).transpose(1, 2).repeat_interleave(H // K, 1)
-        v = qkv[..., (H + K) * D :].reshape(B, T, K, D).transpose(1, 2).repeat_interleave(H // K, 1)
+        qkv_sd = {}  # the fused grouped layout as three separate projections
+        for part in ("weight", "bias"):
+            fused = sd.get(p + "self_attention.query_key_value." + part)
+            if fused is not None:
+                for proj, tensor in zip("qkv", split_qkv_weight(fused, H, K), strict=True):
+                    qkv_sd[f"{proj}.{part}"] = tensor
+        q = ref_linear(qkv_sd, "q", h).reshape(B, T, H, D).transpose(1, 2)
+        k = ref_linear(qkv_sd, "k", h).reshape(B, T, K, D).transpose(1, 2).repeat_interleave(H // K, 1)
+        v = ref_linear(qkv_sd, "v", h).reshape(B, T, K, D).transpose(1, 2).repeat_interleave(H // K, 1)
         if cfg.position_embedding_type == "rope":
             q, k = ref_rope(q, cfg.rotary_base), ref_rope(k, cfg.rotary_base)
         scores = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(causal, float("-inf"))
         attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, H * D)
         x = x + ref_linear(sd, p + "self_attention.dense", attn)
-        up = ref_linear(sd, p + "mlp.dense_h_to_4h", ref_norm(cfg, sd, p + "post_attention_layernorm", x))
+        h = ref_norm(cfg, sd, p + "post_attention_layernorm", x)
+        up = ref_linear(sd, p + "mlp.dense_h_to_4h", h)
         if cfg.swiglu:
-            gate, lin = up.chunk(2, dim=-1)
-            act = gate * torch.sigmoid(gate) * lin
+            act = up * torch.sigmoid(up) * ref_linear(sd, p + "mlp.dense_h_to_4h_up", h)
         else:
             act = 0.5 * up * (1 + torch.tanh(math.sqrt(2 / math.pi) * (up + 0.044715 * up**3)))
         x = x + ref_linear(sd, p + "mlp.dense_4h_to_h", act)
@@ -156,10 +162,10 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
     D, H, K = 8, 4, 2
     sd = gqa.state_dict()
     for name, value in sd.items():
-        if "query_key_value" in name:  # [Q | K | V]: repeat each K/V head for the 2 query heads of its group
-            q, k, v = value.split([H * D, K * D, K * D], dim=0)
+        if "query_key_value" in name:  # repeat each K/V head for the 2 query heads of its group
+            q, k, v = split_qkv_weight(value, H, K)
             rep = lambda t: t.unflatten(0, (K, D)).repeat_interleave(H // K, dim=0).flatten(0, 1)  # noqa: E731
-            sd[name] = torch.cat([q, rep(k), rep(v)], dim=0)
+            sd[name] = fuse_qkv(q, rep(k), rep(v), H, H)
     mha.load_state_dict(sd)
     x = tokens()
     torch.testing.assert_close(gqa(x).logits, mha(x).logits, atol=1e-5, rtol=1e-5)
@@ -261,7 +267,7 @@ MOE = dict(num_layers=4, num_experts=[4, 8], topk=2, moe_loss_coeff=0.01)
 def test_moe_layers_are_placed_and_their_losses_collected():
     cfg = tiny_cfg(**MOE, moe_z_loss_coeff=0.001)
     model = create_model(cfg, "cpu", seed=0)
-    assert [layer.is_moe for layer in model.layers] == [False, True, False, True]
+    assert [layer.is_moe for layer in model.layers.values()] == [False, True, False, True]
     assert [moe.num_experts for moe in model.moe_layers()] == [4, 8]
     out = model(tokens(), labels_BT=tokens(seed=1))
     assert len(out.moe_aux) == 2
@@ -368,8 +374,10 @@ def test_megatron_default_model_equals_hf_gpt2():
             "mlp.dense_4h_to_h": block.mlp.c_proj,
         }
         for ours, theirs in pairs.items():  # HF's Conv1D stores [in, out]: transpose to nn.Linear's [out, in]
-            weight = theirs.weight if "layernorm" in ours else theirs.weight.T
-            sd |= {f"layers.{i}.{ours}.weight": weight, f"layers.{i}.{ours}.bias": theirs.bias}
+            weight, bias = (theirs.weight if "layernorm" in ours else theirs.weight.T), theirs.bias
+            if ours.endswith("query_key_value"):  # GPT-2's [Q | K | V] thirds → our grouped layout (K = H)
+                weight, bias = (fuse_qkv(*t.chunk(3), hf_cfg.n_head, hf_cfg.n_head) for t in (weight, bias))
+            sd |= {f"layers.{i}.{ours}.weight": weight, f"layers.{i}.{ours}.bias": bias}
     model = GPTModel(tiny_cfg()).eval()
     model.load_state_dict({k: v.detach().clone() for k, v in sd.items()})
     x = tokens()
@@ -430,8 +438,8 @@ def test_modern_options_express_hf_mixtral_exactly():
         attn, moe, p = layer.self_attn, getattr(layer, "mlp", None) or layer.block_sparse_moe, f"layers.{i}."
         sd[p + "input_layernorm.weight"] = layer.input_layernorm.weight
         sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-        sd[p + "self_attention.query_key_value.weight"] = torch.cat(
-            [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        sd[p + "self_attention.query_key_value.weight"] = fuse_qkv(
+            attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, 4, 2
         )
         sd[p + "self_attention.dense.weight"] = attn.o_proj.weight
         sd[p + "mlp.router.weight"] = moe.gate.weight

@@ -29,7 +29,9 @@ def test_meta_build_and_cpu_build_give_identical_weights(options):
     for (name, a), (_, b) in zip(on_meta.state_dict().items(), on_cpu.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     other_seed = create_model(cfg(**options), "cpu", seed=43)
-    assert not torch.equal(other_seed.layers[0].mlp.dense_h_to_4h.weight, on_meta.layers[0].mlp.dense_h_to_4h.weight)
+    assert not torch.equal(
+        other_seed.layers["0"].mlp.dense_h_to_4h.weight, on_meta.layers["0"].mlp.dense_h_to_4h.weight
+    )
 
 
 def test_each_parameter_has_its_own_stream():
@@ -38,9 +40,9 @@ def test_each_parameter_has_its_own_stream():
     three = create_model(cfg(num_layers=3), "cpu", seed=7)
     assert torch.equal(two.word_embeddings.weight, three.word_embeddings.weight)
     for name in ("self_attention.query_key_value.weight", "mlp.dense_h_to_4h.weight"):
-        assert torch.equal(two.layers[1].get_parameter(name), three.layers[1].get_parameter(name))
+        assert torch.equal(two.layers["1"].get_parameter(name), three.layers["1"].get_parameter(name))
     # same shape, different names → different draws
-    assert not torch.equal(two.layers[0].mlp.dense_h_to_4h.weight, two.layers[1].mlp.dense_h_to_4h.weight)
+    assert not torch.equal(two.layers["0"].mlp.dense_h_to_4h.weight, two.layers["1"].mlp.dense_h_to_4h.weight)
 
 
 def test_moe_layers_keep_their_weights_when_layers_are_added():
@@ -48,7 +50,7 @@ def test_moe_layers_keep_their_weights_when_layers_are_added():
     four = create_model(cfg(**MOE), "cpu", seed=7)
     # (output projections legitimately differ: their std is std / sqrt(2 · num_layers))
     for name in ("router.weight", "experts.w1_EDF", "experts.w3_EDF", "mlp.w1_EDF", "shared_experts.w1_EDF"):
-        assert torch.equal(two.layers[1].mlp.get_parameter(name), four.layers[1].mlp.get_parameter(name)), name
+        assert torch.equal(two.layers["1"].mlp.get_parameter(name), four.layers["1"].mlp.get_parameter(name)), name
 
 
 def test_moe_expert_output_projections_are_scaled():

@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetron.model.config import ModelConfig
+from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
 from moetron.model.moe.dispatch import permute, unpermute
 from moetron.model.moe.experts import grouped_mm_supported
 from moetron.model.moe.layer import MoEAux, MoELayer
@@ -42,8 +43,9 @@ def _expert(layer_experts, e: int, x: torch.Tensor) -> torch.Tensor:
     return h @ ex.w2_EFD[e] + (ex.b2_ED[e] if ex.b2_ED is not None else 0)
 
 
-def reference_forward(layer: MoELayer, x_BTD: torch.Tensor, seed: int) -> torch.Tensor:
-    """Loop over experts and route slots with boolean masks; the same routing (same RNG seed) as the layer."""
+def reference_forward(layer: MoELayer, x_BTD: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loop over experts and route slots with boolean masks; the same routing (same RNG seed) as the layer.
+    Returns (y, the weighted aux loss the layer attaches to its output)."""
     x_TD = x_BTD.reshape(-1, D)
     torch.manual_seed(seed)
     routing = layer.router(x_TD, seq_len=x_BTD.shape[1])
@@ -61,13 +63,15 @@ def reference_forward(layer: MoELayer, x_BTD: torch.Tensor, seed: int) -> torch.
         if layer.shared_expert_gate is not None:
             shared = shared * torch.sigmoid(x_TD @ layer.shared_expert_gate.weight.T)
         y_TD = y_TD + shared
-    return y_TD.view_as(x_BTD)
+    cfg = layer.cfg
+    return y_TD.view_as(x_BTD), cfg.moe_loss_coeff * routing.aux_loss + cfg.moe_z_loss_coeff * routing.z_loss
 
 
-def _grads(layer: MoELayer, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+def _grads(layer: MoELayer, x: torch.Tensor, y: torch.Tensor, extra_loss: torch.Tensor | float = 0.0):
+    """Gradients of (y · g).sum() + extra_loss w.r.t. x and every parameter."""
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(9))
     names, params = zip(*[(n, p) for n, p in layer.named_parameters()], strict=True)
-    grads = torch.autograd.grad((y * g).sum(), [x, *params], allow_unused=True)
+    grads = torch.autograd.grad((y * g).sum() + extra_loss, [x, *params], allow_unused=True)
     return dict(zip(["x", *names], grads, strict=True))
 
 
@@ -75,9 +79,10 @@ def assert_layer_matches_reference(layer: MoELayer, seed: int = 0) -> MoEAux:
     x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed), requires_grad=True)
     torch.manual_seed(seed)
     y, aux = layer(x)
-    ref = reference_forward(layer, x, seed)
+    ref, ref_aux_loss = reference_forward(layer, x, seed)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
-    got, want = _grads(layer, x, y), _grads(layer, x, ref)
+    # the layer's output carries its aux loss's gradient: compare with the reference's explicit sum
+    got, want = _grads(layer, x, y), _grads(layer, x, ref, ref_aux_loss)
     assert got["router.weight"] is not None and got["router.weight"].abs().sum() > 0
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
@@ -162,6 +167,30 @@ def test_eval_uses_eval_capacity_factor() -> None:
     assert train_aux.capacity == math.ceil(B * T / 8 * 0.25) and train_aux.dropped_routes.item() > 0
     assert eval_aux.capacity == math.ceil(B * T / 8 * 8.0) and eval_aux.dropped_routes.item() == 0
     assert eval_aux.tokens_per_expert_E.sum().item() == B * T
+
+
+def test_attached_aux_loss_gives_the_summed_losses_gradient_times_the_scale() -> None:
+    """d(lm)/d(router) with the aux loss attached = d(lm + aux.loss)/d(router), scaled like the LM loss."""
+    cfg = _cfg(topk=2, moe_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+    layer = _layer(cfg)
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(1))
+    g = torch.randn(B, T, D, generator=torch.Generator().manual_seed(2))
+
+    def router_grad(aux_scale: float, lm_scale: float, explicit_aux: bool = False) -> torch.Tensor:
+        try:
+            AUX_LOSS_SCALE.set(aux_scale)
+            torch.manual_seed(0)
+            y, aux = layer(x)
+            loss = lm_scale * (y * g).sum() + (aux.loss(cfg) if explicit_aux else 0.0)
+            return torch.autograd.grad(loss, layer.router.weight)[0]
+        finally:
+            AUX_LOSS_SCALE.set(1.0)
+
+    lm_part = router_grad(0.0, 1.0)  # the attached gradient switched off
+    summed = router_grad(0.0, 1.0, explicit_aux=True)  # lm + aux.loss, summed by hand
+    assert not torch.allclose(summed, lm_part)  # the aux loss really has a gradient here
+    torch.testing.assert_close(router_grad(1.0, 1.0), summed)  # the default: lm_loss.backward() trains both
+    torch.testing.assert_close(router_grad(0.25, 0.25), 0.25 * summed)  # an executor's loss scale / micro-batches
 
 
 def test_aux_loss_is_uncoefficiented_and_loss_applies_coefficients() -> None:

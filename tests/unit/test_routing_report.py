@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from moetron.data.synthetic import RandomTokenLoader
 from moetron.eval.perplexity import evaluate
 from moetron.eval.plots import expert_load_heatmap, loss_curves, matplotlib_missing, read_jsonl
 from moetron.eval.routing_report import RoutingRecorder, _LayerSums, format_table
@@ -18,15 +19,9 @@ from moetron.model.gpt import create_model
 MBS, SEQ = 2, 16
 
 
-class FixedBatches:
+def FixedBatches(vocab: int, seed: int = 0) -> RandomTokenLoader:
     """A loader of random [MBS, SEQ + 1] token batches from one seed."""
-
-    def __init__(self, vocab: int, seed: int = 0):
-        self.generator = torch.Generator().manual_seed(seed)
-        self.vocab = vocab
-
-    def next_micro_batch(self) -> torch.Tensor:
-        return torch.randint(0, self.vocab, (MBS, SEQ + 1), generator=self.generator)
+    return RandomTokenLoader(MBS, SEQ, vocab, seed)
 
 
 def moe_model(topk: int, num_experts=(4, 8), capacity_factor: float = 1.0) -> torch.nn.Module:

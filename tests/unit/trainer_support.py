@@ -22,6 +22,10 @@ class MemoryLoader:
         self.samples, self.mbs, self.rank, self.dp = samples, micro_batch_size, dp_rank, dp_size
         self.consumed_samples = 0
 
+    @property
+    def next_first_sample(self) -> int:
+        return self.consumed_samples + self.rank * self.mbs
+
     def next_micro_batch(self) -> torch.Tensor:
         start = (self.consumed_samples + self.rank * self.mbs) % len(self.samples)
         idx = torch.arange(start, start + self.mbs) % len(self.samples)
@@ -82,3 +86,12 @@ def run_losses(trainer: Trainer, steps: int) -> list[float]:
         trainer._account(result)
         out.append(float(result.sums.losses[0]))
     return out
+
+
+def parallel_model(cfg: RunConfig, env: DistEnv):
+    """(mesh, this rank's model) as `moetron train` builds them: meta device, local experts, then initialised."""
+    from moetron.parallel.mesh import ParallelMesh
+    from moetron.parallel.parallelize import build_model
+
+    mesh = ParallelMesh.build(cfg.dims(env.world_size), env)
+    return mesh, build_model(cfg.model, mesh, env.device, cfg.train.seed)

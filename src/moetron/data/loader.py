@@ -49,6 +49,12 @@ class DistributedBatchLoader:
         return self._consumed
 
     @property
+    def next_first_sample(self) -> int:
+        """Dataset index of the first sample of the micro-batch `next_micro_batch()` returns next (it keys the
+        model's random streams, so draws follow the samples, not the rank that reads them)."""
+        return int(self.rank_indices(self._consumed)[0])
+
+    @property
     def remaining_micro_batches(self) -> int:
         return max(0, (len(self.dataset) - self._consumed) // self.step_samples)
 

@@ -33,8 +33,7 @@ from moetron.config_cli import load_config
 from moetron.errors import UserError
 from moetron.model.gpt import GPTModel, create_model
 from moetron.model.kv_cache import KVCache
-from moetron.train.checkpoint import resolve_checkpoint
-from moetron.train.checkpoint_state import load_checkpoint
+from moetron.train.checkpoint import load_weights, resolve_checkpoint
 
 
 @dataclass
@@ -83,7 +82,7 @@ def load_model(load: str, device: torch.device | str | None = None) -> tuple[GPT
         raise UserError(f"--load {load}: {config_file} is missing; the checkpoint is incomplete, --load another")
     cfg, _ = load_config(str(config_file), {})
     model = create_model(cfg.model, device or default_device(), cfg.train.seed)
-    load_checkpoint(path, model, None, load_rng=False)
+    load_weights(path, model)
     model.eval()
     return model, cfg, path
 

@@ -3,34 +3,22 @@
 The loss is Megatron's: the mean over micro-batches of each micro-batch's masked-mean token cross-entropy
 (MoE auxiliary losses excluded), averaged over data-parallel ranks when `all_reduce_mean` is given;
 perplexity is `exp(min(20, loss))` as Megatron prints it.
+
+Routers that draw random numbers in evaluation (DeepSpeed keeps random token selection and top-2's sampled
+second expert on in eval) draw from each layer's stream keyed by the micro-batch's first sample
+(`moetron.model.rng`, phase "valid"): every evaluation of a model gives the same numbers — the trainer's and
+`moetron eval`'s alike, on any layout — and evaluating never shifts any other random stream.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
-
-def eval_seed(seed: int, dp_rank: int) -> int:
-    """The seed of data-parallel rank `dp_rank`'s routing draws in evaluation (a function of the run's seed only)."""
-    return seed + dp_rank
-
-
-@contextlib.contextmanager
-def evaluation_rng(seed: int, dp_rank: int, device: torch.device | str) -> Iterator[None]:
-    """Seed the routing draws of evaluation (DeepSpeed keeps random token selection and top-2's sampled second
-    expert active in eval) so every evaluation of a model gives the same numbers — the trainer's and
-    `moetron eval`'s alike — and restore the RNG state afterwards, so evaluating never shifts training's stream
-    (exact resume stays exact)."""
-    device = torch.device(device)
-    accelerator = device.type != "cpu"  # the CPU generator is always forked; an accelerator's only when named
-    devices = [device] if accelerator else []
-    with torch.random.fork_rng(devices=devices, device_type=device.type if accelerator else None):
-        torch.manual_seed(eval_seed(seed, dp_rank))
-        yield
+from moetron.model.rng import STREAMS
 
 
 def perplexity(loss: float) -> float:
@@ -54,11 +42,11 @@ def evaluate(
     model.eval()
     total = None
     try:
+        device = next(model.parameters()).device
         for _ in range(iters):
-            batch = loader.next_micro_batch()
-            device = next(model.parameters()).device
-            batch = batch.to(device, non_blocking=True)
-            with autocast():
+            first_sample = loader.next_first_sample
+            batch = loader.next_micro_batch().to(device, non_blocking=True)
+            with STREAMS.micro_batch("valid", first_sample), autocast():
                 out = model(batch[:, :-1], labels_BT=batch[:, 1:])
             loss = out.lm_loss.detach().double()
             total = loss if total is None else total + loss

@@ -96,7 +96,7 @@ class RoutingRecorder(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
-        layers = [(i, layer.mlp.num_experts) for i, layer in enumerate(model.layers) if layer.is_moe]
+        layers = [(i, layer.mlp.num_experts) for i, layer in model.layer_items() if layer.is_moe]
         self.sums = [_LayerSums(i, e) for i, e in layers]
 
     def forward(self, *args, **kwargs):

@@ -1,11 +1,16 @@
-"""Causal self-attention: fused QKV projection, optional RoPE and grouped-query attention, SDPA.
+"""Causal self-attention: fused QKV projection grouped by key/value head, optional RoPE and GQA, SDPA.
 
 Shapes: B batch, T new tokens, S attended tokens (T, or cache length + T), C hidden size,
-H query heads, K key/value heads (H % K == 0), D head dim.
+H query heads, K key/value heads (H % K == 0), R = H / K query heads per group, D head dim.
 
-The fused projection `query_key_value` produces `[Q | K | V]` as contiguous blocks of H·D, K·D and
-K·D channels (current Megatron-DeepSpeed layout, reference §4.1), so converting to separate
-q/k/v projections is a plain slice. Attention runs through `F.scaled_dot_product_attention`
+`query_key_value` is one projection whose output channels are ordered by key/value group (Megatron-LM's
+layout): for group g = 0 … K−1, the R query heads of g, then g's key head, then g's value head, each D
+channels. So a tensor-parallel column shard of the weight (rows split evenly over ranks) is a contiguous
+block of whole groups, and one GEMM still computes q, k and v. `fuse_qkv` / `split_qkv_weight` convert from
+and to separate q/k/v projections (Hugging Face, and Megatron-DeepSpeed's contiguous [Q | K | V] thirds).
+
+The forward derives the number of local groups from the projection's output width, so the same code runs a
+full layer or a tensor-parallel shard of it. Attention runs through `F.scaled_dot_product_attention`
 (flash / memory-efficient kernels on GPU, the math kernel on CPU).
 """
 
@@ -23,28 +28,52 @@ from moetron.model.rotary import apply_rotary
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, kv_heads: int) -> torch.Tensor:
+    """Separate q `[H·D, …]`, k and v `[K·D, …]` (weights or biases) → the grouped `query_key_value` layout."""
+    per_group = num_heads // kv_heads
+    head_dim = q.shape[0] // num_heads
+    rest = q.shape[1:]
+    q_KRD = q.reshape(kv_heads, per_group, head_dim, *rest)
+    k_K1D = k.reshape(kv_heads, 1, head_dim, *rest)
+    v_K1D = v.reshape(kv_heads, 1, head_dim, *rest)
+    return torch.cat([q_KRD, k_K1D, v_K1D], dim=1).reshape(-1, *rest)
+
+
+def split_qkv_weight(
+    fused: torch.Tensor, num_heads: int, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grouped `query_key_value` weight (or bias) → separate (q, k, v), the inverse of `fuse_qkv`."""
+    per_group = num_heads // kv_heads
+    head_dim = fused.shape[0] // (kv_heads * (per_group + 2))
+    rest = fused.shape[1:]
+    grouped = fused.reshape(kv_heads, per_group + 2, head_dim, *rest)
+    q = grouped[:, :per_group].reshape(num_heads * head_dim, *rest)
+    k = grouped[:, per_group].reshape(kv_heads * head_dim, *rest)
+    v = grouped[:, per_group + 1].reshape(kv_heads * head_dim, *rest)
+    return q, k, v
+
+
 class SelfAttention(nn.Module):
     """Multi-head (or grouped-query) causal self-attention, Megatron parameter names."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int):
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = cfg.num_attention_heads
-        self.kv_heads = cfg.kv_heads
+        self.queries_per_group = cfg.num_attention_heads // cfg.kv_heads
         self.head_dim = cfg.head_dim
         self.dropout_p = cfg.attention_dropout
-        qkv_channels = (self.num_heads + 2 * self.kv_heads) * self.head_dim
+        qkv_channels = (cfg.num_attention_heads + 2 * cfg.kv_heads) * self.head_dim
         self.query_key_value = nn.Linear(cfg.hidden_size, qkv_channels, bias=cfg.add_bias_linear)
-        self.dense = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear)
+        self.dense = nn.Linear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear)
 
     def split_qkv(self, x_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Project and split into q `[B, H, T, D]`, k and v `[B, K, T, D]`."""
+        """Project and split into q `[B, H, T, D]`, k and v `[B, K, T, D]` (H, K: this shard's heads)."""
         B, T, _ = x_BTC.shape
-        q_size, kv_size = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
-        q, k, v = self.query_key_value(x_BTC).split([q_size, kv_size, kv_size], dim=-1)
-        q_BHTD = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k_BKTD = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        v_BKTD = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        R, D = self.queries_per_group, self.head_dim
+        qkv_BTKXD = self.query_key_value(x_BTC).view(B, T, -1, R + 2, D)
+        q_BHTD = qkv_BTKXD[:, :, :, :R].reshape(B, T, -1, D).transpose(1, 2)
+        k_BKTD = qkv_BTKXD[:, :, :, R].transpose(1, 2)
+        v_BKTD = qkv_BTKXD[:, :, :, R + 1].transpose(1, 2)
         return q_BHTD, k_BKTD, v_BKTD
 
     def forward(
@@ -64,7 +93,7 @@ class SelfAttention(nn.Module):
         else:
             k_BKSD, v_BKSD = k_BKTD, v_BKTD
         y_BHTD = self.attend(q_BHTD, k_BKSD.to(q_BHTD.dtype), v_BKSD.to(q_BHTD.dtype), past)
-        y_BTC = y_BHTD.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        y_BTC = y_BHTD.transpose(1, 2).reshape(B, T, -1)
         return self.dense(y_BTC)
 
     def attend(self, q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, past: int) -> torch.Tensor:
@@ -78,13 +107,12 @@ class SelfAttention(nn.Module):
                 query_pos_T = torch.arange(past, past + T, device=q_BHTD.device)
                 mask_TS = torch.arange(S, device=q_BHTD.device)[None, :] <= query_pos_T[:, None]
         gqa = {}
-        if self.kv_heads != self.num_heads:
+        if self.queries_per_group > 1:
             if _SDPA_HAS_GQA:
                 gqa = {"enable_gqa": True}
             else:
-                repeats = self.num_heads // self.kv_heads
-                k_BKSD = k_BKSD.repeat_interleave(repeats, dim=1)
-                v_BKSD = v_BKSD.repeat_interleave(repeats, dim=1)
+                k_BKSD = k_BKSD.repeat_interleave(self.queries_per_group, dim=1)
+                v_BKSD = v_BKSD.repeat_interleave(self.queries_per_group, dim=1)
         dropout_p = self.dropout_p if self.training else 0.0
         return F.scaled_dot_product_attention(
             q_BHTD, k_BKSD, v_BKSD, attn_mask=mask_TS, dropout_p=dropout_p, is_causal=is_causal, **gqa

@@ -7,8 +7,15 @@ Shapes: B batch, T tokens, C hidden size, V padded vocabulary.
            ─▶ final norm ─▶ logits (tied word embeddings, or a separate output layer)
 
 Layer i is a MoE layer when `cfg.experts_per_layer()[i] > 1` (Megatron's `get_num_experts_per_layer`).
-The LM loss is Megatron's `Σ(CE · loss_mask) / Σ loss_mask` in fp32; `moe_loss` is
-`moe_loss_coeff · Σ aux + moe_z_loss_coeff · Σ z` over the MoE layers (reference §4.5).
+`layers` is keyed by the GLOBAL layer index ("0", "1", …): a pipeline stage that keeps layers 4–7 still calls
+them `layers.4` … `layers.7`, so checkpoint keys and initialisation (both by parameter name) never depend on
+the layout. The three parts — `embed`, `run_layers`, `logits` — are callable on their own; a stage whose
+embedding or head was removed (set to None) skips that part.
+
+The LM loss lives outside the model (`moetron.model.loss`); `forward(labels_BT=...)` computes Megatron's
+`Σ(CE · loss_mask) / Σ loss_mask` in fp32 for convenience. Each MoE layer attaches its weighted aux loss to its
+own output (`moe/aux_loss.py`), so `lm_loss.backward()` alone trains the routers too; `GPTOutput.moe_loss` is the
+value `moe_loss_coeff · Σ aux + moe_z_loss_coeff · Σ z` over the MoE layers (reference §4.5), for reports.
 Parameter names follow Megatron (`query_key_value`, `dense_h_to_4h`, `input_layernorm`, …) so
 converters stay simple. Nothing here is distributed; parallelism wraps this model from outside.
 """
@@ -30,9 +37,11 @@ from moetron.model.attention import SelfAttention
 from moetron.model.config import ModelConfig
 from moetron.model.init import init_tree, output_std
 from moetron.model.kv_cache import KVCache
+from moetron.model.loss import language_model_loss
 from moetron.model.mlp import MLP
 from moetron.model.moe.layer import MoEAux, MoELayer
 from moetron.model.norm import build_norm
+from moetron.model.rng import STREAMS
 from moetron.model.rotary import rotary_angles
 
 
@@ -40,7 +49,7 @@ from moetron.model.rotary import rotary_angles
 class GPTOutput:
     logits: torch.Tensor | None  # [B, T, V_padded]; None when forward(return_logits=False)
     lm_loss: torch.Tensor | None  # fp32 scalar, None without labels
-    moe_loss: torch.Tensor  # fp32 scalar, coefficients applied; 0 for a dense model
+    moe_loss: torch.Tensor  # fp32 scalar value (detached: its gradient is attached in the layers); 0 when dense
     moe_aux: list[MoEAux] = field(default_factory=list)  # one MoEAux per MoE layer, in layer order
 
 
@@ -85,8 +94,9 @@ class GPTModel(nn.Module):
         if cfg.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(cfg.max_positions, cfg.hidden_size)
         self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
-        self.layers = nn.ModuleList(TransformerLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i) for i in range(cfg.num_layers)})
         self.final_layernorm = build_norm(cfg)
+        self.recompute_layers = cfg.checkpoint_activations  # activation checkpointing (parallel.apply_ac sets it)
         self.output_layer = None
         if cfg.untie_embeddings_and_output_weights:
             self.output_layer = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size(), bias=False)
@@ -106,14 +116,11 @@ class GPTModel(nn.Module):
             kv_cache.check_room(B, T)
             past = kv_cache.length
         x_BTC, rope = self.embed(tokens_BT, past)
-        moe_aux = []
-        for layer in self.layers:
-            x_BTC, aux = self.run_layer(layer, x_BTC, rope, kv_cache)
-            if aux is not None:
-                moe_aux.append(aux)
+        moe_aux: list[MoEAux] = []
+        x_BTC = self.run_layers(x_BTC, rope, kv_cache, moe_aux)
         if kv_cache is not None:
             kv_cache.advance(T)
-        logits_BTV = self.output_logits(self.final_layernorm(x_BTC))
+        logits_BTV = self.logits(x_BTC)
         lm_loss = None if labels_BT is None else language_model_loss(logits_BTV, labels_BT, loss_mask_BT)
         return GPTOutput(
             logits=logits_BTV if return_logits else None,
@@ -142,7 +149,23 @@ class GPTModel(nn.Module):
             x_BTC = x_BTC + self.position_embeddings(positions_T)[None]
         else:
             rope = rotary_angles(positions_T, self.cfg.head_dim, self.cfg.rotary_base)
-        return self.embedding_dropout(x_BTC), rope
+        with STREAMS.fork("embedding"):
+            return self.embedding_dropout(x_BTC), rope
+
+    def run_layers(
+        self,
+        x_BTC: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        kv_cache: KVCache | None = None,
+        moe_aux: list[MoEAux] | None = None,
+    ) -> torch.Tensor:
+        """Every layer this model holds, in order (each on its own random stream); MoE reports go to `moe_aux`."""
+        for name, layer in self.layers.items():
+            with STREAMS.fork("layers", name):
+                x_BTC, aux = self.run_layer(layer, x_BTC, rope, kv_cache)
+            if aux is not None and moe_aux is not None:
+                moe_aux.append(aux)
+        return x_BTC
 
     def run_layer(
         self,
@@ -156,11 +179,13 @@ class GPTModel(nn.Module):
         Non-reentrant checkpointing restores the CPU/GPU RNG state before recomputation, so dropout
         masks and the router's random draws (RTS, noisy gates) are the same in both passes.
         """
-        if self.cfg.checkpoint_activations and self.training and torch.is_grad_enabled() and kv_cache is None:
+        if self.recompute_layers and self.training and torch.is_grad_enabled() and kv_cache is None:
             return checkpoint(layer, x_BTC, rope, None, use_reentrant=False)
         return layer(x_BTC, rope, kv_cache)
 
-    def output_logits(self, x_BTC: torch.Tensor) -> torch.Tensor:
+    def logits(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        """Final norm, then the output layer (or the tied word embeddings): [B, T, V_padded]."""
+        x_BTC = self.final_layernorm(x_BTC)
         weight_VC = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
         return F.linear(x_BTC, weight_VC)
 
@@ -168,13 +193,17 @@ class GPTModel(nn.Module):
         """moe_loss_coeff · Σ aux_loss + moe_z_loss_coeff · Σ z_loss over the MoE layers (fp32; 0 when dense)."""
         total = torch.zeros((), dtype=torch.float32, device=device)
         for aux in moe_aux:
-            total = total + aux.loss(self.cfg)
+            total = total + aux.loss(self.cfg).detach()
         return total
 
     # ------------------------------------------------------------------ MoE helpers
+    def layer_items(self) -> list[tuple[int, TransformerLayer]]:
+        """(global layer index, layer) of every layer this model holds, in order."""
+        return [(int(name), layer) for name, layer in self.layers.items()]
+
     def moe_layers(self) -> list[MoELayer]:
         """The MoE layers, in layer order."""
-        return [layer.mlp for layer in self.layers if layer.is_moe]
+        return [layer.mlp for layer in self.layers.values() if layer.is_moe]
 
     def update_expert_biases(self) -> None:
         """Aux-loss-free balancing: nudge every router's expert bias (call once per optimizer step)."""
@@ -210,17 +239,6 @@ class GPTModel(nn.Module):
         """Deterministic, layout-free init (see `moetron.model.init`)."""
         std = self.cfg.init_method_std
         init_tree(self, seed, std, output_std(std, self.cfg.num_layers))
-
-
-def language_model_loss(
-    logits_BTV: torch.Tensor, labels_BT: torch.Tensor, loss_mask_BT: torch.Tensor | None
-) -> torch.Tensor:
-    """Megatron's masked mean of fp32 token cross-entropies (0, not NaN, when the mask is all zero)."""
-    losses_N = F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten(), reduction="none")
-    if loss_mask_BT is None:
-        return losses_N.mean()
-    mask_N = loss_mask_BT.flatten().float()
-    return (losses_N * mask_N).sum() / mask_N.sum().clamp(min=1.0)
 
 
 def create_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 1234) -> GPTModel:

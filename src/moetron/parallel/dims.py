@@ -1,14 +1,21 @@
-"""Parallel degrees: checked before any process group exists, then turned into one named `DeviceMesh`.
+"""Parallel degrees and every rank's coordinates: checked before any process group exists, then one mesh.
 
-`world_size = dp · tp · pp`. Expert parallelism does not multiply the world: like DeepSpeed it is drawn from
-the data-parallel ranks (`dp % ep == 0`), which then split into `ep` expert shards × `edp = dp // ep` expert-
-data-parallel replicas. The mesh is `(edp, ep)` in row-major rank order, which is DeepSpeed's default "E+D"
-layout: expert-parallel groups are contiguous blocks of `ep` ranks ([0, 1], [2, 3], … for ep = 2) and
-expert-data-parallel groups are strided ({0, 2, 4, …}, {1, 3, 5, …}); "dp" is the two flattened together.
+`world = pp · dp · tp`. Ranks are laid out as Megatron does: tensor-parallel peers are neighbours, then data
+parallelism, then pipeline stages (the dense mesh `(pp, dp, tp)` in row-major order; Megatron-LM's
+world 16, tp 2, pp 4 gives TP [0, 1], [2, 3], …; PP [0, 4, 8, 12], …; DP [0, 2], [1, 3], [4, 6], …).
 
-Designed for TP and PP (not implemented yet, so both must be 1 today): the full mesh will be
-`(pp, edp, ep, tp)`, which reproduces DeepSpeed's expert-TP layout (world 16, tp 2, ep 4 → EP [0, 2, 4, 6],
-EDP [0, 8]) while the `ep`, `edp` and `dp` names keep their meaning.
+Experts are laid out over the same ranks of each pipeline stage as the expert mesh `(pp, edp, ep, etp)`, with
+`edp · ep · etp = dp · tp`:
+  etp = tp   experts split by tensor parallelism like the dense MLP; expert parallelism is drawn from the
+             data-parallel ranks (`dp % ep == 0`), DeepSpeed's layout: world 16, tp 2, ep 4 → EP [0, 2, 4, 6],
+             EDP [0, 8]; with tp = 1 it is DeepSpeed's default "E+D" (EP [0, 1], [2, 3], …; EDP {0, 2, 4, …}).
+  etp = 1    Megatron-Core's MoE parallel folding: experts are not split by TP and expert parallelism may span
+             the tensor-parallel ranks (`(dp · tp) % ep == 0`), so two GPUs can run TP = 2 for attention while the
+             experts run EP = 2 (EP [0, 1] = the TP group).
+With tp = 1 both are the same layout. `ParallelDims` is pure arithmetic (`groups`, `coordinates` need no
+process group); `DeviceMeshes.build` turns it into DeviceMeshes, and is the only source of a rank's
+coordinates and groups: the loader's data-parallel rank, metric reductions, expert placement and the
+checkpoint all read them from there, never from the global rank.
 """
 
 from __future__ import annotations
@@ -16,7 +23,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-SUPPORTED = {"tp": 1, "pp": 1}  # the largest degree each dimension supports today (ep: any divisor of dp)
+DENSE_DIMS = ("pp", "dp", "tp")
+EXPERT_DIMS = ("pp", "edp", "ep", "etp")
+# The largest degree each dimension supports today (raised by the issues that implement TP and PP).
+SUPPORTED = {"tp": 1, "pp": 1}
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """One rank's position along every dimension (all 0 in a single process)."""
+
+    pp: int = 0
+    dp: int = 0
+    tp: int = 0
+    edp: int = 0
+    ep: int = 0
+    etp: int = 0
 
 
 @dataclass(frozen=True)
@@ -26,11 +48,12 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int = 1  # expert tensor parallelism: 1 (folding) or tp
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel size: replicas of each expert shard."""
-        return self.dp // self.ep if self.ep else 0
+        """Expert-data-parallel size: replicas of each expert shard within a pipeline stage."""
+        return (self.dp * self.tp) // (self.ep * self.etp) if self.ep * self.etp else 0
 
     @property
     def dp_enabled(self) -> bool:
@@ -40,37 +63,56 @@ class ParallelDims:
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
-    def ep_rank(self, rank: int) -> int:
-        """Position of global `rank` inside its expert-parallel group (tp = pp = 1: contiguous blocks)."""
-        return rank % self.ep
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "edp": self.edp, "ep": self.ep, "etp": self.etp}
 
-    def edp_rank(self, rank: int) -> int:
-        """Position of global `rank` inside its expert-data-parallel group."""
-        return rank // self.ep
-
+    # ---------------------------------------------------------------- validation
     def problems(self, experts_per_layer: Sequence[int] = ()) -> list[str]:
         """Every problem with the degrees (and the MoE layers' expert counts), each with its fix."""
         p: list[str] = []
-        for name, value, flag in [
-            ("tp", self.tp, "--tensor-model-parallel-size"),
-            ("pp", self.pp, "--pipeline-model-parallel-size"),
-            ("ep", self.ep, "--moe-expert-parallel-size"),
-        ]:
+        flags = {
+            "tp": "--tensor-model-parallel-size",
+            "pp": "--pipeline-model-parallel-size",
+            "ep": "--moe-expert-parallel-size",
+            "etp": "--expert-tensor-parallel-size",
+        }
+        for name, flag in flags.items():
+            value = getattr(self, name)
             if value < 1:
                 p.append(f"{flag} must be >= 1, got {value}")
             elif value > SUPPORTED.get(name, value):
                 p.append(f"{flag} {value} is not supported yet (at most {SUPPORTED[name]}); use {SUPPORTED[name]}")
-        if self.tp >= 1 and self.pp >= 1 and self.world_size % (self.tp * self.pp):
+        if min(self.tp, self.pp, self.ep, self.etp) < 1:
+            return p
+        if self.world_size % (self.tp * self.pp):
             p.append(
                 f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {self.tp} × "
                 f"--pipeline-model-parallel-size {self.pp}; change the process count or the degrees"
             )
-        if self.ep >= 1 and self.dp >= 1 and self.dp % self.ep:
+        p += self._expert_layout_problems(experts_per_layer)
+        return p
+
+    def _expert_layout_problems(self, experts_per_layer: Sequence[int]) -> list[str]:
+        p = []
+        if self.etp not in (1, self.tp):
             p.append(
-                f"data-parallel size {self.dp} is not divisible by --moe-expert-parallel-size {self.ep}; "
-                f"experts are sharded over data-parallel ranks, so use a divisor of {self.dp}"
+                f"--expert-tensor-parallel-size {self.etp} must be 1 (experts not split by TP) or equal "
+                f"--tensor-model-parallel-size {self.tp}"
             )
-        bad = sorted({e for e in experts_per_layer if e > 1 and self.ep >= 1 and e % self.ep})
+        elif self.etp == self.tp and self.tp > 1 and self.dp % self.ep:
+            p.append(
+                f"data-parallel size {self.dp} is not divisible by --moe-expert-parallel-size {self.ep}; with "
+                f"--expert-tensor-parallel-size {self.etp} experts are sharded over data-parallel ranks, so use a "
+                f"divisor of {self.dp} (or --expert-tensor-parallel-size 1 to let EP span TP ranks)"
+            )
+        elif (self.dp * self.tp) % (self.ep * self.etp):
+            span = "data-parallel" if self.tp == 1 else "data- × tensor-parallel"
+            p.append(
+                f"{span} size {self.dp * self.tp} is not divisible by --moe-expert-parallel-size {self.ep}; "
+                f"experts are sharded over those ranks, so use a divisor of {self.dp * self.tp}"
+            )
+        bad = sorted({e for e in experts_per_layer if e > 1 and e % self.ep})
         if bad:
             p.append(
                 f"--moe-expert-parallel-size {self.ep} does not divide the expert count(s) {bad} of the MoE layers; "
@@ -78,12 +120,34 @@ class ParallelDims:
             )
         return p
 
-    def build_mesh(self, device_type: str) -> dict | None:
-        """1-D `DeviceMesh`es by purpose — "ep", "edp" and "dp" (their flattening) — cut from one `(edp, ep)`
-        mesh; None in a single process, where nothing is sharded."""
-        if self.world_size == 1:
-            return None
-        from torch.distributed.device_mesh import init_device_mesh
+    # ---------------------------------------------------------------- coordinates (pure arithmetic)
+    def coordinates(self, rank: int) -> Coordinates:
+        stage_size = self.dp * self.tp
+        pp, in_stage = divmod(rank, stage_size)
+        dp, tp = divmod(in_stage, self.tp)
+        edp, rest = divmod(in_stage, self.ep * self.etp)
+        ep, etp = divmod(rest, self.etp)
+        return Coordinates(pp=pp, dp=dp, tp=tp, edp=edp, ep=ep, etp=etp)
 
-        mesh = init_device_mesh(device_type, (self.edp, self.ep), mesh_dim_names=("edp", "ep"))
-        return {"edp": mesh["edp"], "ep": mesh["ep"], "dp": mesh._flatten("dp")}
+    def rank_of(self, **coords: int) -> int:
+        """The global rank at the given dense (pp, dp, tp) or expert (pp, edp, ep, etp) coordinates."""
+        if set(coords) <= set(DENSE_DIMS):
+            c = {d: coords.get(d, 0) for d in DENSE_DIMS}
+            return (c["pp"] * self.dp + c["dp"]) * self.tp + c["tp"]
+        c = {d: coords.get(d, 0) for d in EXPERT_DIMS}
+        return c["pp"] * self.dp * self.tp + (c["edp"] * self.ep + c["ep"]) * self.etp + c["etp"]
+
+    def groups(self, name: str) -> list[list[int]]:
+        """Every group of dimension `name` ("pp", "dp", "tp", "edp", "ep", "etp"), as sorted rank lists."""
+        dims = DENSE_DIMS if name in DENSE_DIMS else EXPERT_DIMS
+        if name not in dims:
+            raise ValueError(f"unknown parallel dimension {name!r}; one of {DENSE_DIMS + EXPERT_DIMS}")
+        out: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coordinates(rank)
+            key = tuple(getattr(c, d) for d in dims if d != name)
+            out.setdefault(key, []).append(rank)
+        return sorted(out.values())
+
+    def mesh_shape(self, dims: tuple[str, ...]) -> tuple[int, ...]:
+        return tuple(self.sizes[d] for d in dims)

@@ -28,8 +28,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moetron.model.gpt import GPTModel
 from moetron.model.moe.dispatch import permute, unpermute
+from moetron.model.moe.experts import GroupedExperts
+from moetron.model.moe.layer import MoELayer
 from moetron.model.moe.routing import Routing
+from moetron.parallel.mesh import ParallelMesh
 
 
 class AllToAll(torch.autograd.Function):
@@ -118,3 +122,48 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return inverse
+
+
+# ---------------------------------------------------------------- applying expert parallelism to a model
+def shard_layer_experts(moe: MoELayer, ep_rank: int, ep_size: int) -> None:
+    """Keep experts `ep_rank·L … ep_rank·L + L − 1` of the layer (L = E / ep_size). On the meta device this
+    allocates nothing; on a built layer the kept slices are copied and the rest freed."""
+    old = moe.experts
+    local = old.num_global_experts // ep_size
+    offset = ep_rank * local
+    device = old.w1_EDF.device
+    with torch.device("meta"):  # an uninitialised shell: no draw, no memory
+        new = GroupedExperts(
+            local,
+            old.hidden,
+            old.ffn,
+            old.swiglu,
+            old.b1_EF is not None,
+            activation=old.activation,
+            backend=old.backend,
+            expert_offset=offset,
+            num_global_experts=old.num_global_experts,
+        )
+    if device.type != "meta":
+        new.to_empty(device=device)
+        start = offset - old.expert_offset
+        with torch.no_grad():
+            for name, param in new.named_parameters():
+                param.copy_(getattr(old, name)[start : start + local])
+    moe.experts = new
+
+
+def apply_ep(model: GPTModel, mesh: ParallelMesh) -> None:
+    """Keep only this rank's experts in every MoE layer and route tokens to the others by all-to-all.
+
+    Call on the meta device before materialising (expert memory then scales as 1 / ep from the start); a
+    built model is sharded too (correct, but it briefly holds every expert). No-op when ep == 1."""
+    ep_size = mesh.size("ep")
+    if ep_size == 1:
+        return
+    ep_rank, group = mesh.coords.ep, mesh.group("ep")
+    for moe in model.moe_layers():
+        if moe.experts.num_experts == moe.experts.num_global_experts:
+            shard_layer_experts(moe, ep_rank, ep_size)
+        if group is not None:
+            moe.dispatcher = AllToAllDispatcher(moe.num_experts, group, ep_size, ep_rank)

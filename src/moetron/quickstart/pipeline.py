@@ -183,7 +183,8 @@ def unigram_perplexity(prefix: str, split: str) -> float:
 
 # ---------------------------------------------------------------------------- report
 def evaluate_run(run_dir: Path, prefix: str, split: str) -> dict:
-    from moetron.commands.eval import evaluate_checkpoint, print_result, write_json_atomic
+    from moetron.commands.eval import print_result, write_json_atomic
+    from moetron.eval.evaluate import evaluate_checkpoint
 
     result = evaluate_checkpoint(str(run_dir))
     print_result(result)
@@ -208,7 +209,7 @@ def baseline_comparison(valid_ppl: float, unigram_ppl: float) -> str:
 
 
 def write_run_plots(result: dict, run_dir: Path) -> None:
-    from moetron.commands.eval import write_plots
+    from moetron.eval.evaluate import write_plots
     from moetron.eval.plots import matplotlib_missing
 
     if matplotlib_missing():  # our own note: write_plots' generic one does not name the run directory's plots/

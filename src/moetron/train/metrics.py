@@ -42,33 +42,25 @@ def mfu_text(value: float | None) -> str:
     return "MFU n/a (--peak-tflops)" if value is None else f"MFU {100 * value:.2f}%"
 
 
-def routing_stats(moe_aux: list) -> torch.Tensor | None:
-    """[L_moe, 2] (load max/mean, dropped fraction) of one forward pass, still on device."""
-    if not moe_aux:
-        return None
+def moe_step_stats(model) -> torch.Tensor | None:
+    """[L_moe, 4] means over this step's training forwards of each MoE layer's (load max/mean, dropped fraction,
+    aux loss, z-loss), still on device; None for a dense model. Resets the layers' sums."""
     rows = []
-    for aux in moe_aux:
-        load_E = aux.tokens_per_expert_E.float()  # routes per expert before dropping
-        routes = max(aux.routing.kept_TK.numel(), 1)
-        load = load_E.max() / load_E.mean().clamp_min(1e-9)
-        rows.append(torch.stack([load, aux.dropped_routes.float() / routes]))
-    return torch.stack(rows)
+    for moe in model.moe_layers():
+        total, count = moe.take_stats()
+        rows.append(total / count if count else torch.zeros(4, device=moe.router.weight.device))
+    return torch.stack(rows) if rows else None
 
 
 class StepSums:
-    """One optimizer step's micro-batch losses and routing stats, on device (no host sync)."""
+    """One optimizer step's mean losses and routing stats over its micro-batches, on device (no host sync)."""
 
-    def __init__(self, device: torch.device):
-        self.losses = torch.zeros(2, dtype=torch.float64, device=device)  # lm loss, moe loss (÷ num_micro)
-        self.routing = None  # [L_moe, 2] sums over micro-batches
-        self.routing_count = 0
-
-    def add(self, lm_loss: torch.Tensor, moe_loss: torch.Tensor, moe_aux: list, weight: float) -> None:
-        self.losses += torch.stack([lm_loss.detach().double(), moe_loss.detach().double()]) * weight
-        stats = routing_stats(moe_aux)
-        if stats is not None:
-            self.routing = stats if self.routing is None else self.routing + stats
-            self.routing_count += 1
+    def __init__(self, lm_loss: torch.Tensor, moe_stats: torch.Tensor | None, moe_loss_coeff: float, z_coeff: float):
+        moe_loss = torch.zeros((), dtype=torch.float64, device=lm_loss.device)
+        if moe_stats is not None:
+            moe_loss = (moe_loss_coeff * moe_stats[:, 2] + z_coeff * moe_stats[:, 3]).double().sum()
+        self.losses = torch.stack([lm_loss.double(), moe_loss])  # lm loss, moe loss (means over micro-batches)
+        self.routing = None if moe_stats is None else moe_stats[:, :2]  # [L_moe, 2] load max/mean, dropped
 
 
 class IntervalMetrics:
@@ -89,8 +81,7 @@ class IntervalMetrics:
         self.sums += step.losses
         self.grad_norm_sum += grad_norm
         if step.routing is not None:
-            mean = step.routing / step.routing_count
-            self.routing = mean if self.routing is None else self.routing + mean
+            self.routing = step.routing if self.routing is None else self.routing + step.routing
 
     def reduce(self, all_reduce_mean) -> dict:
         """Interval means over steps and data-parallel ranks (one collective, one host transfer)."""

@@ -2,39 +2,31 @@
 
 Groups (Megatron's `get_param_groups`, reference §4.8): no weight decay for biases, normalisation weights and
 every other tensor with fewer than two dimensions; expert biases are stored stacked as `[E, F]` but are still
-biases, so the name decides for them. The torch AdamW is used with its fused kernel when the device supports it
-(CUDA, and CPU in recent torch), else the foreach one.
+biases, so the name decides for them. The rule lives in the parameter registry (`moetron.parallel.params`).
+The torch AdamW is used with its fused kernel when the device supports it (CUDA, and CPU in recent torch), else
+the foreach one.
 
-Clipping computes the norm over every gradient this process holds. Dense gradients are identical on every
-data-parallel rank after DDP's all-reduce, so the local norm is the global one. Expert-parallel shards hold
-different experts: `grad_norm_sq_fn` takes the squared norm from `ParallelModel.grad_norm_sq`, which all-reduces the
-expert part over the expert-parallel group.
+Clipping uses the true global norm: `grad_norm_sq_fn` is `ParallelModel.grad_norm_sq` (moetron.parallel.grad_norm),
+which sums every shard's squared norm over exactly the groups it is split across.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-NO_DECAY_NAME_PARTS = ("bias", "norm", "ln_", "layernorm")
+from moetron.parallel.params import ParamRegistry
 
 
-def decays(name: str, param: torch.Tensor) -> bool:
-    """Whether weight decay applies: matrices yes; biases, norms and any 1-D tensor no."""
-    leaf = name.rsplit(".", 1)[-1].lower()
-    if param.ndim < 2 or re.match(r"b\d", leaf):  # stacked expert biases b1_EF, b2_ED
-        return False
-    return not any(part in name.lower() for part in NO_DECAY_NAME_PARTS)
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, registry: ParamRegistry | None = None) -> list[dict]:
+    """The decay / no-decay groups, as the parameter registry classifies each parameter."""
+    registry = registry or ParamRegistry.from_model(model)
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
+    for name, param in registry.named_parameters(model):
         if param.requires_grad:
-            (decay if decays(name, param) else no_decay).append(param)
+            (decay if registry[name].decay else no_decay).append(param)
     groups = [
         {"name": "decay", "params": decay, "weight_decay": weight_decay, "lr_mult": 1.0},
         {"name": "no_decay", "params": no_decay, "weight_decay": 0.0, "lr_mult": 1.0},
@@ -51,10 +43,10 @@ def _fused_supported(device: torch.device) -> bool:
     return True
 
 
-def build_optimizer(model: nn.Module, train, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, registry: ParamRegistry, train, device: torch.device) -> torch.optim.AdamW:
     fused = _fused_supported(device)
     return torch.optim.AdamW(
-        param_groups(model, train.weight_decay),
+        param_groups(model, train.weight_decay, registry),
         lr=train.lr,
         betas=(train.adam_beta1, train.adam_beta2),
         eps=train.adam_eps,

@@ -1,10 +1,11 @@
 """From a validated `RunConfig` to a finished run: seeds, tokenizer, datasets, model, trainer, resume.
 
 Order matters for exactness and for clear errors: the config was validated before any process group
-existed (`moetron.config.check`); here the tokenizer fixes the vocabulary (unless `vocab_size` was given),
-the datasets are built (rank 0 writes index caches first), the model is created from the same seed on every
-rank (weights are drawn per parameter name, so they are identical everywhere), dropout/routing RNGs are
-offset per rank, and finally a checkpoint is loaded when `--load` names one.
+existed (`moetron.config.check`); here the mesh gives this rank its coordinates, the tokenizer fixes the
+vocabulary (unless `vocab_size` was given), the datasets are built (rank 0 writes index caches first), this
+rank's part of the model is built from the same seed on every rank (weights are drawn per parameter name and
+global expert id, so they are identical everywhere), and finally a checkpoint is loaded when `--load` names one.
+Dropout and routing draws are keyed by sample and layer (`moetron.model.rng`), not by rank.
 """
 
 from __future__ import annotations
@@ -19,16 +20,19 @@ from moetron.config_cli import to_yaml
 from moetron.data.config import DataConfig, parse_blend
 from moetron.errors import UserError
 from moetron.parallel.env import DistEnv
+from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build_model
 from moetron.train.checkpoint import resolve_checkpoint
 from moetron.train.trainer import Trainer
 
 
-def seed_everything(seed: int, rank: int) -> None:
-    """Per-rank streams for dropout and routing noise (model init does not use them)."""
-    torch.manual_seed(seed + rank)
-    np.random.seed((seed + rank) % 2**32)
-    random.seed(seed + rank)
+def seed_everything(seed: int, dp_rank: int) -> None:
+    """The global generators, one stream per data-parallel replica (tensor- and pipeline-parallel peers share it,
+    as Megatron's default stream is shared). The model's own draws do not use them while training: each layer
+    runs on a stream keyed by sample and layer (`moetron.model.rng`); model init uses neither."""
+    torch.manual_seed(seed + dp_rank)
+    np.random.seed((seed + dp_rank) % 2**32)
+    random.seed(seed + dp_rank)
 
 
 def resolve_vocab_size(cfg: RunConfig, explicit: set[str]) -> None:
@@ -97,12 +101,12 @@ def no_validation_warning(cfg: RunConfig) -> str:
     )
 
 
-def build_loaders(cfg: RunConfig, env: DistEnv):
-    """(train loader, factory of fresh validation loaders or None)."""
+def build_loaders(cfg: RunConfig, env: DistEnv, mesh: ParallelMesh):
+    """(train loader, factory of fresh validation loaders or None) for this rank's data-parallel replica."""
     from moetron.data.gpt_dataset import build_gpt_datasets
     from moetron.data.loader import DistributedBatchLoader
 
-    dp = cfg.dims(env.world_size).dp
+    dp, dp_rank = mesh.size("dp"), mesh.coords.dp
     train_ds, valid_ds, _ = build_gpt_datasets(
         cfg.data,
         cfg.model.seq_length,
@@ -114,7 +118,7 @@ def build_loaders(cfg: RunConfig, env: DistEnv):
     if train_ds is None or len(train_ds) == 0:
         raise UserError("the training split is empty; check --data-path and --split (e.g. --split 98,2,0)")
     mbs = cfg.train.micro_batch_size
-    train_loader = DistributedBatchLoader(train_ds, mbs, env.rank, dp, num_workers=cfg.data.num_workers)
+    train_loader = DistributedBatchLoader(train_ds, mbs, dp_rank, dp, num_workers=cfg.data.num_workers)
     make_valid = None
     has_valid = valid_ds is not None and len(valid_ds) > 0
     if not has_valid and cfg.train.eval_iters > 0 and env.is_main:
@@ -123,7 +127,7 @@ def build_loaders(cfg: RunConfig, env: DistEnv):
     if has_valid and cfg.train.eval_iters > 0:
 
         def make_valid():
-            return DistributedBatchLoader(valid_ds, mbs, env.rank, dp)
+            return DistributedBatchLoader(valid_ds, mbs, dp_rank, dp)
 
     return train_loader, make_valid
 
@@ -154,11 +158,12 @@ def load_into(trainer: Trainer, cfg: RunConfig, path) -> None:
 
 def run_training(cfg: RunConfig, explicit: set[str], env: DistEnv) -> int:
     checkpoint = find_checkpoint(cfg)
-    seed_everything(cfg.train.seed, env.rank)
+    mesh = ParallelMesh.build(cfg.dims(env.world_size), env)
+    seed_everything(cfg.train.seed, mesh.coords.dp)
     resolve_vocab_size(cfg, explicit)
     check_token_ids(cfg.data, cfg.model.vocab_size, TRAIN_VOCAB_FIX)
-    train_loader, make_valid = build_loaders(cfg, env)
-    model = build_model(cfg.model, env, cfg.dims(env.world_size), cfg.train.seed)
-    trainer = Trainer(cfg, env, model, train_loader, make_valid, config_yaml=to_yaml(cfg))
+    train_loader, make_valid = build_loaders(cfg, env, mesh)
+    model = build_model(cfg.model, mesh, env.device, cfg.train.seed, compile_blocks=cfg.train.compile)
+    trainer = Trainer(cfg, env, model, train_loader, make_valid, config_yaml=to_yaml(cfg), mesh=mesh)
     load_into(trainer, cfg, checkpoint)
     return trainer.train()

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import signal
 
+import torch
+import torch.distributed as dist
+
 
 class StopSignal:
     """Installs handlers for SIGTERM and SIGINT while active (a context manager); `requested` says a signal came."""
@@ -34,3 +37,31 @@ class StopSignal:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+class StopFlag:
+    """The all-ranks "a signal arrived" verdict of one step, carried by the step's one host read.
+
+    `start` launches an asynchronous MAX all-reduce of this rank's flag (before the step's work, so it completes
+    while the step runs); `read_with(norm)` waits for it and reads it in the same device-to-host transfer as the
+    gradient norm. In one process there is nothing to agree on: only the norm is read.
+    """
+
+    def __init__(self, flag: torch.Tensor | None = None, work=None):
+        self.flag, self.work = flag, work
+
+    @classmethod
+    def start(cls, stop: StopSignal | None, mesh, device: torch.device) -> StopFlag:
+        if not mesh.distributed:
+            return cls()
+        # torch.full launches a fill: no blocking host-to-device copy (torch.tensor(x, device=cuda) would be one)
+        flag = torch.full((), float(stop is not None and stop.requested is not None), device=device)
+        return cls(flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+
+    def read_with(self, norm: torch.Tensor) -> tuple[float, bool]:
+        """(gradient norm, whether any rank got a signal before this step started)."""
+        if self.flag is None:
+            return float(norm), False
+        self.work.wait()
+        norm_value, flag_value = torch.stack([norm.float().to(self.flag.device), self.flag]).tolist()
+        return norm_value, flag_value > 0

@@ -2,20 +2,24 @@
 
 One optimizer step ("iteration") consumes a global batch = micro batch × accumulation steps × DP ranks:
 
-    for each micro-batch:  loss = (lm_loss + moe_loss) / num_micro · loss_scale ; backward   (DDP syncs on the last)
+    executor: for each micro-batch  lm_loss · loss_scale / num_micro → backward   (MoE aux losses attached in
+              the layers; gradients reduced over data parallelism in the last micro-batch)
     unscale gradients → clip by the global norm → finite? optimizer step + expert-bias update : skip and count
     advance the LR schedule by the consumed samples/tokens (Megatron: only after successful steps)
 
-There is one host sync per step (is the gradient norm finite?); losses and routing statistics stay on device
-and are reduced once per log interval. A step is "skipped" when its gradient norm is not finite. In fp16 that
-is the loss scaler's job while the scale can still go down; every other skip counts towards
+There is one host read per step: the gradient norm, read together with the all-ranks stop flag (a signal on any
+rank, agreed on by an asynchronous MAX all-reduce started with the step). Losses and routing statistics stay on
+device and are reduced once per log interval. A step is "skipped" when its gradient norm is not finite. In fp16
+that is the loss scaler's job while the scale can still go down; every other skip counts towards
 `--max-skipped-steps` consecutive skips, after which the run stops with its last checkpoint intact.
+
+Coordinates (data-parallel rank, groups) come from the `ParallelMesh`, never from the global rank; the global
+rank is used only to print on rank 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,26 +28,22 @@ import torch
 
 from moetron.config import RunConfig
 from moetron.errors import UserError
-from moetron.eval.perplexity import evaluate, evaluation_rng
+from moetron.eval.perplexity import evaluate
 from moetron.model.flops import flops_per_token, megatron_tflops, mfu, peak_tflops
-from moetron.parallel.data_parallel import accumulation_context, all_reduce_mean, sync_router_loads
+from moetron.model.loss import language_model_loss
+from moetron.model.rng import STREAMS
+from moetron.parallel.data_parallel import sync_router_loads
 from moetron.parallel.env import DistEnv
+from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import parallelize
-from moetron.train.checkpoint_state import load_checkpoint, save_checkpoint
-from moetron.train.metrics import IntervalMetrics, RunLogger, StepSums
+from moetron.train.checkpoint import GlobalView, load_checkpoint, save_checkpoint
+from moetron.train.executor import LocalExecutor, MicroBatch
+from moetron.train.metrics import IntervalMetrics, RunLogger, StepSums, moe_step_stats
 from moetron.train.optim import build_optimizer, clip_gradients
 from moetron.train.precision import autocast_context, build_loss_scaler
+from moetron.train.reduce import mean_over
 from moetron.train.schedule import LRScheduler, build_schedule_spec
-from moetron.train.signals import StopSignal
-
-
-def inject_fault(iteration: int, rank: int) -> None:
-    """Test-only hook: with MOETRON_FAULT_AT_ITER=N, rank 1 dies (os._exit(1), no cleanup) as iteration N starts,
-    on torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT=0), so `--max-restarts 1` can resume the run."""
-    fault_at = os.environ.get("MOETRON_FAULT_AT_ITER")
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if fault_at and int(fault_at) == iteration and rank == 1 and first_attempt:
-        os._exit(1)
+from moetron.train.signals import StopFlag, StopSignal
 
 
 @dataclasses.dataclass
@@ -63,7 +63,10 @@ class StepResult:
 
 
 class Trainer:
-    """Drives one run. `train_loader` yields `[mbs, seq+1]` micro-batches; `make_valid_loader()` a fresh one."""
+    """Drives one run. `train_loader` yields `[mbs, seq+1]` micro-batches; `make_valid_loader()` a fresh one.
+
+    `model` comes from `parallel.parallelize.build_model` (or `create_model`: every expert, sharded here when
+    ep > 1); `mesh` is built from the config and the process environment when not given."""
 
     def __init__(
         self,
@@ -73,52 +76,60 @@ class Trainer:
         train_loader,
         make_valid_loader: Callable[[], object] | None = None,
         config_yaml: str = "",
+        mesh: ParallelMesh | None = None,
     ):
-        self.cfg, self.env, self.model = cfg, env, model
+        self.cfg, self.env = cfg, env
         self.dims = cfg.dims(env.world_size)
+        self.mesh = mesh or ParallelMesh.build(self.dims, env)
         self.gbs = cfg.global_batch(self.dims.dp)
         self.num_micro = cfg.num_micro_batches(self.dims.dp)
         self.seq = cfg.model.seq_length
         self.total_iters = cfg.total_iters(self.dims.dp)
         self.train_loader, self.make_valid_loader = train_loader, make_valid_loader
         self.config_yaml = config_yaml
-        self.parallel = parallelize(model, env, self.dims)  # EP: keeps this rank's experts; DDP for the rest
-        self.ddp = self.parallel.module
-        self.optimizer = build_optimizer(model, cfg.train, env.device)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        STREAMS.configure(cfg.train.seed)
+        self.parallel = parallelize(model, self.mesh)  # EP: keeps this rank's experts; DDP and expert reducer
+        self.model = self.parallel.model
+        self.executor = LocalExecutor(self.parallel, language_model_loss, self.autocast)
+        self.optimizer = build_optimizer(self.model, self.parallel.registry, cfg.train, env.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         spec = build_schedule_spec(cfg.train, self.gbs, self.seq, self.total_iters)
         self.scheduler = LRScheduler(self.optimizer, spec)
         self.scaler = build_loss_scaler(cfg.train)
         self.progress = Progress()
         self.metrics = IntervalMetrics(env.device)
-        self.reduce_mean = all_reduce_mean(env)
+        self.reduce_mean = mean_over(self.mesh, "dp")
         self.run_dir = cfg.run_dir()
         self.last_saved_iteration: int | None = None
         self.logger: RunLogger | None = None
+        self.stop: StopSignal | None = None  # set while train() runs
+        self.stop_agreed = False  # every rank's verdict after the last step: some rank got a signal
 
     # ------------------------------------------------------------------ one optimizer step
     def autocast(self):
         return autocast_context(self.env.device, self.cfg.train.fp16, self.cfg.train.bf16)
 
+    def next_micro_batch(self) -> MicroBatch:
+        return MicroBatch.from_loader(self.train_loader, self.env.device)
+
     def train_step(self) -> StepResult:
-        sums, scale = StepSums(self.env.device), self.scaler.scale
-        for i in range(self.num_micro):
-            batch = self.train_loader.next_micro_batch().to(self.env.device, non_blocking=True)
-            with accumulation_context(self.ddp, last_micro_batch=i == self.num_micro - 1):
-                with self.autocast():
-                    out = self.ddp(batch[:, :-1], labels_BT=batch[:, 1:])
-                ((out.lm_loss + out.moe_loss) * (scale / self.num_micro)).backward()
-            sums.add(out.lm_loss, out.moe_loss, out.moe_aux, 1.0 / self.num_micro)
+        scale = self.scaler.scale
+        stop_flag = StopFlag.start(self.stop, self.mesh, self.env.device)
+        lm_loss = self.executor.forward_backward(self.next_micro_batch, self.num_micro, scale)
         self.parallel.finish_gradients()
+        m = self.cfg.model
+        sums = StepSums(lm_loss, moe_step_stats(self.model), m.moe_loss_coeff, m.moe_z_loss_coeff)
         grads = [p.grad for p in self.params if p.grad is not None]
         if scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)  # a power of two: exact
         norm = clip_gradients(self.params, self.cfg.train.clip_grad, self.parallel.grad_norm_sq)
-        grad_norm = float(norm)  # the one host sync of a step
+        grad_norm, self.stop_agreed = stop_flag.read_with(norm)  # the one host read of a step
+        if self.stop_agreed and self.stop is not None and not self.stop.requested:
+            self.stop.requested = "a signal on another rank"
         ok = grad_norm == grad_norm and grad_norm != float("inf")
         if ok:
             self.optimizer.step()
-            sync_router_loads(self.model, self.env)
+            sync_router_loads(self.model, self.mesh)
             self.model.update_expert_biases()
         else:
             self._forget_router_loads()
@@ -168,9 +179,9 @@ class Trainer:
 
     def _loop(self, stop: StopSignal) -> int:
         t = self.cfg.train
+        self.stop = stop
         interval_start, interval_iters = time.perf_counter(), 0
         while not self.done():
-            inject_fault(self.progress.iteration + 1, self.env.rank)
             result = self.train_step()
             self._account(result)
             interval_iters += 1
@@ -189,7 +200,7 @@ class Trainer:
             interval_start += time.perf_counter() - paused
             if self._stop_requested(stop):
                 self.logger.print(f" received {stop.requested}: saving at iteration {it} and exiting")
-                if t.save:
+                if t.save and self.last_saved_iteration != it:
                     self.save()
                 return 0
         self.run_evaluation()
@@ -198,13 +209,11 @@ class Trainer:
         return 0
 
     def _stop_requested(self, stop: StopSignal) -> bool:
+        """One process reads its own flag. Several decide on the flag all-reduced during the step (`StopFlag`),
+        so every rank stops after the same step (at most one step after the signal reached any of them)."""
         if not self.env.distributed:
             return stop.requested is not None
-        flag = torch.tensor([1.0 if stop.requested else 0.0], device=self.env.device)
-        self.env.all_reduce_(flag, op=torch.distributed.ReduceOp.MAX)  # every rank stops after the same step
-        if flag.item() and not stop.requested:
-            stop.requested = "a signal on another rank"
-        return bool(flag.item())
+        return self.stop_agreed
 
     def _stop_on_skips(self) -> None:
         p, t = self.progress, self.cfg.train
@@ -245,10 +254,10 @@ class Trainer:
         t = self.cfg.train
         if self.make_valid_loader is None or t.eval_iters == 0:
             return None
-        with evaluation_rng(t.seed, self.env.rank, self.env.device):  # repeatable, and training's RNG is kept
-            result = evaluate(
-                self.model, self.make_valid_loader(), t.eval_iters * self.num_micro, self.autocast, self.reduce_mean
-            )
+        # repeatable: each micro-batch's routing draws are keyed by its samples, and training's RNG is untouched
+        result = evaluate(
+            self.model, self.make_valid_loader(), t.eval_iters * self.num_micro, self.autocast, self.reduce_mean
+        )
         p = self.progress
         record = {
             "iteration": p.iteration,
@@ -282,12 +291,15 @@ class Trainer:
             "global_batch_size": self.gbs,
         }
 
+    def checkpoint_view(self) -> GlobalView:
+        return GlobalView(self.model, self.parallel.registry, self.mesh)
+
     def save(self) -> Path:
         t = self.cfg.train
         path = save_checkpoint(
             t.save,
             self.progress.iteration,
-            self.model,
+            self.checkpoint_view(),
             self.optimizer,
             self.trainer_state(),
             self.config_yaml,
@@ -303,10 +315,11 @@ class Trainer:
         """Resume from `path`; with --finetune only the weights (iteration, data and schedule start at 0)."""
         t = self.cfg.train
         if t.finetune:
-            load_checkpoint(path, self.model, None, load_rng=False, rank=self.env.rank)
+            load_checkpoint(path, self.checkpoint_view(), None, load_rng=False, rank=self.env.rank)
             return
         optimizer = None if t.no_load_optim else self.optimizer
-        state = load_checkpoint(path, self.model, optimizer, load_rng=not t.no_load_rng, rank=self.env.rank)
+        view = self.checkpoint_view()
+        state = load_checkpoint(path, view, optimizer, load_rng=not t.no_load_rng, rank=self.env.rank)
         self.progress = Progress(**{f.name: int(state[f.name]) for f in dataclasses.fields(Progress)})
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["loss_scaler"])

@@ -2,7 +2,11 @@
 
     layer = MoELayer(cfg, num_experts=8, layer_index=1)
     y_BTD, aux = layer(x_BTD)
-    loss = lm_loss + aux.loss(cfg)  # = moe_loss_coeff · aux.aux_loss + moe_z_loss_coeff · aux.z_loss
+    lm_loss.backward()  # the router also gets d(aux.loss(cfg))/d(router): the aux loss is attached to y_BTD
+
+`aux.loss(cfg)` = moe_loss_coeff · aux.aux_loss + moe_z_loss_coeff · aux.z_loss is attached to the output by
+`aux_loss.attach_aux_loss` (its gradient arrives when y's backward runs), so no caller adds it to the loss.
+In training the layer also sums its routing statistics on device (`take_stats`, read once per optimizer step).
 
 Options (reference: deepspeed-moe.md §4, modern-moe.md §1.4):
   residual MoE (`cfg.mlp_type == "residual"`, PR-MoE): a dense MLP of the expert size beside the experts,
@@ -27,6 +31,7 @@ from torch import nn
 
 from moetron.model.config import ModelConfig
 from moetron.model.init import stable_seed
+from moetron.model.moe.aux_loss import attach_aux_loss
 from moetron.model.moe.dispatch import LocalDispatcher, TokenDispatcher
 from moetron.model.moe.experts import GroupedExperts
 from moetron.model.moe.router import Router
@@ -52,6 +57,24 @@ class MoEAux:
     def loss(self, cfg: ModelConfig) -> torch.Tensor:
         """moe_loss_coeff · aux_loss + moe_z_loss_coeff · z_loss (fp32 scalar)."""
         return cfg.moe_loss_coeff * self.aux_loss.float() + cfg.moe_z_loss_coeff * self.z_loss.float()
+
+
+STAT_NAMES = ("load_max_over_mean", "dropped_fraction", "aux_loss", "z_loss")
+
+
+def step_stats(aux: MoEAux) -> torch.Tensor:
+    """fp32 [4] on device: expert load max/mean (routes before dropping), dropped fraction of all routes, the
+    aux loss and the z-loss (without their coefficients)."""
+    load_E = aux.tokens_per_expert_E.float()
+    routes = max(aux.routing.kept_TK.numel(), 1)
+    load = load_E.max() / load_E.mean().clamp_min(1e-9)
+    dropped = aux.dropped_routes.float() / routes
+    return torch.stack([load, dropped, aux.aux_loss.detach().float(), aux.z_loss.detach().float()])
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. activation checkpointing recomputing a forward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _dense_mlp(cfg: ModelConfig, ffn: int) -> GroupedExperts:
@@ -105,6 +128,8 @@ class MoELayer(nn.Module):
         shared = cfg.num_shared_experts
         self.shared_experts = _dense_mlp(cfg, shared * ffn) if shared else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared and cfg.shared_expert_gate else None
+        self._stats_sum: torch.Tensor | None = None
+        self._stats_count = 0
         if not self.experts.w1_EDF.is_meta:
             self.init_weights(cfg.init_method_std, cfg.init_method_std / math.sqrt(2 * cfg.num_layers), seed=0)
 
@@ -123,7 +148,10 @@ class MoELayer(nn.Module):
             y_TD = y_TD * p_T2[:, :1] + self.mlp.dense_forward(x_TD) * p_T2[:, 1:]
         if self.shared_experts is not None:
             y_TD = y_TD + self._shared(x_TD)
-        return y_TD.reshape(x_BTD.shape), self._aux(routing)
+        aux = self._aux(routing)
+        if self.training and not in_backward():  # not again when activation checkpointing recomputes the layer
+            self._add_stats(aux)
+        return attach_aux_loss(y_TD.reshape(x_BTD.shape), aux.loss(self.cfg)), aux
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
         out_TD = self.shared_experts.dense_forward(x_TD)
@@ -141,6 +169,19 @@ class MoELayer(nn.Module):
             routing.capacity,
             routing,
         )
+
+    # ------------------------------------------------------------ statistics for the metrics
+    def _add_stats(self, aux: MoEAux) -> None:
+        stats_4 = step_stats(aux).detach()
+        self._stats_sum = stats_4 if self._stats_sum is None else self._stats_sum + stats_4
+        self._stats_count += 1
+
+    def take_stats(self) -> tuple[torch.Tensor | None, int]:
+        """(sum over the training forwards since the last call of [load max/mean, dropped fraction, aux loss,
+        z-loss] (fp32 [4], on device), number of forwards), and reset. No host sync."""
+        out = (self._stats_sum, self._stats_count)
+        self._stats_sum, self._stats_count = None, 0
+        return out
 
     # ------------------------------------------------------------ initialisation
     @torch.no_grad()

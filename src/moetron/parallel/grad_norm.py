@@ -1,0 +1,78 @@
+"""The true global gradient norm: every gradient counted exactly once, however the model is split.
+
+Each rank holds some gradients in full (dense tensors replicated over data parallelism: every replica holds the
+same values after the reduction) and some as one shard of a larger tensor: routed experts (a different slice of
+the experts on every expert-parallel rank), DTensor shards (tensor parallelism, ZeRO), and whole layers on one
+pipeline stage. A squared norm is summed locally per kind of sharding, then all-reduced over exactly the groups
+its tensor is split across (EP for experts, a DTensor's sharded mesh dimensions, PP for everything), so every
+rank clips by the same norm — the norm of the one-process model's gradient (DeepSpeed only averages the local
+norms). Sums over a product of groups are done one group after the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moetron.parallel.mesh import ParallelMesh
+from moetron.parallel.params import ParamRegistry
+
+
+def _local_and_groups(grad: torch.Tensor) -> tuple[torch.Tensor, list[tuple[str, object]]]:
+    """A gradient's local values and the (mesh dimension name, group) pairs a DTensor gradient is sharded (or
+    partial) over."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
+        return grad, []
+    mesh, groups = grad.device_mesh, []
+    for dim, placement in enumerate(grad.placements):
+        if placement.is_shard() or placement.is_partial():
+            groups.append((mesh.mesh_dim_names[dim], mesh.get_group(dim)))
+    return grad.to_local(), groups
+
+
+def sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]).pow(2).sum()
+
+
+def global_grad_norm_sq(
+    model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh
+) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """A `grad_norm_sq_fn` for `clip_gradients` over this model's parameters (see the module docstring).
+
+    Collectives run in an order every rank agrees on: buckets keyed by mesh dimension names, sorted (the ranks of
+    one such group share a pipeline stage, hence the same parameters), then one all-reduce over the pipeline
+    stages at the end (stages hold different parameters, so nothing per-bucket crosses them)."""
+    expert_ids = {id(p) for _, p in registry.named_parameters(model, "expert")}
+    ep_group = [("ep", mesh.group("ep"))] if mesh.size("ep") > 1 else []
+    pp_group = mesh.group("pp") if mesh.size("pp") > 1 else None
+
+    def norm_sq(params: list[torch.Tensor]) -> torch.Tensor:
+        buckets: dict[tuple[str, ...], tuple[list, list[torch.Tensor]]] = {}
+        device = torch.device("cpu")
+        for p in params:
+            if p.grad is None:
+                continue
+            local, groups = _local_and_groups(p.grad)
+            device = local.device
+            groups = groups + (ep_group if id(p) in expert_ids else [])
+            key = tuple(sorted(name for name, _ in groups))
+            buckets.setdefault(key, ([g for _, g in sorted(groups, key=lambda ng: ng[0])], []))[1].append(local)
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for key in sorted(buckets):
+            groups, grads = buckets[key]
+            partial = sum_of_squares(grads, device)
+            for group in groups:
+                dist.all_reduce(partial, group=group)
+            total = total + partial
+        if pp_group is not None:
+            dist.all_reduce(total, group=pp_group)
+        return total
+
+    return norm_sq

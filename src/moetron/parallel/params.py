@@ -1,0 +1,103 @@
+"""The one registry of parameter kinds: which tensors are experts, which decay, how each is laid out.
+
+Everything that treats parameters differently reads this registry — data parallelism (dense over dp, experts
+over edp), gradient clipping (which groups a squared norm is summed over), weight decay, the expert-gradient
+reduction and the checkpoint (experts stored by global expert id) — so no module finds "the experts" by a rule
+of its own. It is built from the model's structure before any wrapping, keyed by parameter name (names never
+change: layers are keyed by their global index, and the wrappers used keep names).
+
+Kinds:
+  dense   one copy per data-parallel replica (attention, dense MLPs, norms, embeddings, routers, shared experts,
+          PR-MoE's residual MLP)
+  expert  routed experts `[E_local, …]` of a MoE layer: dim 0 is the local expert, global id = offset + index;
+          sharded over the expert-parallel group, replicated over the expert-data-parallel group
+Layouts along tensor parallelism (`tp_layout`) are recorded by `apply_tp`: "replicated" until then.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+NO_DECAY_NAME_PARTS = ("bias", "norm", "ln_", "layernorm")
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    kind: str  # "dense" | "expert"
+    decay: bool  # weight decay applies (Megatron: matrices yes; biases, norms, 1-D tensors no)
+    expert_offset: int = 0  # expert kind: global id of local expert 0
+    num_local_experts: int = 0
+    num_global_experts: int = 0
+    tp_layout: str = "replicated"  # "replicated" | "column" | "row" | "vocab" (set by apply_tp)
+
+    @property
+    def is_expert(self) -> bool:
+        return self.kind == "expert"
+
+
+def decays(name: str, ndim: int) -> bool:
+    """Whether weight decay applies: matrices yes; biases, norms and any 1-D tensor no (Megatron's
+    `get_param_groups`). Stacked expert biases `b1_EF`/`b2_ED` are 2-D but still biases: the name decides."""
+    leaf = name.rsplit(".", 1)[-1].lower()
+    if ndim < 2 or re.match(r"b\d", leaf):
+        return False
+    return not any(part in name.lower() for part in NO_DECAY_NAME_PARTS)
+
+
+def expert_containers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) of every routed-expert container: a MoE layer's `experts` (knows its expert offset)."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "experts" and hasattr(module, "expert_offset"):
+            yield name, module
+
+
+class ParamRegistry:
+    """`ParamInfo` of every parameter of a model, by name."""
+
+    def __init__(self, infos: dict[str, ParamInfo]):
+        self.infos = infos
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> ParamRegistry:
+        expert_of: dict[str, nn.Module] = {}
+        for prefix, container in expert_containers(model):
+            for leaf, _ in container.named_parameters():
+                expert_of[f"{prefix}.{leaf}"] = container
+        infos = {}
+        for name, param in model.named_parameters():
+            container = expert_of.get(name)
+            if container is None:
+                infos[name] = ParamInfo(name, "dense", decays(name, param.ndim))
+            else:
+                infos[name] = ParamInfo(
+                    name,
+                    "expert",
+                    decays(name, param.ndim),
+                    expert_offset=container.expert_offset,
+                    num_local_experts=container.num_experts,
+                    num_global_experts=container.num_global_experts,
+                )
+        return cls(infos)
+
+    def __getitem__(self, name: str) -> ParamInfo:
+        return self.infos[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.infos
+
+    def names(self, kind: str | None = None) -> set[str]:
+        return {n for n, info in self.infos.items() if kind is None or info.kind == kind}
+
+    def named_parameters(self, model: nn.Module, kind: str | None = None) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) of `model` of the given kind, in the model's order."""
+        return [
+            (n, p) for n, p in model.named_parameters() if n in self.infos and (kind is None or self[n].kind == kind)
+        ]
+
+    def set_tp_layout(self, name: str, layout: str) -> None:
+        self.infos[name] = replace(self.infos[name], tp_layout=layout)

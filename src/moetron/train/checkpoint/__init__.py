@@ -1,0 +1,16 @@
+"""Checkpoints that resume exactly, publish atomically and load at any layout.
+
+    view = GlobalView(model, registry, mesh)        # this rank's tensors as layout-free global tensors
+    save_checkpoint(run_dir, iteration, view, optimizer, trainer_state, config_yaml, env, keep_last_n)
+    path = resolve_checkpoint("runs/moe")           # a run directory (its `latest`) or one iter_* directory
+    trainer_state = load_checkpoint(path, view, optimizer)
+
+`files.py`: the run directory (atomic publish, `latest`, pruning, one-line errors); `state.py`: what the tensors
+are and how DCP writes and reads them; `rng_files.py`: per-rank generator states; `legacy.py`: moetron 0.1's
+format, read only by `moetron convert-checkpoint`.
+"""
+
+from moetron.train.checkpoint.files import read_json, resolve_checkpoint
+from moetron.train.checkpoint.state import GlobalView, load_checkpoint, load_weights, save_checkpoint
+
+__all__ = ["GlobalView", "load_checkpoint", "load_weights", "read_json", "resolve_checkpoint", "save_checkpoint"]

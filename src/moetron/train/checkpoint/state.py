@@ -1,0 +1,234 @@
+"""What goes into a checkpoint and back: model and optimizer state as layout-free global tensors (DCP).
+
+The model and optimizer are saved with `torch.distributed.checkpoint` (DCP): each rank writes only what it
+holds, each tensor under its global name and global shape, and a reader of any other layout reads back just its
+own slices (DCP plans the resharding). Keys:
+
+    model.<parameter or buffer name>               e.g. model.layers.1.mlp.experts.w1_EDF  [E, D, F]
+    optim.<parameter name>.<state key>             every optimizer state tensor (exp_avg, exp_avg_sq, step, …)
+
+Layout-free by construction: names never change with the layout (layers keyed by global index), routed experts
+are one global `[E, …]` tensor whose row e is global expert e (this rank's `[E/ep, …]` slice is written as a
+DTensor shard over the expert-parallel mesh; replicas over expert-data parallelism are written once), DTensor
+parameters (tensor parallelism, ZeRO) are already global, and plain replicated tensors are written by one rank
+(DCP de-duplicates them). So a checkpoint saved at any (dp, ep) layout loads at any other, optimizer state
+included, and no rank ever holds more than its own shards plus one tensor in flight. Optimizer state is generic:
+whatever tensors the optimizer keeps per parameter, those with the parameter's shape are laid out like it.
+
+Per-rank RNG states (`rng/`), the trainer state (`state.json`) and the config travel beside DCP's files
+(see `files.py` for the directory layout and the atomic publish).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from moetron.errors import UserError
+from moetron.parallel.mesh import ParallelMesh
+from moetron.parallel.params import ParamRegistry
+from moetron.train.checkpoint import files
+from moetron.train.checkpoint.rng_files import load_rng, save_rng
+
+
+# ---------------------------------------------------------------------------- layout-free views
+class GlobalView:
+    """Maps this rank's tensors to their layout-free global form (and back, in place, for loading)."""
+
+    def __init__(self, model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh | None):
+        self.model, self.registry = model, registry
+        self.expert_mesh = mesh.submesh("edp", "ep") if mesh is not None and mesh.size("ep") > 1 else None
+
+    def tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """`local` (a tensor of parameter `name`'s shape, or the parameter itself) as its global tensor."""
+        info = self.registry.infos.get(name)
+        local = local.detach()
+        if info is None or not info.is_expert or self.expert_mesh is None:
+            return local
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        shape = (info.num_global_experts, *local.shape[1:])
+        return DTensor.from_local(
+            local, self.expert_mesh, [Replicate(), Shard(0)], run_check=False, shape=shape, stride=_stride(shape)
+        )
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """`model.<name>` → global tensor, for every parameter and persistent buffer."""
+        return {f"model.{name}": self.tensor(name, t) for name, t in self.model.state_dict().items()}
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """`optim.<parameter>.<key>` → global tensor, for every tensor the optimizer keeps per parameter."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = {}
+        for param, state in optimizer.state.items():
+            name = names[id(param)]
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"optimizer state {name}/{key} is a {type(value).__name__}, not a tensor")
+                same_layout = value.shape == param.shape
+                out[f"optim.{name}.{key}"] = self.tensor(name, value) if same_layout else value.detach()
+        return out
+
+
+def _stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's per-parameter state (so there is something to load into): one step with zero
+    gradients at learning rate 0 changes no parameter; the loaded values then replace the state it made."""
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------------------- entry points
+def save_checkpoint(
+    run_dir,
+    iteration: int,
+    view: GlobalView,
+    optimizer: torch.optim.Optimizer,
+    state: dict,
+    config_yaml: str,
+    env,
+    keep_last_n: int,
+) -> Path:
+    """Every rank calls this; each writes its shards and its RNG, rank 0 the shared files. Returns the path."""
+    run_dir = Path(run_dir)
+    if env.is_main:
+        files.prepare_staging(run_dir, iteration)
+    env.barrier()
+    tmp = files.staging_dir(run_dir, iteration)
+    save_rng(tmp / "rng" / f"rank_{env.rank:05d}.safetensors")
+    tensors = {**view.model_state(), **view.optimizer_state(optimizer)}
+    with _single_process_quiet() as no_dist:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=no_dist)
+    if env.is_main:
+        files.write_json(tmp / "state.json", {"format_version": files.FORMAT_VERSION, **state})
+        (tmp / "config.yaml").write_text(config_yaml)
+        files._fsync_file(tmp / "config.yaml")
+    env.barrier()
+    final = files.publish(run_dir, iteration, keep_last_n) if env.is_main else None
+    env.barrier()
+    return final or run_dir / files.iteration_dir_name(iteration)
+
+
+def check_format(path: Path) -> dict:
+    """state.json of a checkpoint in this version's format (a one-line error for moetron 0.1's or garbage)."""
+    state = files.read_json(path / "state.json")
+    version = state.get("format_version")
+    if version == 1:
+        raise UserError(
+            f"checkpoint {path} was written by moetron 0.1 (checkpoint format 1); convert it once with "
+            f"`moetron convert-checkpoint --load {path} --save NEW_DIR`, then --load NEW_DIR"
+        )
+    if version != files.FORMAT_VERSION:
+        raise files.corrupt(path, f"unknown format_version {version!r}")
+    if not (path / ".metadata").is_file():
+        raise files.corrupt(path, "missing .metadata (the model and optimizer tensors)")
+    return state
+
+
+def load_checkpoint(
+    path: Path, view: GlobalView, optimizer: torch.optim.Optimizer | None = None, load_rng: bool = True, rank: int = 0
+) -> dict:
+    """Restore into the view's model (and `optimizer`, this rank's RNG when asked); returns the trainer state."""
+    state = check_format(path)
+    tensors = view.model_state()
+    if optimizer is not None:
+        ensure_optimizer_state(optimizer)
+        tensors.update(view.optimizer_state(optimizer))
+    _read(path, tensors)
+    if load_rng:
+        load_rng_file(path, rank)
+    return state
+
+
+def _check_against_metadata(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Every requested tensor is in the checkpoint with the same global shape, else one line saying which."""
+    try:
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as err:  # noqa: BLE001 - a truncated or foreign .metadata file
+        raise files.corrupt(path, f".metadata: {_first_line(err)}") from None
+    wanted_optim = [k for k in tensors if k.startswith("optim.")]
+    if wanted_optim and not any(k in saved for k in wanted_optim):
+        raise UserError(
+            f"checkpoint {path} holds no optimizer state; add --no-load-optim (or --finetune) to start the "
+            f"optimizer fresh"
+        )
+    for key, tensor in tensors.items():
+        if key not in saved:
+            raise files.corrupt(path, f"it lacks {key}; saved from another model? (see its config.yaml)")
+        shape = tuple(getattr(saved[key], "size", ()))
+        if shape != tuple(tensor.shape):
+            raise UserError(
+                f"checkpoint {path}: {key} has shape {shape}, the model expects {tuple(tensor.shape)}; the model "
+                f"flags differ from the run that saved it (see its config.yaml)"
+            )
+
+
+def _read(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """DCP load in place, with its failures as one line (a checkpoint of another model, a truncated file)."""
+    _check_against_metadata(path, tensors)
+    try:
+        with _single_process_quiet() as no_dist:
+            dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps every rank's failure: one line
+        raise files.corrupt(path, _first_line(err)) from None
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """Yields DCP's `no_dist` for this process; in one process, without DCP's warning that it assumes so."""
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield no_dist
+
+
+def _first_line(err: BaseException) -> str:
+    if isinstance(err, CheckpointException) and err.failures:  # {rank: (exception, traceback)}
+        first = next(iter(err.failures.values()))
+        err = first[0] if isinstance(first, tuple) else first
+        if isinstance(err, BaseException) and not str(err):
+            return type(err).__name__
+    text = str(err).strip()
+    for line in text.splitlines():
+        if "Missing key" in line or "missing" in line.lower() or "size" in line.lower():
+            return line.strip()[:300]
+    return (text.splitlines() or [type(err).__name__])[0][:300]
+
+
+def load_rng_file(path: Path, rank: int) -> None:
+    rng_file = path / "rng" / f"rank_{rank:05d}.safetensors"
+    if rng_file.is_file():
+        load_rng(rng_file)
+    else:
+        print(f"warning: {rng_file} not found (different process count?); RNG continues from the seed")
+
+
+def load_weights(path: Path, model: nn.Module) -> dict:
+    """Only the weights, into a whole model in this process (eval, generate, export): every expert, whatever
+    layout saved them. Returns the trainer state of state.json."""
+    return load_checkpoint(path, GlobalView(model, ParamRegistry.from_model(model), None), None, load_rng=False)
