@@ -55,12 +55,8 @@ def test_torchrun_expert_parallel_train_then_resume_on_one_process(tmp_path, cor
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f" iteration {10:>7d}/10 |" in proc.stdout
     checkpoint = run / "iter_0000010"
-    assert sorted(p.name for p in checkpoint.glob("*.safetensors")) == [
-        "model-ep00001.safetensors",
-        "model.safetensors",
-        "optim-ep00001.safetensors",
-        "optim.safetensors",
-    ]
+    assert sorted(p.name for p in checkpoint.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # both ranks wrote
+    assert (checkpoint / ".metadata").is_file() and (checkpoint / "state.json").is_file()
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert evals and all(np.isfinite(e["valid_loss"]) for e in evals)
 

@@ -59,8 +59,8 @@ def test_quickstart_end_to_end_with_expert_parallel_then_its_commands(tmp_path):
         "data/corpus_text_document.idx",
         "config.yaml",
         "latest",
-        "iter_0000006/model.safetensors",
-        "iter_0000006/model-ep00001.safetensors",  # trained with expert parallelism 2
+        "iter_0000006/.metadata",
+        "iter_0000006/__1_0.distcp",  # trained with expert parallelism 2: both ranks wrote shards
         "metrics.jsonl",
         "eval.jsonl",
         "eval_report.json",
@@ -113,7 +113,7 @@ def test_user_input_on_one_process(tmp_path, shakespeare):
                    "--train-iters", "4", "--vocab-size", "500")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not (run / "corpus").exists()  # the user's text is used where it is
-    assert (run / "iter_0000004" / "model.safetensors").is_file()
+    assert (run / "iter_0000004" / ".metadata").is_file()
     assert not list((run / "iter_0000004").glob("model-ep*"))
     assert "vs unigram baseline" in proc.stdout
     assert "\n  moetron train --config " in proc.stdout  # one process: no torchrun in the continue command

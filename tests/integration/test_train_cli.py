@@ -102,7 +102,7 @@ def test_sigterm_saves_and_exits_zero(corpus):
     assert proc.returncode == 0, err
     assert "received SIGTERM" in out
     latest = (run / "latest").read_text().strip()
-    assert (run / latest / "model.safetensors").exists() and int(latest[5:]) >= 1
+    assert (run / latest / ".metadata").exists() and int(latest[5:]) >= 1
 
 
 def test_bad_flags_are_one_clear_error(tmp_path, corpus):
