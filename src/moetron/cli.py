@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "eval": "Validation loss, perplexity and the routing report of a checkpoint.",
     "generate": "Sample text from a checkpoint with a KV cache.",
     "plan": "Parameters, FLOPs, per-GPU memory and a fits/doesn't-fit verdict, without running.",
+    "convert-checkpoint": "Convert a moetron 0.1 checkpoint (format 1) to the current checkpoint format.",
 }
 
 

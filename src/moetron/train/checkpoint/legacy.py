@@ -1,155 +1,167 @@
-"""What goes into a checkpoint and back: model, optimizer (by parameter name), RNG of every rank.
+"""moetron 0.1's checkpoint format (format 1), read only to convert it (`moetron convert-checkpoint`).
 
-The file layout and the atomic publish live in `checkpoint.py`; this module turns live objects into flat
-name → tensor dicts and restores them. `save_checkpoint` / `load_checkpoint` are the trainer's entry points.
+Format 1 stored safetensors files keyed by parameter name: `model.safetensors` + `optim.safetensors` (dense
+tensors and EP rank 0's experts) and `model-ep0000r.safetensors` / `optim-ep0000r.safetensors` (EP rank r's
+experts), each routed expert as its own entry `<name>/expert_<global id>`, optimizer entries
+`<name>/<state key>[/expert_<id>]`. Two tensors had other layouts then:
+  - `query_key_value` was `[Q | K | V]` thirds; now rows are grouped by key/value head (`attention.py`);
+  - a dense SwiGLU MLP's `dense_h_to_4h` was `[gate | up]`; now `dense_h_to_4h` (gate) and `dense_h_to_4h_up`.
+`convert` maps every tensor (weights and optimizer moments alike: both are laid out like the weight) to today's
+names and layouts and writes a format-2 checkpoint, in one process: it holds the converted model and optimizer
+state in memory once (about 12 bytes per parameter with AdamW), which a one-off conversion can afford.
 """
 
 from __future__ import annotations
 
-import json
-import random
+import re
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 
+from moetron.config_cli import load_config
 from moetron.errors import UserError
-from moetron.train import checkpoint as ckpt
+from moetron.model.attention import fuse_qkv
+from moetron.model.gpt import GPTModel
+from moetron.train.checkpoint import files
+from moetron.train.checkpoint.state import single_process_quiet
 
+EXPERT_SEP = "/expert_"
 OPTIM_SEP = "/"
 
 
-# ---------------------------------------------------------------------------- model and optimizer
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return ckpt.split_experts(model.state_dict(), ckpt.expert_tensor_names(model))
+class LegacyTensors:
+    """Every entry of a format-1 checkpoint's `<kind>*.safetensors` files, read lazily."""
+
+    def __init__(self, where: Path, kind: str):
+        self.where = where
+        paths = [where / f"{kind}.safetensors", *sorted(where.glob(f"{kind}-ep*.safetensors"))]
+        self.index: dict[str, Path] = {}
+        for path in paths:
+            if not path.is_file():
+                raise files.corrupt(where, f"missing {path.name}")
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for name in f.keys():
+                        self.index.setdefault(name, path)
+            except (SafetensorError, OSError) as err:
+                raise files.corrupt(where, f"{path.name}: {str(err).splitlines()[0]}") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.index
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.index:
+            raise files.corrupt(self.where, f"it lacks {name}; is it a moetron 0.1 checkpoint of this config?")
+        with safe_open(str(self.index[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def stacked(self, name: str, count: int) -> torch.Tensor:
+        """Global experts 0 … count−1 of `name` as one `[E, …]` tensor."""
+        return torch.stack([self.get(f"{name}{EXPERT_SEP}{e}") for e in range(count)])
 
 
-def load_model_tensors(model: torch.nn.Module, flat: dict[str, torch.Tensor], where: Path) -> None:
-    experts = ckpt.expert_tensor_names(model)
-    state = {}
-    for name, current in model.state_dict().items():
-        try:
-            tensor = ckpt.join_experts(flat, name, *experts[name]) if name in experts else flat[name]
-        except KeyError as err:
-            raise ckpt.corrupt(where, f"model.safetensors lacks {err.args[0]}; saved from another model?") from None
-        if tensor.shape != current.shape:
-            raise UserError(
-                f"checkpoint {where}: {name} has shape {tuple(tensor.shape)}, the model expects "
-                f"{tuple(current.shape)}; the model flags differ from the run that saved it (see its config.yaml)"
-            )
-        state[name] = tensor
-    model.load_state_dict(state)
+def _experts_of(model: GPTModel) -> dict[str, int]:
+    """Routed-expert parameter name → the layer's global expert count."""
+    out = {}
+    for moe in model.moe_layers():
+        prefix = f"layers.{moe.layer_index}.mlp.experts."
+        for leaf, _ in moe.experts.named_parameters():
+            out[prefix + leaf] = moe.experts.num_global_experts
+    return out
 
 
-def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    names = {id(p): n for n, p in model.named_parameters()}
-    flat = {}
-    for param, state in optimizer.state.items():
-        for key, value in state.items():
-            flat[f"{names[id(param)]}{OPTIM_SEP}{key}"] = torch.as_tensor(value)
-    return ckpt.split_experts(flat, ckpt.expert_tensor_names(model), key=_param_of)
+def _old_name(name: str) -> str:
+    """The format-1 parameter a tensor of today's model comes from."""
+    return name.replace("dense_h_to_4h_up", "dense_h_to_4h")
 
 
-def _param_of(entry: str) -> str:
-    """The parameter an optimizer entry "<parameter>/<state>" belongs to."""
-    return entry.rsplit(OPTIM_SEP, 1)[0]
+Reader = Callable[[str], torch.Tensor]
 
 
-def load_optimizer_tensors(model, optimizer: torch.optim.Optimizer, flat: dict, where: Path) -> None:
-    """Rebuild `optimizer.state_dict()` from name-keyed tensors and load it (torch puts steps on the right device)."""
-    experts = ckpt.expert_tensor_names(model)
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    state = {}
-    for name, param in model.named_parameters():
-        if id(param) not in index:
-            continue
-        entry = {}
-        for key in ("step", "exp_avg", "exp_avg_sq"):
-            full = f"{name}{OPTIM_SEP}{key}"
-            if name in experts and key != "step":
-                if f"{full}{ckpt.EXPERT_SEP}{experts[name][1]}" in flat:
-                    entry[key] = ckpt.join_experts(flat, full, *experts[name])
-            elif full in flat:
-                entry[key] = flat[full]
-        if entry:
-            state[index[id(param)]] = entry
-    target = optimizer.state_dict()
-    target["state"] = state
-    try:
-        optimizer.load_state_dict(target)
-    except (ValueError, RuntimeError, KeyError) as err:
-        raise ckpt.corrupt(where, f"optimizer state does not fit the model: {err}") from None
-
-
-# ---------------------------------------------------------------------------- RNG of this rank
-def rng_tensors() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = state
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    tensors["numpy_keys"] = torch.from_numpy(np.asarray(keys, dtype=np.uint32).view(np.int32).copy())
-    version, internal, gauss_next = random.getstate()
-    metadata = {
-        "numpy": json.dumps([kind, int(pos), int(has_gauss), float(cached)]),
-        "python": json.dumps([version, list(internal), gauss_next]),
-    }
-    return tensors, metadata
-
-
-def set_rng(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    torch.set_rng_state(tensors["torch_cpu"])
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            if f"torch_cuda_{i}" in tensors:
-                torch.cuda.set_rng_state(tensors[f"torch_cuda_{i}"], i)
-    kind, pos, has_gauss, cached = json.loads(metadata["numpy"])
-    keys = tensors["numpy_keys"].numpy().view(np.uint32)
-    np.random.set_state((kind, keys, pos, has_gauss, cached))
-    version, internal, gauss_next = json.loads(metadata["python"])
-    random.setstate((version, tuple(internal), gauss_next))
-
-
-# ---------------------------------------------------------------------------- entry points
-def save_checkpoint(run_dir, iteration: int, model, optimizer, state: dict, config_yaml: str, env, keep_last_n: int):
-    """Every rank calls this; rank 0 writes the shared files, every rank its RNG. Returns the published path."""
-    run_dir = Path(run_dir)
-    if env.is_main:
-        tmp = ckpt.prepare_staging(run_dir, iteration)
-    env.barrier()
-    tmp = ckpt.staging_dir(run_dir, iteration)
-    rng, rng_meta = rng_tensors()
-    ckpt.write_tensors(tmp / "rng" / f"rank_{env.rank:05d}.safetensors", rng, rng_meta)
-    shard = ckpt.written_shard(model, env.rank)  # expert parallelism: one writer per expert shard
-    if shard is not None:
-        model_flat = ckpt.shard_entries(model_tensors(model), model, shard)
-        ckpt.write_tensors(tmp / ckpt.shard_file_name("model", shard), model_flat)
-        optim_flat = ckpt.shard_entries(optimizer_tensors(model, optimizer), model, shard, key=_param_of)
-        ckpt.write_tensors(tmp / ckpt.shard_file_name("optim", shard), optim_flat)
-    if env.is_main:
-        ckpt.write_json(tmp / "state.json", {"format_version": ckpt.FORMAT_VERSION, **state})
-        (tmp / "config.yaml").write_text(config_yaml)
-        ckpt._fsync_file(tmp / "config.yaml")
-    env.barrier()
-    final = ckpt.publish(run_dir, iteration, keep_last_n) if env.is_main else None
-    env.barrier()
-    return final or run_dir / ckpt.iteration_dir_name(iteration)
-
-
-def load_checkpoint(path: Path, model, optimizer=None, load_rng: bool = True, rank: int = 0) -> dict:
-    """Restore into `model` (and `optimizer`, RNG when asked); returns the trainer state from state.json."""
-    state = ckpt.read_json(path / "state.json")
-    if state.get("format_version") != ckpt.FORMAT_VERSION:
-        raise ckpt.corrupt(path, f"unknown format_version {state.get('format_version')!r}")
-    flat = ckpt.ShardedTensors(path, "model")  # every expert shard's file; reads only this rank's entries
-    load_model_tensors(model, flat, path)
-    if optimizer is not None:
-        optim_flat = ckpt.ShardedTensors(path, "optim")
-        load_optimizer_tensors(model, optimizer, optim_flat, path)
-    if load_rng:
-        rng_file = path / "rng" / f"rank_{rank:05d}.safetensors"
-        if rng_file.is_file():
-            set_rng(*ckpt.read_tensors(rng_file))
+def _rules(model: GPTModel) -> dict[str, Callable[[Reader], torch.Tensor]]:
+    """Today's tensor name → how to build it from `read(old entry name)` (weights, or one optimizer moment: the
+    moments are laid out like their weight)."""
+    cfg, experts = model.cfg, _experts_of(model)
+    heads, kv = cfg.num_attention_heads, cfg.kv_heads
+    rules: dict[str, Callable[[Reader], torch.Tensor]] = {}
+    for name in model.state_dict():
+        if name in experts:
+            count = experts[name]
+            rules[name] = lambda read, n=name, e=count: torch.stack([read(f"{n}{EXPERT_SEP}{i}") for i in range(e)])
+        elif re.search(r"query_key_value\.(weight|bias)$", name):
+            rules[name] = lambda read, n=name: fuse_qkv(*_thirds(read(n), heads, kv), heads, kv)
+        elif cfg.swiglu and re.search(r"mlp\.dense_h_to_4h\.(weight|bias)$", name):
+            rules[name] = lambda read, n=name: read(n).chunk(2)[0].contiguous()
+        elif re.search(r"mlp\.dense_h_to_4h_up\.(weight|bias)$", name):
+            rules[name] = lambda read, n=name: read(_old_name(n)).chunk(2)[1].contiguous()
         else:
-            print(f"warning: {rng_file} not found (different process count?); RNG continues from the seed")
-    return state
+            rules[name] = lambda read, n=name: read(n)
+    return rules
+
+
+def _thirds(fused: torch.Tensor, heads: int, kv: int) -> list[torch.Tensor]:
+    head_dim = fused.shape[0] // (heads + 2 * kv)
+    return list(fused.split([heads * head_dim, kv * head_dim, kv * head_dim]))
+
+
+def _moment_reader(optim: LegacyTensors, key: str) -> Reader:
+    """Reads optimizer moment `key` under a weight's old entry name (`name` or `name/expert_i`)."""
+
+    def read(entry: str) -> torch.Tensor:
+        name, sep, expert = entry.partition(EXPERT_SEP)
+        return optim.get(f"{name}{OPTIM_SEP}{key}{sep}{expert}")
+
+    return read
+
+
+def _state_keys(optim: LegacyTensors, old_name: str) -> list[str]:
+    prefix = old_name + OPTIM_SEP
+    return sorted({entry[len(prefix) :].split(OPTIM_SEP)[0] for entry in optim.index if entry.startswith(prefix)})
+
+
+def converted_tensors(path: Path, model: GPTModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key in today's checkpoint, tensor) for the model and optimizer state of a format-1 checkpoint."""
+    weights, optim = LegacyTensors(path, "model"), LegacyTensors(path, "optim")
+    rules = _rules(model)
+    for name, rule in rules.items():
+        yield f"model.{name}", rule(weights.get)
+    for name, param in model.named_parameters():
+        for key in _state_keys(optim, _old_name(name)):
+            scalar = optim.get(f"{_old_name(name)}{OPTIM_SEP}{key}") if f"{_old_name(name)}/{key}" in optim else None
+            if scalar is not None and scalar.shape != param.shape and scalar.numel() <= 1:
+                yield f"optim.{name}.{key}", scalar  # e.g. AdamW's step: one value per parameter
+            else:
+                yield f"optim.{name}.{key}", rules[name](_moment_reader(optim, key))
+
+
+def convert(load: str, save: str) -> Path:
+    """Convert the format-1 checkpoint `load` (a run directory or iter_* directory) into run directory `save`."""
+    import torch.distributed.checkpoint as dcp
+
+    source = files.resolve_checkpoint(load)
+    if source is None:
+        raise UserError(f"--load {load}: no checkpoint there; give a moetron 0.1 run directory or iter_* directory")
+    state = files.read_json(source / "state.json")
+    if state.get("format_version") != 1:
+        raise UserError(f"--load {load}: {source} is not in moetron 0.1's format (format_version "
+                        f"{state.get('format_version')!r}); it needs no conversion")  # fmt: skip
+    target = Path(save)
+    if target.exists() and any(target.iterdir()):
+        raise UserError(f"--save {save} exists and is not empty; give a new directory (nothing is overwritten)")
+    cfg, _ = load_config(str(source / "config.yaml"), {})
+    with torch.device("meta"):
+        model = GPTModel(cfg.model)
+    iteration = int(state.get("iteration", 0))
+    files.prepare_staging(target, iteration)
+    tmp = files.staging_dir(target, iteration)
+    tensors = dict(converted_tensors(source, model))
+    with single_process_quiet() as no_dist:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=no_dist)
+    files.write_json(tmp / "state.json", {**state, "format_version": files.FORMAT_VERSION})
+    shutil.copy(source / "config.yaml", tmp / "config.yaml")
+    for rng in sorted((source / "rng").glob("rank_*.safetensors")):
+        shutil.copy(rng, tmp / "rng" / rng.name)
+    return files.publish(target, iteration, keep_last_n=1)

@@ -121,7 +121,7 @@ def save_checkpoint(
     tmp = files.staging_dir(run_dir, iteration)
     save_rng(tmp / "rng" / f"rank_{env.rank:05d}.safetensors")
     tensors = {**view.model_state(), **view.optimizer_state(optimizer)}
-    with _single_process_quiet() as no_dist:
+    with single_process_quiet() as no_dist:
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=no_dist)
     if env.is_main:
         files.write_json(tmp / "state.json", {"format_version": files.FORMAT_VERSION, **state})
@@ -191,14 +191,14 @@ def _read(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """DCP load in place, with its failures as one line (a checkpoint of another model, a truncated file)."""
     _check_against_metadata(path, tensors)
     try:
-        with _single_process_quiet() as no_dist:
+        with single_process_quiet() as no_dist:
             dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps every rank's failure: one line
         raise files.corrupt(path, _first_line(err)) from None
 
 
 @contextlib.contextmanager
-def _single_process_quiet():
+def single_process_quiet():
     """Yields DCP's `no_dist` for this process; in one process, without DCP's warning that it assumes so."""
     no_dist = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():
