@@ -4,8 +4,11 @@ One spawned group runs every check (spawning is the expensive part):
 1. DP gradients: 2 ranks × micro batch 2 give the gradients of 1 process × micro batch 2 × 2 accumulation steps
    (same global batch, same samples, dropout off), every rank ends the step with identical weights, and the
    aux-loss-free expert biases are updated from all ranks' routing (equal to the single-process update);
-2. exact resume: 2N steps straight and N steps + checkpoint + N steps give bit-identical losses on every rank
-   (dropout and MoE random token selection on, per-rank RNG offsets), with rank-specific RNG files saved.
+2. the same with every random draw on (dropout, top-2's sampled second expert, and capacity drops):
+   each layer draws from a stream keyed by the micro-batch's samples, so the two ranks draw exactly what the one
+   process draws for the same samples;
+3. exact resume: 2N steps straight and N steps + checkpoint + N steps give bit-identical losses on every rank
+   (dropout and MoE random token selection on), with rank-specific RNG files saved.
 """
 
 from __future__ import annotations
@@ -27,12 +30,16 @@ from moetron.parallel.env import DistEnv, init_distributed  # noqa: E402
 N = 2
 
 
-def first_step_grads(env: DistEnv | None, micro: int, global_batch: int) -> tuple[dict, dict]:
+def first_step_grads(env: DistEnv | None, micro: int, global_batch: int, random: bool = False) -> tuple[dict, dict]:
     cfg = tiny_config(moe=True, micro_batch_size=micro, global_batch_size=global_batch, hidden_dropout=0.0)
     cfg.model.attention_dropout = 0.0
-    cfg.model.moe_use_rts = False  # no random draws that differ between layouts:
-    cfg.model.moe_top2_2nd_expert_sampling = False  # positional dropping, argmax second expert
+    cfg.model.moe_use_rts = False  # positional dropping,
+    cfg.model.moe_top2_2nd_expert_sampling = False  # argmax second expert
     cfg.model.moe_router_bias_update_rate = 1e-3  # aux-loss-free balancing: biases from all ranks' loads
+    if random:  # every draw on: dropout everywhere, the Gumbel second expert, capacity that drops routes
+        cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.2
+        cfg.model.moe_top2_2nd_expert_sampling = True
+        cfg.model.moe_use_rts, cfg.model.moe_train_capacity_factor, cfg.model.moe_min_capacity = True, 0.5, 1
     trainer = build_trainer(cfg, env)
     grads, step = {}, trainer.optimizer.step
 
@@ -60,8 +67,9 @@ def all_checks(rank: int, world_size: int, save_dir: str) -> dict:
     env = init_distributed()
     assert (env.rank, env.world_size) == (rank, world_size)
     grads, params = first_step_grads(env, micro=2, global_batch=4)
+    random_grads, _ = first_step_grads(env, micro=2, global_batch=4, random=True)
     straight, resumed = resume_losses(env, save_dir)
-    return {"grads": grads, "params": params, "straight": straight, "resumed": resumed}
+    return {"grads": grads, "params": params, "random": random_grads, "straight": straight, "resumed": resumed}
 
 
 @pytest.mark.distributed
@@ -72,6 +80,11 @@ def test_two_process_data_parallel(tmp_path):
     for name, grad in reference.items():
         for r in results:
             torch.testing.assert_close(r["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    random_reference, _ = first_step_grads(None, micro=2, global_batch=4, random=True)
+    for name, grad in random_reference.items():  # layout-free randomness: the same draws for the same samples
+        for r in results:
+            torch.testing.assert_close(r["random"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert any(not torch.equal(random_reference[n], reference[n]) for n in reference)  # the draws changed things
     for name, value in results[0]["params"].items():
         assert torch.equal(value, results[1]["params"][name]), name  # replicas (and expert biases) stay identical
     biases = [n for n in reference_state if n.endswith("expert_bias")]

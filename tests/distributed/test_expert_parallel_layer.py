@@ -5,7 +5,8 @@ experts are spread over an EP group of 2 (ranks [0, 1], [2, 3]) or 4; the refere
 the same global weights applied locally. Checked for top-1 and top-2, capacity (with drops) and dropless:
   - the output on each rank's tokens and the gradient w.r.t. those tokens and the gate,
   - each local expert's gradient = the sum over the EP peers' tokens of the full layer's gradient there.
-One spawned group runs all 8 cases (spawning is the expensive part).
+One spawned group runs all 8 cases (spawning is the expensive part), and checks that the DeviceMeshes built for
+several layouts of 4 ranks give exactly the groups `ParallelDims` computes.
 """
 
 from __future__ import annotations
@@ -92,7 +93,24 @@ def check_case(rank: int, ep: int, group, topk: int, dropless: bool) -> int:
     return got["dropped"]
 
 
+MESH_LAYOUTS = [dict(dp=4), dict(dp=4, ep=2), dict(dp=2, tp=2, ep=2), dict(dp=2, tp=2, ep=2, etp=2),
+                dict(dp=2, pp=2, ep=2), dict(dp=1, pp=2, tp=2, ep=2)]  # fmt: skip
+
+
+def check_meshes(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    for layout in MESH_LAYOUTS:
+        dims = ParallelDims(world_size=world_size, **layout)
+        mesh = ParallelMesh.build(dims, DistEnv(rank=rank, world_size=world_size))
+        for name in ("pp", "dp", "tp", "edp", "ep", "etp"):
+            mine = [g for g in dims.groups(name) if rank in g][0]
+            assert dist.get_process_group_ranks(mesh.group(name)) == mine, (layout, name)
+            assert mesh.submesh(name).get_local_rank() == getattr(mesh.coords, name)
+
+
 def all_cases(rank: int, world_size: int) -> dict:
+    check_meshes(rank, world_size)
     dropped = {}
     for ep in (2, 4):
         dims = ParallelDims(world_size=world_size, dp=world_size, ep=ep)
