@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from moetron.model.moe.dispatch import permute, unpermute
-from moetron.model.moe.routing import Routing
+from moetron.model.moe.routing_decision import Routing
 
 
 class AllToAll(torch.autograd.Function):

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from moetron.model.moe.routing import Routing
+from moetron.model.moe.routing_decision import Routing
 
 
 def sort_routes(

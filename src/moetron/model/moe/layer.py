@@ -30,7 +30,7 @@ from moetron.model.init import stable_seed
 from moetron.model.moe.dispatch import LocalDispatcher, TokenDispatcher
 from moetron.model.moe.experts import GroupedExperts
 from moetron.model.moe.router import Router
-from moetron.model.moe.routing import Routing
+from moetron.model.moe.routing_decision import Routing
 
 
 @dataclass

@@ -7,9 +7,9 @@
     router.update_expert_bias()  # once per optimizer step (aux-loss-free balancing; no-op by default)
 
 With the default options the routing is DeepSpeed 0.19.x's `TopKGate` (top-1 / top-2 / top-k gating, see
-`gating.py`): same capacities, kept routes, weights, aux loss and — from the same torch seed — the same
+`deepspeed_gating.py`): same capacities, kept routes, weights, aux loss and — from the same torch seed — the same
 random choices. Any modern option (sigmoid scores, pre-softmax, forced renormalisation, a scaling factor,
-expert-bias balancing, expert groups) switches to the generic top-k path of `modern_gating.py`. The z-loss
+expert-bias balancing, expert groups) switches to the generic top-k path of `generic_gating.py`. The z-loss
 and the aux-loss type (global / seq / none) apply to both paths.
 
 Shape legend: T tokens, D hidden size, E experts, K routes per token.
@@ -26,9 +26,10 @@ from torch import nn
 
 from moetron.errors import ConfigError
 from moetron.model.config import ModelConfig
-from moetron.model.moe.gating import multiplicative_jitter, top1_gating, top2_gating, topk_gating
-from moetron.model.moe.modern_gating import generic_topk_gating, sequence_aux_loss, z_loss, z_loss_from_route
-from moetron.model.moe.routing import Routing
+from moetron.model.moe.balancing_losses import sequence_aux_loss, z_loss, z_loss_from_route
+from moetron.model.moe.deepspeed_gating import multiplicative_jitter, top1_gating, top2_gating, topk_gating
+from moetron.model.moe.generic_gating import generic_topk_gating
+from moetron.model.moe.routing_decision import Routing
 
 __all__ = ["Router", "Routing", "uses_generic_path"]
 

@@ -12,18 +12,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetron.model.moe.capacity import (
-    RoutingInputError,
+from moetron.model.moe.capacity_and_dropping import (
     capacity_from_factor,
     dropless_capacity,
-    first_argmax,
     keep_top_keys,
     keep_top_keys_top1,
     keep_top_random_keys_top1,
-    route_counts,
-    route_fraction,
 )
-from moetron.model.moe.routing import Routing, buffer_slots
+from moetron.model.moe.routing_decision import Routing, RoutingInputError, buffer_slots, route_counts, route_fraction
 
 
 # ---------------------------------------------------------------- noise (torch.distributions' formulas)
@@ -49,6 +45,19 @@ def multiplicative_jitter(x: torch.Tensor, epsilon: float = 1e-2) -> torch.Tenso
 
 
 # ---------------------------------------------------------------- helpers
+def first_argmax(x_TE: torch.Tensor) -> torch.Tensor:
+    """int64 [T]: `torch.argmax(x_TE, dim=1)` (the FIRST maximal column), several times faster on CPU.
+
+    argmax's CPU kernel is scalar; amax and the comparisons vectorise. Ties resolve to the lowest column
+    exactly as argmax does. NaN rows differ (argmax points at the NaN); the router's logits have none.
+    """
+    num_experts = x_TE.shape[1]
+    is_max_TE = x_TE == x_TE.amax(dim=1, keepdim=True)
+    # Score E - e at the maxima (0 elsewhere): the largest score is the lowest maximal column.
+    reverse_E = torch.arange(num_experts, 0, -1, device=x_TE.device, dtype=torch.int32)
+    return num_experts - (is_max_TE * reverse_E).amax(dim=1).long()
+
+
 def _one_hot_bool(ids_T: torch.Tensor, num_experts: int) -> torch.Tensor:
     """bool [T, E] mask of one route per token (DeepSpeed's int64 one-hot, as a cheaper bool)."""
     mask_TE = torch.zeros(ids_T.shape[0], num_experts, dtype=torch.bool, device=ids_T.device)

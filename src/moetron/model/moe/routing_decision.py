@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moetron.errors import UserError
+
 SLOT_ORDERS = ("token", "choice")
+
+
+class RoutingInputError(UserError, ValueError):
+    """Tokens the router cannot route as configured (a ValueError; the CLI prints it as one line)."""
 
 
 @dataclass(eq=False)
@@ -106,3 +112,13 @@ def buffer_slots(expert_ids_TK: torch.Tensor, kept_TK: torch.Tensor, num_experts
     ranks_R = torch.empty_like(keys_R).index_copy_(0, order_R, sorted_ranks_R)
     ranks_TK = ranks_R.view(ids_TK.t().shape).t() if order == "choice" else ranks_R.view(ids_TK.shape)
     return torch.where(kept_TK, ranks_TK, -1).contiguous()
+
+
+def route_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [E]: routes per expert (= the one-hot [T, E] mask summed over tokens, without building it)."""
+    return torch.bincount(expert_ids.reshape(-1), minlength=num_experts)
+
+
+def route_fraction(counts_E: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """fp32 [E]: the one-hot mask's mean over tokens, `mask_TE.float().mean(0)`, bitwise (mean = exact sum / T)."""
+    return counts_E.float() / num_tokens

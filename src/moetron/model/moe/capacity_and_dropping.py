@@ -10,12 +10,6 @@ import functools
 
 import torch
 
-from moetron.errors import UserError
-
-
-class RoutingInputError(UserError, ValueError):
-    """Tokens the router cannot route as configured (a ValueError; the CLI prints it as one line)."""
-
 
 @functools.lru_cache(maxsize=1024)  # pure function of a few numbers; called every forward
 def capacity_from_factor(num_tokens: int, num_experts: int, capacity_factor: float, k: int, min_capacity: int) -> int:
@@ -60,29 +54,6 @@ def slots_in_token_order(mask_TE: torch.Tensor) -> torch.Tensor:
 def keep_by_position(mask_TE: torch.Tensor, capacity: int) -> torch.Tensor:
     """Keep the first `capacity` routes of each expert in token order (Megatron's 'position' policy)."""
     return mask_TE & (slots_in_token_order(mask_TE) < capacity)
-
-
-def first_argmax(x_TE: torch.Tensor) -> torch.Tensor:
-    """int64 [T]: `torch.argmax(x_TE, dim=1)` (the FIRST maximal column), several times faster on CPU.
-
-    argmax's CPU kernel is scalar; amax and the comparisons vectorise. Ties resolve to the lowest column
-    exactly as argmax does. NaN rows differ (argmax points at the NaN); the router's logits have none.
-    """
-    num_experts = x_TE.shape[1]
-    is_max_TE = x_TE == x_TE.amax(dim=1, keepdim=True)
-    # Score E - e at the maxima (0 elsewhere): the largest score is the lowest maximal column.
-    reverse_E = torch.arange(num_experts, 0, -1, device=x_TE.device, dtype=torch.int32)
-    return num_experts - (is_max_TE * reverse_E).amax(dim=1).long()
-
-
-def route_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64 [E]: routes per expert (= the one-hot [T, E] mask summed over tokens, without building it)."""
-    return torch.bincount(expert_ids.reshape(-1), minlength=num_experts)
-
-
-def route_fraction(counts_E: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """fp32 [E]: the one-hot mask's mean over tokens, `mask_TE.float().mean(0)`, bitwise (mean = exact sum / T)."""
-    return counts_E.float() / num_tokens
 
 
 def keep_top_keys_top1(ids_T: torch.Tensor, keys_TE: torch.Tensor, capacity: int) -> torch.Tensor:
