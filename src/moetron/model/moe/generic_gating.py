@@ -1,6 +1,6 @@
 """The generic top-k router behind the modern options (DeepSpeed's exact paths are in `deepspeed_gating.py`).
 
-Options (ModelConfig fields): sigmoid or softmax scores; `moe_router_pre_softmax` (top-k on logits, then
+Options (RouterConfig fields): sigmoid or softmax scores; `moe_router_pre_softmax` (top-k on logits, then
 softmax over the k — Mixtral); forced renormalisation on/off; a weight scaling factor; a selection-only
 expert bias (aux-loss-free balancing, DeepSeek-V3); group-limited routing (DeepSeek-V3: a group's score is
 the sum of its two best scores, tokens pick from their best `topk_groups` groups).
@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetron.model.config import ModelConfig
 from moetron.model.moe.balancing_losses import balance_loss
 from moetron.model.moe.capacity_and_dropping import (
     capacity_from_factor,
@@ -26,6 +25,7 @@ from moetron.model.moe.capacity_and_dropping import (
     keep_by_position,
     keep_top_keys,
 )
+from moetron.model.moe.router_config import RouterConfig
 from moetron.model.moe.routing_decision import Routing, route_counts, route_fraction
 
 
@@ -53,7 +53,7 @@ def limit_to_best_groups(select_TE: torch.Tensor, num_groups: int, topk_groups: 
     return select_TE.masked_fill(~allowed_TE, float("-inf"))
 
 
-def _scores(logits_TE: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def _scores(logits_TE: torch.Tensor, cfg: RouterConfig) -> torch.Tensor:
     """[T, E] selection scores: logits (pre-softmax: weights are a softmax over the chosen k), sigmoid or softmax."""
     if cfg.moe_router_pre_softmax:
         return logits_TE
@@ -62,7 +62,7 @@ def _scores(logits_TE: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return F.softmax(logits_TE, dim=-1)
 
 
-def _probs_from_scores(logits_TE: torch.Tensor, scores_TE: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def _probs_from_scores(logits_TE: torch.Tensor, scores_TE: torch.Tensor, cfg: RouterConfig) -> torch.Tensor:
     """`routing_probs`, reusing the selection scores when they already are (or hold) the same function:
     one softmax (and one softmax backward) per step instead of two."""
     if cfg.moe_router_pre_softmax:
@@ -70,7 +70,7 @@ def _probs_from_scores(logits_TE: torch.Tensor, scores_TE: torch.Tensor, cfg: Mo
     return normalised(scores_TE) if cfg.moe_router_score_function == "sigmoid" else scores_TE
 
 
-def _choose_experts(scores_TE: torch.Tensor, cfg: ModelConfig, k: int, expert_bias_E: torch.Tensor | None):
+def _choose_experts(scores_TE: torch.Tensor, cfg: RouterConfig, k: int, expert_bias_E: torch.Tensor | None):
     """(ids_TK, route_scores_TK): which experts each token picks, and the unbiased score of each pick."""
     select_TE = scores_TE.detach()
     if expert_bias_E is not None:  # the bias steers selection only, never the weights
@@ -84,14 +84,14 @@ def _choose_experts(scores_TE: torch.Tensor, cfg: ModelConfig, k: int, expert_bi
     return ids_TK, route_scores_TK
 
 
-def renormalises(cfg: ModelConfig, k: int) -> bool:
+def renormalises(cfg: RouterConfig, k: int) -> bool:
     """DeepSpeed's rule unless forced: k = 1 keeps the raw score, k >= 2 renormalises over kept routes."""
     return cfg.moe_router_topk_renorm if cfg.moe_router_topk_renorm is not None else k >= 2
 
 
 def generic_topk_gating(
     logits_TE: torch.Tensor,
-    cfg: ModelConfig,
+    cfg: RouterConfig,
     k: int,
     capacity_factor: float,
     expert_bias_E: torch.Tensor | None = None,
