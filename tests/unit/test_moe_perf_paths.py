@@ -146,7 +146,7 @@ def test_expert_by_expert_swiglu_expanded_gradient_and_bf16_autocast():
 
 
 def test_empty_for_gradient_is_empty_like_large_or_small():
-    from moetron.model.moe.experts import empty_for_gradient
+    from moetron.model.moe.experts_cpu import empty_for_gradient
 
     for like in (torch.zeros(3, 4), torch.zeros(9, 1024, 1024)):  # below and above the 32 MiB threshold
         out = empty_for_gradient(like)

@@ -138,7 +138,8 @@ class MoELayer(nn.Module):
             routing.aux_loss,
             routing.tokens_per_expert_E.detach(),
             dropped,
-            routing.capacity,
+            # an int, or (dropless) a 0-dim device tensor: not read here; `routing.capacity` is the int on demand
+            routing.capacity_source,
             routing,
         )
 
