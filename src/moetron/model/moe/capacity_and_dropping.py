@@ -22,8 +22,8 @@ def capacity_from_factor(num_tokens: int, num_experts: int, capacity_factor: flo
 
     Pure host arithmetic (no tensor, no device), rounded the way DeepSpeed's is: it multiplies the Python
     float T / E by the float32 0-dim tensor `torch.tensor(cf·k)`, which torch computes as a float32 product
-    of the two values rounded to float32 — numpy's float32 scalars do the same; e.g. T=10, E=3, cf=1.2 could
-    ceil differently in float64.
+    of the two values rounded to float32 — numpy's float32 scalars do the same. It matters: T=25, E=2, cf=1.2
+    gives 16 (float64 arithmetic would give 15).
     """
     multiplier = np.float32(capacity_factor * k)
     capacity = math.ceil(np.float32(num_tokens / num_experts) * multiplier)
