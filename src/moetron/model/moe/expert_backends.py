@@ -133,4 +133,5 @@ class PaddedLayout:
 
 
 def padded_matmul(x_RA: torch.Tensor, w_EAB: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
+    """The batched backend: pad into [E, C + 1, A], one bmm, read the rows back out."""
     return layout.unpad(torch.bmm(layout.pad(x_RA), w_EAB))

@@ -129,7 +129,9 @@ def _per_expert(x_NA: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, ..
     return x_NA.split([*counts, x_NA.shape[0] - sum(counts)])[: len(counts)]
 
 
-def expert_by_expert_swiglu(x_ND: torch.Tensor, w1_EDF, w3_EDF, w2_EFD, counts_E: torch.Tensor) -> torch.Tensor:
+def expert_by_expert_swiglu(
+    x_ND: torch.Tensor, w1_EDF: torch.Tensor, w3_EDF: torch.Tensor, w2_EFD: torch.Tensor, counts_E: torch.Tensor
+) -> torch.Tensor:
     """`ExpertByExpertSwiGLU` on rows sorted by expert (rows past Σ counts_E: zero output, zero gradient).
 
     Reads the counts on the host (`.tolist()`): free on a CPU, which is the only place it runs."""

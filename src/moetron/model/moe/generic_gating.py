@@ -49,7 +49,7 @@ def limit_to_best_groups(select_TE: torch.Tensor, num_groups: int, topk_groups: 
     group_scores_TG = grouped_TGX.topk(best_in_group, dim=-1).values.sum(-1)
     best_groups_TG = group_scores_TG.topk(topk_groups, dim=-1).indices
     allowed_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, best_groups_TG, True)
-    allowed_TE = allowed_TG.repeat_interleave(num_experts // num_groups, dim=1)
+    allowed_TE = allowed_TG.repeat_interleave(num_experts // num_groups, dim=1, output_size=num_experts)
     return select_TE.masked_fill(~allowed_TE, float("-inf"))
 
 
