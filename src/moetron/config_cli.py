@@ -76,13 +76,21 @@ def field_specs() -> dict[str, FieldSpec]:
 # ---------------------------------------------------------------------------- CLI
 @functools.cache
 def _field_comments(cls: type) -> dict[str, str]:
-    """The trailing `# comment` of each field in a dataclass's source: the flag's help text."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
-    found = re.findall(r"^\s+(\w+): [^#\n]*#\s*(.+)$", source, flags=re.MULTILINE)
-    return {name: text.strip() for name, text in found}
+    """The trailing `# comment` of each field in a dataclass's source: the flag's help text.
+
+    Fields inherited from a base dataclass (ModelConfig's routing fields come from RouterConfig) take
+    their comment from the base's source; a subclass that redeclares a field overrides it."""
+    comments: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object or not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        found = re.findall(r"^\s+(\w+): [^#\n]*#\s*(.+)$", source, flags=re.MULTILINE)
+        comments.update({name: text.strip() for name, text in found})
+    return comments
 
 
 def _help(spec: FieldSpec) -> str:

@@ -133,7 +133,7 @@ def test_all_to_all_layer_matches_single_process():
 def test_regroup_by_local_expert_orders_rows_by_expert_then_source():
     recv_RL = torch.tensor([[2, 0, 1], [1, 2, 0]])  # from rank 0: 2 rows for expert 0, 1 for expert 2; …
     # received rows: r0e0 r0e0 r0e2 | r1e0 r1e1 r1e1  → grouped: e0: 0 1 3, e1: 4 5, e2: 2
-    assert regroup_by_local_expert(recv_RL).tolist() == [0, 1, 3, 4, 5, 2]
+    assert regroup_by_local_expert(recv_RL, num_received=6).tolist() == [0, 1, 3, 4, 5, 2]
 
 
 def test_dims_report_every_expert_parallel_problem_at_once():

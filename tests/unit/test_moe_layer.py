@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moetron.model.config import ModelConfig
 from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
 from moetron.model.moe.dispatch import permute, unpermute
-from moetron.model.moe.experts import grouped_mm_supported
+from moetron.model.moe.expert_backends import grouped_mm_supported
 from moetron.model.moe.layer import MoEAux, MoELayer
 
 B, T, D, F = 2, 16, 16, 32
@@ -134,11 +134,14 @@ def test_permute_groups_rows_by_expert_in_token_order_and_skips_drops() -> None:
     x_TD = torch.arange(4.0).unsqueeze(1).expand(4, 2)
     ids_TK = torch.tensor([[2, 0], [0, 1], [2, 1], [1, 0]])
     kept_TK = torch.tensor([[True, True], [True, False], [True, True], [True, True]])
-    x_ND, counts_E, order_N = permute(x_TD, ids_TK, kept_TK, num_experts=3)
+    x_RD, counts_E, order_R, kept_R = permute(x_TD, ids_TK, kept_TK, num_experts=3)
     assert counts_E.tolist() == [3, 2, 2]
-    assert x_ND[:, 0].tolist() == [0, 1, 3, 2, 3, 0, 2]  # expert 0: tokens 0,1,3; expert 1: 2,3; expert 2: 0,2
+    # expert 0: tokens 0,1,3; expert 1: 2,3; expert 2: 0,2; then the dropped route (token 1's second choice)
+    assert x_RD[:, 0].tolist() == [0, 1, 3, 2, 3, 0, 2, 1]
+    assert kept_R.tolist() == [True] * 7 + [False]
     weights_TK = torch.tensor([[0.5, 0.25], [1.0, 0.0], [0.5, 0.5], [0.75, 0.25]])
-    y_TD = unpermute(x_ND * 10, order_N, weights_TK, num_tokens=4)
+    y_RD = (x_RD * 10).index_fill(0, torch.tensor([7]), float("nan"))  # the tail is never computed: any value
+    y_TD = unpermute(y_RD, order_R, weights_TK, num_tokens=4, kept_R=kept_R)
     torch.testing.assert_close(y_TD[:, 0], torch.tensor([0.0, 10.0, 20.0, 30.0]))
 
 
@@ -147,8 +150,8 @@ def test_unpermute_token_without_kept_route_is_zero_and_grads_flow() -> None:
     ids_TK = torch.tensor([[0], [1], [1]])
     weights_TK = torch.tensor([[0.5], [0.0], [2.0]], requires_grad=True)
     kept_TK = torch.tensor([[True], [False], [True]])
-    x_ND, counts_E, order_N = permute(x_TD, ids_TK, kept_TK, num_experts=2)
-    y_TD = unpermute(x_ND * 3, order_N, weights_TK, num_tokens=3)
+    x_RD, counts_E, order_R, kept_R = permute(x_TD, ids_TK, kept_TK, num_experts=2)
+    y_TD = unpermute(x_RD * 3, order_R, weights_TK, num_tokens=3, kept_R=kept_R)
     assert torch.equal(y_TD[1], torch.zeros(4))
     y_TD.sum().backward()
     torch.testing.assert_close(x_TD.grad[:, 0], torch.tensor([1.5, 0.0, 6.0]))

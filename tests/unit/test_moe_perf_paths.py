@@ -6,17 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetron.model.moe.capacity import (
-    first_argmax,
+from moetron.model.moe.balancing_losses import z_loss, z_loss_from_route
+from moetron.model.moe.capacity_and_dropping import (
     keep_top_keys,
     keep_top_keys_top1,
     keep_top_random_keys_top1,
-    route_counts,
-    route_fraction,
     slots_in_token_order,
 )
-from moetron.model.moe.modern_gating import z_loss, z_loss_from_route
-from moetron.model.moe.routing import Routing, buffer_slots
+from moetron.model.moe.deepspeed_gating import first_argmax
+from moetron.model.moe.routing_decision import Routing, buffer_slots, route_counts, route_fraction
 
 
 def _reference_top1_keep(ids_T: torch.Tensor, keys_TE: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -148,7 +146,7 @@ def test_expert_by_expert_swiglu_expanded_gradient_and_bf16_autocast():
 
 
 def test_empty_for_gradient_is_empty_like_large_or_small():
-    from moetron.model.moe.experts import empty_for_gradient
+    from moetron.model.moe.experts_cpu import empty_for_gradient
 
     for like in (torch.zeros(3, 4), torch.zeros(9, 1024, 1024)):  # below and above the 32 MiB threshold
         out = empty_for_gradient(like)

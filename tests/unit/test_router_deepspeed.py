@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.distributions import Gumbel, Uniform
 
 from moetron.model.config import ModelConfig
-from moetron.model.moe.gating import gumbel_rsample, uniform_rsample
+from moetron.model.moe.deepspeed_gating import gumbel_rsample, uniform_rsample
 from moetron.model.moe.router import Router, Routing
 
 HIDDEN = 12

@@ -10,12 +10,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from moetron.model.moe.router_config import RouterConfig
+
 
 @dataclass
-class ModelConfig:
-    # ---- the dense GPT (Megatron defaults) ----
+class ModelConfig(RouterConfig):
+    """The whole model. The routing fields (and `hidden_size`, the gate's input size) come from
+    `RouterConfig`, so every router is handed this config as its own."""
+
+    # ---- the dense GPT (Megatron defaults); hidden_size: see RouterConfig ----
     num_layers: int = 4
-    hidden_size: int = 256
     num_attention_heads: int = 4
     num_key_value_heads: int | None = None  # grouped-query attention; None = one KV head per query head
     ffn_hidden_size: int | None = None  # None: 4·hidden (GELU) or Megatron's int(8h/3/64)·64 (SwiGLU)
@@ -35,38 +39,16 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = False
     checkpoint_activations: bool = False  # recompute each layer in backward
 
-    # ---- which layers are MoE ----
+    # ---- which layers are MoE (topk and the routing fields: see RouterConfig) ----
     num_experts: list[int] = field(default_factory=lambda: [1])  # one value, or one per MoE layer (pyramid)
     expert_interval: int = 2  # 1-based layer n is MoE when n % expert_interval == 0
     moe_first_dense_layers: int = 0  # force the first N layers dense (DeepSeek's first_k_dense)
-    topk: int = 1
     mlp_type: str = "standard"  # standard | residual (PR-MoE: dense MLP + MoE mixed by a 2-way softmax)
     moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
     num_shared_experts: int = 0  # always-on experts of moe_ffn_hidden_size each (fused into one MLP)
     shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(x·w)
     moe_identical_expert_init: bool = False  # DeepSpeed's deep copies: all local experts start identical
     moe_expert_backend: str = "auto"  # auto | grouped_mm | batched | loop
-
-    # ---- routing: DeepSpeed semantics by default ----
-    moe_train_capacity_factor: float = 1.0
-    moe_eval_capacity_factor: float = 1.0
-    moe_min_capacity: int = 4
-    moe_token_dropping: bool = True  # --disable-moe-token-dropping sets False (capacity = max load)
-    moe_use_rts: bool = True  # random token selection when dropping (DeepSpeed's default)
-    moe_noisy_gate_policy: str | None = None  # None | Jitter | RSample
-    moe_top2_2nd_expert_sampling: bool = True  # Gumbel-perturbed second choice (DeepSpeed's default)
-    moe_loss_coeff: float = 0.1
-
-    # ---- routing: modern options ----
-    moe_router_score_function: str = "softmax"  # softmax | sigmoid
-    moe_router_pre_softmax: bool = False  # True: softmax over the top-k logits only (Mixtral)
-    moe_router_topk_renorm: bool | None = None  # None: DeepSpeed's rule (k=1 raw, k>=2 renormalised)
-    moe_router_topk_scaling_factor: float = 1.0
-    moe_z_loss_coeff: float = 0.0
-    moe_aux_loss_type: str = "global"  # global (DeepSpeed) | seq (per-sequence) | none
-    moe_router_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing by a selection-only expert bias
-    num_expert_groups: int = 1  # group-limited routing: experts split into groups,
-    topk_groups: int = 1  # tokens may only pick experts from their best topk_groups groups
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -150,19 +132,13 @@ class ModelConfig:
             ("position_embedding_type", ("learned_absolute", "rope")),
             ("mlp_type", ("standard", "residual")),
             ("moe_expert_backend", ("auto", "grouped_mm", "batched", "loop")),
-            ("moe_noisy_gate_policy", (None, "Jitter", "RSample")),
-            ("moe_router_score_function", ("softmax", "sigmoid")),
-            ("moe_aux_loss_type", ("global", "seq", "none")),
         ]:
             value = getattr(self, name)
             if value not in allowed:
                 flag = "--" + name.replace("_", "-")
                 p.append(f"{flag} {value!r} is not one of {', '.join(map(str, allowed))}")
-        # The router owns its own compatibility rules; ask it once per distinct expert count.
-        from moetron.model.moe.router import router_problems
-
-        for count in sorted({e for e in self.num_experts if e > 1}):
-            p.extend(q for q in router_problems(self, count) if q not in p)
+        # The routing rules live with the routing fields: once for the values, once per distinct expert count.
+        p.extend(self.routing_problems(sorted({e for e in self.num_experts if e > 1})))
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 p.append(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")

@@ -3,9 +3,9 @@
 Each of the `ep` ranks of an expert-parallel group holds `L = E / ep` consecutive experts (rank r: global
 ids r·L … r·L + L − 1). One layer's forward, on every rank of the group:
 
-    x_ND, counts_E, order_N = permute(x_TD, …)        rows sorted by GLOBAL expert ⇒ grouped by owner rank
+    x_QD, counts_E, order_Q, _ = permute(x_TD, …)     rows sorted by GLOBAL expert ⇒ grouped by owner rank
     counts_RL  ─all_to_all─▶  recv_RL                  how many rows each peer sends to each of my experts
-    x_ND       ─all_to_all─▶  x_MD (uneven splits)     received rows, grouped by source rank, then expert
+    x_QD[:N]   ─all_to_all─▶  x_MD (uneven splits)     the N kept rows, received grouped by source rank, then expert
     x_MD[local_order_M]  → experts(·, recv_RL.sum(0))  regrouped by local expert for the grouped GEMM
     … and the reverse on combine (inverse regroup, all-to-all with swapped splits, unpermute).
 
@@ -18,7 +18,8 @@ unnecessary here. The one host sync per layer and step is the `.tolist()` of the
 split sizes must be host integers).
 
 Shape legend: T local tokens, D hidden size, E global experts, R ranks in the EP group, L local experts
-(E = R·L), N rows this rank sends (its kept routes), M rows it receives (routes for its own experts).
+(E = R·L), Q = T·K routes (permute's rows: kept first), N rows this rank sends (its kept routes), M rows it
+receives (routes for its own experts).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from moetron.model.gpt import GPTModel
 from moetron.model.moe.dispatch import permute, unpermute
 from moetron.model.moe.experts import GroupedExperts
 from moetron.model.moe.layer import MoELayer
-from moetron.model.moe.routing import Routing
+from moetron.model.moe.routing_decision import Routing
 from moetron.parallel.mesh import ParallelMesh
 
 
@@ -95,10 +96,12 @@ class AllToAllDispatcher:
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, AllToAllContext]:
         """(x_MD, counts_L, ctx): the rows for this rank's experts from every peer, sorted by local expert."""
-        x_ND, counts_E, order_N = permute(x_TD, routing.expert_ids_TK, routing.kept_TK, self.num_experts)
+        x_QD, counts_E, order_Q, _ = permute(x_TD, routing.expert_ids_TK, routing.kept_TK, self.num_experts)
         recv_RL, send_splits, recv_splits = self.exchange_counts(counts_E)
-        x_MD = AllToAll.apply(x_ND, recv_splits, send_splits, self.group)
-        local_order_M = regroup_by_local_expert(recv_RL)
+        num_sent = sum(send_splits)  # the kept routes; the dropped ones (the tail) stay here
+        x_MD = AllToAll.apply(x_QD[:num_sent], recv_splits, send_splits, self.group)
+        local_order_M = regroup_by_local_expert(recv_RL, sum(recv_splits))
+        order_N = order_Q[:num_sent]
         ctx = AllToAllContext(order_N, routing.weights_TK, x_TD.shape[0], send_splits, recv_splits, local_order_M)
         return x_MD.index_select(0, local_order_M), recv_RL.sum(0), ctx
 
@@ -109,12 +112,14 @@ class AllToAllDispatcher:
         return unpermute(y_ND, ctx.order_N, ctx.weights_TK, ctx.num_tokens)
 
 
-def regroup_by_local_expert(recv_RL: torch.Tensor) -> torch.Tensor:
+def regroup_by_local_expert(recv_RL: torch.Tensor, num_received: int) -> torch.Tensor:
     """local_order_M: received rows (grouped by source rank, then local expert) reordered to be grouped by
-    local expert, then source rank: a stable sort on each row's local expert id (all on device)."""
+    local expert, then source rank: a stable sort on each row's local expert id (all on device).
+    `num_received` = M = recv_RL.sum(), known on the host from the split sizes: given as the repeat's
+    output size, so that the device is not asked for it."""
     num_ranks, num_local = recv_RL.shape
     expert_of_block = torch.arange(num_local, device=recv_RL.device).repeat(num_ranks)
-    expert_M = torch.repeat_interleave(expert_of_block, recv_RL.reshape(-1))
+    expert_M = torch.repeat_interleave(expert_of_block, recv_RL.reshape(-1), output_size=num_received)
     return torch.sort(expert_M, stable=True).indices
 
 

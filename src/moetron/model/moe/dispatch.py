@@ -1,17 +1,24 @@
-"""Token dispatch for one MoE layer: sort the kept routes by expert (permute), then add the weighted expert
-outputs back onto their tokens (unpermute). Never builds an [S, E, C] tensor: the cost is O(T·K·D).
+"""Token dispatch for one MoE layer: sort the routes by expert (permute), then add the weighted expert outputs
+back onto their tokens (unpermute). Never builds an [S, E, C] tensor: the cost is O(T·K·D).
 
-    x_ND, counts_E, ctx = dispatcher.dispatch(x_TD, routing)  # rows grouped by expert, counts per expert
-    y_ND = experts(x_ND, counts_E)
-    y_TD = dispatcher.combine(y_ND, ctx)                        # Σ_k weight_tk · expert_k(x_t)
+    x_RD, counts, ctx = dispatcher.dispatch(x_TD, routing)  # R = T·K rows: kept routes by expert, then the rest
+    y_RD = experts(x_RD, counts)                             # computes the kept rows only
+    y_TD = dispatcher.combine(y_RD, ctx)                      # Σ_k weight_tk · expert_k(x_t)
 
-Capacity mode and dropless mode share this path: a dropped route is simply not dispatched. `permute` and
-`unpermute` are plain functions so that the expert-parallel `AllToAllDispatcher` can reuse them: it
-sorts by GLOBAL expert id here, exchanges `counts_E` (per global expert) and the sorted rows with its
-peers, and runs `unpermute` on the rows it gets back.
+Static shapes, no host sync (the GPU never waits for Python): every one of the T·K routes gets a row. The
+kept routes come first, grouped by expert (token order within an expert); the dropped routes follow (the
+tail). How many rows are kept, N = Σ counts_E, stays on the device: the experts' grouped GEMM stops at
+offset N. The tail is never computed — on CUDA it holds whatever memory `torch._grouped_mm`'s output got —
+so nothing may carry it onward (0 · NaN is NaN): `permute`'s gather drops the tail rows' gradients, and
+`unpermute` adds the tail into a sink row it discards, with the weights selected (`where`), not multiplied.
+Dropless routing keeps every route: N = T·K, no tail.
 
-Shape legend: T tokens, K routes per token, D hidden size, E experts (global ids),
-N kept routes (rows sent to experts), order_N: flat route index t·K + k of each sorted row.
+`permute` and `unpermute` are plain functions so that the expert-parallel `AllToAllDispatcher` can reuse
+them: it sorts by GLOBAL expert id here, exchanges `counts_E` (per global expert) and the first N rows (N is
+host-side there: the split sizes are) with its peers, and runs `unpermute` on the rows it gets back.
+
+Shape legend: T tokens, K routes per token, D hidden size, E experts (global ids), R = T·K routes (rows),
+N kept routes (a device value), order_R: flat route index t·K + k of each sorted row.
 """
 
 from __future__ import annotations
@@ -21,68 +28,112 @@ from typing import Any, Protocol
 
 import torch
 
-from moetron.model.moe.routing import Routing
+from moetron.model.moe.routing_decision import Routing, route_counts
+
+
+@dataclass(frozen=True)
+class ExpertCounts:
+    """What the dispatcher tells the experts besides the rows: the rows per expert (a device tensor), and,
+    when the router knows it on the host, a bound on every count (the capacity), so that the batched
+    backend can pad to it without reading the counts."""
+
+    counts_E: torch.Tensor  # int64 [E]: rows per local expert; rows past their sum are not computed
+    capacity: int | None = None  # host bound on every count (capacity-factor mode), None = unknown
+
+
+class GatherRows(torch.autograd.Function):
+    """`src_XA.index_select(0, index_R)` whose backward sends row r's gradient to row `grad_index_R[r]`;
+    rows whose grad index is X (one past the last row, a sink) pass no gradient back, whatever it holds."""
+
+    @staticmethod
+    def forward(ctx, src_XA: torch.Tensor, index_R: torch.Tensor, grad_index_R: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(grad_index_R)
+        ctx.num_rows = src_XA.shape[0]
+        return src_XA.index_select(0, index_R)
+
+    @staticmethod
+    def backward(ctx, grad_RA: torch.Tensor):
+        (grad_index_R,) = ctx.saved_tensors
+        # index_select's own backward (zeros + index_add_, same order) into one extra row, then dropped.
+        grad_XA = grad_RA.new_zeros(ctx.num_rows + 1, *grad_RA.shape[1:]).index_add_(0, grad_index_R, grad_RA)
+        return grad_XA[: ctx.num_rows], None, None
+
+
+def gather_rows(src_XA: torch.Tensor, index_R: torch.Tensor, keep_grad_R: torch.Tensor) -> torch.Tensor:
+    """Rows `index_R` of src; the gradient of row r reaches src only where `keep_grad_R[r]`."""
+    return GatherRows.apply(src_XA, index_R, torch.where(keep_grad_R, index_R, src_XA.shape[0]))
 
 
 def sort_routes(
     expert_ids_TK: torch.Tensor, kept_TK: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order_N, counts_E): kept routes' flat indices sorted by expert (stable: token order within an expert)
-    and the kept routes per expert. One host sync, to learn N."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order_R, counts_E, kept_R): all routes' flat indices, kept ones first sorted by expert (stable: token
+    order within an expert), dropped ones after; the kept routes per expert; which sorted rows are kept."""
     ids_R = expert_ids_TK.reshape(-1)
     keys_R = torch.where(kept_TK.reshape(-1), ids_R, num_experts)  # dropped routes sort to the tail
-    counts_E = torch.bincount(keys_R, minlength=num_experts + 1)[:num_experts]
-    order_R = torch.sort(keys_R, stable=True).indices
-    num_kept = int(counts_E.sum().item())
-    return order_R[:num_kept], counts_E
+    sorted_keys_R, order_R = torch.sort(keys_R, stable=True)
+    counts_E = route_counts(keys_R, num_experts + 1)[:num_experts]
+    return order_R, counts_E, sorted_keys_R < num_experts
 
 
 def permute(
     x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, kept_TK: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gather the kept routes' token rows grouped by expert: (x_ND, counts_E, order_N).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gather every route's token row, grouped by expert: (x_RD, counts_E, order_R, kept_R).
 
-    Gradient flows to x_TD (index_select's backward adds the rows of a token routed K times)."""
-    order_N, counts_E = sort_routes(expert_ids_TK, kept_TK, num_experts)
-    x_ND = x_TD.index_select(0, route_tokens(order_N, expert_ids_TK.shape[1]))
-    return x_ND, counts_E, order_N
+    Gradient flows to x_TD from the kept rows only (a token routed K times gets the sum of its rows')."""
+    order_R, counts_E, kept_R = sort_routes(expert_ids_TK, kept_TK, num_experts)
+    x_RD = gather_rows(x_TD, route_tokens(order_R, expert_ids_TK.shape[1]), kept_R)
+    return x_RD, counts_E, order_R, kept_R
 
 
-def route_tokens(order_N: torch.Tensor, topk: int) -> torch.Tensor:
+def route_tokens(order_R: torch.Tensor, topk: int) -> torch.Tensor:
     """The token of each flat route index (t·K + k → t)."""
-    return order_N if topk == 1 else order_N // topk
+    return order_R if topk == 1 else order_R // topk
 
 
-def unpermute(y_ND: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def unpermute(
+    y_RD: torch.Tensor,
+    order_R: torch.Tensor,
+    weights_TK: torch.Tensor,
+    num_tokens: int,
+    kept_R: torch.Tensor | None = None,
+) -> torch.Tensor:
     """y_TD[t] = Σ over t's kept routes of weight · expert output; tokens with no kept route get 0.
 
-    The weighted sum accumulates in fp32 (DeepSpeed >= 0.19.4) and is cast back to y's dtype. Gradients
-    flow to y_ND and to weights_TK (hence to the router)."""
-    topk = weights_TK.shape[1]
-    acc_dtype = torch.promote_types(y_ND.dtype, torch.float32)
-    weights_N = weights_TK.reshape(-1).index_select(0, order_N).to(acc_dtype)
-    weighted_ND = y_ND.to(acc_dtype) * weights_N.unsqueeze(1)
+    `kept_R` marks the rows that hold a kept route's output; the others (never computed, any value) reach
+    neither the output nor a gradient. None: every row does. The weighted sum accumulates in fp32
+    (DeepSpeed >= 0.19.4) and is cast back to y's dtype. Gradients flow to y_RD and to weights_TK."""
+    acc_dtype = torch.promote_types(y_RD.dtype, torch.float32)
+    weights_R = weights_TK.reshape(-1).index_select(0, order_R).to(acc_dtype)
+    token_R = route_tokens(order_R, weights_TK.shape[1])
+    if kept_R is not None:
+        weights_R = torch.where(kept_R, weights_R, 0.0)  # the gradient of a tail row's weight is 0, not 0·NaN
+        token_R = torch.where(kept_R, token_R, num_tokens)  # the sink row
+    weighted_RD = y_RD.to(acc_dtype) * weights_R.unsqueeze(1)
     # In place on a fresh buffer: the out-of-place index_add would first copy the zeros.
-    y_TD = weighted_ND.new_zeros(num_tokens, y_ND.shape[1]).index_add_(0, route_tokens(order_N, topk), weighted_ND)
-    return y_TD.to(y_ND.dtype)
+    rows = num_tokens + (kept_R is not None)
+    y_TD = weighted_RD.new_zeros(rows, y_RD.shape[1]).index_add_(0, token_R, weighted_RD)[:num_tokens]
+    return y_TD.to(y_RD.dtype)
 
 
 class TokenDispatcher(Protocol):
     """Moves tokens to their experts and back. The layer holds one and never does communication itself."""
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """(x_sorted_ND, counts_local_E, ctx): rows for this process's experts, sorted by local expert."""
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor | ExpertCounts, Any]:
+        """(x_sorted, counts, ctx): rows for this process's experts, sorted by local expert, and the rows per
+        local expert (a tensor, or an `ExpertCounts` carrying a host bound too)."""
         ...
 
-    def combine(self, y_ND: torch.Tensor, ctx: Any) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, ctx: Any) -> torch.Tensor:
         """y_TD: the expert outputs back on their tokens, weighted by routing.weights_TK and summed over k."""
         ...
 
 
 @dataclass
 class LocalContext:
-    order_N: torch.Tensor  # flat route index of each sorted row
-    counts_E: torch.Tensor  # kept routes per (global) expert
+    order_R: torch.Tensor  # flat route index of each sorted row
+    kept_R: torch.Tensor  # bool: the sorted row is a kept route (the experts computed it)
     weights_TK: torch.Tensor
     num_tokens: int
 
@@ -93,12 +144,13 @@ class LocalDispatcher:
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, LocalContext]:
-        x_ND, counts_E, order_N = permute(x_TD, routing.expert_ids_TK, routing.kept_TK, self.num_experts)
-        return x_ND, counts_E, LocalContext(order_N, counts_E, routing.weights_TK, x_TD.shape[0])
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, ExpertCounts, LocalContext]:
+        x_RD, counts_E, order_R, kept_R = permute(x_TD, routing.expert_ids_TK, routing.kept_TK, self.num_experts)
+        ctx = LocalContext(order_R, kept_R, routing.weights_TK, x_TD.shape[0])
+        return x_RD, ExpertCounts(counts_E, routing.host_capacity), ctx
 
-    def combine(self, y_ND: torch.Tensor, ctx: LocalContext) -> torch.Tensor:
-        return unpermute(y_ND, ctx.order_N, ctx.weights_TK, ctx.num_tokens)
+    def combine(self, y_RD: torch.Tensor, ctx: LocalContext) -> torch.Tensor:
+        return unpermute(y_RD, ctx.order_R, ctx.weights_TK, ctx.num_tokens, ctx.kept_R)
 
     def __repr__(self) -> str:
         return f"LocalDispatcher(num_experts={self.num_experts})"

@@ -3,13 +3,15 @@
     experts = GroupedExperts(num_experts=8, hidden=256, ffn=1024, swiglu=False, bias=True)
     y_ND = experts(x_ND, counts_E)  # rows 0..counts_E[0]-1 belong to expert 0, the next counts_E[1] to expert 1, …
 
-Three interchangeable backends compute the same function (`backend`, from `cfg.moe_expert_backend`):
-  grouped_mm  one `torch._grouped_mm` per projection (CPU fp32/bf16/fp16 in torch >= 2.9; CUDA sm80+);
-              no padding, no host sync. Needs row strides that are multiples of 16 bytes. On CPU a SwiGLU
-              expert without biases runs expert by expert instead (`ExpertByExpertSwiGLU`, the same GEMMs).
-  batched     rows scattered into a padded `[E, C_max, D]` buffer, then `torch.bmm` (any torch, any device).
-  loop        one matmul per expert (the readable reference).
-`auto` picks grouped_mm when a tiny probe call succeeds for this device/dtype/shape, else batched.
+Rows past Σ counts_E (the dispatcher's dropped routes) are not computed; their output is unspecified and
+their gradient ignored. `counts_E` may also be an `ExpertCounts`, whose host capacity bound lets the
+batched backend pad without reading the counts.
+
+Three interchangeable backends compute the same function (`backend`, from `cfg.moe_expert_backend`; see
+`expert_backends.py`): grouped_mm (one grouped GEMM per projection), batched (padded bmm), loop (the
+reference). `auto` picks grouped_mm where it runs without host syncs, else batched (`auto_backend`). Where
+reading the device is free (a CPU tensor), a SwiGLU expert without biases runs expert by expert instead
+(`experts_cpu.py`: the same GEMMs, better cache reuse).
 
 Expert parallelism: a `GroupedExperts` may hold only the experts `expert_offset … expert_offset + E_local − 1`
 of a layer with `num_global_experts`; initialisation draws global expert g's weights from a generator seeded
@@ -20,9 +22,7 @@ Shape legend: N routed rows (sorted by expert), E local experts, D hidden size, 
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import sys
 from collections.abc import Callable
 
 import torch
@@ -30,175 +30,24 @@ from torch import nn
 
 from moetron.model.init import stable_seed
 from moetron.model.mlp import gelu
-
-BACKENDS = ("auto", "grouped_mm", "batched", "loop")
-
-
-# ---------------------------------------------------------------- backend selection
-@functools.cache
-def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Probe `torch._grouped_mm` once per (device type, dtype): availability differs by build and GPU."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        x = torch.ones(4, 8, device=device_type, dtype=dtype)
-        w = torch.ones(2, 8, 8, device=device_type, dtype=dtype)
-        offs = torch.tensor([1, 4], device=device_type, dtype=torch.int32)
-        return bool(torch._grouped_mm(x, w, offs=offs)[0, 0].item() == 8)
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-
-
-def grouped_mm_supported(device: torch.device, dtype: torch.dtype, *dims: int) -> bool:
-    """True when `torch._grouped_mm` runs here and every row of width in `dims` is 16-byte aligned."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return all(d * itemsize % 16 == 0 for d in dims) and _grouped_mm_runs(device.type, dtype)
+from moetron.model.moe.dispatch import ExpertCounts, gather_rows
+from moetron.model.moe.expert_backends import (
+    BACKENDS,
+    PaddedLayout,
+    auto_backend,
+    expert_of_rows,
+    grouped_matmul,
+    loop_matmul,
+    padded_matmul,
+)
+from moetron.model.moe.experts_cpu import expert_by_expert_swiglu
+from moetron.model.moe.host_reads import host_reads_are_free
 
 
 def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad.contiguous()  # the grouped_mm backward rejects expanded (stride-0) gradients
 
 
-# ---------------------------------------------------------------- the three backends: [N, A] x [E, A, B] -> [N, B]
-def grouped_matmul(x_NA: torch.Tensor, w_EAB: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """Rows offsets_E[e-1]..offsets_E[e]-1 of x times w_EAB[e], in one kernel (offsets: int32 cumulative ends)."""
-    return torch._grouped_mm(x_NA, w_EAB, offs=offsets_E)
-
-
-def loop_matmul(x_NA: torch.Tensor, w_EAB: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """The reference: one matmul per expert (unbind, not w[e], so the backward stacks once instead of E times)."""
-    pieces = [x_e @ w_AB for x_e, w_AB in zip(x_NA.split(counts), w_EAB.unbind(0), strict=True)]
-    return torch.cat(pieces) if pieces else x_NA.new_empty(0, w_EAB.shape[-1])
-
-
-class PaddedLayout:
-    """Where each sorted row lives in a padded `[E, C, ·]` buffer (C = the largest count), for bmm."""
-
-    def __init__(self, counts_E: torch.Tensor):
-        num_experts = counts_E.numel()
-        self.capacity = int(counts_E.max().item()) if num_experts else 0
-        starts_E = torch.cumsum(counts_E, 0) - counts_E
-        expert_N = torch.repeat_interleave(torch.arange(num_experts, device=counts_E.device), counts_E)
-        rank_N = torch.arange(expert_N.numel(), device=counts_E.device) - starts_E[expert_N]
-        self.slot_N = expert_N * self.capacity + rank_N
-        self.num_experts = num_experts
-
-    def pad(self, x_NA: torch.Tensor) -> torch.Tensor:
-        buffer = x_NA.new_zeros(self.num_experts * self.capacity, x_NA.shape[-1])
-        return buffer.index_copy(0, self.slot_N, x_NA).view(self.num_experts, self.capacity, x_NA.shape[-1])
-
-    def unpad(self, x_ECA: torch.Tensor) -> torch.Tensor:
-        return x_ECA.reshape(-1, x_ECA.shape[-1]).index_select(0, self.slot_N)
-
-
-_HUGE_PAGE = 2 << 20
-_OWN_MAPPING_BYTES = 32 << 20  # glibc serves larger blocks from a fresh mmap every time (its mmap ceiling)
-_MADV_HUGEPAGE = 14
-
-
-@functools.cache
-def _madvise() -> Callable | None:
-    """libc's madvise on Linux, else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise
-
-
-def empty_for_gradient(like: torch.Tensor) -> torch.Tensor:
-    """`torch.empty_like(like)`, backed by transparent huge pages when it is a large CPU buffer on Linux.
-
-    An [E, D, F] weight gradient is a fresh mmap every step (zero_grad(set_to_none=True) frees it), and
-    faulting it in 4 KiB at a time cost ~25 ms per 64 MiB here — a fifth of the layer's step at E=128.
-    With the MADV_HUGEPAGE hint the kernel maps 2 MiB pages: ~6x less. Only a hint: it changes no value,
-    and anything unexpected leaves the plain allocation. (torch's THP_MEM_ALLOC_ENABLE does the same for
-    every allocation, but must be set before torch starts.)
-    """
-    out = torch.empty_like(like)
-    nbytes = out.numel() * out.element_size()
-    madvise = _madvise() if out.device.type == "cpu" and nbytes >= _OWN_MAPPING_BYTES else None
-    if madvise is not None:
-        start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE  # the 2 MiB-aligned interior of the buffer
-        end = (out.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        madvise(start, end - start, _MADV_HUGEPAGE)  # a refused hint (errno) changes nothing
-    return out
-
-
-class ExpertByExpertSwiGLU(torch.autograd.Function):
-    """`(silu(x·w1) * (x·w3))·w2` on rows sorted by expert, running each expert's WHOLE MLP (and then its
-    whole backward) before the next expert's.
-
-    On CPU `torch._grouped_mm` is a loop of one mm per expert, so the three grouped projections stream
-    every expert's rows and [N, F] activations through memory three times forward and more backward.
-    Expert by expert, an expert's rows and activations are reused from cache by its next GEMM: ~10% less
-    CPU time than the grouped projections (or one bmm per projection) at E=64, D=128, F=256.
-    Same per-expert mm calls on the same operands as the grouped_mm fallback, so the same values.
-    Saves x·w1 and x·w3 only; silu(x·w1) and the product are recomputed per expert in the backward.
-    """
-
-    @staticmethod
-    def forward(ctx, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int]):
-        y_ND = x_ND.new_empty(x_ND.shape[0], w2_EFD.shape[-1])
-        # Per-expert activation tensors, not one [N, F] buffer: allocations past glibc's 32 MiB mmap ceiling
-        # get fresh pages every step, and faulting them in cost more system time than the GEMMs they feed.
-        a_list, b_list = [], []
-        # Views made in bulk (split/unbind): the per-expert Python work is a visible cost at E = 128.
-        for x_e, y_e, w1_DF, w3_DF, w2_FD in zip(
-            x_ND.split(counts), y_ND.split(counts), w1_EDF.unbind(0), w3_EDF.unbind(0), w2_EFD.unbind(0), strict=True
-        ):
-            a_e, b_e = torch.mm(x_e, w1_DF), torch.mm(x_e, w3_DF)
-            torch.mm(torch.nn.functional.silu(a_e) * b_e, w2_FD, out=y_e)
-            a_list.append(a_e)
-            b_list.append(b_e)
-        ctx.save_for_backward(x_ND, w1_EDF, w3_EDF, w2_EFD)
-        ctx.activations, ctx.counts = (a_list, b_list), counts
-        return y_ND
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_ND):
-        x_ND, w1_EDF, w3_EDF, w2_EFD = ctx.saved_tensors
-        counts = ctx.counts
-        grad_x = x_ND.new_empty(x_ND.shape) if ctx.needs_input_grad[0] else None
-        grad_w1, grad_w3, grad_w2 = (empty_for_gradient(w) for w in (w1_EDF, w3_EDF, w2_EFD))
-        per_expert = zip(
-            grad_ND.split(counts),
-            x_ND.split(counts),
-            *ctx.activations,
-            grad_x.split(counts) if grad_x is not None else [None] * len(counts),
-            w1_EDF.transpose(1, 2).unbind(0),
-            w3_EDF.transpose(1, 2).unbind(0),
-            w2_EFD.transpose(1, 2).unbind(0),
-            grad_w1.unbind(0),
-            grad_w3.unbind(0),
-            grad_w2.unbind(0),
-            strict=True,
-        )
-        for g_e, x_e, a_e, b_e, gx_e, w1_FD, w3_FD, w2_DF, gw1_DF, gw3_DF, gw2_FD in per_expert:
-            silu_e = torch.nn.functional.silu(a_e)
-            torch.mm((silu_e * b_e).t(), g_e, out=gw2_FD)
-            dh_e = torch.mm(g_e, w2_DF)
-            db_e = dh_e * silu_e  # the autograd graph's MulBackward and SiluBackward, op for op
-            da_e = torch.ops.aten.silu_backward(dh_e * b_e, a_e)
-            x_DN = x_e.t()
-            torch.mm(x_DN, da_e, out=gw1_DF)
-            torch.mm(x_DN, db_e, out=gw3_DF)
-            if gx_e is not None:
-                torch.mm(da_e, w1_FD, out=gx_e).add_(torch.mm(db_e, w3_FD))
-        ctx.activations = None
-        return grad_x, grad_w1, grad_w3, grad_w2, None
-
-
-def _expert_by_expert(x_ND: torch.Tensor, w1_EDF, w3_EDF, w2_EFD, counts_E: torch.Tensor) -> torch.Tensor:
-    with torch.autocast(device_type=x_ND.device.type, enabled=False):  # operands are already in compute dtype
-        return ExpertByExpertSwiGLU.apply(x_ND, w1_EDF, w3_EDF, w2_EFD, counts_E.tolist())
-
-
-# ---------------------------------------------------------------- the module
 class GroupedExperts(nn.Module):
     """E feed-forward experts, `y = act(x·w1 [+ b1]) [· (x·w3)] · w2 [+ b2]`, weights stored as `[E, …]`.
 
@@ -267,13 +116,11 @@ class GroupedExperts(nn.Module):
 
     # ------------------------------------------------------------ forward
     def resolved_backend(self, x_ND: torch.Tensor) -> str:
-        if self.backend != "auto":
-            return self.backend
-        ok = grouped_mm_supported(x_ND.device, x_ND.dtype, self.hidden, self.ffn)
-        return "grouped_mm" if ok else "batched"
+        return self.backend if self.backend != "auto" else auto_backend(x_ND.device, x_ND.dtype, self.hidden, self.ffn)
 
-    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """x_ND: rows sorted by local expert; counts_E (int64 [E]): rows per expert (sums to N)."""
+    def forward(self, x_ND: torch.Tensor, counts: torch.Tensor | ExpertCounts) -> torch.Tensor:
+        """x_ND: rows sorted by local expert; counts: int64 [E] rows per expert (or an `ExpertCounts`)."""
+        counts_E, capacity = (counts.counts_E, counts.capacity) if isinstance(counts, ExpertCounts) else (counts, None)
         if counts_E.numel() != self.num_experts:
             raise ValueError(
                 f"got token counts for {counts_E.numel()} experts but this module holds {self.num_experts} "
@@ -284,25 +131,25 @@ class GroupedExperts(nn.Module):
         backend = self.resolved_backend(x_ND)
         if backend == "grouped_mm" and self._runs_expert_by_expert(x_ND):
             dtype = x_ND.dtype
-            return _expert_by_expert(x_ND, *(w.to(dtype) for w in (self.w1_EDF, self.w3_EDF, self.w2_EFD)), counts_E)
+            weights = (w.to(dtype) for w in (self.w1_EDF, self.w3_EDF, self.w2_EFD))
+            return expert_by_expert_swiglu(x_ND, *weights, counts_E)
+        num_rows = x_ND.shape[0]
         if backend == "grouped_mm":
             matmul = functools.partial(grouped_matmul, offsets_E=torch.cumsum(counts_E, 0, dtype=torch.int32))
         elif backend == "batched":
-            matmul = functools.partial(_padded_matmul, layout=PaddedLayout(counts_E))
+            matmul = functools.partial(padded_matmul, layout=PaddedLayout(counts_E, num_rows, capacity))
         else:
             matmul = functools.partial(loop_matmul, counts=counts_E.tolist())
-        expert_N = None
-        if self.b1_EF is not None:
-            expert_N = torch.repeat_interleave(torch.arange(self.num_experts, device=x_ND.device), counts_E)
+        expert_N = expert_of_rows(counts_E, num_rows) if self.b1_EF is not None else None
         y_ND = self._mlp(x_ND, matmul, functools.partial(_add_row_bias, expert_N=expert_N))
         if y_ND.requires_grad and backend == "grouped_mm":
             y_ND.register_hook(_contiguous_grad)
         return y_ND
 
     def _runs_expert_by_expert(self, x_ND: torch.Tensor) -> bool:
-        """CPU, SwiGLU with SiLU, no biases: the case `ExpertByExpertSwiGLU` implements."""
+        """SwiGLU with SiLU, no biases, where host reads are free (CPU): what `ExpertByExpertSwiGLU` implements."""
         plain_swiglu = self.w3_EDF is not None and self.b1_EF is None and self.activation is nn.functional.silu
-        return plain_swiglu and x_ND.device.type == "cpu"
+        return plain_swiglu and host_reads_are_free(x_ND.device)
 
     def dense_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The single expert applied to every row ([..., D] -> [..., D]): the dense-MLP form (needs E == 1)."""
@@ -326,7 +173,10 @@ class GroupedExperts(nn.Module):
 
 
 def _add_row_bias(h_NA: torch.Tensor, b_EA: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
-    return h_NA + b_EA.index_select(0, expert_N)
+    """Each row's expert bias; rows of no expert (E: past the counts) read the last one and send no gradient
+    to it (their h is never computed, so their gradient is unspecified)."""
+    has_expert_N = expert_N < b_EA.shape[0]
+    return h_NA + gather_rows(b_EA, expert_N.clamp(max=b_EA.shape[0] - 1), has_expert_N)
 
 
 def _add_single_bias(h_TA: torch.Tensor, b_1A: torch.Tensor) -> torch.Tensor:
@@ -335,10 +185,6 @@ def _add_single_bias(h_TA: torch.Tensor, b_1A: torch.Tensor) -> torch.Tensor:
 
 def _single_matmul(x_TA: torch.Tensor, w_1AB: torch.Tensor) -> torch.Tensor:
     return x_TA @ w_1AB[0]
-
-
-def _padded_matmul(x_NA: torch.Tensor, w_EAB: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
-    return layout.unpad(torch.bmm(layout.pad(x_NA), w_EAB))
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -35,7 +35,7 @@ from moetron.model.moe.aux_loss import attach_aux_loss
 from moetron.model.moe.dispatch import LocalDispatcher, TokenDispatcher
 from moetron.model.moe.experts import GroupedExperts
 from moetron.model.moe.router import Router
-from moetron.model.moe.routing import Routing
+from moetron.model.moe.routing_decision import Routing
 
 
 @dataclass
@@ -166,7 +166,8 @@ class MoELayer(nn.Module):
             routing.aux_loss,
             routing.tokens_per_expert_E.detach(),
             dropped,
-            routing.capacity,
+            # an int, or (dropless) a 0-dim device tensor: not read here; `routing.capacity` is the int on demand
+            routing.capacity_source,
             routing,
         )
 

@@ -1,15 +1,15 @@
 """The MoE router: an fp32 gate, DeepSpeed-exact routing by default, modern routing options on request.
 
-    router = Router(cfg, num_experts=8)
+    router = Router(cfg, num_experts=8)            # cfg: a RouterConfig (a ModelConfig is one)
     routing = router(x_TD, seq_len=cfg.seq_length)  # x_TD: the [B, L, D] activations flattened to [T, D]
     loss = lm_loss + cfg.moe_loss_coeff * routing.aux_loss + cfg.moe_z_loss_coeff * routing.z_loss
     ...
     router.update_expert_bias()  # once per optimizer step (aux-loss-free balancing; no-op by default)
 
 With the default options the routing is DeepSpeed 0.19.x's `TopKGate` (top-1 / top-2 / top-k gating, see
-`gating.py`): same capacities, kept routes, weights, aux loss and — from the same torch seed — the same
+`deepspeed_gating.py`): same capacities, kept routes, weights, aux loss and — from the same torch seed — the same
 random choices. Any modern option (sigmoid scores, pre-softmax, forced renormalisation, a scaling factor,
-expert-bias balancing, expert groups) switches to the generic top-k path of `modern_gating.py`. The z-loss
+expert-bias balancing, expert groups) switches to the generic top-k path of `generic_gating.py`. The z-loss
 and the aux-loss type (global / seq / none) apply to both paths.
 
 Shape legend: T tokens, D hidden size, E experts, K routes per token.
@@ -25,46 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetron.errors import ConfigError
-from moetron.model.config import ModelConfig
-from moetron.model.moe.gating import multiplicative_jitter, top1_gating, top2_gating, topk_gating
-from moetron.model.moe.modern_gating import generic_topk_gating, sequence_aux_loss, z_loss, z_loss_from_route
-from moetron.model.moe.routing import Routing
+from moetron.model.moe.balancing_losses import sequence_aux_loss, z_loss, z_loss_from_route
+from moetron.model.moe.deepspeed_gating import multiplicative_jitter, top1_gating, top2_gating, topk_gating
+from moetron.model.moe.generic_gating import generic_topk_gating
+from moetron.model.moe.router_config import RouterConfig
+from moetron.model.moe.routing_decision import Routing
 
-__all__ = ["Router", "Routing", "uses_generic_path"]
-
-
-def uses_generic_path(cfg: ModelConfig) -> bool:
-    """True when a modern option changes selection or weights, so DeepSpeed's gating no longer applies."""
-    return (
-        cfg.moe_router_score_function != "softmax"
-        or cfg.moe_router_pre_softmax
-        or cfg.moe_router_topk_renorm is not None
-        or cfg.moe_router_topk_scaling_factor != 1.0
-        or cfg.moe_router_bias_update_rate > 0
-        or cfg.num_expert_groups > 1
-    )
-
-
-def router_problems(cfg: ModelConfig, num_experts: int) -> list[str]:
-    """Routing settings that cannot work together for a layer of `num_experts` experts."""
-    p: list[str] = []
-    if not 1 <= cfg.topk <= num_experts:
-        p.append(f"--topk {cfg.topk} must be between 1 and the layer's {num_experts} experts")
-    if cfg.moe_router_pre_softmax and cfg.moe_router_score_function != "softmax":
-        p.append("--moe-router-pre-softmax needs --moe-router-score-function softmax; drop one of the two")
-    if cfg.num_expert_groups > 1:
-        if num_experts % cfg.num_expert_groups:
-            p.append(f"--num-expert-groups {cfg.num_expert_groups} does not divide the layer's {num_experts} experts")
-        elif cfg.topk > cfg.topk_groups * (num_experts // cfg.num_expert_groups):
-            p.append(
-                f"--topk {cfg.topk} exceeds the experts reachable in --topk-groups {cfg.topk_groups} groups of "
-                f"{num_experts // cfg.num_expert_groups}; raise --topk-groups or lower --topk"
-            )
-    if cfg.moe_router_bias_update_rate < 0:
-        p.append(f"--moe-router-bias-update-rate must be >= 0, got {cfg.moe_router_bias_update_rate}")
-    if cfg.moe_min_capacity < 0:
-        p.append(f"--moe-min-capacity must be >= 0, got {cfg.moe_min_capacity}")
-    return p
+__all__ = ["Router", "RouterConfig", "Routing"]
 
 
 class Router(nn.Module):
@@ -75,15 +42,15 @@ class Router(nn.Module):
     training since the last `update_expert_bias`; expert parallelism all-reduces it before the update).
     """
 
-    def __init__(self, cfg: ModelConfig, num_experts: int):
+    def __init__(self, cfg: RouterConfig, num_experts: int):
         super().__init__()
-        problems = router_problems(cfg, num_experts)
+        problems = cfg.routing_problems([num_experts])
         if problems:
             raise ConfigError(problems)
         self.cfg = cfg
         self.num_experts = num_experts
         self.topk = cfg.topk
-        self.generic = uses_generic_path(cfg)
+        self.generic = cfg.uses_generic_path
         self.weight = nn.Parameter(torch.empty(num_experts, cfg.hidden_size, dtype=torch.float32))
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         # Transient (zero after every optimizer step), so it stays out of checkpoints.

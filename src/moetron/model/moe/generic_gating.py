@@ -1,6 +1,6 @@
-"""The generic top-k router behind the modern options, and the balancing losses shared by both paths.
+"""The generic top-k router behind the modern options (DeepSpeed's exact paths are in `deepspeed_gating.py`).
 
-Options (ModelConfig fields): sigmoid or softmax scores; `moe_router_pre_softmax` (top-k on logits, then
+Options (RouterConfig fields): sigmoid or softmax scores; `moe_router_pre_softmax` (top-k on logits, then
 softmax over the k — Mixtral); forced renormalisation on/off; a weight scaling factor; a selection-only
 expert bias (aux-loss-free balancing, DeepSeek-V3); group-limited routing (DeepSeek-V3: a group's score is
 the sum of its two best scores, tokens pick from their best `topk_groups` groups).
@@ -18,17 +18,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetron.model.config import ModelConfig
-from moetron.model.moe.capacity import (
-    RoutingInputError,
+from moetron.model.moe.balancing_losses import balance_loss
+from moetron.model.moe.capacity_and_dropping import (
     capacity_from_factor,
     dropless_capacity,
     keep_by_position,
     keep_top_keys,
-    route_counts,
-    route_fraction,
 )
-from moetron.model.moe.routing import Routing
+from moetron.model.moe.router_config import RouterConfig
+from moetron.model.moe.routing_decision import Routing, route_counts, route_fraction
 
 
 def routing_probs(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:
@@ -51,11 +49,11 @@ def limit_to_best_groups(select_TE: torch.Tensor, num_groups: int, topk_groups: 
     group_scores_TG = grouped_TGX.topk(best_in_group, dim=-1).values.sum(-1)
     best_groups_TG = group_scores_TG.topk(topk_groups, dim=-1).indices
     allowed_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, best_groups_TG, True)
-    allowed_TE = allowed_TG.repeat_interleave(num_experts // num_groups, dim=1)
+    allowed_TE = allowed_TG.repeat_interleave(num_experts // num_groups, dim=1, output_size=num_experts)
     return select_TE.masked_fill(~allowed_TE, float("-inf"))
 
 
-def _scores(logits_TE: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def _scores(logits_TE: torch.Tensor, cfg: RouterConfig) -> torch.Tensor:
     """[T, E] selection scores: logits (pre-softmax: weights are a softmax over the chosen k), sigmoid or softmax."""
     if cfg.moe_router_pre_softmax:
         return logits_TE
@@ -64,7 +62,7 @@ def _scores(logits_TE: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return F.softmax(logits_TE, dim=-1)
 
 
-def _probs_from_scores(logits_TE: torch.Tensor, scores_TE: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def _probs_from_scores(logits_TE: torch.Tensor, scores_TE: torch.Tensor, cfg: RouterConfig) -> torch.Tensor:
     """`routing_probs`, reusing the selection scores when they already are (or hold) the same function:
     one softmax (and one softmax backward) per step instead of two."""
     if cfg.moe_router_pre_softmax:
@@ -72,7 +70,7 @@ def _probs_from_scores(logits_TE: torch.Tensor, scores_TE: torch.Tensor, cfg: Mo
     return normalised(scores_TE) if cfg.moe_router_score_function == "sigmoid" else scores_TE
 
 
-def _choose_experts(scores_TE: torch.Tensor, cfg: ModelConfig, k: int, expert_bias_E: torch.Tensor | None):
+def _choose_experts(scores_TE: torch.Tensor, cfg: RouterConfig, k: int, expert_bias_E: torch.Tensor | None):
     """(ids_TK, route_scores_TK): which experts each token picks, and the unbiased score of each pick."""
     select_TE = scores_TE.detach()
     if expert_bias_E is not None:  # the bias steers selection only, never the weights
@@ -86,14 +84,14 @@ def _choose_experts(scores_TE: torch.Tensor, cfg: ModelConfig, k: int, expert_bi
     return ids_TK, route_scores_TK
 
 
-def renormalises(cfg: ModelConfig, k: int) -> bool:
+def renormalises(cfg: RouterConfig, k: int) -> bool:
     """DeepSpeed's rule unless forced: k = 1 keeps the raw score, k >= 2 renormalises over kept routes."""
     return cfg.moe_router_topk_renorm if cfg.moe_router_topk_renorm is not None else k >= 2
 
 
 def generic_topk_gating(
     logits_TE: torch.Tensor,
-    cfg: ModelConfig,
+    cfg: RouterConfig,
     k: int,
     capacity_factor: float,
     expert_bias_E: torch.Tensor | None = None,
@@ -116,7 +114,7 @@ def generic_topk_gating(
     if renormalises(cfg, k):
         weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).eps)
     weights_TK = weights_TK * cfg.moe_router_topk_scaling_factor
-    aux_loss = _balance(probs_TE.mean(0), route_fraction(counts_E, num_tokens), k)
+    aux_loss = balance_loss(probs_TE.mean(0), route_fraction(counts_E, num_tokens), k)
     return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, counts_E, probs_TE, "token")
 
 
@@ -132,48 +130,3 @@ def _keep_within_capacity(
     else:
         mask_TE = keep_by_position(mask_TE, capacity)
     return mask_TE.gather(1, ids_TK)
-
-
-# ---------------------------------------------------------------- balancing losses
-def _balance(probs_XE: torch.Tensor, route_fraction_XE: torch.Tensor, k: int) -> torch.Tensor:
-    """E/k · Σ_e mean-probability_e · route-fraction_e along the last dim: 1.0 when perfectly uniform."""
-    num_experts = probs_XE.shape[-1]
-    return (probs_XE * route_fraction_XE).sum(-1) * num_experts / k
-
-
-def global_aux_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
-    """Switch/GShard loss over the whole batch, every route counted, divided by k (DeepSpeed's top-k form)."""
-    counts_E = route_counts(ids_TK, probs_TE.shape[1])
-    return _balance(probs_TE.mean(0), route_fraction(counts_E, probs_TE.shape[0]), ids_TK.shape[1])
-
-
-def sequence_aux_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor, seq_len: int | None) -> torch.Tensor:
-    """DeepSeek-V3's sequence-wise balance loss: the global formula per sequence, averaged over sequences.
-
-    Tokens are the flattening of [B, L] (each sequence contiguous); `seq_len=None` means one sequence.
-    """
-    num_tokens, num_experts = probs_TE.shape
-    seq_len = seq_len or num_tokens
-    if num_tokens % seq_len:
-        raise RoutingInputError(
-            f"--moe-aux-loss-type seq: {num_tokens} tokens are not a whole number of {seq_len}-token sequences; "
-            f"route whole sequences (x flattened from [B, seq_len, D])"
-        )
-    mask_TE = torch.zeros_like(probs_TE).scatter_(1, ids_TK, 1.0)
-    probs_BLE = probs_TE.view(-1, seq_len, num_experts)
-    mask_BLE = mask_TE.view(-1, seq_len, num_experts)
-    return _balance(probs_BLE.mean(1), mask_BLE.mean(1), ids_TK.shape[1]).mean()
-
-
-def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
-    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)²."""
-    return torch.logsumexp(logits_TE, dim=-1).square().mean()
-
-
-def z_loss_from_route(logit_T: torch.Tensor, prob_T: torch.Tensor) -> torch.Tensor:
-    """`z_loss` from one logit and its softmax probability per token: logsumexp = logit − log(prob).
-
-    O(T) instead of O(T·E). Exact up to rounding when the route's probability is not tiny, which holds for
-    a token's first choice; only for a z-loss that is reported, not trained on (no gradient)."""
-    lse_T = logit_T.float() - prob_T.float().clamp_min(torch.finfo(torch.float32).tiny).log()
-    return lse_T.square().mean()

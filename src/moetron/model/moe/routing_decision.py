@@ -6,6 +6,8 @@ their expert id (so statistics can see where they wanted to go) but carry weight
 
 `slots_TK` and `z_loss` are computed on first read: the dispatcher needs neither, and building them
 eagerly (an int64 [T, E] cumsum, a [T, E] logsumexp) cost more than the routing decision itself.
+`capacity` is read on demand too: in dropless mode it is the busiest expert's load, a device value, and
+reading it on the host would stall a GPU's queue in every forward (see `capacity_source`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moetron.errors import UserError
+
 SLOT_ORDERS = ("token", "choice")
+
+
+class RoutingInputError(UserError, ValueError):
+    """Tokens the router cannot route as configured (a ValueError; the CLI prints it as one line)."""
 
 
 @dataclass(eq=False)
@@ -23,7 +31,9 @@ class Routing:
     expert_ids_TK: torch.Tensor  # int64 [T, K]: the global expert of each route
     weights_TK: torch.Tensor  # fp32 [T, K]: combine weight, 0.0 for dropped routes; carries the gate's gradient
     kept_TK: torch.Tensor  # bool [T, K]: the route fits in its expert's capacity
-    capacity: int  # per-expert capacity used (the max load in dropless mode)
+    # Per-expert capacity: a host int in capacity-factor mode (computed from shapes); in dropless mode the max
+    # load as an int64 0-dim DEVICE tensor, so that routing never waits for the device. Read `capacity`.
+    capacity_source: int | torch.Tensor
     aux_loss: torch.Tensor  # fp32 scalar load-balancing loss, NOT multiplied by moe_loss_coeff
     tokens_per_expert_E: torch.Tensor  # int64 [E]: routes per expert before dropping (DeepSpeed's exp_counts)
     probs_TE: torch.Tensor | None = None  # fp32 [T, E]: router probabilities over all experts (sum to 1 per token)
@@ -49,6 +59,19 @@ class Routing:
         if self._slots_TK is None:
             self._slots_TK = buffer_slots(self.expert_ids_TK, self.kept_TK, self.num_experts, self.slot_order)
         return self._slots_TK
+
+    @property
+    def capacity(self) -> int:
+        """Per-expert capacity as a host int. In dropless mode the first read copies the max load from the
+        device (a host sync on a GPU) and keeps it: read it for reports, never in the forward."""
+        if isinstance(self.capacity_source, torch.Tensor):
+            self.capacity_source = int(self.capacity_source)
+        return self.capacity_source
+
+    @property
+    def host_capacity(self) -> int | None:
+        """The capacity when it is known without reading the device (capacity-factor mode), else None."""
+        return self.capacity_source if isinstance(self.capacity_source, int) else None
 
     @property
     def num_tokens(self) -> int:
@@ -100,9 +123,24 @@ def buffer_slots(expert_ids_TK: torch.Tensor, kept_TK: torch.Tensor, num_experts
     ids_TK = torch.where(kept_TK, expert_ids_TK, num_experts)  # dropped routes queue at a phantom expert
     keys_R = (ids_TK.t() if order == "choice" else ids_TK).reshape(-1)
     order_R = torch.sort(keys_R, stable=True).indices
-    counts_E = torch.bincount(keys_R, minlength=num_experts + 1)
+    counts_E = route_counts(keys_R, num_experts + 1)
     starts_R = (torch.cumsum(counts_E, 0) - counts_E)[keys_R[order_R]]
     sorted_ranks_R = torch.arange(keys_R.numel(), device=keys_R.device) - starts_R
     ranks_R = torch.empty_like(keys_R).index_copy_(0, order_R, sorted_ranks_R)
     ranks_TK = ranks_R.view(ids_TK.t().shape).t() if order == "choice" else ranks_R.view(ids_TK.shape)
     return torch.where(kept_TK, ranks_TK, -1).contiguous()
+
+
+def route_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [E]: routes per expert (= the one-hot [T, E] mask summed over tokens, without building it).
+
+    A scatter-add, not `torch.bincount`: CUDA's bincount reads the ids' min and max on the host to size its
+    output (two syncs); this output size is known. As fast as bincount on CPU."""
+    ids_R = expert_ids.reshape(-1)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_R.device)
+    return counts_E.scatter_add_(0, ids_R, torch.ones_like(ids_R))
+
+
+def route_fraction(counts_E: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """fp32 [E]: the one-hot mask's mean over tokens, `mask_TE.float().mean(0)`, bitwise (mean = exact sum / T)."""
+    return counts_E.float() / num_tokens

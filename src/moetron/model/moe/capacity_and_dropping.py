@@ -2,40 +2,42 @@
 
 Shape legend: T tokens, E experts, K routes per token; `mask_TE` marks (token, expert) routes.
 Dropping never builds a [T, E, C] tensor: a route either fits in its expert's C slots or it is dropped.
+Nothing here reads a device tensor on the host except `keep_top_random_keys_top1`, the CPU-only fast path.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
+import numpy as np
 import torch
 
-from moetron.errors import UserError
-
-
-class RoutingInputError(UserError, ValueError):
-    """Tokens the router cannot route as configured (a ValueError; the CLI prints it as one line)."""
+from moetron.model.moe.routing_decision import route_counts
 
 
 @functools.lru_cache(maxsize=1024)  # pure function of a few numbers; called every forward
 def capacity_from_factor(num_tokens: int, num_experts: int, capacity_factor: float, k: int, min_capacity: int) -> int:
     """DeepSpeed's `_capacity`: max(ceil(T / E · k·cf), min_capacity).
 
-    The product is evaluated the way DeepSpeed does it — a Python float times a float32 0-dim tensor — so
-    the result is rounded in float32; e.g. T=10, E=3, cf=1.2 could ceil differently in float64.
+    Pure host arithmetic (no tensor, no device), rounded the way DeepSpeed's is: it multiplies the Python
+    float T / E by the float32 0-dim tensor `torch.tensor(cf·k)`, which torch computes as a float32 product
+    of the two values rounded to float32 — numpy's float32 scalars do the same. It matters: T=25, E=2, cf=1.2
+    gives 16 (float64 arithmetic would give 15).
     """
-    multiplier = torch.tensor(float(capacity_factor * k))  # float32, as DeepSpeed's torch.tensor(cf * k)
-    capacity = int(torch.ceil((num_tokens / num_experts) * multiplier).to(torch.int64))
-    return max(capacity, min_capacity)
+    multiplier = np.float32(capacity_factor * k)
+    capacity = math.ceil(np.float32(num_tokens / num_experts) * multiplier)
+    return max(int(capacity), min_capacity)
 
 
-def dropless_capacity(counts_E: torch.Tensor, num_tokens: int | None = None) -> int:
+def dropless_capacity(counts_E: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
     """No-drop capacity: the busiest expert's load (top-1 also clamps it to T; pass `num_tokens` for that).
 
-    This reads the device (one host sync), as DeepSpeed's `.max()` does.
+    An int64 0-dim device tensor, not an int: DeepSpeed's `int(.max())` would stall a GPU every forward for
+    a number that only reports read (`Routing.capacity` turns it into an int on demand).
     """
-    capacity = int(counts_E.max()) if counts_E.numel() else 0
-    return capacity if num_tokens is None else min(capacity, num_tokens)
+    capacity = counts_E.amax() if counts_E.numel() else counts_E.new_zeros(())
+    return capacity if num_tokens is None else capacity.clamp(max=num_tokens)
 
 
 def keep_top_keys(mask_TE: torch.Tensor, keys_TE: torch.Tensor, capacity: int, sort: bool) -> torch.Tensor:
@@ -62,29 +64,6 @@ def keep_by_position(mask_TE: torch.Tensor, capacity: int) -> torch.Tensor:
     return mask_TE & (slots_in_token_order(mask_TE) < capacity)
 
 
-def first_argmax(x_TE: torch.Tensor) -> torch.Tensor:
-    """int64 [T]: `torch.argmax(x_TE, dim=1)` (the FIRST maximal column), several times faster on CPU.
-
-    argmax's CPU kernel is scalar; amax and the comparisons vectorise. Ties resolve to the lowest column
-    exactly as argmax does. NaN rows differ (argmax points at the NaN); the router's logits have none.
-    """
-    num_experts = x_TE.shape[1]
-    is_max_TE = x_TE == x_TE.amax(dim=1, keepdim=True)
-    # Score E - e at the maxima (0 elsewhere): the largest score is the lowest maximal column.
-    reverse_E = torch.arange(num_experts, 0, -1, device=x_TE.device, dtype=torch.int32)
-    return num_experts - (is_max_TE * reverse_E).amax(dim=1).long()
-
-
-def route_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64 [E]: routes per expert (= the one-hot [T, E] mask summed over tokens, without building it)."""
-    return torch.bincount(expert_ids.reshape(-1), minlength=num_experts)
-
-
-def route_fraction(counts_E: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """fp32 [E]: the one-hot mask's mean over tokens, `mask_TE.float().mean(0)`, bitwise (mean = exact sum / T)."""
-    return counts_E.float() / num_tokens
-
-
 def keep_top_keys_top1(ids_T: torch.Tensor, keys_TE: torch.Tensor, capacity: int) -> torch.Tensor:
     """bool [T]: `keep_top_keys(one_hot(ids_T), keys_TE, capacity, sort=True)` read at each token's expert.
 
@@ -93,9 +72,12 @@ def keep_top_keys_top1(ids_T: torch.Tensor, keys_TE: torch.Tensor, capacity: int
     """
     num_tokens, num_experts = keys_TE.shape
     top_rows_CE = torch.topk(keys_TE, k=min(capacity, num_tokens), dim=0, sorted=True).indices
-    # A winner row counts only if that token really routes to this column's expert.
+    # A winner row counts only if that token really routes to this column's expert. The others are sent
+    # to a sink row past the last token (a boolean-mask index would read its size on the host).
     routed_CE = ids_T[top_rows_CE] == torch.arange(num_experts, device=ids_T.device)
-    return torch.zeros(num_tokens, dtype=torch.bool, device=ids_T.device).index_fill_(0, top_rows_CE[routed_CE], True)
+    rows_CE = torch.where(routed_CE, top_rows_CE, num_tokens)
+    kept_T = torch.zeros(num_tokens + 1, dtype=torch.bool, device=ids_T.device)
+    return kept_T.index_fill_(0, rows_CE.reshape(-1), True)[:num_tokens]
 
 
 def keep_top_random_keys_top1(ids_T: torch.Tensor, rand_TE: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -105,14 +87,15 @@ def keep_top_random_keys_top1(ids_T: torch.Tensor, rand_TE: torch.Tensor, capaci
     routes ranked below C are kept. That is exactly the topk's choice whenever it has a unique answer: no
     routed key is 0 (0 ties with every unrouted entry of the column) and no over-full expert has equal
     keys across its capacity boundary. Otherwise (one batch in millions) it runs the topk itself, so the
-    result is DeepSpeed's, ties included. Reads the device once (the tie check).
+    result is DeepSpeed's, ties included. Reads the device once (the tie check): a CPU-only fast path,
+    chosen where `host_reads_are_free`; CUDA runs `keep_top_keys_top1`.
     """
     num_tokens = ids_T.shape[0]
     keep = min(capacity, num_tokens)
     key_T = rand_TE.gather(1, ids_T.unsqueeze(1)).squeeze(1)
     # 2e + (1 − key) lies in (2e, 2e + 1]: experts never overlap, and float64 holds it exactly.
     sorted_T, order_T = torch.sort(ids_T.double() * 2 + (1 - key_T.double()), stable=True)
-    counts_E = torch.bincount(ids_T, minlength=rand_TE.shape[1])
+    counts_E = route_counts(ids_T, rand_TE.shape[1])
     rank_T = torch.arange(num_tokens, device=ids_T.device) - (torch.cumsum(counts_E, 0) - counts_E)[ids_T[order_T]]
     first_dropped_T = rank_T == keep
     boundary_tie = first_dropped_T[1:] & (sorted_T[1:] == sorted_T[:-1])

@@ -9,31 +9,35 @@ Shape legend: T tokens, E experts, K routes per token; `mask_TE` one-hot (token,
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moetron.model.moe.capacity import (
-    RoutingInputError,
+from moetron.model.moe.capacity_and_dropping import (
     capacity_from_factor,
     dropless_capacity,
-    first_argmax,
     keep_top_keys,
     keep_top_keys_top1,
     keep_top_random_keys_top1,
-    route_counts,
-    route_fraction,
 )
-from moetron.model.moe.routing import Routing, buffer_slots
+from moetron.model.moe.host_reads import host_reads_are_free
+from moetron.model.moe.routing_decision import Routing, RoutingInputError, buffer_slots, route_counts, route_fraction
 
 
 # ---------------------------------------------------------------- noise (torch.distributions' formulas)
 def uniform_rsample(shape: torch.Size, low: float, high: float, device: torch.device) -> torch.Tensor:
-    """`Uniform(low, high).rsample(shape)` with float32 tensor bounds: low + rand·(high − low)."""
+    """`Uniform(low, high).rsample(shape)` with float32 tensor bounds: low + rand·(high − low), bitwise.
+
+    DeepSpeed builds the bounds as float32 0-dim tensors on the device (a blocking host-to-device copy
+    each). Here the bounds and their float32 difference are computed on the host, and the kernels get them
+    as Python scalars, which a float32 kernel casts to float32 (exactly: they already are): the same two
+    float32 operations on the same operands, so the same bits on every device.
+    """
     if low == 0.0 and high == 1.0:  # 0 + r·1 is r bitwise: skip two passes over the [T, E] draw (RTS keys)
         return torch.rand(shape, device=device)
-    low_t = torch.tensor(low, device=device)
-    high_t = torch.tensor(high, device=device)
-    return low_t + torch.rand(shape, device=device) * (high_t - low_t)
+    low32 = np.float32(low)  # what torch.tensor(low) stores
+    span32 = np.float32(high) - low32  # a float32 subtraction, as high_t - low_t
+    return torch.rand(shape, device=device).mul_(float(span32)).add_(float(low32))
 
 
 def gumbel_rsample(shape: torch.Size, device: torch.device) -> torch.Tensor:
@@ -49,6 +53,19 @@ def multiplicative_jitter(x: torch.Tensor, epsilon: float = 1e-2) -> torch.Tenso
 
 
 # ---------------------------------------------------------------- helpers
+def first_argmax(x_TE: torch.Tensor) -> torch.Tensor:
+    """int64 [T]: `torch.argmax(x_TE, dim=1)` (the FIRST maximal column), several times faster on CPU.
+
+    argmax's CPU kernel is scalar; amax and the comparisons vectorise. Ties resolve to the lowest column
+    exactly as argmax does. NaN rows differ (argmax points at the NaN); the router's logits have none.
+    """
+    num_experts = x_TE.shape[1]
+    is_max_TE = x_TE == x_TE.amax(dim=1, keepdim=True)
+    # Score E - e at the maxima (0 elsewhere): the largest score is the lowest maximal column.
+    reverse_E = torch.arange(num_experts, 0, -1, device=x_TE.device, dtype=torch.int32)
+    return num_experts - (is_max_TE * reverse_E).amax(dim=1).long()
+
+
 def _one_hot_bool(ids_T: torch.Tensor, num_experts: int) -> torch.Tensor:
     """bool [T, E] mask of one route per token (DeepSpeed's int64 one-hot, as a cheaper bool)."""
     mask_TE = torch.zeros(ids_T.shape[0], num_experts, dtype=torch.bool, device=ids_T.device)
@@ -88,18 +105,21 @@ def top1_gating(
 
     ids_T = first_argmax(noisy_logits_TE if noisy_logits_TE is not None else probs_TE)
     counts_E = route_counts(ids_T, num_experts)
-    if not drop_tokens:
-        capacity = dropless_capacity(counts_E, num_tokens)
     aux_loss = torch.sum(probs_TE.mean(0) * route_fraction(counts_E, num_tokens)) * num_experts
 
     # Random token selection: an over-full expert keeps the C routes with the largest random keys. The
     # draw happens even when nothing can overflow (dropless), to keep the RNG stream in step with DeepSpeed.
-    if use_rts:  # keys = one-hot mask · U(0, 1), as DeepSpeed computes them
-        rand_TE = uniform_rsample(logits_TE.shape, 0.0, 1.0, logits_TE.device)
-        if rand_TE.device.type == "cpu":  # the sort path reads the device once: free on CPU, a sync on GPU
-            kept_T = keep_top_random_keys_top1(ids_T, rand_TE, capacity)
-        else:
-            kept_T = keep_top_keys_top1(ids_T, torch.where(_one_hot_bool(ids_T, num_experts), rand_TE, 0.0), capacity)
+    rand_TE = uniform_rsample(logits_TE.shape, 0.0, 1.0, logits_TE.device) if use_rts else None
+    if not drop_tokens:
+        # Capacity = the max load: every route fits. (DeepSpeed's topk at k = max load agrees, except that
+        # it may drop a route whose random key is exactly 0.0, tied with the unrouted zeros of a full column
+        # — a 2^-24 chance per route; dropless mode keeps it.)
+        capacity = dropless_capacity(counts_E, num_tokens)
+        kept_T = torch.ones_like(ids_T, dtype=torch.bool)
+    elif rand_TE is not None and host_reads_are_free(rand_TE.device):
+        kept_T = keep_top_random_keys_top1(ids_T, rand_TE, capacity)  # reads the device once: free on a CPU
+    elif rand_TE is not None:  # keys = one-hot mask · U(0, 1), as DeepSpeed computes them
+        kept_T = keep_top_keys_top1(ids_T, torch.where(_one_hot_bool(ids_T, num_experts), rand_TE, 0.0), capacity)
     else:  # DeepSpeed's int64 one-hot mask as the keys: its exact ties
         kept_T = keep_top_keys_top1(ids_T, _one_hot_bool(ids_T, num_experts).long(), capacity)
 

@@ -1,0 +1,49 @@
+"""The balancing losses both gating paths share: Switch/GShard's aux loss (global or per sequence) and the
+ST-MoE router z-loss. Each is returned WITHOUT its coefficient (`moe_loss_coeff`, `moe_z_loss_coeff`).
+
+Shape legend: T tokens, E experts, K routes per token, B sequences of L tokens; X any leading dims.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetron.model.moe.routing_decision import RoutingInputError
+
+
+def balance_loss(probs_XE: torch.Tensor, route_fraction_XE: torch.Tensor, k: int) -> torch.Tensor:
+    """E/k · Σ_e mean-probability_e · route-fraction_e along the last dim: 1.0 when perfectly uniform."""
+    num_experts = probs_XE.shape[-1]
+    return (probs_XE * route_fraction_XE).sum(-1) * num_experts / k
+
+
+def sequence_aux_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor, seq_len: int | None) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss: the global formula per sequence, averaged over sequences.
+
+    Tokens are the flattening of [B, L] (each sequence contiguous); `seq_len=None` means one sequence.
+    """
+    num_tokens, num_experts = probs_TE.shape
+    seq_len = seq_len or num_tokens
+    if num_tokens % seq_len:
+        raise RoutingInputError(
+            f"--moe-aux-loss-type seq: {num_tokens} tokens are not a whole number of {seq_len}-token sequences; "
+            f"route whole sequences (x flattened from [B, seq_len, D])"
+        )
+    mask_TE = torch.zeros_like(probs_TE).scatter_(1, ids_TK, 1.0)
+    probs_BLE = probs_TE.view(-1, seq_len, num_experts)
+    mask_BLE = mask_TE.view(-1, seq_len, num_experts)
+    return balance_loss(probs_BLE.mean(1), mask_BLE.mean(1), ids_TK.shape[1]).mean()
+
+
+def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)²."""
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+def z_loss_from_route(logit_T: torch.Tensor, prob_T: torch.Tensor) -> torch.Tensor:
+    """`z_loss` from one logit and its softmax probability per token: logsumexp = logit − log(prob).
+
+    O(T) instead of O(T·E). Exact up to rounding when the route's probability is not tiny, which holds for
+    a token's first choice; only for a z-loss that is reported, not trained on (no gradient)."""
+    lse_T = logit_T.float() - prob_T.float().clamp_min(torch.finfo(torch.float32).tiny).log()
+    return lse_T.square().mean()
