@@ -46,7 +46,7 @@ class MoEAux:
     aux_loss: torch.Tensor  # fp32 scalar, differentiable (to the router)
     tokens_per_expert_E: torch.Tensor  # int64 [E], routes per expert before dropping (detached)
     dropped_routes: torch.Tensor  # int64 scalar: routes cut by capacity (device tensor, no host sync)
-    capacity: int  # per-expert capacity used this step
+    capacity: int | torch.Tensor  # per-expert capacity: a host int, or (dropless) a 0-dim device tensor
     routing: Routing  # the full routing decision, for reports (routing.stats())
 
     @property
