@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from moetron.data.config import DataConfig
 from moetron.errors import ConfigError
+from moetron.fileio import output_dir_problem
 from moetron.model.config import ModelConfig
 from moetron.parallel.dims import ParallelDims
 from moetron.train.schedule import DECAY_STYLES
@@ -86,6 +87,10 @@ class TrainConfig:
     no_load_rng: bool = False
     keep_last_n: int = 3
     exit_on_missing_checkpoint: bool = False
+
+    # ---- stopping early (Megatron's flags for SLURM time limits): a checkpoint is saved (with --save), exit 0 ----
+    exit_interval: int | None = None  # stop after the first iteration divisible by this
+    exit_duration_in_mins: float | None = None  # stop after this many minutes of training (wall clock)
 
 
 @dataclass
@@ -174,7 +179,30 @@ def train_problems(cfg: RunConfig, dp: int) -> list[str]:
         p.append("--finetune needs --load CHECKPOINT_DIR (the weights to start from)")
     if t.exit_on_missing_checkpoint and not t.load:
         p.append("--exit-on-missing-checkpoint needs --load")
+    _positive(p, t, ("exit_interval", "exit_duration_in_mins"))
     return p
+
+
+def output_problems(cfg: RunConfig) -> list[str]:
+    """Output locations that cannot be written (a file in the way, read-only), checked without writing."""
+    t = cfg.train
+    flags = [("--save", t.save), ("--output-dir", t.output_dir), ("--tensorboard-dir", t.tensorboard_dir)]
+    flags.append(("--data-cache-path", cfg.data.data_cache_path))
+    return [problem for flag, path in flags if (problem := output_dir_problem(flag, path))]
+
+
+def moe_problems(cfg: RunConfig) -> list[str]:
+    """MoE settings that have no effect on the model as configured."""
+    m = cfg.model
+    if m.expert_interval < 1 or any(e > 1 for e in m.experts_per_layer()):
+        return []
+    if m.topk > 1:
+        experts = " ".join(map(str, m.num_experts))
+        return [
+            f"--topk {m.topk} has no effect: no layer is MoE (--num-experts {experts}, --expert-interval "
+            f"{m.expert_interval}, --num-layers {m.num_layers}); give --num-experts N (N >= 2) or drop --topk"
+        ]
+    return []
 
 
 def validate(cfg: RunConfig, world_size: int) -> list[str]:
@@ -184,6 +212,8 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
     problems += cfg.model.problems()
     problems += cfg.data.problems()
     problems += train_problems(cfg, dims.dp)
+    problems += moe_problems(cfg)
+    problems += output_problems(cfg)
     backend = cfg.parallel.distributed_backend
     if backend not in (None, "gloo", "nccl"):
         problems.append(f"--distributed-backend {backend!r} is not one of gloo, nccl (or leave it unset: automatic)")

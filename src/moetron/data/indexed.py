@@ -214,13 +214,23 @@ class IndexedDataset:
             )
         if self.doc_idx.size == 0 or self.doc_idx[0] != 0 or self.doc_idx[-1] != len(self.sizes):
             raise UserError(f"'{self.idx_file}' is corrupt: doc_idx must start at 0 and end at {len(self.sizes)}")
-        if len(self.sizes):
-            end = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize
-            if end > self._bin_bytes:
-                raise UserError(
-                    f"'{self.bin_file}' is too short for its index: the last sequence ends at byte {end} but the "
-                    f"file has {self._bin_bytes} bytes (truncated, or the .bin and .idx come from different runs)"
-                )
+        end = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if len(self.sizes) else 0
+        if end > self._bin_bytes:
+            raise UserError(
+                f"'{self.bin_file}' is too short for its index: the last sequence ends at byte {end} but the "
+                f"file has {self._bin_bytes} bytes (truncated, or the .bin and .idx come from different runs)"
+            )
+        # Tokens past the last indexed one: 0, or up to one per document for Megatron's --append-eod drift
+        # (its sizes leave out each document's EOD, NVIDIA/Megatron-LM#431). More cannot be one dataset.
+        extra = (self._bin_bytes - end) // self.dtype.itemsize
+        allowed = self.num_documents if len(self.sizes) else 0
+        if extra > allowed:
+            raise UserError(
+                f"'{self.bin_file}' holds {self.bin_length_tokens} tokens but '{self.idx_file}' indexes "
+                f"{end // self.dtype.itemsize} in {self.num_documents} documents: {extra} tokens more than "
+                f"Megatron's --append-eod drift (at most one uncounted EOD per document) can explain, so the .bin "
+                f"and .idx come from different datasets; use the pair one `moetron preprocess` run wrote, or rerun it"
+            )
 
     def __getstate__(self) -> dict:
         # Pickled (e.g. into spawned DataLoader workers) as its prefix: the copy maps the files again.
