@@ -104,17 +104,18 @@ def output_dir_problem(flag: str, directory: str | None) -> str | None:
     return f"{flag} {directory}: {problem}; give a directory you can write to"
 
 
-def output_file_problem(flag: str, path: str | os.PathLike) -> str | None:
-    """A problem naming `flag` when the file `path` cannot be written (its directory must already exist)."""
+def output_file_problem(label: str, path: str | os.PathLike) -> str | None:
+    """Why the file `path` cannot be written (its directory must exist), starting with `label` (the flag and the
+    value the user gave, e.g. "--output-prefix 'data/corpus'"), or None."""
     path = Path(path)
+    parent = path.parent
     if path.is_dir():
-        return f"{flag} {path}: '{path}' is a directory; remove it or give another path"
-    parent = path.parent if str(path.parent) else Path(".")
+        return f"{label}: '{path}' is a directory; remove it or choose another output name"
     if not parent.exists():
-        return f"{flag} {path}: the directory '{parent}' does not exist; create it first"
+        return f"{label}: directory '{parent}' does not exist; create it first"
     if not parent.is_dir():
-        return f"{flag} {path}: '{parent}' is a file, not a directory; give another path"
+        return f"{label}: '{parent}' is a file, not a directory; choose another output path"
     if not os.access(parent, os.W_OK | os.X_OK):
         reason = "read-only filesystem" if _read_only_fs(parent) else "no write permission"
-        return f"{flag} {path}: the directory '{parent}' is not writable ({reason}); write somewhere else"
+        return f"{label}: directory '{parent}' is not writable ({reason}); write somewhere else"
     return None
