@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plots-dir", metavar="DIR", help="write expert_load.png and loss_curves.png (needs matplotlib)"
     )
+    from moetron.commands.generate import add_tokenizer_arguments
+
+    add_tokenizer_arguments(parser)
 
 
 def _eval_config(cfg, data_path: str | None, eval_iters: int | None):
@@ -75,7 +78,7 @@ def _valid_dataset(cfg, dp: int):
 
 
 def evaluate_checkpoint(load: str, data_path: str | None = None, eval_iters: int | None = None,
-                        dropless: bool = False) -> dict:  # fmt: skip
+                        dropless: bool = False, tokenizer_overrides: dict | None = None) -> dict:  # fmt: skip
     """{"checkpoint", "iteration", "valid_loss", "valid_ppl", "micro_batches", "routing": [LayerReport dicts]}."""
     from moetron.data.loader import DistributedBatchLoader
     from moetron.eval.generate import load_model
@@ -85,7 +88,7 @@ def evaluate_checkpoint(load: str, data_path: str | None = None, eval_iters: int
     from moetron.train.precision import autocast_context
     from moetron.train.run import check_token_ids
 
-    model, cfg, path = load_model(load)
+    model, cfg, path = load_model(load, tokenizer_overrides=tokenizer_overrides)
     state = read_json(path / "state.json")
     cfg = _eval_config(cfg, data_path, eval_iters)
     check_token_ids(cfg.data, cfg.model.vocab_size, EVAL_VOCAB_FIX)
@@ -159,7 +162,9 @@ def write_json_atomic(path: str, obj: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_outputs(args)
-    result = evaluate_checkpoint(args.load, args.data_path, args.eval_iters, args.dropless)
+    from moetron.commands.generate import tokenizer_overrides
+
+    result = evaluate_checkpoint(args.load, args.data_path, args.eval_iters, args.dropless, tokenizer_overrides(args))
     print_result(result)
     if args.json:
         write_json_atomic(args.json, result)

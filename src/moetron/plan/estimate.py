@@ -8,6 +8,7 @@ that assumption has to absorb.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from moetron.config import RunConfig, validate
@@ -62,6 +63,21 @@ def layout_problems(cfg: RunConfig, gpus: int) -> tuple[list[str], list[str]]:
     problems = [p for p in validate(cfg, gpus) if p not in data_problems]
     errors = [p for p in problems if NOT_SUPPORTED not in p]
     return errors, [p for p in problems if NOT_SUPPORTED in p]
+
+
+def adapted_expert_parallel(cfg: RunConfig, gpus: int) -> int | None:
+    """The expert-parallel size to plan with when the config's cannot run on `gpus`, else None.
+
+    The largest size that divides the data-parallel size and every MoE layer's expert count and is at most the
+    config's (a recipe's EP 64 on 2 GPUs plans with EP 2): what a user of these GPUs would set.
+    """
+    ep = cfg.parallel.moe_expert_parallel_size
+    dims = cfg.dims(gpus)
+    counts = [e for e in cfg.model.experts_per_layer() if e > 1]
+    if ep < 1 or (dims.dp % ep == 0 and all(e % ep == 0 for e in counts)):
+        return None
+    limit = math.gcd(dims.dp, *counts)
+    return max(d for d in range(1, min(ep, limit) + 1) if limit % d == 0)
 
 
 def step_time(cfg: RunConfig, dims: ParallelDims, device: Accelerator, mfu: float) -> tuple[float, float]:
