@@ -48,11 +48,25 @@ def publish_mode(path: str | os.PathLike, mode: int = 0o666) -> None:
     os.chmod(path, mode & ~current_umask())
 
 
-def describe_os_error(err: OSError) -> str:
-    """`strerror (fix)` for an OSError, e.g. 'No space left on device (the disk is full; free some space ...)'."""
+def describe_os_error(err: OSError, directory: str | os.PathLike | None = None) -> str:
+    """`reason: fix` for an OSError, e.g. 'No space left on device: the disk is full; free some space ...'.
+
+    numpy reports a short write as a bare "N requested and M written" (no errno); with `directory` given, a
+    filesystem with (almost) no space left is named as the cause.
+    """
     text = err.strerror or str(err)
     fix = ERRNO_FIXES.get(err.errno or -1)
+    if fix is None and directory is not None and _nearly_full(directory):
+        return f"{text}: {ERRNO_FIXES[errno.ENOSPC]}"
     return f"{text}: {fix}" if fix else text
+
+
+def _nearly_full(directory: str | os.PathLike, slack: int = 1 << 20) -> bool:
+    try:
+        stats = os.statvfs(_nearest_existing(Path(os.path.abspath(directory))))
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < slack
 
 
 @contextlib.contextmanager
@@ -62,7 +76,8 @@ def write_errors_named(what: str) -> Iterator[None]:
         yield
     except OSError as err:
         where = f" ({err.filename})" if err.filename else ""
-        raise UserError(f"cannot write {what}{where}: {describe_os_error(err)}") from None
+        directory = Path(os.fsdecode(err.filename)).parent if err.filename else None
+        raise UserError(f"cannot write {what}{where}: {describe_os_error(err, directory)}") from None
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -79,8 +79,9 @@ class IndexCache:
                 _atomic_write(paths[name], lambda f, a=arrays[name]: np.save(f, a, allow_pickle=False))
             _atomic_write(paths["desc"], lambda f: f.write(self.description.encode("utf-8")))
         except OSError as err:
+            reason = describe_os_error(err, self.directory)
             raise UserError(
-                f"cannot write the dataset index cache in {self.directory!r} ({describe_os_error(err)}); "
+                f"cannot write the dataset index cache in {self.directory!r} ({reason}); "
                 f"give a writable directory with space with --data-cache-path"
             ) from None
 
