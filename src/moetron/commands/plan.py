@@ -33,6 +33,11 @@ EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 1  # errors exit 2, as everywhere
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        "Exit status: 0 the config fits, 1 it does not fit (the changes that would fit are listed), 2 an error. "
+        "A config file's --moe-expert-parallel-size that cannot run on --gpus is lowered to the largest that can "
+        "(said on stderr); one given as a flag is planned as given."
+    )
     group = parser.add_argument_group("plan")
     group.add_argument("--config", metavar="FILE.yaml", required=True, help="the YAML config `moetron train` would use")
     group.add_argument(
