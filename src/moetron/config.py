@@ -44,9 +44,9 @@ class TrainConfig:
     lr: float = 3e-4
     min_lr: float = 0.0
     lr_decay_style: str = "linear"  # constant | linear | cosine | inverse-square-root
-    lr_warmup_tokens: int | None = None  # token-based warmup, overrides the step-based options
-    lr_decay_tokens: int | None = None  # token-based decay horizon, overrides the step-based options
-    lr_warmup_iters: int = 0
+    lr_warmup_tokens: int | None = None  # token-based warmup; wins over step-based ones set alongside it
+    lr_decay_tokens: int | None = None  # token-based decay horizon; wins over step-based ones set alongside it
+    lr_warmup_iters: int = 0  # a flag for any warmup option replaces all of the YAML's (also for decay, run length)
     lr_warmup_samples: int = 0
     lr_warmup_fraction: float | None = None  # of the decay horizon
     lr_decay_iters: int | None = None  # None: train_iters
@@ -75,13 +75,13 @@ class TrainConfig:
     eval_interval: int = 1000  # 0: only the final evaluation
     eval_iters: int = 10  # global batches per evaluation (0: no evaluation)
     output_dir: str | None = None  # run directory when --save is not given
-    tensorboard_dir: str | None = None
+    tensorboard_dir: str | None = None  # TensorBoard event files (Megatron's tag names)
     peak_tflops: float | None = None  # per device, for MFU; None: looked up from the device name
 
     # ---- checkpoints ----
-    save: str | None = None
-    save_interval: int | None = None
-    load: str | None = None
+    save: str | None = None  # checkpoint directory (also the run directory)
+    save_interval: int | None = None  # iterations between checkpoints (one is always saved at the end)
+    load: str | None = None  # a run directory (its latest checkpoint) or an iter_* directory to resume from
     finetune: bool = False  # load weights only; iteration, optimizer and data position start at 0
     no_load_optim: bool = False
     no_load_rng: bool = False

@@ -29,7 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a text file of prompts, one per line (blank lines skipped); prompts of the same token length are "
         "decoded together as one batch (one at a time with --capacity-factor), each giving what it gives alone",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="tokens to generate per prompt (default 64; lowered, with a note, to what the model's positions leave)",
+    )
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy; higher = more random (default 1)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (1 = off)")

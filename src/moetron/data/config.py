@@ -26,9 +26,9 @@ class DataConfig:
     test_data_path: list[str] = field(default_factory=list)
     data_cache_path: str | None = None  # where index caches go; None: `index-cache/` beside the data
     tokenizer_type: str = "GPT2BPETokenizer"
-    vocab_file: str | None = None
-    merge_file: str | None = None
-    tokenizer_model: str | None = None  # HF tokenizer.json / SentencePiece model
+    vocab_file: str | None = None  # GPT-2 vocab.json (GPT2BPETokenizer); sizes the vocabulary
+    merge_file: str | None = None  # GPT-2 merges.txt (GPT2BPETokenizer)
+    tokenizer_model: str | None = None  # HF tokenizer.json or its directory (HFTokenizer)
     mmap_warmup: bool = False  # pre-read the .bin/.idx files once (Megatron's --mmap-warmup)
     num_workers: int = 0  # DataLoader worker processes; 0 reads in the training process
 
