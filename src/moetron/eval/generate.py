@@ -88,7 +88,11 @@ def load_model(load: str, device: torch.device | str | None = None,
     config_file = path / "config.yaml"
     if not config_file.is_file():
         raise UserError(f"--load {load}: {config_file} is missing; the checkpoint is incomplete, --load another")
-    cfg, _ = load_config(str(config_file), {})
+    try:
+        cfg, _ = load_config(str(config_file), {})
+    except UserError as err:  # ConfigError included: a damaged or foreign config.yaml
+        why = str(err).splitlines()[-1].strip(" -")
+        raise UserError(f"--load {load}: {config_file} cannot be used ({why}); --load another checkpoint") from None
     overrides = {k: v for k, v in (tokenizer_overrides or {}).items() if v is not None}
     if overrides:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **overrides))
