@@ -55,3 +55,10 @@ def test_plan_help_documents_the_exit_status(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     assert "exit status" in capsys.readouterr().out.lower()
+
+
+def test_plan_ignores_output_locations_it_never_writes(tmp_path, monkeypatch, capsys):
+    (tmp_path / "checkpoints").write_text("a file where the recipe's save directory would go")
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--config", "gpt-125M-moe64", "--gpus", "8", "--gpu-type", "A100-80GB"]) == EXIT_FITS
+    assert "error" not in capsys.readouterr().err

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from moetron.config import RunConfig, validate
+from moetron.config import RunConfig, output_problems, validate
 from moetron.errors import ConfigError
 from moetron.model.flops import ParamCounts, count_parameters, flops_per_token
 from moetron.parallel.dims import ParallelDims
@@ -57,10 +57,11 @@ class Plan:
 def layout_problems(cfg: RunConfig, gpus: int) -> tuple[list[str], list[str]]:
     """(errors, warnings): errors make a plan meaningless; warnings are layouts moetron cannot run yet.
 
-    The data section is not checked: a plan needs no dataset (the recipes' example paths are fine here).
+    The data section and the output locations are not checked: a plan needs no dataset and writes nothing (the
+    recipes' example paths are fine here, from any working directory).
     """
-    data_problems = set(cfg.data.problems())
-    problems = [p for p in validate(cfg, gpus) if p not in data_problems]
+    ignored = set(cfg.data.problems()) | set(output_problems(cfg))
+    problems = [p for p in validate(cfg, gpus) if p not in ignored]
     errors = [p for p in problems if NOT_SUPPORTED not in p]
     return errors, [p for p in problems if NOT_SUPPORTED in p]
 
