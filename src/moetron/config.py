@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from moetron.data.config import DataConfig
 from moetron.errors import ConfigError
+from moetron.fileio import output_dir_problem
 from moetron.model.config import ModelConfig
 from moetron.parallel.dims import ParallelDims
 from moetron.train.schedule import DECAY_STYLES
@@ -43,9 +44,9 @@ class TrainConfig:
     lr: float = 3e-4
     min_lr: float = 0.0
     lr_decay_style: str = "linear"  # constant | linear | cosine | inverse-square-root
-    lr_warmup_tokens: int | None = None  # token-based warmup, overrides the step-based options
-    lr_decay_tokens: int | None = None  # token-based decay horizon, overrides the step-based options
-    lr_warmup_iters: int = 0
+    lr_warmup_tokens: int | None = None  # token-based warmup; wins over step-based ones set alongside it
+    lr_decay_tokens: int | None = None  # token-based decay horizon; wins over step-based ones set alongside it
+    lr_warmup_iters: int = 0  # a flag for any warmup option replaces all of the YAML's (also for decay, run length)
     lr_warmup_samples: int = 0
     lr_warmup_fraction: float | None = None  # of the decay horizon
     lr_decay_iters: int | None = None  # None: train_iters
@@ -75,18 +76,22 @@ class TrainConfig:
     eval_interval: int = 1000  # 0: only the final evaluation
     eval_iters: int = 10  # global batches per evaluation (0: no evaluation)
     output_dir: str | None = None  # run directory when --save is not given
-    tensorboard_dir: str | None = None
+    tensorboard_dir: str | None = None  # TensorBoard event files (Megatron's tag names)
     peak_tflops: float | None = None  # per device, for MFU; None: looked up from the device name
 
     # ---- checkpoints ----
-    save: str | None = None
-    save_interval: int | None = None
-    load: str | None = None
+    save: str | None = None  # checkpoint directory (also the run directory)
+    save_interval: int | None = None  # iterations between checkpoints (one is always saved at the end)
+    load: str | None = None  # a run directory (its latest checkpoint) or an iter_* directory to resume from
     finetune: bool = False  # load weights only; iteration, optimizer and data position start at 0
     no_load_optim: bool = False
     no_load_rng: bool = False
     keep_last_n: int = 3
     exit_on_missing_checkpoint: bool = False
+
+    # ---- stopping early (Megatron's flags for SLURM time limits): a checkpoint is saved (with --save), exit 0 ----
+    exit_interval: int | None = None  # stop after the first iteration divisible by this
+    exit_duration_in_mins: float | None = None  # stop after this many minutes of training (wall clock)
 
 
 @dataclass
@@ -175,7 +180,30 @@ def train_problems(cfg: RunConfig, dp: int) -> list[str]:
         p.append("--finetune needs --load CHECKPOINT_DIR (the weights to start from)")
     if t.exit_on_missing_checkpoint and not t.load:
         p.append("--exit-on-missing-checkpoint needs --load")
+    _positive(p, t, ("exit_interval", "exit_duration_in_mins"))
     return p
+
+
+def output_problems(cfg: RunConfig) -> list[str]:
+    """Output locations that cannot be written (a file in the way, read-only), checked without writing."""
+    t = cfg.train
+    flags = [("--save", t.save), ("--output-dir", t.output_dir), ("--tensorboard-dir", t.tensorboard_dir)]
+    flags.append(("--data-cache-path", cfg.data.data_cache_path))
+    return [problem for flag, path in flags if (problem := output_dir_problem(flag, path))]
+
+
+def moe_problems(cfg: RunConfig) -> list[str]:
+    """MoE settings that have no effect on the model as configured."""
+    m = cfg.model
+    if m.expert_interval < 1 or any(e > 1 for e in m.experts_per_layer()):
+        return []
+    if m.topk > 1:
+        experts = " ".join(map(str, m.num_experts))
+        return [
+            f"--topk {m.topk} has no effect: no layer is MoE (--num-experts {experts}, --expert-interval "
+            f"{m.expert_interval}, --num-layers {m.num_layers}); give --num-experts N (N >= 2) or drop --topk"
+        ]
+    return []
 
 
 def validate(cfg: RunConfig, world_size: int) -> list[str]:
@@ -185,6 +213,8 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
     problems += cfg.model.problems()
     problems += cfg.data.problems()
     problems += train_problems(cfg, dims.dp)
+    problems += moe_problems(cfg)
+    problems += output_problems(cfg)
     backend = cfg.parallel.distributed_backend
     if backend not in (None, "gloo", "nccl"):
         problems.append(f"--distributed-backend {backend!r} is not one of gloo, nccl (or leave it unset: automatic)")

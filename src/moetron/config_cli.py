@@ -4,6 +4,15 @@ Accepted YAML: a flat mapping of field names (`num_layers: 4`; hyphens or unders
 under `model:`, `data:`, `parallel:`, `train:` blocks (the blocks are only for readability: names are unique).
 A list field (`num_experts`) takes a list or a single value. Precedence: dataclass defaults < YAML < flags.
 
+Flags beat the YAML also where two options spell one setting differently. The LR warmup can be given in
+tokens, iterations, samples or as a fraction (`lr_warmup_tokens` / `_iters` / `_samples` / `_fraction`), the
+decay horizon in tokens, iterations or samples, and the run length in iterations, samples or tokens
+(`train_iters` / `train_samples` / `train_tokens`). When the command line sets any option of one of these three
+groups, the YAML's options of that group are dropped (reset to their defaults): a recipe's
+`lr_warmup_tokens: 375000000` does not outrank `--lr-warmup-iters 1`, nor its `lr_warmup_iters` an explicit
+`--lr-warmup-tokens`. Within one source (only YAML, or only flags) the schedule's own rule applies: token-based
+options win over step-based ones, as in Megatron (the startup warns about the ignored one).
+
 Flags: `--num-layers 4` for every field; booleans are switches with a `--no-` form, plus Megatron's negative
 spellings (`--disable-moe-token-dropping`, `--disable-moe-top2-2nd-expert-sampling`, `--disable-bias-linear`).
 Unknown flags and YAML keys are errors with a did-you-mean suggestion.
@@ -16,6 +25,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import os
 import re
 import types
 import typing
@@ -220,22 +230,106 @@ def apply_values(cfg: RunConfig, values: dict, source: str, problems: list[str])
             setattr(getattr(cfg, spec.section), key, coerced)
 
 
-def load_config(config_path: str | None, overrides: dict) -> tuple[RunConfig, set[str]]:
-    """Defaults < YAML < flags; returns the config and the names that were set explicitly."""
+# Options that set one thing in different units: a flag for any of them replaces the YAML's whole group.
+EXCLUSIVE_GROUPS = {
+    "LR warmup": ("lr_warmup_tokens", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction"),
+    "LR decay": ("lr_decay_tokens", "lr_decay_iters", "lr_decay_samples"),
+    "run length": ("train_iters", "train_samples", "train_tokens"),
+}
+
+
+class ExplicitNames(set):
+    """The field names set explicitly (YAML or flags), plus where each came from.
+
+    `cli`: names given as flags; `yaml`: names the config file set (and still sets); `config_path`: that file;
+    `replaced`: YAML values dropped because a flag of the same group was given ({name: YAML value}).
+    """
+
+    def __init__(self, yaml_names=(), cli_names=(), config_path: str | None = None, replaced: dict | None = None):
+        super().__init__(set(yaml_names) | set(cli_names))
+        self.yaml = set(yaml_names)
+        self.cli = set(cli_names)
+        self.config_path = config_path
+        self.replaced = dict(replaced or {})
+
+
+def cli_names(explicit: set[str]) -> set[str]:
+    """The names given as flags (a plain set, as older callers pass, counts as all flags)."""
+    return getattr(explicit, "cli", explicit)
+
+
+def yaml_names(explicit: set[str]) -> set[str]:
+    return getattr(explicit, "yaml", set())
+
+
+def _drop_replaced_yaml(cfg: RunConfig, yaml_values: dict, overrides: dict) -> dict:
+    """Reset the YAML's options of every group the command line sets; returns {dropped name: YAML value}."""
+    specs, replaced = field_specs(), {}
+    for names in EXCLUSIVE_GROUPS.values():
+        if not set(names) & set(overrides):
+            continue
+        for name in names:
+            if name in yaml_values and name not in overrides:
+                replaced[name] = yaml_values[name]
+                setattr(getattr(cfg, specs[name].section), name, specs[name].default)
+    return replaced
+
+
+def load_config(config_path: str | None, overrides: dict) -> tuple[RunConfig, ExplicitNames]:
+    """Defaults < YAML < flags; returns the config and the names that were set explicitly (see ExplicitNames)."""
     cfg, problems = RunConfig(), []
-    explicit: set[str] = set()
+    values: dict = {}
     if config_path:
         values = read_yaml(config_path)
         apply_values(cfg, values, f"--config {config_path}", problems)
-        explicit |= set(values)
     apply_values(cfg, overrides, "command line", problems)
-    explicit |= set(overrides)
     if problems:
         raise ConfigError(problems)
+    replaced = _drop_replaced_yaml(cfg, values, overrides)
+    explicit = ExplicitNames(set(values) - set(replaced), set(overrides), config_path, replaced)
     return cfg, explicit
 
 
+# Path fields stored absolute in a saved config, so that it works from any working directory.
+PATH_FIELDS = ("vocab_file", "merge_file", "tokenizer_model", "data_cache_path")
+PREFIX_LIST_FIELDS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
+def _absolute(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _absolute_prefixes(values: list[str]) -> list[str]:
+    """A prefix list (`[P]` or `[W1, P1, W2, P2, ...]`) with its prefixes made absolute; malformed lists as they
+    are (validation reports them)."""
+    if len(values) == 1:
+        return [_absolute(values[0])]
+    if len(values) % 2 or not all(_is_number(w) for w in values[0::2]):
+        return list(values)
+    out = list(values)
+    out[1::2] = [_absolute(p) for p in values[1::2]]
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def with_absolute_paths(cfg: RunConfig) -> RunConfig:
+    """A copy of `cfg` whose tokenizer files, data prefixes and cache directory are absolute paths."""
+    data = cfg.data
+    changes = {name: _absolute(getattr(data, name)) for name in PATH_FIELDS if getattr(data, name)}
+    changes |= {name: _absolute_prefixes(getattr(data, name)) for name in PREFIX_LIST_FIELDS if getattr(data, name)}
+    return dataclasses.replace(cfg, data=dataclasses.replace(data, **changes))
+
+
 def to_yaml(cfg: RunConfig) -> str:
-    """The resolved config as a sectioned YAML document that `load_config` reads back."""
+    """The resolved config as a sectioned YAML document that `load_config` reads back from any directory
+    (tokenizer files, data prefixes and the cache directory are written as absolute paths)."""
+    cfg = with_absolute_paths(cfg)
     sections = {s: dataclasses.asdict(getattr(cfg, s)) for s in RunConfig.SECTIONS}
     return yaml.safe_dump(sections, sort_keys=False)

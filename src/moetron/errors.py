@@ -17,5 +17,8 @@ class ConfigError(UserError):
 
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
+        if len(self.problems) == 1:  # one problem, one line
+            super().__init__(self.problems[0])
+            return
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{len(self.problems)} configuration problem(s):\n{lines}")

@@ -257,7 +257,7 @@ def test_vocab_size_comes_from_the_tokenizer_files(tmp_path, capsys):
 
 
 def test_cli_shows_changes_that_fit(capsys):
-    assert main(["plan", "--config", SEED, "--gpus", "2", "--gpu-type", "4090", "--gpu-memory", "6GB"]) == 0
+    assert main(["plan", "--config", SEED, "--gpus", "2", "--gpu-type", "4090", "--gpu-memory", "6GB"]) == 1
     text = capsys.readouterr().out
     assert "DOES NOT FIT" in text and "changes that fit" in text and "--micro-batch-size" in text
 
@@ -265,7 +265,7 @@ def test_cli_shows_changes_that_fit(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--gpus", "3"], "data-parallel size 3 is not divisible by --moe-expert-parallel-size 2"),
+        (["--gpus", "3", "--moe-expert-parallel-size", "2"], "data-parallel size 3 is not divisible by --moe-e"),
         (["--gpu-type", "TPU"], "--gpu-type 'TPU' is not in the table"),
         (["--mfu", "30"], "--mfu is a fraction"),
     ],

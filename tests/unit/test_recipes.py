@@ -60,7 +60,12 @@ def tiny_dataset(tmp_path_factory) -> str:
 
 
 def load_recipe(name: str, data_path: str):
-    cfg, _ = load_config(str(CONFIGS / f"{name}.yaml"), {"data_path": [data_path]})
+    # validation checks that the named tokenizer files exist: point them at placeholders beside the data
+    vocab, merges = f"{data_path}.vocab.json", f"{data_path}.merges.txt"
+    for path in (vocab, merges):
+        open(path, "a").close()
+    overrides = {"data_path": [data_path], "vocab_file": vocab, "merge_file": merges}
+    cfg, _ = load_config(str(CONFIGS / f"{name}.yaml"), overrides)
     return cfg
 
 

@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plots-dir", metavar="DIR", help="write expert_load.png and loss_curves.png (needs matplotlib)"
     )
+    from moetron.commands.generate import add_tokenizer_arguments
+
+    add_tokenizer_arguments(parser)
 
 
 def print_result(result: dict) -> None:
@@ -54,9 +57,10 @@ def write_json_atomic(path: str, obj: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_outputs(args)
+    from moetron.commands.generate import tokenizer_overrides
     from moetron.eval.evaluate import evaluate_checkpoint
 
-    result = evaluate_checkpoint(args.load, args.data_path, args.eval_iters, args.dropless)
+    result = evaluate_checkpoint(args.load, args.data_path, args.eval_iters, args.dropless, tokenizer_overrides(args))
     print_result(result)
     if args.json:
         write_json_atomic(args.json, result)

@@ -29,7 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a text file of prompts, one per line (blank lines skipped); prompts of the same token length are "
         "decoded together as one batch (one at a time with --capacity-factor), each giving what it gives alone",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="tokens to generate per prompt (default 64; lowered, with a note, to what the model's positions leave)",
+    )
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy; higher = more random (default 1)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (1 = off)")
@@ -37,6 +42,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--capacity-factor", type=float, help="route MoE layers with this capacity factor (default: dropless)"
     )
     parser.add_argument("--seed", type=int, default=1234, help="random seed for sampling (default 1234)")
+    add_tokenizer_arguments(parser)
+
+
+def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
+    """--vocab-file/--merge-file/--tokenizer-model: the tokenizer when the checkpoint's config names files that
+    moved (shared by `eval`)."""
+    group = parser.add_argument_group("tokenizer (default: the files the checkpoint's config.yaml names)")
+    group.add_argument("--vocab-file", help="GPT-2 vocab.json the run was trained with")
+    group.add_argument("--merge-file", help="GPT-2 merges.txt the run was trained with")
+    group.add_argument("--tokenizer-model", help="tokenizer.json (or its directory) the run was trained with")
+
+
+def tokenizer_overrides(args: argparse.Namespace) -> dict:
+    """The tokenizer flags given, as `load_model(tokenizer_overrides=...)` takes them."""
+    names = ("vocab_file", "merge_file", "tokenizer_model")
+    given = {name: str(Path(getattr(args, name)).resolve()) for name in names if getattr(args, name, None)}
+    if "tokenizer_model" in given and not ({"vocab_file", "merge_file"} & set(given)):
+        given["tokenizer_type"] = "HFTokenizer"
+    elif {"vocab_file", "merge_file"} & set(given):
+        given["tokenizer_type"] = "GPT2BPETokenizer"
+    return given
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -71,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         raise ConfigError(problems)
     prompts = read_prompts(args)
-    model, cfg, _ = load_model(args.load)
+    model, cfg, _ = load_model(args.load, tokenizer_overrides=tokenizer_overrides(args))
     tokenizer = load_tokenizer(cfg)
     for i, (prompt, text) in enumerate(zip(prompts, generate_texts(model, tokenizer, prompts, options), strict=True)):
         if len(prompts) > 1:

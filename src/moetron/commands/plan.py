@@ -5,26 +5,39 @@
     moetron plan --config my.yaml --gpus 8 --gpu-memory 48GB --peak-tflops 150 --json
 
 Every `moetron train` flag works here too and changes what is planned (`--moe-expert-parallel-size 4`).
+When the config file's expert-parallel size cannot run on `--gpus` (a recipe's EP 64 on 2 GPUs), the plan uses
+the largest size that divides the GPUs and every expert count, at most the config's, and says so; an explicit
+`--moe-expert-parallel-size` is planned as given.
+
+Exit status (scriptable): 0 the config fits, 1 it does not fit (the changes that would are listed), 2 an error.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 from moetron.config import RunConfig
-from moetron.config_cli import add_config_arguments, cli_overrides, load_config
+from moetron.config_cli import add_config_arguments, cli_names, cli_overrides, load_config
 from moetron.errors import UserError
 from moetron.plan.advice import largest_micro_batch, suggestions
-from moetron.plan.estimate import DEFAULT_MFU, make_plan
+from moetron.plan.estimate import DEFAULT_MFU, adapted_expert_parallel, make_plan
 from moetron.plan.hardware import DEFAULT_GPU, KNOWN, accelerator
 from moetron.plan.report import format_plan, plan_dict
 from moetron.train.run import resolve_vocab_size
 
 HELP = "Parameters, FLOPs, per-GPU memory and a fits/doesn't-fit verdict, without running."
+EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 1  # errors exit 2, as everywhere
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        "Exit status: 0 the config fits, 1 it does not fit (the changes that would fit are listed), 2 an error. "
+        "A config file's --moe-expert-parallel-size that cannot run on --gpus is lowered to the largest that can "
+        "(said on stderr); one given as a flag is planned as given."
+    )
     group = parser.add_argument_group("plan")
     group.add_argument("--config", metavar="FILE.yaml", required=True, help="the YAML config `moetron train` would use")
     group.add_argument(
@@ -46,7 +59,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tokenizer_given(cfg: RunConfig) -> bool:
-    return bool(cfg.data.vocab_file if cfg.data.tokenizer_type == "GPT2BPETokenizer" else cfg.data.tokenizer_model)
+    """Tokenizer files that exist are named (a recipe's example paths that do not exist are ignored here)."""
+    d = cfg.data
+    files = [d.vocab_file] if d.tokenizer_type == "GPT2BPETokenizer" else [d.tokenizer_model]
+    return all(files) and all(os.path.exists(f) for f in files)
+
+
+def adapt_expert_parallel(cfg: RunConfig, gpus: int, explicit: set[str]) -> str | None:
+    """Lower the config file's expert-parallel size to one these GPUs can run; the note saying so, or None."""
+    if "moe_expert_parallel_size" in cli_names(explicit):
+        return None
+    ep = adapted_expert_parallel(cfg, gpus)
+    if ep is None:
+        return None
+    old = cfg.parallel.moe_expert_parallel_size
+    cfg.parallel.moe_expert_parallel_size = ep
+    experts = "/".join(map(str, sorted({e for e in cfg.model.experts_per_layer() if e > 1}))) or "no"
+    return (
+        f"note: the config's --moe-expert-parallel-size {old} cannot run on {gpus} GPU(s); planning with {ep}, the "
+        f"largest that divides the data-parallel size {cfg.dims(gpus).dp} and the {experts} experts per MoE layer "
+        f"(pass --moe-expert-parallel-size to plan another)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,10 +93,13 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.mfu <= 1:
         raise UserError(f"--mfu is a fraction in (0, 1], got {args.mfu}; e.g. 0.3 for 30 %")
     device = accelerator(args.gpu_type, args.gpu_memory, cfg.train.peak_tflops)
+    note = adapt_expert_parallel(cfg, gpus, explicit)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     plan = make_plan(cfg, gpus, device, args.mfu)
     fixes, larger = suggestions(plan), largest_micro_batch(plan)
     if args.json:
         print(json.dumps(plan_dict(plan, fixes, args.config, larger), indent=2))
     else:
         print(format_plan(plan, fixes, args.config, larger))
-    return 0
+    return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT

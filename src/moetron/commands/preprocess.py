@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _report(summary: PreprocessSummary) -> None:
+    if summary.stale_removed:
+        names = ", ".join(str(path) for path in summary.stale_removed)
+        print(f"note: removed {len(summary.stale_removed)} temporary file(s) of a killed earlier run: {names}",
+              file=sys.stderr)  # fmt: skip
     skipped = summary.skipped_records + summary.empty_documents
     if skipped:
         shown = "; ".join(f"{source}:{line}: {message}" for source, line, message in summary.problems)

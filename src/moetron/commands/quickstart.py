@@ -15,6 +15,7 @@ import argparse
 from pathlib import Path
 
 from moetron.errors import UserError
+from moetron.fileio import output_dir_problem
 
 HELP = "Build a corpus, tokenizer and data, train a small MoE GPT, evaluate and generate."
 
@@ -45,6 +46,11 @@ def _problems(args: argparse.Namespace) -> list[str]:
         p.append("--max-corpus-mb only cuts the built-in corpus; drop it when giving --input")
     if args.config is not None and not args.config.is_file():
         p.append(f"--config {args.config}: no such file")
+    problem = output_dir_problem("--output-dir", str(args.output_dir))
+    if problem:
+        p.append(problem)
+    if args.vocab_size < 257:
+        p.append(f"--vocab-size {args.vocab_size} is too small; use at least 257 (256 byte symbols + <|endoftext|>)")
     return p
 
 

@@ -10,6 +10,7 @@ then `split` only enters the index-cache description (as in Megatron). A prefix 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -25,9 +26,9 @@ class DataConfig:
     test_data_path: list[str] = field(default_factory=list)
     data_cache_path: str | None = None  # where index caches go; None: `index-cache/` beside the data
     tokenizer_type: str = "GPT2BPETokenizer"
-    vocab_file: str | None = None
-    merge_file: str | None = None
-    tokenizer_model: str | None = None  # HF tokenizer.json / SentencePiece model
+    vocab_file: str | None = None  # GPT-2 vocab.json (GPT2BPETokenizer); sizes the vocabulary
+    merge_file: str | None = None  # GPT-2 merges.txt (GPT2BPETokenizer)
+    tokenizer_model: str | None = None  # HF tokenizer.json or its directory (HFTokenizer)
     mmap_warmup: bool = False  # pre-read the .bin/.idx files once (Megatron's --mmap-warmup)
     num_workers: int = 0  # DataLoader worker processes; 0 reads in the training process
 
@@ -51,7 +52,18 @@ class DataConfig:
             p.extend(_path_list_problems(SPLIT_FLAGS[name], paths))
         if self.num_workers < 0:
             p.append(f"--num-workers must be >= 0, got {self.num_workers}")
+        p.extend(self.tokenizer_file_problems())
         return p
+
+    def tokenizer_file_problems(self) -> list[str]:
+        """Tokenizer files that are named but missing (none named is fine: --vocab-size then sizes the model)."""
+        named = [("--vocab-file", self.vocab_file), ("--merge-file", self.merge_file)]
+        named.append(("--tokenizer-model", self.tokenizer_model))
+        return [
+            f"{flag} {path}: no such file; give the path of the tokenizer file (see --tokenizer-type)"
+            for flag, path in named
+            if path and not os.path.exists(path)
+        ]
 
     def split_paths(self) -> dict[str, list[str]]:
         """The separate train/valid/test path lists by split name (empty lists when unused)."""
@@ -96,6 +108,11 @@ def parse_blend(paths: list[str], flag: str = "--data-path") -> tuple[list[float
             raise ValueError(
                 f"{flag}: weight {weight!r} (before {prefix!r}) is not a number; write 'W1 PREFIX1 W2 PREFIX2 ...'"
             ) from None
+        if not math.isfinite(weights[-1]):
+            raise ValueError(
+                f"{flag}: weight {weight!r} (before {prefix!r}) is not a finite number; give weights >= 0 such as "
+                f"'0.3 PREFIX1 0.7 PREFIX2'"
+            )
         prefixes.append(prefix.strip())
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ValueError(f"{flag}: blend weights {weights} must be >= 0 with a positive sum")

@@ -7,19 +7,24 @@ set is built into the last place looked (so `--data-cache-path` wins when given)
 description match Megatron's, caches Megatron already built are found and reused.
 
 Only the builder (rank 0) writes; every file is written to a temporary name and renamed, so a reader never
-sees half a file. Then `barrier()` lets the other ranks through, and everyone maps the files read-only.
+sees half a file, and gets the mode a plain `open()` would give it (0666 & ~umask, so a team shares caches).
+Then `barrier()` lets the other ranks through, and everyone maps the files read-only. A cache file that does
+not load (truncated by a full disk or a copy) is rebuilt by the builder with a warning; a reader that still
+finds it corrupt stops with one line naming the file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 
 import numpy as np
 
 from moetron.errors import UserError
+from moetron.fileio import describe_os_error, publish_mode
 
 
 def describe_gpt_dataset(prefix: str, name: str, num_samples: int, num_epochs: int, seq_length: int, seed: int,
@@ -74,9 +79,10 @@ class IndexCache:
                 _atomic_write(paths[name], lambda f, a=arrays[name]: np.save(f, a, allow_pickle=False))
             _atomic_write(paths["desc"], lambda f: f.write(self.description.encode("utf-8")))
         except OSError as err:
+            reason = describe_os_error(err, self.directory)
             raise UserError(
-                f"cannot write the dataset index cache in {self.directory!r} ({err.strerror or err}); "
-                f"give a writable directory with --data-cache-path"
+                f"cannot write the dataset index cache in {self.directory!r} ({reason}); "
+                f"give a writable directory with space with --data-cache-path"
             ) from None
 
     def load(self) -> dict[str, np.ndarray]:
@@ -88,7 +94,24 @@ class IndexCache:
                 f"failed to write it — check its error, or give a shared writable --data-cache-path"
             )
         paths = self.paths(directory)
-        return {name: np.load(paths[name], mmap_mode="r", allow_pickle=False) for name in self.array_names}
+        return {name: _load_array(paths[name]) for name in self.array_names}
+
+
+class CorruptCacheError(UserError):
+    def __init__(self, message: str, path: str):
+        super().__init__(message)
+        self.path = path
+
+
+def _load_array(path: str) -> np.ndarray:
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        raise CorruptCacheError(
+            f"dataset index cache file '{path}' is corrupt or truncated ({str(err).splitlines()[0]}); delete it "
+            f"(it is rebuilt on the next run), or give another --data-cache-path",
+            path,
+        ) from None
 
 
 def build_or_load(cache: IndexCache, build: Callable[[], dict[str, np.ndarray]], is_builder: bool,
@@ -99,7 +122,7 @@ def build_or_load(cache: IndexCache, build: Callable[[], dict[str, np.ndarray]],
     report the missing cache and the builder re-raises its own error.
     """
     built_now, failure = False, None
-    if is_builder and not cache.exists():
+    if is_builder and not _usable(cache):
         try:
             cache.save(build())
             built_now = True
@@ -112,12 +135,27 @@ def build_or_load(cache: IndexCache, build: Callable[[], dict[str, np.ndarray]],
     return cache.load(), built_now
 
 
+def _usable(cache: IndexCache) -> bool:
+    """The set exists and loads; a corrupt one is reported and will be rebuilt in place."""
+    if not cache.exists():
+        return False
+    try:
+        cache.load()
+    except CorruptCacheError as err:
+        print(f"warning: dataset index cache file '{err.path}' is corrupt or truncated; rebuilding it",
+              file=sys.stderr, flush=True)  # fmt: skip
+        cache.directory = cache._find() or cache.directory
+        return False
+    return True
+
+
 def _atomic_write(path: str, write: Callable) -> None:
     directory, base = os.path.split(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
+        publish_mode(tmp)  # mkstemp made it 0600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from moetron.errors import UserError
+from moetron.fileio import publish_mode, write_errors_named
 
 MAGIC = b"MMIDIDX\x00\x00"
 LEGACY_MAGIC = b"TNTIDX\x00\x00"
@@ -67,8 +68,37 @@ def dataset_exists(prefix: str | Path) -> bool:
     return idx_path(prefix).is_file() and bin_path(prefix).is_file()
 
 
-def _temporary(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def _temporary(path: Path, pid: int | None = None) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid() if pid is None else pid}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def remove_stale_temporaries(prefix: str | Path) -> list[Path]:
+    """Delete `.PREFIX.bin.tmp-PID` / `.PREFIX.idx.tmp-PID` files whose writer (PID) is gone; return them.
+
+    A writer killed outright (SIGKILL, power loss) cannot clean up after itself; the next writer of the same
+    prefix does. Files of a live PID are left alone (another run may be writing them right now).
+    """
+    removed = []
+    for final in (bin_path(prefix), idx_path(prefix)):
+        directory = final.parent if str(final.parent) else Path(".")
+        if not directory.is_dir():
+            continue
+        for candidate in directory.glob(f".{final.name}.tmp-*"):
+            pid = candidate.name.rsplit("-", 1)[1]
+            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+                candidate.unlink(missing_ok=True)
+                removed.append(candidate)
+    return removed
 
 
 class IndexedDatasetBuilder:
@@ -84,7 +114,9 @@ class IndexedDatasetBuilder:
         self.prefix = Path(prefix)
         self._bin_tmp = _temporary(bin_path(prefix))
         self._idx_tmp = _temporary(idx_path(prefix))
-        self._bin_file = open(self._bin_tmp, "wb")  # noqa: SIM115 - closed in finalize()/abort()
+        self._bin_file = None
+        with self._write_errors():
+            self._bin_file = open(self._bin_tmp, "wb")  # noqa: SIM115 - closed in finalize()/abort()
         self._sizes = array("q")
         self.num_tokens = 0
         self._limit = np.iinfo(self.dtype).max if self.dtype.kind in "iu" else None
@@ -101,7 +133,8 @@ class IndexedDatasetBuilder:
         if int(lengths.sum()) != tokens_T.size:
             raise ValueError(f"lengths add up to {int(lengths.sum())} but {tokens_T.size} tokens were given")
         self._check_range(tokens_T)
-        self._bin_file.write(tokens_T.astype(self.dtype, copy=False).tobytes(order="C"))
+        with self._write_errors():
+            self._bin_file.write(tokens_T.astype(self.dtype, copy=False).tobytes(order="C"))
         self._sizes.extend(lengths.tolist())
         self.num_tokens += tokens_T.size
 
@@ -121,7 +154,22 @@ class IndexedDatasetBuilder:
         return len(self._sizes)
 
     def finalize(self) -> None:
-        """Write the index, then move both files to their final names (`.bin` first, so the pair appears last)."""
+        """Write the index, then move both files to their final names (`.bin` first, so the pair appears last).
+
+        Any OSError (a full disk, a read-only or vanished directory) becomes a one-line UserError naming the
+        dataset; the temporary files are then removed and nothing appears under the final names.
+        """
+        try:
+            with self._write_errors():
+                self._finalize()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _write_errors(self):
+        return write_errors_named(f"the dataset '{self.prefix}'")
+
+    def _finalize(self) -> None:
         self._bin_file.close()
         sizes = np.frombuffer(self._sizes, dtype=np.int64)
         if sizes.size and int(sizes.max()) > np.iinfo(np.int32).max:
@@ -139,12 +187,18 @@ class IndexedDatasetBuilder:
             index.write(sizes.astype("<i4").tobytes(order="C"))
             index.write(pointers.astype("<i8").tobytes(order="C"))
             index.write(doc_idx.astype("<i8").tobytes(order="C"))
+        for path in (self._bin_tmp, self._idx_tmp):
+            publish_mode(path)
         os.replace(self._bin_tmp, bin_path(self.prefix))
         os.replace(self._idx_tmp, idx_path(self.prefix))
 
     def abort(self) -> None:
         """Close and delete the temporary files; nothing is left under the final names."""
-        self._bin_file.close()
+        if self._bin_file is not None:
+            try:
+                self._bin_file.close()
+            except OSError:  # the buffered tail cannot be flushed (a full disk): the file goes anyway
+                pass
         for path in (self._bin_tmp, self._idx_tmp):
             path.unlink(missing_ok=True)
 
@@ -214,13 +268,23 @@ class IndexedDataset:
             )
         if self.doc_idx.size == 0 or self.doc_idx[0] != 0 or self.doc_idx[-1] != len(self.sizes):
             raise UserError(f"'{self.idx_file}' is corrupt: doc_idx must start at 0 and end at {len(self.sizes)}")
-        if len(self.sizes):
-            end = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize
-            if end > self._bin_bytes:
-                raise UserError(
-                    f"'{self.bin_file}' is too short for its index: the last sequence ends at byte {end} but the "
-                    f"file has {self._bin_bytes} bytes (truncated, or the .bin and .idx come from different runs)"
-                )
+        end = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if len(self.sizes) else 0
+        if end > self._bin_bytes:
+            raise UserError(
+                f"'{self.bin_file}' is too short for its index: the last sequence ends at byte {end} but the "
+                f"file has {self._bin_bytes} bytes (truncated, or the .bin and .idx come from different runs)"
+            )
+        # Tokens past the last indexed one: 0, or up to one per document for Megatron's --append-eod drift
+        # (its sizes leave out each document's EOD, NVIDIA/Megatron-LM#431). More cannot be one dataset.
+        extra = (self._bin_bytes - end) // self.dtype.itemsize
+        allowed = self.num_documents if len(self.sizes) else 0
+        if extra > allowed:
+            raise UserError(
+                f"'{self.bin_file}' holds {self.bin_length_tokens} tokens but '{self.idx_file}' indexes "
+                f"{end // self.dtype.itemsize} in {self.num_documents} documents: {extra} tokens more than "
+                f"Megatron's --append-eod drift (at most one uncounted EOD per document) can explain, so the .bin "
+                f"and .idx come from different datasets; use the pair one `moetron preprocess` run wrote, or rerun it"
+            )
 
     def __getstate__(self) -> dict:
         # Pickled (e.g. into spawned DataLoader workers) as its prefix: the copy maps the files again.

@@ -12,10 +12,12 @@ Megatron-DeepSpeed's writer would record them as zero-sequence documents in doc_
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import multiprocessing.pool
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -24,10 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from moetron.data.indexed import IndexedDatasetBuilder, best_dtype
+from moetron.data.indexed import IndexedDatasetBuilder, best_dtype, bin_path, idx_path, remove_stale_temporaries
 from moetron.data.readers import Chunk, iter_chunks, parse_record, resolve_inputs
 from moetron.data.tokenizer import Tokenizer, build_tokenizer
 from moetron.errors import UserError
+from moetron.fileio import output_file_problem
 
 SHOWN_PROBLEMS = 5
 
@@ -77,6 +80,7 @@ class PreprocessSummary:
     problems: list[tuple[str, int, str]]  # the first few, for the report
     nbytes: int
     seconds: float
+    stale_removed: list[Path] = field(default_factory=list)  # temporaries of killed earlier runs, deleted
 
     @property
     def mb_per_s(self) -> float:
@@ -146,11 +150,11 @@ def _check_before_work(options: PreprocessOptions) -> tuple[list[Path], Tokenize
         raise UserError(f"--workers {options.workers} must be at least 1")
     if not options.json_keys:
         raise UserError("--json-keys needs at least one key")
-    parent = Path(options.output_prefix).parent
-    if not parent.is_dir():
-        raise UserError(f"--output-prefix '{options.output_prefix}': directory '{parent}' does not exist; create it")
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"--output-prefix '{options.output_prefix}': directory '{parent}' is not writable")
+    for key in options.json_keys:
+        for path in (bin_path(options.output_path(key)), idx_path(options.output_path(key))):
+            problem = output_file_problem(f"--output-prefix '{options.output_prefix}'", path)
+            if problem:
+                raise UserError(problem)
     files = resolve_inputs(options.inputs)
     tokenizer = build_tokenizer(*options.tokenizer_args())
     if options.append_eod:
@@ -240,29 +244,76 @@ def _strict_error(problem: tuple[str, int, str]) -> UserError:
     return UserError(f"{source}:{line}: {message} (--strict stops at the first bad record; without it, it is skipped)")
 
 
+class Terminated(UserError):
+    """SIGTERM arrived while preprocessing: the partial output was removed."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_error(output_prefix: str):
+    """Turn SIGTERM into `Terminated` in this (main) process, so the cleanup below runs; workers just exit."""
+    main_pid = os.getpid()
+
+    def handler(signum, frame):
+        if os.getpid() != main_pid:  # a forked worker inherited the handler: die quietly, the parent cleans up
+            os._exit(128 + signum)
+        raise Terminated(
+            f"preprocess of --output-prefix '{output_prefix}' stopped by SIGTERM; its partial files were removed "
+            f"and nothing was written — run it again"
+        )
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: signals cannot be caught here; leave the default
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _empty_output_error(options: PreprocessOptions, key: str, bad: int, empty: int, problems: list) -> UserError:
+    first = f"; first: {problems[0][0]}:{problems[0][1]}: {problems[0][2]}" if problems else ""
+    keys = " ".join(options.json_keys)
+    return UserError(
+        f"--input {' '.join(options.inputs)} gave no document for key '{key}' ({bad} bad record(s), {empty} empty "
+        f"document(s) skipped{first}); check --json-keys {keys} and the input; nothing was written"
+    )
+
+
 def preprocess(options: PreprocessOptions) -> PreprocessSummary:
-    """Run the whole conversion; on any error no output file is left behind."""
+    """Run the whole conversion; on any error (or SIGTERM) no output file is left behind.
+
+    An output without a single document is an error too: an empty input, or `--json-keys` that match no record.
+    """
     files, tokenizer = _check_before_work(options)
+    stale = [p for key in options.json_keys for p in remove_stale_temporaries(options.output_path(key))]
     dtype = best_dtype(tokenizer.vocab_size)
     total_bytes = None if any(f.name.endswith(".gz") for f in files) else sum(f.stat().st_size for f in files)
     start = time.perf_counter()
-    builders = {key: IndexedDatasetBuilder(options.output_path(key), dtype) for key in options.json_keys}
+    builders: dict[str, IndexedDatasetBuilder] = {}
     progress = _Progress(options.log_interval, total_bytes)
     problems, bad_records, empty, nbytes = [], 0, 0, 0
     results = _encoded_chunks(options, files, tokenizer)
     try:
-        for result in results:
-            if result.problems and options.strict:
-                raise _strict_error(result.problems[0])
+        with _sigterm_as_error(options.output_prefix):
+            for key in options.json_keys:
+                builders[key] = IndexedDatasetBuilder(options.output_path(key), dtype)
+            for result in results:
+                if result.problems and options.strict:
+                    raise _strict_error(result.problems[0])
+                for key, builder in builders.items():
+                    builder.add_documents(result.tokens[key], result.lengths[key])
+                problems.extend(result.problems[: SHOWN_PROBLEMS - len(problems)])
+                bad_records += result.bad_records
+                empty += len(result.problems) - result.bad_records
+                nbytes += result.nbytes
+                progress.update(len(result.lengths[options.json_keys[0]]), result.nbytes)
             for key, builder in builders.items():
-                builder.add_documents(result.tokens[key], result.lengths[key])
-            problems.extend(result.problems[: SHOWN_PROBLEMS - len(problems)])
-            bad_records += result.bad_records
-            empty += len(result.problems) - result.bad_records
-            nbytes += result.nbytes
-            progress.update(len(result.lengths[options.json_keys[0]]), result.nbytes)
-        for builder in builders.values():
-            builder.finalize()
+                if builder.num_documents == 0:
+                    raise _empty_output_error(options, key, bad_records, empty, problems)
+            for builder in builders.values():
+                builder.finalize()
     except BaseException:
         for builder in builders.values():
             builder.abort()
@@ -280,4 +331,5 @@ def preprocess(options: PreprocessOptions) -> PreprocessSummary:
         problems=problems,
         nbytes=nbytes,
         seconds=time.perf_counter() - start,
+        stale_removed=stale,
     )

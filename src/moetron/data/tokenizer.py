@@ -11,7 +11,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from tokenizers import Tokenizer as HFTokenizerCore
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from moetron.errors import UserError
+from moetron.fileio import output_dir_problem, write_errors_named
 
 EOD_TOKEN = "<|endoftext|>"
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HFTokenizer")
@@ -226,6 +230,9 @@ def train_bpe_tokenizer(files: list[Path], vocab_size: int, output_dir: Path) ->
         raise UserError(f"--output-dir '{output_dir}' exists and is not a directory")
     if not output_dir.parent.is_dir():
         raise UserError(f"--output-dir '{output_dir}': parent directory '{output_dir.parent}' does not exist")
+    problem = output_dir_problem("--output-dir", str(output_dir))
+    if problem:
+        raise UserError(problem)
     core = _gpt2_core(models.BPE())
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -237,7 +244,27 @@ def train_bpe_tokenizer(files: list[Path], vocab_size: int, output_dir: Path) ->
     core.train_from_iterator(_training_texts(list(files), seen), trainer=trainer)
     if seen[0] == 0:
         raise UserError(f"--input {' '.join(map(str, files))} holds no usable text (JSONL needs a 'text' key)")
-    output_dir.mkdir(exist_ok=True)
-    core.model.save(str(output_dir))  # vocab.json + merges.txt (with the "#version" header Megatron skips)
-    core.save(str(output_dir / "tokenizer.json"))
+    with write_errors_named(f"--output-dir '{output_dir}'"):
+        _save_all_or_nothing(core, output_dir)
     return output_dir
+
+
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json")
+
+
+def _save_all_or_nothing(core: HFTokenizerCore, output_dir: Path) -> None:
+    """Write the three files into a staging folder, then move them in: a failure (a full disk) changes nothing."""
+    created = not output_dir.exists()
+    output_dir.mkdir(exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=output_dir))
+    try:
+        core.model.save(str(staging))  # vocab.json + merges.txt (with the "#version" header Megatron skips)
+        core.save(str(staging / "tokenizer.json"))
+        for name in TOKENIZER_FILES:
+            os.replace(staging / name, output_dir / name)
+    except BaseException:
+        if created:
+            shutil.rmtree(output_dir, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -56,7 +56,7 @@ def _valid_dataset(cfg, dp: int):
 
 
 def evaluate_checkpoint(load: str, data_path: str | None = None, eval_iters: int | None = None,
-                        dropless: bool = False) -> dict:  # fmt: skip
+                        dropless: bool = False, tokenizer_overrides: dict | None = None) -> dict:  # fmt: skip
     """{"checkpoint", "iteration", "valid_loss", "valid_ppl", "micro_batches", "routing": [LayerReport dicts]}."""
     from moetron.data.loader import DistributedBatchLoader
     from moetron.eval.generate import load_model
@@ -66,7 +66,7 @@ def evaluate_checkpoint(load: str, data_path: str | None = None, eval_iters: int
     from moetron.train.precision import autocast_context
     from moetron.train.run import check_token_ids
 
-    model, cfg, path = load_model(load)
+    model, cfg, path = load_model(load, tokenizer_overrides=tokenizer_overrides)
     state = read_json(path / "state.json")
     cfg = _eval_config(cfg, data_path, eval_iters)
     check_token_ids(cfg.data, cfg.model.vocab_size, EVAL_VOCAB_FIX)

@@ -65,11 +65,18 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_model(load: str, device: torch.device | str | None = None) -> tuple[GPTModel, RunConfig, Path]:
+TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+
+
+def load_model(load: str, device: torch.device | str | None = None,
+               tokenizer_overrides: dict | None = None) -> tuple[GPTModel, RunConfig, Path]:  # fmt: skip
     """(model in eval mode with the checkpoint's weights, the run config it was saved with, the iter_* path).
 
     `load` is a run directory (its `latest` checkpoint) or one `iter_*` directory. The model holds every expert
-    whatever expert-parallel size saved it (checkpoint keys are layout-free).
+    whatever expert-parallel size saved it (checkpoint keys are layout-free). `tokenizer_overrides` ({field:
+    path} of `TOKENIZER_FIELDS`, from `--vocab-file`/`--merge-file`/`--tokenizer-model`) replace the tokenizer
+    the config names (its files moved, or were given relative to another directory); they are checked against
+    the model's vocabulary here.
     """
     path = resolve_checkpoint(load)
     if path is None:
@@ -80,7 +87,15 @@ def load_model(load: str, device: torch.device | str | None = None) -> tuple[GPT
     config_file = path / "config.yaml"
     if not config_file.is_file():
         raise UserError(f"--load {load}: {config_file} is missing; the checkpoint is incomplete, --load another")
-    cfg, _ = load_config(str(config_file), {})
+    try:
+        cfg, _ = load_config(str(config_file), {})
+    except UserError as err:  # ConfigError included: a damaged or foreign config.yaml
+        why = str(err).splitlines()[-1].strip(" -")
+        raise UserError(f"--load {load}: {config_file} cannot be used ({why}); --load another checkpoint") from None
+    overrides = {k: v for k, v in (tokenizer_overrides or {}).items() if v is not None}
+    if overrides:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **overrides))
+        load_tokenizer(cfg)  # the files exist and fit the model, before the weights are read
     model = create_model(cfg.model, device or default_device(), cfg.train.seed)
     load_weights(path, model)
     model.eval()
@@ -88,11 +103,29 @@ def load_model(load: str, device: torch.device | str | None = None) -> tuple[GPT
 
 
 def load_tokenizer(cfg: RunConfig):
-    """The tokenizer named in the run config (the files must still be where training found them)."""
+    """The tokenizer named in the run config, checked against the model's vocabulary."""
     from moetron.data.tokenizer import build_tokenizer
 
     d = cfg.data
-    return build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model)
+    for flag, file in (("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)):
+        if d.tokenizer_type == "GPT2BPETokenizer" and file and not Path(file).exists():
+            raise UserError(
+                f"{flag} {file} (the tokenizer file the checkpoint's config.yaml names) does not exist; pass "
+                f"--vocab-file and --merge-file with the tokenizer the run was trained with"
+            )
+    if d.tokenizer_type == "HFTokenizer" and d.tokenizer_model and not Path(d.tokenizer_model).exists():
+        raise UserError(
+            f"--tokenizer-model {d.tokenizer_model} (the tokenizer the checkpoint's config.yaml names) does not "
+            f"exist; pass --tokenizer-model with the tokenizer the run was trained with"
+        )
+    tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise UserError(
+            f"the tokenizer ({d.vocab_file or d.tokenizer_model}) has {tokenizer.vocab_size} tokens but the "
+            f"checkpoint's model only {cfg.model.vocab_size} (vocab_size in its config.yaml); pass the tokenizer "
+            f"the run was trained with (--vocab-file/--merge-file or --tokenizer-model)"
+        )
+    return tokenizer
 
 
 # ---------------------------------------------------------------------------- routing
@@ -212,8 +245,37 @@ def length_groups(prompts_ids: list[list[int]], batched: bool) -> list[list[int]
     return list(groups.values())
 
 
-def generate_texts(model: GPTModel, tokenizer, prompts: list[str], options: GenerationOptions) -> list[str]:
-    """Each prompt's continuation as text (the EOD token, when produced, is not part of it)."""
+def clamp_to_context(model: GPTModel, prompt_len: int, options: GenerationOptions) -> tuple[GenerationOptions, str]:
+    """`options` with `max_new_tokens` lowered to what the model's positions leave after the prompt, and the
+    note saying so ("" when nothing changed). A prompt that fills the context is a UserError."""
+    limit = model.cfg.max_positions
+    if model.position_embeddings is None or prompt_len + options.max_new_tokens <= limit:
+        return options, ""
+    room = limit - prompt_len
+    if room < 1:
+        raise UserError(
+            f"the prompt has {prompt_len} tokens but the model was trained for at most {limit} positions, so no "
+            f"token can follow it; shorten the prompt"
+        )
+    note = (
+        f"note: --max-new-tokens {options.max_new_tokens} lowered to {room} for a prompt of {prompt_len} tokens: "
+        f"the model has {limit} positions"
+    )
+    return dataclasses.replace(options, max_new_tokens=room), note
+
+
+def _print_note(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
+
+
+def generate_texts(model: GPTModel, tokenizer, prompts: list[str], options: GenerationOptions,
+                   note=_print_note) -> list[str]:  # fmt: skip
+    """Each prompt's continuation as text (the EOD token, when produced, is not part of it).
+
+    A prompt whose length plus `max_new_tokens` exceeds the model's positions gets fewer new tokens, and
+    `note(line)` is called once per distinct reduction (default: printed to stderr)."""
     try:
         eod = tokenizer.eod
     except UserError:  # a tokenizer without an end-of-document token: generation simply never stops early
@@ -221,7 +283,13 @@ def generate_texts(model: GPTModel, tokenizer, prompts: list[str], options: Gene
     torch.manual_seed(options.seed)  # routing draws (random token selection, 2nd-expert sampling), if any
     prompts_ids = [tokenizer.encode(prompt) for prompt in prompts]
     results: list[list[int]] = [[] for _ in prompts]
+    noted: set[str] = set()
     for group in length_groups(prompts_ids, batchable(model, options)):
-        for i, ids in zip(group, generate_batch(model, [prompts_ids[i] for i in group], options, eod), strict=True):
+        group_options, message = clamp_to_context(model, len(prompts_ids[group[0]]), options)
+        if message and message not in noted:
+            noted.add(message)
+            note(message)
+        group_ids = generate_batch(model, [prompts_ids[i] for i in group], group_options, eod)
+        for i, ids in zip(group, group_ids, strict=True):
             results[i] = ids
     return [tokenizer.decode(ids[:-1] if ids and ids[-1] == eod else ids) for ids in results]

@@ -8,9 +8,10 @@ that assumption has to absorb.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from moetron.config import RunConfig, validate
+from moetron.config import RunConfig, output_problems, validate
 from moetron.errors import ConfigError
 from moetron.model.flops import ParamCounts, count_parameters, flops_per_token
 from moetron.parallel.dims import ParallelDims
@@ -56,12 +57,28 @@ class Plan:
 def layout_problems(cfg: RunConfig, gpus: int) -> tuple[list[str], list[str]]:
     """(errors, warnings): errors make a plan meaningless; warnings are layouts moetron cannot run yet.
 
-    The data section is not checked: a plan needs no dataset (the recipes' example paths are fine here).
+    The data section and the output locations are not checked: a plan needs no dataset and writes nothing (the
+    recipes' example paths are fine here, from any working directory).
     """
-    data_problems = set(cfg.data.problems())
-    problems = [p for p in validate(cfg, gpus) if p not in data_problems]
+    ignored = set(cfg.data.problems()) | set(output_problems(cfg))
+    problems = [p for p in validate(cfg, gpus) if p not in ignored]
     errors = [p for p in problems if NOT_SUPPORTED not in p]
     return errors, [p for p in problems if NOT_SUPPORTED in p]
+
+
+def adapted_expert_parallel(cfg: RunConfig, gpus: int) -> int | None:
+    """The expert-parallel size to plan with when the config's cannot run on `gpus`, else None.
+
+    The largest size that divides the data-parallel size and every MoE layer's expert count and is at most the
+    config's (a recipe's EP 64 on 2 GPUs plans with EP 2): what a user of these GPUs would set.
+    """
+    ep = cfg.parallel.moe_expert_parallel_size
+    dims = cfg.dims(gpus)
+    counts = [e for e in cfg.model.experts_per_layer() if e > 1]
+    if ep < 1 or (dims.dp % ep == 0 and all(e % ep == 0 for e in counts)):
+        return None
+    limit = math.gcd(dims.dp, *counts)
+    return max(d for d in range(1, min(ep, limit) + 1) if limit % d == 0)
 
 
 def step_time(cfg: RunConfig, dims: ParallelDims, device: Accelerator, mfu: float) -> tuple[float, float]:

@@ -36,13 +36,43 @@ def seed_everything(seed: int, dp_rank: int) -> None:
 
 
 def resolve_vocab_size(cfg: RunConfig, explicit: set[str]) -> None:
-    if "vocab_size" in explicit:
+    """Set `cfg.model.vocab_size` from the tokenizer, or check the value given against it.
+
+    No tokenizer files named: the configured value stands. Otherwise, with T the tokenizer's size:
+    `--vocab-size V` on the command line must be >= T (larger pads the embedding on purpose); a config file's
+    `vocab_size` must equal T (a recipe's GPT-2 50257 must not silently size the model of another tokenizer);
+    not given at all: T. Raises a one-line UserError naming both sizes and the fix.
+    """
+    from moetron.config_cli import cli_names, yaml_names
+
+    d = cfg.data
+    if not (d.vocab_file or d.tokenizer_model):
         return
     from moetron.data.tokenizer import build_tokenizer
 
-    d = cfg.data
     tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model)
-    cfg.model.vocab_size = tokenizer.vocab_size
+    size, given, files = tokenizer.vocab_size, cfg.model.vocab_size, _tokenizer_files(d)
+    if "vocab_size" in cli_names(explicit):
+        if given < size:
+            raise UserError(
+                f"--vocab-size {given} is smaller than the tokenizer's {size} tokens ({files}): ids >= {given} "
+                f"would fall outside the embedding; drop --vocab-size (the tokenizer's size is used) or give >= {size}"
+            )
+        return
+    if "vocab_size" in yaml_names(explicit) and given != size:
+        source = getattr(explicit, "config_path", None) or "the config file"
+        raise UserError(
+            f"--config {source}: vocab_size {given} differs from the tokenizer's {size} tokens ({files}); delete "
+            f"vocab_size from the YAML to use the tokenizer's size, or pass --vocab-size {max(given, size)} to "
+            f"pad the embedding on purpose"
+        )
+    cfg.model.vocab_size = size
+
+
+def _tokenizer_files(d: DataConfig) -> str:
+    if d.tokenizer_type == "GPT2BPETokenizer" or not d.tokenizer_model:
+        return f"--vocab-file {d.vocab_file}"
+    return f"--tokenizer-model {d.tokenizer_model}"
 
 
 SCAN_BYTES = 8 << 20  # per dataset: enough to catch a wrong tokenizer (its ids are everywhere), cheap to read

@@ -1,0 +1,136 @@
+"""Small file helpers shared by every writer: output-location checks, file modes, one-line write errors.
+
+    problem = output_dir_problem("--save", cfg.train.save)   # None, or the one-line reason and fix
+    publish_mode(tmp_path)                                    # before os.replace(tmp_path, final_path)
+    with write_errors_named("--output-prefix data/corpus"):   # ENOSPC etc. -> UserError
+        ...
+
+`tempfile.mkstemp` creates files with mode 0600 whatever the umask, so a file published from a temporary
+name is unreadable to the rest of a team on a shared cluster; `publish_mode` gives it the mode a plain
+`open(path, "w")` would have (0666 & ~umask).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from moetron.errors import UserError
+
+# What an OSError means for the user, and what to do about it.
+ERRNO_FIXES = {
+    errno.ENOSPC: "the disk is full; free some space or write somewhere else",
+    errno.EDQUOT: "the disk quota is exhausted; free some space or write somewhere else",
+    errno.EROFS: "the filesystem is read-only; write somewhere else",
+    errno.EACCES: "permission denied; write somewhere you may write",
+    errno.EPERM: "permission denied; write somewhere you may write",
+    errno.EISDIR: "a directory is in the way; remove it or choose another path",
+    errno.ENOTDIR: "a file is in the way of a directory; remove it or choose another path",
+}
+
+
+def current_umask() -> int:
+    """The process umask (read by setting and restoring it: there is no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def publish_mode(path: str | os.PathLike, mode: int = 0o666) -> None:
+    """Give `path` the permissions a new file gets from `open()`: `mode & ~umask` (0644 under umask 022).
+
+    Call it on a file made by `tempfile.mkstemp`/`NamedTemporaryFile` (always 0600) before renaming it to its
+    final name; directories pass `mode=0o777`.
+    """
+    os.chmod(path, mode & ~current_umask())
+
+
+def describe_os_error(err: OSError, directory: str | os.PathLike | None = None) -> str:
+    """`reason: fix` for an OSError, e.g. 'No space left on device: the disk is full; free some space ...'.
+
+    numpy reports a short write as a bare "N requested and M written" (no errno); with `directory` given, a
+    filesystem with (almost) no space left is named as the cause.
+    """
+    text = err.strerror or str(err)
+    fix = ERRNO_FIXES.get(err.errno or -1)
+    if fix is None and directory is not None and _nearly_full(directory):
+        return f"{text}: {ERRNO_FIXES[errno.ENOSPC]}"
+    return f"{text}: {fix}" if fix else text
+
+
+def _nearly_full(directory: str | os.PathLike, slack: int = 1 << 20) -> bool:
+    try:
+        stats = os.statvfs(_nearest_existing(Path(os.path.abspath(directory))))
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < slack
+
+
+@contextlib.contextmanager
+def write_errors_named(what: str) -> Iterator[None]:
+    """Turn an OSError raised inside into a one-line UserError: `cannot write {what}: {reason and fix}`."""
+    try:
+        yield
+    except OSError as err:
+        where = f" ({err.filename})" if err.filename else ""
+        directory = Path(os.fsdecode(err.filename)).parent if err.filename else None
+        raise UserError(f"cannot write {what}{where}: {describe_os_error(err, directory)}") from None
+
+
+def _nearest_existing(path: Path) -> Path:
+    current = path
+    while not current.exists() and current != current.parent:
+        current = current.parent
+    return current
+
+
+def writable_dir_problem(directory: str | os.PathLike) -> str | None:
+    """Why files cannot be created in `directory` (it need not exist yet), or None."""
+    path = Path(os.path.abspath(os.path.expanduser(directory)))
+    if path.exists() and not path.is_dir():
+        return f"'{directory}' exists and is not a directory"
+    existing = _nearest_existing(path)
+    if not existing.is_dir():
+        return f"'{existing}' is a file, so the directory '{directory}' cannot be created"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        reason = "read-only filesystem" if _read_only_fs(existing) else "no write permission"
+        verb = "is not writable" if existing == path else f"cannot be created: '{existing}' is not writable"
+        return f"'{directory}' {verb} ({reason})"
+    return None
+
+
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def output_dir_problem(flag: str, directory: str | None) -> str | None:
+    """A config problem naming `flag` when `directory` cannot hold output, else None (nothing is created)."""
+    if not directory:
+        return None
+    problem = writable_dir_problem(directory)
+    if problem is None:
+        return None
+    return f"{flag} {directory}: {problem}; give a directory you can write to"
+
+
+def output_file_problem(label: str, path: str | os.PathLike) -> str | None:
+    """Why the file `path` cannot be written (its directory must exist), starting with `label` (the flag and the
+    value the user gave, e.g. "--output-prefix 'data/corpus'"), or None."""
+    path = Path(path)
+    parent = path.parent
+    if path.is_dir():
+        return f"{label}: '{path}' is a directory; remove it or choose another output name"
+    if not parent.exists():
+        return f"{label}: directory '{parent}' does not exist; create it first"
+    if not parent.is_dir():
+        return f"{label}: '{parent}' is a file, not a directory; choose another output path"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        reason = "read-only filesystem" if _read_only_fs(parent) else "no write permission"
+        return f"{label}: directory '{parent}' is not writable ({reason}); write somewhere else"
+    return None

@@ -1,0 +1,247 @@
+"""A battery of bad inputs across the commands: each must fail with one clear line and touch nothing.
+
+For every case: a non-zero exit status; exactly one line on stderr containing `error:`, which names the flag or
+file and the value; no traceback; no file created, removed or changed anywhere under the test's world
+directory (snapshotted before and after). Commands run in-process through `moetron.cli.main`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moetron.cli import main
+from moetron.data.indexed import IndexedDatasetBuilder
+from moetron.data.tokenizer import train_bpe_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fs_faults import snapshot  # noqa: E402
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Mixture of experts routes every token to its top-k experts.",
+    "Numbers 12345 and symbols are bytes too.\nA second line.",
+]
+TINY = (
+    "--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 --micro-batch-size 2 "
+    "--global-batch-size 2 --train-iters 2 --log-interval 1 --eval-iters 1 --eval-interval 2 --split 80,20,0"
+).split()
+
+
+def write_dataset(prefix: Path, documents: int, high: int) -> str:
+    rng = np.random.default_rng(documents)
+    with IndexedDatasetBuilder(prefix, np.uint16) as builder:
+        for _ in range(documents):
+            builder.add_document(rng.integers(0, high, 20))
+        builder.finalize()
+    return str(prefix)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    """Good inputs (tokenizer, JSONL, datasets, a trained checkpoint) beside broken ones, built once."""
+    w = tmp_path_factory.mktemp("world")
+    (w / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    train_bpe_tokenizer([w / "docs.jsonl"], 300, w / "tok")
+    good = write_dataset(w / "good_text_document", 40, 300)
+    small = write_dataset(w / "small_text_document", 5, 300)
+    (w / "mixed_text_document.idx").write_bytes(Path(small + ".idx").read_bytes())
+    (w / "mixed_text_document.bin").write_bytes(Path(good + ".bin").read_bytes())
+    (w / "garbage_text_document.idx").write_bytes(b"this is not an index file at all")
+    (w / "garbage_text_document.bin").write_bytes(b"\x00" * 64)
+    (w / "a_file").write_text("in the way")
+    (w / "bad.yaml").write_text("num_layers: [1,\n")
+    (w / "typo.yaml").write_text("num_layer: 2\n")
+    (w / "recipe.yaml").write_text("vocab_size: 50257\ntrain_iters: 2\n")
+    (w / "empty.jsonl").write_text("")
+    (w / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    (w / "garbage_ckpt").mkdir()
+    (w / "garbage_ckpt" / "state.json").write_text("{}")
+    (w / "garbage_ckpt" / "config.yaml").write_text("\x00\x01 not yaml: [")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(w)
+        assert main(["train", *TINY, "--vocab-size", "300", "--data-path", good, "--save", str(w / "run")]) == 0
+    return w
+
+
+def tok(world: Path) -> list[str]:
+    return ["--vocab-file", str(world / "tok" / "vocab.json"), "--merge-file", str(world / "tok" / "merges.txt")]
+
+
+def train(*extra: str) -> list[str]:
+    return ["train", *TINY, "--vocab-size", "300", "--data-path", "good_text_document", *extra]
+
+
+def preprocess(w: Path, *extra: str, inputs: str = "docs.jsonl", prefix: str = "corpus") -> list[str]:
+    base = ["preprocess", "--input", inputs, "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer"]
+    return [*base, *tok(w), "--log-interval", "0", *extra]
+
+
+# (id, argv builder, what the error line must name)
+CASES = [
+    # ---- train: flags and values
+    ("train-unknown-flag", lambda w: train("--num-layer", "4"), "--num-layer"),
+    ("train-bad-int", lambda w: train("--hidden-size", "big"), "'big'"),
+    ("train-heads", lambda w: train("--num-attention-heads", "3"), "--hidden-size 16 is not divisible by"),
+    ("train-no-data", lambda w: ["train", *TINY, "--data-path", "nowhere"], "'nowhere'"),
+    (
+        "train-nan-weight",
+        lambda w: train("--data-path", "nan", "good_text_document", "1", "good_text_document"),
+        "weight 'nan'",
+    ),  # fmt: skip
+    ("train-odd-blend", lambda w: train("--data-path", "0.3", "good_text_document", "0.7"), "--data-path has 3"),
+    ("train-bad-split", lambda w: train("--split", "90,x"), "--split '90,x'"),
+    ("train-save-is-file", lambda w: train("--save", "a_file"), "--save a_file"),
+    ("train-tensorboard-under-file", lambda w: train("--tensorboard-dir", "a_file/tb"), "--tensorboard-dir a_file/tb"),
+    ("train-cache-under-file", lambda w: train("--data-cache-path", "a_file/c"), "--data-cache-path a_file/c"),
+    ("train-dense-topk", lambda w: train("--topk", "2"), "--topk 2"),
+    ("train-exit-interval", lambda w: train("--exit-interval", "0"), "--exit-interval must be > 0, got 0"),
+    ("train-fp16-bf16", lambda w: train("--fp16", "--bf16"), "--fp16 and --bf16"),
+    ("train-min-lr", lambda w: train("--min-lr", "0.1", "--lr", "0.01"), "--min-lr 0.1"),
+    ("train-config-missing", lambda w: ["train", "--config", "nope.yaml"], "--config nope.yaml"),
+    ("train-config-not-yaml", lambda w: ["train", "--config", "bad.yaml"], "bad.yaml is not valid YAML"),
+    ("train-config-typo", lambda w: ["train", "--config", "typo.yaml"], "unknown key 'num_layer'"),
+    (
+        "train-yaml-vocab",
+        lambda w: ["train", "--config", "recipe.yaml", *TINY[:-4], "--data-path", "good_text_document", *tok(w)],
+        "vocab_size 50257",
+    ),  # fmt: skip
+    ("train-vocab-too-small", lambda w: [*train(*tok(w)), "--vocab-size", "100"], "--vocab-size 100"),
+    ("train-missing-vocab-file", lambda w: train("--vocab-file", "missing.json"), "--vocab-file missing.json"),
+    (
+        "train-impossible-pair",
+        lambda w: ["train", *TINY, "--vocab-size", "300", "--data-path", "mixed_text_document"],
+        "mixed_text_document.bin' holds",
+    ),  # fmt: skip
+    (
+        "train-garbage-idx",
+        lambda w: ["train", *TINY, "--vocab-size", "300", "--data-path", "garbage_text_document"],
+        "garbage_text_document.idx",
+    ),  # fmt: skip
+    # ---- preprocess
+    ("preprocess-missing-input", lambda w: preprocess(w, inputs="missing.jsonl"), "--input 'missing.jsonl'"),
+    ("preprocess-wrong-key", lambda w: preprocess(w, "--json-keys", "content"), "for key 'content'"),
+    ("preprocess-empty-input", lambda w: preprocess(w, inputs="empty.jsonl"), "--input empty.jsonl gave no document"),
+    ("preprocess-no-out-dir", lambda w: preprocess(w, prefix="out/corpus"), "--output-prefix 'out/corpus': direct"),
+    ("preprocess-prefix-under-file", lambda w: preprocess(w, prefix="a_file/x"), "'a_file' is a file"),
+    (
+        "preprocess-tokenizer-type",
+        lambda w: [*preprocess(w)[:6], "WordPiece", *preprocess(w)[7:]],
+        "--tokenizer-type 'WordPiece'",
+    ),  # fmt: skip
+    ("preprocess-garbage-vocab", lambda w: [*preprocess(w), "--vocab-file", "a_file"], "--vocab-file 'a_file'"),
+    ("preprocess-workers", lambda w: preprocess(w, "--workers", "0"), "--workers 0"),
+    # ---- inspect
+    ("inspect-missing", lambda w: ["inspect", "nothing_here"], "nothing_here.idx"),
+    ("inspect-garbage", lambda w: ["inspect", "garbage_text_document"], "garbage_text_document.idx"),
+    ("inspect-mixed", lambda w: ["inspect", "mixed_text_document"], "come from different datasets"),
+    # ---- train-tokenizer
+    (
+        "tokenizer-vocab-size",
+        lambda w: ["train-tokenizer", "--input", "docs.jsonl", "--vocab-size", "10", "--output-dir", "newtok"],
+        "--vocab-size 10",
+    ),  # fmt: skip
+    (
+        "tokenizer-output-is-file",
+        lambda w: ["train-tokenizer", "--input", "docs.jsonl", "--vocab-size", "300", "--output-dir", "a_file"],
+        "--output-dir 'a_file'",
+    ),  # fmt: skip
+    (
+        "tokenizer-no-text",
+        lambda w: ["train-tokenizer", "--input", "empty.jsonl", "--vocab-size", "300", "--output-dir", "newtok"],
+        "--input empty.jsonl holds no usable text",
+    ),  # fmt: skip
+    # ---- generate
+    ("generate-missing-load", lambda w: ["generate", "--load", "no_run", "--prompt", "hi"], "--load no_run"),
+    (
+        "generate-garbage-ckpt",
+        lambda w: ["generate", "--load", "garbage_ckpt", "--prompt", "hi"],
+        "--load garbage_ckpt",
+    ),  # fmt: skip
+    ("generate-top-p", lambda w: ["generate", "--load", "run", "--prompt", "hi", "--top-p", "0"], "--top-p"),
+    ("generate-prompt-file", lambda w: ["generate", "--load", "run", "--prompt-file", "none.txt"], "none.txt"),
+    (
+        "generate-prompt-latin1",
+        lambda w: ["generate", "--load", "run", "--prompt-file", "latin1.txt"],
+        "--prompt-file latin1.txt is not UTF-8",
+    ),  # fmt: skip
+    (
+        "generate-vocab-file",
+        lambda w: [
+            "generate",
+            "--load",
+            "run",
+            "--prompt",
+            "hi",
+            "--vocab-file",
+            "a_file",
+            "--merge-file",
+            "tok/merges.txt",
+        ],
+        "a_file' is not a",
+    ),  # fmt: skip
+    # ---- eval
+    ("eval-missing-load", lambda w: ["eval", "--load", "no_run"], "--load no_run"),
+    ("eval-garbage-ckpt", lambda w: ["eval", "--load", "garbage_ckpt"], "--load garbage_ckpt"),
+    ("eval-missing-data", lambda w: ["eval", "--load", "run", "--data-path", "nowhere"], "--data-path nowhere"),
+    (
+        "eval-mixed-data",
+        lambda w: ["eval", "--load", "run", "--data-path", "mixed_text_document"],
+        "mixed_text_document.bin' holds",
+    ),  # fmt: skip
+    ("eval-iters", lambda w: ["eval", "--load", "run", "--eval-iters", "0"], "--eval-iters must be >= 1, got 0"),
+    ("eval-json-dir", lambda w: ["eval", "--load", "run", "--json", "nodir/e.json"], "--json nodir/e.json"),
+    # ---- plan
+    ("plan-gpus", lambda w: ["plan", "--config", "quickstart", "--gpus", "0"], "--gpus must be >= 1, got 0"),
+    ("plan-mfu", lambda w: ["plan", "--config", "quickstart", "--mfu", "30"], "--mfu is a fraction"),
+    ("plan-gpu-memory", lambda w: ["plan", "--config", "quickstart", "--gpu-memory", "lots"], "--gpu-memory 'lots'"),
+    (
+        "plan-explicit-ep",
+        lambda w: ["plan", "--config", "quickstart", "--gpus", "1", "--moe-expert-parallel-size", "2"],
+        "--moe-expert-parallel-size 2",
+    ),  # fmt: skip
+    # ---- quickstart
+    ("quickstart-nproc", lambda w: ["quickstart", "--nproc", "3"], "--nproc 3"),
+    (
+        "quickstart-output-under-file",
+        lambda w: ["quickstart", "--output-dir", "a_file/run"],
+        "--output-dir a_file/run",
+    ),  # fmt: skip
+    (
+        "quickstart-config",
+        lambda w: ["quickstart", "--config", "nope.yaml", "--output-dir", "qs"],
+        "--config nope.yaml",
+    ),
+]
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_battery_is_broad():
+    assert len(CASES) >= 30 and len({case[0] for case in CASES}) == len(CASES)
+    assert len({case[0].split("-")[0] for case in CASES}) >= 8  # every command
+
+
+@pytest.mark.parametrize("argv_of, names", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_fails_with_one_clear_line_and_touches_nothing(world, monkeypatch, capsys, argv_of, names):
+    monkeypatch.chdir(world)
+    argv = argv_of(world)
+    before = snapshot(world)
+    code, out, err = run_cli(argv, capsys)
+    assert code not in (0, None), f"exit {code}: {out}{err}"
+    error_lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(error_lines) == 1, err
+    assert names in error_lines[0], error_lines[0]
+    assert "Traceback" not in err and "Traceback" not in out
+    assert snapshot(world) == before
