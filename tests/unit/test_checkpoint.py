@@ -147,3 +147,34 @@ def test_first_save_crashed_before_latest_is_still_found(tmp_path):
     trained(tmp_path)
     (tmp_path / "latest").unlink()  # as if the process died right after renaming staging → iter_0000002
     assert ckpt.resolve_checkpoint(str(tmp_path)) == tmp_path / "iter_0000002"
+
+
+def test_checkpoint_files_follow_the_umask(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        trained(tmp_path)
+    finally:
+        os.umask(old)
+    paths = [tmp_path / "latest", *(tmp_path / "iter_0000002").rglob("*")]
+    assert len(paths) > 5
+    for path in paths:
+        mode = path.stat().st_mode & 0o777
+        assert mode == (0o755 if path.is_dir() else 0o644), (path.name, oct(mode))
+
+
+def test_exit_interval_saves_and_stops_at_the_first_multiple(tmp_path):
+    trainer = build_trainer(tiny_config(train_iters=50, save=str(tmp_path), exit_interval=3))
+    assert trainer.train() == 0
+    assert trainer.progress.iteration == 3 and (tmp_path / "latest").read_text().strip() == "iter_0000003"
+
+
+def test_exit_duration_stops_after_the_step_that_crossed_it(tmp_path, monkeypatch):
+    from moetron.train import trainer as trainer_module
+
+    clock = iter(range(0, 10_000, 50))  # each reading 50 s later: 1 minute passes every other step
+    monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: float(next(clock)))
+    trainer = build_trainer(tiny_config(train_iters=50, save=str(tmp_path), exit_duration_in_mins=1.0))
+    assert trainer.train() == 0
+    assert 1 <= trainer.progress.iteration < 50 and (tmp_path / "latest").is_file()

@@ -29,24 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
 
 
-def _resolve_vocab_size_if_given(cfg, explicit: set[str]) -> None:
-    """Show the vocabulary the tokenizer files give, as training will use it; without tokenizer files (a config
-    being drafted) the printed value stays the default."""
-    from moetron.train.run import resolve_vocab_size
-
-    if cfg.data.vocab_file or cfg.data.tokenizer_model:
-        resolve_vocab_size(cfg, explicit)
-
-
 def run(args: argparse.Namespace) -> int:
     from moetron.parallel.env import init_distributed, world_size_from_env
+    from moetron.train.run import resolve_vocab_size
 
     cfg, explicit = load_config(args.config, cli_overrides(args))
     check(cfg, world_size_from_env())
+    resolve_vocab_size(cfg, explicit)  # the tokenizer fixes (or checks) the vocabulary before any process group
     if args.print_config:
         from moetron.config_cli import to_yaml
 
-        _resolve_vocab_size_if_given(cfg, explicit)
         print(to_yaml(cfg), end="")
         return 0
     from moetron.train.run import run_training

@@ -23,6 +23,7 @@ from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build_model
 from moetron.train.checkpoint import resolve_checkpoint
+from moetron.train.startup import startup_banner, startup_warnings
 from moetron.train.trainer import Trainer
 
 
@@ -192,6 +193,10 @@ def run_training(cfg: RunConfig, explicit: set[str], env: DistEnv) -> int:
     seed_everything(cfg.train.seed, mesh.coords.dp)
     resolve_vocab_size(cfg, explicit)
     check_token_ids(cfg.data, cfg.model.vocab_size, TRAIN_VOCAB_FIX)
+    if env.is_main:  # what is about to happen, before the first slow step (index building, model init)
+        for line in [*startup_warnings(cfg, env.device.type, env.world_size), startup_banner(cfg, env.world_size,
+                     env.device.type, explicit)]:  # fmt: skip
+            print(line, flush=True)
     train_loader, make_valid = build_loaders(cfg, env, mesh)
     model = build_model(cfg.model, mesh, env.device, cfg.train.seed, compile_blocks=cfg.train.compile)
     trainer = Trainer(cfg, env, model, train_loader, make_valid, config_yaml=to_yaml(cfg), mesh=mesh)

@@ -1,8 +1,10 @@
-"""Graceful stop on SIGTERM / SIGINT: finish the current step, save a checkpoint, exit 0.
+"""Graceful stop on SIGTERM / SIGINT (or a wall-clock limit): finish the current step, save a checkpoint, exit 0.
 
 Schedulers (SLURM, Kubernetes) send SIGTERM before killing a job. The handler only raises a flag; the
 trainer checks it between steps, so no step is ever cut in half. With several processes the flag is
 agreed on by all ranks (a MAX all-reduce), so every rank stops after the same step and saves together.
+`--exit-duration-in-mins` raises the same flag (`request`): each rank's clock differs slightly, and the
+agreement makes them stop together.
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ class StopSignal:
         self._previous = {}
 
     def _handle(self, signum, frame) -> None:
-        self.requested = signal.Signals(signum).name
+        self.requested = f"received {signal.Signals(signum).name}"
+
+    def request(self, reason: str) -> None:
+        """Ask for a stop after this step for a reason of the run's own (e.g. --exit-duration-in-mins)."""
+        if self.requested is None:
+            self.requested = reason
 
     def __enter__(self) -> StopSignal:
         for sig in self.SIGNALS:

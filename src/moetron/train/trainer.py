@@ -125,7 +125,7 @@ class Trainer:
         norm = clip_gradients(self.params, self.cfg.train.clip_grad, self.parallel.grad_norm_sq)
         grad_norm, self.stop_agreed = stop_flag.read_with(norm)  # the one host read of a step
         if self.stop_agreed and self.stop is not None and not self.stop.requested:
-            self.stop.requested = "a signal on another rank"
+            self.stop.requested = "received a stop request on another rank"
         ok = grad_norm == grad_norm and grad_norm != float("inf")
         if ok:
             self.optimizer.step()
@@ -180,7 +180,8 @@ class Trainer:
     def _loop(self, stop: StopSignal) -> int:
         t = self.cfg.train
         self.stop = stop
-        interval_start, interval_iters = time.perf_counter(), 0
+        started = interval_start = time.perf_counter()
+        interval_iters = 0
         while not self.done():
             result = self.train_step()
             self._account(result)
@@ -198,22 +199,30 @@ class Trainer:
             if t.save and t.save_interval and it % t.save_interval == 0 and not self.progress.consecutive_skips:
                 self.save()  # never in the middle of a NaN streak: the last checkpoint stays a good one
             interval_start += time.perf_counter() - paused
-            if self._stop_requested(stop):
-                self.logger.print(f" received {stop.requested}: saving at iteration {it} and exiting")
+            reason = self._stop_reason(stop)
+            if reason:
+                self.logger.print(f" {reason}: saving at iteration {it} and exiting")
                 if t.save and self.last_saved_iteration != it:
                     self.save()
                 return 0
+            if t.exit_duration_in_mins and time.perf_counter() - started > 60 * t.exit_duration_in_mins:
+                stop.request(f"reached --exit-duration-in-mins {t.exit_duration_in_mins}")  # agreed on next step
         self.run_evaluation()
         if t.save and self.last_saved_iteration != self.progress.iteration:
             self.save()
         return 0
 
-    def _stop_requested(self, stop: StopSignal) -> bool:
-        """One process reads its own flag. Several decide on the flag all-reduced during the step (`StopFlag`),
-        so every rank stops after the same step (at most one step after the signal reached any of them)."""
-        if not self.env.distributed:
-            return stop.requested is not None
-        return self.stop_agreed
+    def _stop_reason(self, stop: StopSignal) -> str | None:
+        """Why to stop after this step, the same on every rank (None: go on). `--exit-interval` is decided by the
+        iteration alone. A signal or the wall-clock limit: one process reads its own flag; several decide on the
+        flag all-reduced during the step (`StopFlag`), so every rank stops after the same step (at most one step
+        after the request reached any of them)."""
+        interval, it = self.cfg.train.exit_interval, self.progress.iteration
+        if interval and it % interval == 0:
+            return f"reached --exit-interval {interval}"
+        if (stop.requested is not None) if not self.env.distributed else self.stop_agreed:
+            return stop.requested
+        return None
 
     def _stop_on_skips(self) -> None:
         p, t = self.progress, self.cfg.train

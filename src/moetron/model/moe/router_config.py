@@ -39,8 +39,8 @@ class RouterConfig:
     moe_z_loss_coeff: float = 0.0
     moe_aux_loss_type: str = "global"  # global (DeepSpeed) | seq (per-sequence) | none
     moe_router_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing by a selection-only expert bias
-    num_expert_groups: int = 1  # group-limited routing: experts split into groups,
-    topk_groups: int = 1  # tokens may only pick experts from their best topk_groups groups
+    num_expert_groups: int = 1  # group-limited routing (DeepSeek-V3): the experts form this many groups
+    topk_groups: int = 1  # with --num-expert-groups: a token picks experts only from its best topk_groups groups
 
     @property
     def uses_generic_path(self) -> bool:

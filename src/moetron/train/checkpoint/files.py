@@ -30,6 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moetron.errors import UserError
+from moetron.fileio import publish_mode
 
 FORMAT_VERSION = 2  # 1: moetron 0.1's safetensors files (convert with `moetron convert-checkpoint`)
 LATEST = "latest"
@@ -67,6 +68,7 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
 def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
+    publish_mode(tmp)
     _fsync_file(tmp)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
@@ -104,6 +106,7 @@ def prepare_staging(run_dir: Path, iteration: int) -> Path:
 def publish(run_dir: Path, iteration: int, keep_last_n: int) -> Path:
     """(rank 0, after every rank wrote and fsynced) rename staging → final, then move `latest`, then prune."""
     tmp, final = staging_dir(run_dir, iteration), run_dir / iteration_dir_name(iteration)
+    share_like_new_files(tmp)
     _fsync_dir(tmp / "rng")
     _fsync_dir(tmp)
     if final.exists():  # the same iteration saved again (e.g. a signal right after a resume): swap it out
@@ -117,6 +120,14 @@ def publish(run_dir: Path, iteration: int, keep_last_n: int) -> Path:
     write_text_atomic(run_dir / LATEST, final.name + "\n")
     prune(run_dir, keep_last_n)
     return final
+
+
+def share_like_new_files(tree: Path) -> None:
+    """Files and directories of `tree` get the modes `open()`/`mkdir` give under the umask: some writers
+    (safetensors, temp files) create 0600 files, and teammates on a shared cluster could not read the checkpoint."""
+    publish_mode(tree, 0o777)
+    for path in tree.rglob("*"):
+        publish_mode(path, 0o777 if path.is_dir() else 0o666)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
