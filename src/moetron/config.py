@@ -88,6 +88,8 @@ class TrainConfig:
     no_load_rng: bool = False
     keep_last_n: int = 3
     exit_on_missing_checkpoint: bool = False
+    overwrite: bool = False  # start fresh in a --save directory that holds another run: delete its checkpoints/logs
+    override_opt_param_scheduler: bool = False  # resume with this run's LR flags, not the checkpoint's schedule
 
     # ---- stopping early (Megatron's flags for SLURM time limits): a checkpoint is saved (with --save), exit 0 ----
     exit_interval: int | None = None  # stop after the first iteration divisible by this
@@ -185,11 +187,34 @@ def train_problems(cfg: RunConfig, dp: int) -> list[str]:
 
 
 def output_problems(cfg: RunConfig) -> list[str]:
-    """Output locations that cannot be written (a file in the way, read-only), checked without writing."""
+    """Output locations that cannot be written (a file in the way, read-only), checked without writing; and a run
+    directory holding another run's output (never destroyed unless --overwrite says so)."""
     t = cfg.train
     flags = [("--save", t.save), ("--output-dir", t.output_dir), ("--tensorboard-dir", t.tensorboard_dir)]
     flags.append(("--data-cache-path", cfg.data.data_cache_path))
-    return [problem for flag, path in flags if (problem := output_dir_problem(flag, path))]
+    problems = [problem for flag, path in flags if (problem := output_dir_problem(flag, path))]
+    return problems + run_directory_problems(t)
+
+
+def run_directory_problems(t: TrainConfig) -> list[str]:
+    """A new run (no --load of that same directory) must not write over a previous run's checkpoints or logs."""
+    from pathlib import Path
+
+    from moetron.train.checkpoint.files import previous_run
+
+    flag, run_dir = ("--save", t.save) if t.save else ("--output-dir", t.output_dir)
+    if not run_dir or t.overwrite:
+        return []
+    found = previous_run(run_dir)
+    if found is None:
+        return []
+    if t.load and Path(run_dir).resolve() in (Path(t.load).resolve(), Path(t.load).resolve().parent):
+        return []  # resuming the run that lives there
+    resume = f"resume it with --load {run_dir}" if flag == "--save" else f"pass --save {run_dir} --load {run_dir}"
+    return [
+        f"{flag} {run_dir} already holds another run's output ({found}) that this run would overwrite; {resume}, "
+        f"give another {flag}, or pass --overwrite to delete it"
+    ]
 
 
 def moe_problems(cfg: RunConfig) -> list[str]:

@@ -38,6 +38,8 @@ from moetron.errors import ConfigError, UserError
 from moetron.recipes import list_recipes, resolve_config_path
 
 # Megatron's negative switches: flag → (field, value it sets)
+# Megatron's own spellings of switches whose moetron flag is spelled with hyphens only
+MEGATRON_SPELLINGS = {"override-opt_param-scheduler": "override_opt_param_scheduler"}
 NEGATIVE_FLAGS = {
     "disable-moe-token-dropping": "moe_token_dropping",
     "disable-moe-top2-2nd-expert-sampling": "moe_top2_2nd_expert_sampling",
@@ -127,6 +129,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             kind = _none_or(spec.kind) if spec.optional else spec.kind
             group.add_argument(spec.flag, type=kind, metavar=spec.kind.__name__.upper(), **kwargs)
+    for flag, name in MEGATRON_SPELLINGS.items():
+        group, spelled = groups[field_specs()[name].section], f"Megatron's spelling of {name}"
+        group.add_argument("--" + flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=spelled)
     for flag, name in NEGATIVE_FLAGS.items():
         groups[field_specs()[name].section].add_argument(
             "--" + flag, dest=name, action="store_false", default=argparse.SUPPRESS, help=f"Megatron's: {name} false"

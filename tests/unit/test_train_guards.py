@@ -14,7 +14,8 @@ from moetron.data.indexed import IndexedDatasetBuilder
 VOCAB = 96
 TINY = (
     f"--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 --vocab-size {VOCAB} "
-    "--micro-batch-size 2 --global-batch-size 2 --num-experts 2 --topk 1 --train-iters 2 --log-interval 1 "
+    "--micro-batch-size 2 --global-batch-size 2 --num-experts 2 --expert-interval 1 --topk 1 --train-iters 2 "
+    "--log-interval 1 "
     "--eval-iters 1 --eval-interval 1"
 ).split()
 

@@ -107,6 +107,14 @@ class IntervalMetrics:
         return out
 
 
+def _iteration_of(line: str) -> float:
+    """The iteration of one JSONL record; a torn last line (a crash mid-write) counts as after everything."""
+    try:
+        return json.loads(line)["iteration"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
+
+
 def format_eta(seconds: float) -> str:
     return str(datetime.timedelta(seconds=int(max(seconds, 0))))
 
@@ -145,6 +153,22 @@ class RunLogger:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_iters, unit="it", dynamic_ncols=True, leave=False)
+
+    def forget_after(self, iteration: int) -> None:
+        """Drop the records of iterations after `iteration` from metrics.jsonl and eval.jsonl: a run resumed from
+        that iteration's checkpoint (after a crash past it) logs them again, and each iteration appears once."""
+        if not self.run_dir:
+            return
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            path = self.run_dir / name
+            if not path.is_file():
+                continue
+            lines = path.read_text().splitlines()
+            kept = [line for line in lines if _iteration_of(line) <= iteration]
+            if len(kept) != len(lines):
+                tmp = path.with_name(name + ".tmp")
+                tmp.write_text("".join(line + "\n" for line in kept))
+                tmp.replace(path)
 
     def _append(self, name: str, record: dict) -> None:
         if self.run_dir:

@@ -187,9 +187,23 @@ def load_into(trainer: Trainer, cfg: RunConfig, path) -> None:
     trainer.logger_print(f" loaded checkpoint {path}: {what}")
 
 
+def discard_if_overwriting(cfg: RunConfig, env: DistEnv) -> None:
+    """--overwrite: rank 0 deletes the previous run's checkpoints and logs in the run directory, then all go on."""
+    from moetron.train.checkpoint.files import discard_previous_run, previous_run
+
+    run_dir = cfg.run_dir()
+    if not (cfg.train.overwrite and run_dir):
+        return
+    if env.is_main and (found := previous_run(run_dir)):
+        print(f"--overwrite: deleting the previous run's {found} and logs in {run_dir}", flush=True)
+        discard_previous_run(run_dir)
+    env.barrier()
+
+
 def run_training(cfg: RunConfig, explicit: set[str], env: DistEnv) -> int:
     checkpoint = find_checkpoint(cfg)
     mesh = ParallelMesh.build(cfg.dims(env.world_size), env)
+    discard_if_overwriting(cfg, env)
     seed_everything(cfg.train.seed, mesh.coords.dp)
     resolve_vocab_size(cfg, explicit)
     check_token_ids(cfg.data, cfg.model.vocab_size, TRAIN_VOCAB_FIX)

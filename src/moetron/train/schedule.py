@@ -87,11 +87,33 @@ class LRScheduler:
     def state_dict(self) -> dict:
         return {"num_steps": self.num_steps, "num_tokens": self.num_tokens, "spec": asdict(self.spec)}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore progress; the schedule comes from the current config (`--override-opt_param-scheduler`)."""
+    def load_state_dict(self, state: dict, override: bool = False) -> str | None:
+        """Restore progress, and the checkpoint's schedule unless `override` (Megatron's
+        `--override-opt_param-scheduler`: this run's LR flags). Returns a note when the two schedules differ
+        (saying which one is used), None when they agree."""
         self.num_steps = int(state["num_steps"])
         self.num_tokens = int(state["num_tokens"])
+        saved = ScheduleSpec(**state["spec"]) if "spec" in state else self.spec
+        note = None
+        if saved != self.spec:
+            if override:
+                note = f"LR schedule: this run's flags ({describe(self.spec)}; the checkpoint had {describe(saved)})"
+            else:
+                note = (
+                    f"LR schedule: the checkpoint's ({describe(saved)}), not this run's flags ({describe(self.spec)}); "
+                    f"pass --override-opt-param-scheduler to use the flags"
+                )
+                self.spec = saved
         self.step(0, self.num_tokens)
+        return note
+
+
+def describe(spec: ScheduleSpec) -> str:
+    """One line: peak → min LR, style, warmup and decay horizons in their units."""
+    unit = "tokens" if spec.decay_tokens is not None else "samples"
+    warmup = spec.warmup_tokens if spec.warmup_tokens is not None else spec.warmup_steps
+    decay = spec.decay_tokens if spec.decay_tokens is not None else spec.decay_steps
+    return f"lr {spec.max_lr:g} → {spec.min_lr:g} {spec.decay_style}, warmup {warmup}, decay {decay} {unit}"
 
 
 def build_schedule_spec(train, global_batch_size: int, seq_length: int, total_iters: int) -> ScheduleSpec:

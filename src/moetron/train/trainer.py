@@ -169,6 +169,7 @@ class Trainer:
         """Run to the stopping criterion (or a signal); returns the process exit code."""
         t = self.cfg.train
         self.logger = RunLogger(self.run_dir, t.tensorboard_dir, self.env.is_main, self.total_iters)
+        self.logger.forget_after(self.progress.iteration)  # a resumed run redoes what came after its checkpoint
         self._write_run_config()
         self.model.train()
         try:
@@ -330,7 +331,9 @@ class Trainer:
         view = self.checkpoint_view()
         state = load_checkpoint(path, view, optimizer, load_rng=not t.no_load_rng, rank=self.env.rank)
         self.progress = Progress(**{f.name: int(state[f.name]) for f in dataclasses.fields(Progress)})
-        self.scheduler.load_state_dict(state["scheduler"])
+        note = self.scheduler.load_state_dict(state["scheduler"], override=t.override_opt_param_scheduler)
+        if note:
+            self.logger_print(f" {note}")
         self.scaler.load_state_dict(state["loss_scaler"])
         self.train_loader.load_state_dict(state["train_loader"])
         self.last_saved_iteration = self.progress.iteration

@@ -130,6 +130,31 @@ def share_like_new_files(tree: Path) -> None:
         publish_mode(path, 0o777 if path.is_dir() else 0o666)
 
 
+RUN_FILES = ("metrics.jsonl", "eval.jsonl", "config.yaml")  # what a run writes beside its checkpoints
+
+
+def previous_run(run_dir: str | Path) -> str | None:
+    """A short description of the run output `run_dir` already holds (None when it holds none): its newest
+    checkpoint, or its log files."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        return None
+    found = list_checkpoints(path)
+    if found or (path / LATEST).exists():
+        return f"checkpoints up to {found[-1].name}" if found else "a 'latest' pointer"
+    logs = [name for name in RUN_FILES[:2] if (path / name).is_file()]
+    return " and ".join(logs) if logs else None
+
+
+def discard_previous_run(run_dir: str | Path) -> None:
+    """`--overwrite`: remove a previous run's checkpoints, temporaries and log files from `run_dir` (only those)."""
+    path = Path(run_dir)
+    for old in [*list_checkpoints(path), *path.glob(".tmp_iter_*"), *path.glob(".tmp_old_iter_*")]:
+        shutil.rmtree(old, ignore_errors=True)
+    for name in (LATEST, *RUN_FILES):
+        (path / name).unlink(missing_ok=True)
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     found = [p for p in run_dir.glob("iter_*") if p.is_dir() and p.name[5:].isdigit()]
     return sorted(found, key=lambda p: int(p.name[5:]))
@@ -148,7 +173,16 @@ def read_latest(run_dir: Path) -> Path | None:
     pointer = run_dir / LATEST
     if not pointer.is_file():
         return None
-    return run_dir / pointer.read_text().strip()
+    try:
+        name = pointer.read_text().strip()
+    except UnicodeDecodeError:
+        name = None
+    if not name or not name.startswith(("iter_", ".tmp_old_iter_")) or "/" in name or "\x00" in name:
+        raise UserError(
+            f"checkpoint pointer {pointer} does not name a checkpoint (it should hold e.g. 'iter_0000100'); "
+            f"fix or delete it, or --load one iter_* directory of {run_dir}"
+        )
+    return run_dir / name
 
 
 def resolve_checkpoint(load: str) -> Path | None:
