@@ -29,7 +29,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch, crash_i
         raise OSError("disk full (simulated)")
 
     monkeypatch.setattr(ckpt, crash_in, boom)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(UserError, match="iteration 3 .* failed .*simulated.*; the previous checkpoint iter_0000002 is"):
         trainer.save()
     monkeypatch.undo()
     assert (tmp_path / "latest").read_text().strip() == "iter_0000002"
@@ -125,7 +125,7 @@ def test_crash_between_the_renames_of_a_resave_leaves_a_loadable_checkpoint(tmp_
         real_rename(src, dst)
 
     monkeypatch.setattr(ckpt.os, "rename", rename_then_crash)
-    with pytest.raises(OSError, match="mid-swap"):
+    with pytest.raises(UserError, match="mid-swap"):
         trainer.save()  # the same iteration again: the swap path
     monkeypatch.undo()
     assert not (tmp_path / "iter_0000002").exists() and (tmp_path / ".tmp_old_iter_0000002").is_dir()
@@ -178,3 +178,34 @@ def test_exit_duration_stops_after_the_step_that_crossed_it(tmp_path, monkeypatc
     trainer = build_trainer(tiny_config(train_iters=50, save=str(tmp_path), exit_duration_in_mins=1.0))
     assert trainer.train() == 0
     assert 1 <= trainer.progress.iteration < 50 and (tmp_path / "latest").is_file()
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    trainer = trained(tmp_path)
+    run_losses(trainer, 1)
+    real_write = dcp.FileSystemWriter.write_data
+
+    def disk_full(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", disk_full)
+    with pytest.raises(UserError) as err:
+        trainer.save()
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", real_write)
+    message = str(err.value)
+    assert "\n" not in message and "No space left on device" in message and "iter_0000002 is intact" in message
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000002" and not list(tmp_path.glob(".tmp_*"))
+    fresh = build_trainer(tiny_config(save=str(tmp_path)))
+    fresh.load(ckpt.resolve_checkpoint(str(tmp_path)))
+    assert fresh.progress.iteration == 2
+
+
+def test_a_missing_shard_file_is_one_line(tmp_path):
+    trained(tmp_path)
+    for shard in (tmp_path / "iter_0000002").glob("*.distcp"):
+        shard.unlink()
+    with pytest.raises(UserError, match="iter_0000002 is corrupt or truncated") as err:
+        build_trainer(tiny_config()).load(tmp_path / "iter_0000002")
+    assert "\n" not in str(err.value)

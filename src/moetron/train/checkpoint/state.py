@@ -22,6 +22,7 @@ Per-rank RNG states (`rng/`), the trainer state (`state.json`) and the config tr
 from __future__ import annotations
 
 import contextlib
+import shutil
 import warnings
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moetron.errors import UserError
+from moetron.fileio import describe_os_error
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
 from moetron.train.checkpoint import files
@@ -113,12 +115,23 @@ def save_checkpoint(
     env,
     keep_last_n: int,
 ) -> Path:
-    """Every rank calls this; each writes its shards and its RNG, rank 0 the shared files. Returns the path."""
+    """Every rank calls this; each writes its shards and its RNG, rank 0 the shared files. Returns the path.
+
+    A write that fails on any rank (a full disk, a vanished mount) fails the save on every rank with one line:
+    the staging directory is removed, `latest` still names the previous checkpoint, which stays intact."""
     run_dir = Path(run_dir)
     if env.is_main:
         files.prepare_staging(run_dir, iteration)
     env.barrier()
     tmp = files.staging_dir(run_dir, iteration)
+    failure = _attempt(lambda: _write_shards(tmp, view, optimizer, state, config_yaml, env))
+    _fail_everywhere_if_any(env, failure, run_dir, iteration, discard=tmp)
+    failure = _attempt(lambda: files.publish(run_dir, iteration, keep_last_n)) if env.is_main else None
+    _fail_everywhere_if_any(env, failure, run_dir, iteration)
+    return run_dir / files.iteration_dir_name(iteration)
+
+
+def _write_shards(tmp: Path, view: GlobalView, optimizer, state: dict, config_yaml: str, env) -> None:
     save_rng(tmp / "rng" / f"rank_{env.rank:05d}.safetensors")
     tensors = {**view.model_state(), **view.optimizer_state(optimizer)}
     with single_process_quiet() as no_dist:
@@ -127,10 +140,41 @@ def save_checkpoint(
         files.write_json(tmp / "state.json", {"format_version": files.FORMAT_VERSION, **state})
         (tmp / "config.yaml").write_text(config_yaml)
         files._fsync_file(tmp / "config.yaml")
-    env.barrier()
-    final = files.publish(run_dir, iteration, keep_last_n) if env.is_main else None
-    env.barrier()
-    return final or run_dir / files.iteration_dir_name(iteration)
+
+
+def _attempt(write) -> BaseException | None:
+    """Run `write`; the OS or DCP error it raised (None when it worked)."""
+    try:
+        write()
+    except (OSError, CheckpointException) as err:
+        return err
+    return None
+
+
+def _fail_everywhere_if_any(env, failure: BaseException | None, run_dir: Path, iteration: int, discard=None) -> None:
+    """Agree on every rank whether the phase failed anywhere; if so, clean up and raise the same kind of line."""
+    failed = failure is not None
+    if env.distributed:
+        flag = torch.tensor([float(failed)], device=env.device)
+        env.all_reduce_(flag, op=dist.ReduceOp.MAX)
+        failed = bool(flag.item())  # a host read, once per checkpoint save
+    if not failed:
+        return
+    if discard is not None and env.is_main:
+        shutil.rmtree(discard, ignore_errors=True)
+    previous = files.read_latest(run_dir) if (run_dir / files.LATEST).is_file() else None
+    kept = f"the previous checkpoint {previous.name} is intact" if previous else "no earlier checkpoint exists"
+    why = _save_error(failure, run_dir) if failure is not None else "it failed on another rank"
+    raise UserError(f"saving the checkpoint of iteration {iteration} in {run_dir} failed ({why}); {kept}")
+
+
+def _save_error(err: BaseException, run_dir: Path) -> str:
+    if isinstance(err, CheckpointException) and err.failures:
+        first = next(iter(err.failures.values()))
+        err = first[0] if isinstance(first, tuple) else first
+    if isinstance(err, OSError):
+        return describe_os_error(err, run_dir)
+    return _first_line(err)
 
 
 def check_format(path: Path) -> dict:
