@@ -3,8 +3,8 @@ import pytest
 from data_helpers import CORPUS, make_tiny_tokenizer, megatron_reference, tiny_tokenizer, tiny_tokenizer_flags
 
 from moetron.cli import main
-from moetron.commands.inspect import size_histogram
 from moetron.data.indexed import IndexedDatasetBuilder
+from moetron.data.inspect import size_histogram
 
 
 @pytest.fixture(scope="module")
