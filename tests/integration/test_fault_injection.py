@@ -1,0 +1,118 @@
+"""The fault suite: SIGKILL at random points of training and inside every phase of a checkpoint save, SIGTERM during
+a save, a rank killed under torchrun — each leaves a loadable `latest` checkpoint, and the resumed run reproduces
+the uninterrupted loss curve bit for bit. (A full disk during a save: tests/unit/test_checkpoint.py.)
+
+Faults are injected from outside the trainer by `fault_worker.py` (a wrapper that patches functions and signals
+its own process); random points come from seeded generators, so a failure names a reproducible case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "unit"))
+from test_train_guards import TINY, write_dataset  # noqa: E402
+
+ITERS, SAVE_EVERY = 8, 2
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+SAVE_PHASES = ("staging", "shards", "renamed", "latest")
+
+
+def flags(prefix: str, run: Path) -> list[str]:
+    common = [*TINY, "--data-path", prefix, "--train-iters", str(ITERS), "--save-interval", str(SAVE_EVERY)]
+    return [*common, "--eval-iters", "0", "--save", str(run), "--load", str(run)]
+
+
+def train(prefix: str, run: Path, fault: str | None = None, nproc: int = 1) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in ENV.items() if k != "MOETRON_TEST_FAULT"}
+    if fault:
+        env["MOETRON_TEST_FAULT"] = fault
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    batch = ["--global-batch-size", str(2 * nproc)]  # micro batch 2 on every rank
+    cmd = [*launcher, str(HERE / "fault_worker.py"), "train", *flags(prefix, run), *batch]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def curve(run: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    iterations = [r["iteration"] for r in records]
+    assert len(iterations) == len(set(iterations)), f"duplicate iterations in metrics.jsonl: {iterations}"
+    return {r["iteration"]: r["lm_loss"] for r in records}
+
+
+def assert_loadable(run: Path) -> int:
+    """The iteration of `latest`, after loading its weights into a fresh model."""
+    from moetron.config_cli import load_config
+    from moetron.model.gpt import create_model
+    from moetron.train.checkpoint import load_weights, resolve_checkpoint
+
+    path = resolve_checkpoint(str(run))
+    assert path is not None and path.is_dir(), f"no loadable checkpoint in {run}"
+    cfg, _ = load_config(str(path / "config.yaml"), {})
+    return int(load_weights(path, create_model(cfg.model, "cpu", seed=0))["iteration"])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[str, dict[int, float]]:
+    """(dataset prefix, the uninterrupted run's loss curve)."""
+    tmp = tmp_path_factory.mktemp("fault")
+    prefix = write_dataset(tmp / "corpus_text_document", documents=60)
+    straight = train(prefix, tmp / "straight")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    return prefix, curve(tmp / "straight")
+
+
+def kill_then_resume(prefix: str, run: Path, fault: str, reference: dict[int, float], nproc: int = 1) -> int:
+    killed = train(prefix, run, fault, nproc)
+    assert killed.returncode != 0, f"{fault}: the injected fault did not stop the run"
+    saved = assert_loadable(run) if (run / "latest").exists() or list(run.glob("iter_*")) else 0
+    resumed = train(prefix, run, nproc=nproc)
+    assert resumed.returncode == 0, f"{fault}: {resumed.stderr[-2000:]}"
+    assert curve(run) == reference, f"{fault}: the resumed curve differs from the uninterrupted one"
+    assert assert_loadable(run) == ITERS
+    return saved
+
+
+@pytest.mark.slow
+def test_sigkill_in_every_phase_of_a_save_and_at_random_steps(corpus, tmp_path):
+    prefix, reference = corpus
+    cases = [f"{phase}:{2 * random.Random(seed).randint(1, ITERS // 2 - 1)}" for seed, phase in enumerate(SAVE_PHASES)]
+    cases += [f"step:{random.Random(100 + seed).randint(2, ITERS)}" for seed in range(3)]
+    resumed_from = {}
+    for i, fault in enumerate(cases):
+        resumed_from[fault] = kill_then_resume(prefix, tmp_path / f"run{i}", fault, reference)
+    for fault, saved in resumed_from.items():  # the save being killed never counts; the one before it does
+        where, iteration = fault.split(":")
+        expected = int(iteration) if where in ("renamed", "latest") else (int(iteration) - 1) // SAVE_EVERY * SAVE_EVERY
+        assert saved == expected, (fault, saved, expected)
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_save_saves_once_and_exits_zero(corpus, tmp_path):
+    prefix, _ = corpus
+    run = tmp_path / "run"
+    done = train(prefix, run, "shards:4:TERM")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "received SIGTERM: saving at iteration 4 and exiting" in done.stdout
+    assert done.stdout.count("saved checkpoint") == 2  # iterations 2 and 4, the latter once
+    assert assert_loadable(run) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_killed_under_torchrun_leaves_a_checkpoint_the_rerun_resumes_exactly(corpus, tmp_path):
+    prefix, _ = corpus
+    straight = tmp_path / "straight"
+    assert train(prefix, straight, nproc=2).returncode == 0
+    saved = kill_then_resume(prefix, tmp_path / "run", "rank1-step:6", curve(straight), nproc=2)
+    assert saved == 4
