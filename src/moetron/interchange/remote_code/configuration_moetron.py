@@ -24,5 +24,6 @@ class MoetronConfig(PretrainedConfig):
         kwargs.setdefault("num_attention_heads", heads)
         kwargs.setdefault("num_key_value_heads", m.get("num_key_value_heads") or heads)
         kwargs.setdefault("max_position_embeddings", m.get("max_position_embeddings") or m.get("seq_length"))
+        kwargs.setdefault("use_cache", True)
         kwargs["tie_word_embeddings"] = False  # the moetron model ties (or not) its own output layer
         super().__init__(**kwargs)

@@ -12,6 +12,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_moetron import MoetronConfig
 
+# The output's cache field: `cache` in transformers 5, `past_key_values` before.
+_CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+
 
 class _CacheAdapter:
     """A transformers cache seen through moetron's KVCache interface (`length`, `update`, `advance`)."""
@@ -71,22 +74,22 @@ class MoetronForCausalLM(PreTrainedModel, GenerationMixin):
         self.model.word_embeddings = value
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, return_dict=None, **kwargs):  # fmt: skip
+                inputs_embeds=None, labels=None, use_cache=None, return_dict=None, cache=None, **kwargs):  # fmt: skip
         if input_ids is None:
             raise ValueError("MoetronForCausalLM needs input_ids (inputs_embeds are not supported)")
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("MoetronForCausalLM does not support padded batches (attention_mask with zeros): "
                              "batch prompts of one length, or run them one at a time")  # fmt: skip
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        cache = None
-        if use_cache:
-            past_key_values = DynamicCache() if past_key_values is None else past_key_values
-            cache = _CacheAdapter(past_key_values)
+        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
+        cache = cache if cache is not None else past_key_values  # transformers 5 says `cache`, 4 `past_key_values`
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        adapter = _CacheAdapter(cache) if use_cache else None
         with _inference_routing(self.model, input_ids.numel(), self.config.inference_routing):
-            out = self.model(input_ids, kv_cache=cache)
+            out = self.model(input_ids, kv_cache=adapter)
         logits = out.logits[..., : self.config.vocab_size]
         loss = None
         if labels is not None:
             shifted = labels[:, 1:].reshape(-1)
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), shifted, ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache if use_cache else None})
