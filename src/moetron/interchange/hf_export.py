@@ -20,7 +20,14 @@ from pathlib import Path
 import torch
 
 from moetron.errors import UserError
-from moetron.interchange.hf_architectures import Architecture, Tokens, architectures, by_name, find_architecture
+from moetron.interchange.hf_architectures import (
+    Architecture,
+    Tokens,
+    architectures,
+    by_name,
+    experts_of,
+    find_architecture,
+)
 from moetron.interchange.hf_tensor_rules import Rule, same
 from moetron.interchange.moetron_checkpoint import MoetronCheckpoint
 from moetron.interchange.remote_code import write_remote_code
@@ -44,8 +51,14 @@ class ExportResult:
 
 
 def _closest(cfg: ModelConfig) -> tuple[Architecture, list[str]]:
-    ranked = sorted(((a, a.problems(cfg)) for a in architectures()), key=lambda pair: len(pair[1]))
-    return ranked[0]
+    """The class with the fewest problems, MoE classes first for a MoE config (and dense ones for a dense one)."""
+    moe = experts_of(cfg) != 0
+
+    def rank(pair: tuple[Architecture, list[str]]) -> tuple[bool, int]:
+        arch, problems = pair
+        return (getattr(arch, "placement", None) is None) == moe, len(problems)
+
+    return min(((a, a.problems(cfg)) for a in architectures()), key=rank)
 
 
 def choose(cfg: ModelConfig, arch: str | None, remote: bool) -> tuple[Architecture | None, list[str]]:

@@ -1,6 +1,7 @@
 """Tokenizer files between a moetron run config and a Hugging Face model directory.
 
-Export: GPT-2 BPE files (vocab.json + merges.txt) go out with a `tokenizer_config.json` naming `GPT2Tokenizer`;
+Export: GPT-2 BPE files (vocab.json + merges.txt, and the same tokenizer as tokenizer.json) go out with a
+`tokenizer_config.json` naming `GPT2Tokenizer`;
 an HF `tokenizer.json` goes out with one naming `PreTrainedTokenizerFast`; either way `AutoTokenizer` loads them and
 gives moetron's ids. Import: the HF directory's tokenizer files are copied into the new run directory and the
 config points at the copies (`tokenizer.json` → HFTokenizer, else vocab.json + merges.txt → GPT2BPETokenizer).
@@ -49,6 +50,7 @@ def export_tokenizer(data: DataConfig, out: Path, max_length: int) -> Tokens:
     if data.tokenizer_type == "GPT2BPETokenizer":
         shutil.copy(data.vocab_file, out / "vocab.json")
         shutil.copy(data.merge_file, out / "merges.txt")
+        tokenizer.core.save(str(out / "tokenizer.json"))  # the fast form: found whatever the model type maps to
         config.update(tokenizer_class="GPT2Tokenizer", add_prefix_space=False, errors="replace")
     else:
         shutil.copy(_tokenizer_model_file(data), out / "tokenizer.json")
