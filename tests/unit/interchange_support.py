@@ -55,6 +55,7 @@ HF_CLASSES = {
 def run_config(tokenizer_dir: Path, **model) -> RunConfig:
     cfg = RunConfig()
     for key, value in {**BASE, **model}.items():
+        assert hasattr(cfg.model, key), key  # a typo (or another section's field) must not pass silently
         setattr(cfg.model, key, value)
     cfg.data.tokenizer_type = "GPT2BPETokenizer"
     cfg.data.vocab_file = str(tokenizer_dir / "vocab.json")
