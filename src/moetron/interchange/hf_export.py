@@ -4,7 +4,7 @@
     AutoModelForCausalLM.from_pretrained("hf/moe")             # (+ trust_remote_code=True for remote code)
 
 Written into the directory: `model-0000x-of-0000N.safetensors` + `model.safetensors.index.json` (the hub's
-per-expert tensor names, which transformers 4 and 5 both load), `config.json`, `generation_config.json` and the
+per-expert tensor names, as transformers' `save_pretrained` writes them), `config.json`, `generation_config.json` and the
 tokenizer files. The checkpoint is read one tensor at a time (DCP's global tensors, whatever layout saved them) and
 every shard is streamed to disk as its tensors are produced, so no more than one tensor is in memory.
 """
