@@ -21,14 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from moetron.config_cli import add_config_arguments
 
     parser.add_argument("--hf", metavar="DIR", help="the dense model as a Hugging Face directory (instead of --load)")
+    parser.add_argument("--config", metavar="FILE.yaml", help="MoE flags as YAML (flags given here override it)")
     add_config_arguments(parser)  # --load and --save are the config's own flags
 
 
 def run(args: argparse.Namespace) -> int:
-    from moetron.config_cli import cli_overrides
+    from moetron.config_cli import cli_overrides, read_yaml
     from moetron.interchange.upcycle import upcycle
 
-    overrides = cli_overrides(args)
+    overrides = {**(read_yaml(args.config) if args.config else {}), **cli_overrides(args)}
     load, save = overrides.pop("load", None), overrides.pop("save", None)
     if not save:
         raise UserError("--save DIR is required: the new run directory for the MoE checkpoint")

@@ -4,9 +4,10 @@
     AutoModelForCausalLM.from_pretrained("hf/moe")             # (+ trust_remote_code=True for remote code)
 
 Written into the directory: `model-0000x-of-0000N.safetensors` + `model.safetensors.index.json` (the hub's
-per-expert tensor names, as transformers' `save_pretrained` writes them), `config.json`, `generation_config.json` and the
-tokenizer files. The checkpoint is read one tensor at a time (DCP's global tensors, whatever layout saved them) and
-every shard is streamed to disk as its tensors are produced, so no more than one tensor is in memory.
+per-expert tensor names, as transformers' `save_pretrained` writes them), `config.json`, `generation_config.json`
+and the tokenizer files. The checkpoint is read one tensor at a time (DCP's global tensors, whatever layout saved
+them) and every shard is streamed to disk as its tensors are produced: the peak is a few times the largest tensor
+(`benchmarks/export_memory.py`), not the model.
 """
 
 from __future__ import annotations

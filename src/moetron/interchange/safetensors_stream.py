@@ -3,7 +3,7 @@
 A safetensors file is an 8-byte header length, a JSON header (every tensor's dtype, shape and byte range) and the
 raw bytes. The header needs only shapes and dtypes, which the exporter knows before reading any weight (it
 plans on meta tensors), so a shard is written as: header, then each tensor's bytes as soon as it is produced.
-Nothing holds more than the tensor being written; HF's `save_pretrained` would need the whole state dict.
+Only the tensor being written (and its converted copy) is in memory; `save_pretrained` needs the whole state dict.
 
     plan = plan_shards([("model.embed_tokens.weight", (V, C)), ...], torch.bfloat16, max_shard_bytes=5 << 30)
     write_shards(out_dir, plan, tensors)        # tensors: an iterator of (name, tensor) in plan order
