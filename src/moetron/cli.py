@@ -25,11 +25,16 @@ COMMANDS: dict[str, str] = {
     "generate": "Sample text from a checkpoint with a KV cache.",
     "plan": "Parameters, FLOPs, per-GPU memory and a fits/doesn't-fit verdict, without running.",
     "convert-checkpoint": "Convert a moetron 0.1 checkpoint (format 1) to the current checkpoint format.",
+    "export": "Export a checkpoint as a Hugging Face model (native transformers class, or trust_remote_code).",
+    "import": "Import a Hugging Face or Megatron-DeepSpeed checkpoint as a moetron run.",
+    "upcycle": "Turn a dense checkpoint into a MoE one whose experts start as copies of the dense MLP.",
+    "eval-harness": "Run lm-evaluation-harness tasks on a checkpoint (also under torchrun with experts spread).",
 }
+MODULES = {"import": "import_"}  # `import` is a Python keyword: its module is commands/import_.py
 
 
 def _module_name(command: str) -> str:
-    return "moetron.commands." + command.replace("-", "_")
+    return "moetron.commands." + MODULES.get(command, command.replace("-", "_"))
 
 
 def _top_level_parser() -> argparse.ArgumentParser:

@@ -10,8 +10,10 @@ block of whole groups, and one GEMM still computes q, k and v. `fuse_qkv` / `spl
 and to separate q/k/v projections (Hugging Face, and Megatron-DeepSpeed's contiguous [Q | K | V] thirds).
 
 The forward derives the number of local groups from the projection's output width, so the same code runs a
-full layer or a tensor-parallel shard of it. Attention runs through `F.scaled_dot_product_attention`
-(flash / memory-efficient kernels on GPU, the math kernel on CPU).
+full layer or a tensor-parallel shard of it. Optional QK normalisation (`--qk-layernorm`) normalises queries and
+keys before RoPE: per head over D (Qwen3, Megatron-Core), or over all heads' channels at once (OLMoE's
+`all_heads`; a tensor-parallel shard would need the other shards' heads for that one). Attention runs through
+`F.scaled_dot_product_attention` (flash / memory-efficient kernels on GPU, the math kernel on CPU).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 
 from moetron.model.config import ModelConfig
 from moetron.model.kv_cache import KVCache
+from moetron.model.norm import build_norm
 from moetron.model.rotary import apply_rotary
 
 # `enable_gqa` lets SDPA broadcast K key/value heads over H query heads without copying (torch >= 2.5).
@@ -63,8 +66,14 @@ class SelfAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.dropout_p = cfg.attention_dropout
         qkv_channels = (cfg.num_attention_heads + 2 * cfg.kv_heads) * self.head_dim
-        self.query_key_value = nn.Linear(cfg.hidden_size, qkv_channels, bias=cfg.add_bias_linear)
+        qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias
+        self.query_key_value = nn.Linear(cfg.hidden_size, qkv_channels, bias=qkv_bias)
         self.dense = nn.Linear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear)
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.qk_layernorm:  # per head: over D; all heads: over H·D (queries) and K·D (keys)
+            per_head = cfg.qk_layernorm_scope == "head"
+            self.q_layernorm = build_norm(cfg, self.head_dim * (1 if per_head else cfg.num_attention_heads))
+            self.k_layernorm = build_norm(cfg, self.head_dim * (1 if per_head else cfg.kv_heads))
 
     def split_qkv(self, x_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project and split into q `[B, H, T, D]`, k and v `[B, K, T, D]` (H, K: this shard's heads)."""
@@ -74,7 +83,16 @@ class SelfAttention(nn.Module):
         q_BHTD = qkv_BTKXD[:, :, :, :R].reshape(B, T, -1, D).transpose(1, 2)
         k_BKTD = qkv_BTKXD[:, :, :, R].transpose(1, 2)
         v_BKTD = qkv_BTKXD[:, :, :, R + 1].transpose(1, 2)
+        if self.q_layernorm is not None:
+            q_BHTD, k_BKTD = self._qk_norm(self.q_layernorm, q_BHTD), self._qk_norm(self.k_layernorm, k_BKTD)
         return q_BHTD, k_BKTD, v_BKTD
+
+    def _qk_norm(self, norm: nn.Module, x_BHTD: torch.Tensor) -> torch.Tensor:
+        """`norm` over each head's D channels, or (all-heads scope) over the H·D channels of each token."""
+        if norm.normalized_shape[0] == self.head_dim:
+            return norm(x_BHTD)
+        B, H, T, D = x_BHTD.shape
+        return norm(x_BHTD.transpose(1, 2).reshape(B, T, H * D)).view(B, T, H, D).transpose(1, 2)
 
     def forward(
         self,

@@ -22,6 +22,7 @@ class ModelConfig(RouterConfig):
     num_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int | None = None  # grouped-query attention; None = one KV head per query head
+    kv_channels: int | None = None  # channels per attention head; None: hidden_size / num_attention_heads
     ffn_hidden_size: int | None = None  # None: 4·hidden (GELU) or Megatron's int(8h/3/64)·64 (SwiGLU)
     seq_length: int = 256
     max_position_embeddings: int | None = None  # None: seq_length
@@ -36,6 +37,9 @@ class ModelConfig(RouterConfig):
     rotary_base: float = 10000.0
     swiglu: bool = False  # SwiGLU MLPs instead of GELU
     add_bias_linear: bool = True  # False: no biases in attention and MLP linears (modern models)
+    add_qkv_bias: bool = False  # a bias in the QKV projection even without --add-bias-linear (Qwen2)
+    qk_layernorm: bool = False  # normalise queries and keys before RoPE (Qwen3, OLMoE; --normalization's kind)
+    qk_layernorm_scope: str = "head"  # head: one norm per head (Qwen3) | all_heads: over all heads' channels (OLMoE)
     untie_embeddings_and_output_weights: bool = False
     checkpoint_activations: bool = False  # recompute each layer in backward
 
@@ -61,7 +65,7 @@ class ModelConfig(RouterConfig):
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def ffn_size(self) -> int:
@@ -100,7 +104,7 @@ class ModelConfig(RouterConfig):
     # ------------------------------------------------------------------ validation
     def problems(self) -> list[str]:
         p: list[str] = []
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             p.append(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                 f"{self.num_attention_heads}; pick a head count that divides it"
@@ -131,6 +135,7 @@ class ModelConfig(RouterConfig):
             ("normalization", ("layernorm", "rmsnorm")),
             ("position_embedding_type", ("learned_absolute", "rope")),
             ("mlp_type", ("standard", "residual")),
+            ("qk_layernorm_scope", ("head", "all_heads")),
             ("moe_expert_backend", ("auto", "grouped_mm", "batched", "loop")),
         ]:
             value = getattr(self, name)

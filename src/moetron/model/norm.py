@@ -32,8 +32,8 @@ class RMSNorm(nn.RMSNorm):
         return y.to(x.dtype)
 
 
-def build_norm(cfg: ModelConfig) -> nn.Module:
-    """The normalisation the config asks for, over the hidden dimension."""
+def build_norm(cfg: ModelConfig, size: int | None = None) -> nn.Module:
+    """The normalisation the config asks for, over the hidden dimension (or the last `size` channels)."""
     if cfg.normalization == "rmsnorm":
-        return RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-    return LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        return RMSNorm(size or cfg.hidden_size, eps=cfg.layernorm_epsilon)
+    return LayerNorm(size or cfg.hidden_size, eps=cfg.layernorm_epsilon)

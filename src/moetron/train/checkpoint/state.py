@@ -276,3 +276,29 @@ def load_weights(path: Path, model: nn.Module) -> dict:
     """Only the weights, into a whole model in this process (eval, generate, export): every expert, whatever
     layout saved them. Returns the trainer state of state.json."""
     return load_checkpoint(path, GlobalView(model, ParamRegistry.from_model(model), None), None, load_rng=False)
+
+
+def write_checkpoint(
+    run_dir,
+    iteration: int,
+    model_tensors: dict[str, torch.Tensor],
+    state: dict,
+    config_yaml: str,
+    optim_tensors: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """One process: a new checkpoint in `run_dir` from parameter name → global tensor (and, when given,
+    `<parameter>.<state key>` → optimizer state tensor), published atomically like the trainer's.
+
+    For converters (`moetron import`, `moetron upcycle`): the keys are the trainer's (`model.<name>`,
+    `optim.<name>.<key>`), so `moetron train --load run_dir` reads it at any layout."""
+    run_dir = Path(run_dir)
+    files.prepare_staging(run_dir, iteration)
+    tmp = files.staging_dir(run_dir, iteration)
+    tensors = {f"model.{name}": t.detach().contiguous() for name, t in model_tensors.items()}
+    tensors.update({f"optim.{name}": t.detach().contiguous() for name, t in (optim_tensors or {}).items()})
+    with single_process_quiet() as no_dist:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=no_dist)
+    files.write_json(tmp / "state.json", {"format_version": files.FORMAT_VERSION, **state})
+    (tmp / "config.yaml").write_text(config_yaml)
+    files._fsync_file(tmp / "config.yaml")
+    return files.publish(run_dir, iteration, keep_last_n=1)

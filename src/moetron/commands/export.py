@@ -1,0 +1,64 @@
+"""`moetron export`: a checkpoint → a Hugging Face model directory.
+
+    moetron export --load runs/moe --output hf/moe                     # native class when one fits, else remote code
+    moetron export --load runs/moe --output hf/moe --dtype bf16 --arch mixtral   # insist on a class (one-line error)
+
+Arguments and printing only; the work is `moetron.interchange.hf_export.export_hf`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from moetron.errors import UserError
+
+HELP = "Export a checkpoint as a Hugging Face model (native transformers class, or trust_remote_code)."
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", text.upper())
+    if not match:
+        raise UserError(f"--max-shard-size {text!r} is not a size like 5GB, 500MB or 1000000")
+    return int(float(match.group(1)) * 1024 ** "BKMGT".index(match.group(2) or "B"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from moetron.interchange.hf_architectures import architectures
+
+    parser.add_argument("--load", required=True, help="a run directory (its latest checkpoint) or an iter_* directory")
+    parser.add_argument("--output", required=True, help="a new (or empty) directory for the Hugging Face model")
+    parser.add_argument("--format", choices=["hf"], default="hf", help="the output format (default hf)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights dtype (fp32)")
+    names = ", ".join(a.name for a in architectures())
+    parser.add_argument("--arch", help=f"insist on this transformers class ({names}); default: the first that fits")
+    parser.add_argument("--remote-code", action="store_true", help="export as trust_remote_code even if a class fits")
+    parser.add_argument(
+        "--dropless", action="store_true", help="export the dropless model (transformers' MoE classes never drop)"
+    )
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    parser.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
+    for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
+        parser.add_argument(flag, help=f"the tokenizer's {flag[2:]} (default: the run config's)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from moetron.interchange.hf_export import export_hf
+
+    overrides = {k: getattr(args, k) for k in ("vocab_file", "merge_file", "tokenizer_model") if getattr(args, k)}
+    result = export_hf(
+        args.load,
+        args.output,
+        dtype=args.dtype,
+        arch=args.arch,
+        remote=args.remote_code,
+        dropless=args.dropless,
+        tokenizer=not args.no_tokenizer,
+        max_shard_bytes=parse_size(args.max_shard_size),
+        tokenizer_overrides=overrides,
+    )
+    if result.remote_code:
+        print(f"no transformers class expresses this model ({'; '.join(result.why_remote)})")
+        print("exported with remote code: AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)")
+    print(f"wrote {result.output}: {result.hf_class}, {result.num_tensors} tensors in {result.num_shards} shard(s)")
+    return 0

@@ -1,0 +1,60 @@
+"""`moetron import`: a Hugging Face model or a Megatron-DeepSpeed checkpoint → a moetron run directory.
+
+    moetron import --hf hf/mixtral --save runs/mixtral
+    moetron train --config runs/mixtral/config.yaml --load runs/mixtral --finetune --data-path data/x_text_document
+    moetron import --megatron-deepspeed mds/checkpoint --save runs/continued      # weights + optimizer + progress
+    moetron train --config runs/continued/config.yaml --load runs/continued --save runs/continued
+
+(The module is `import_` because `import` is a Python keyword; `cli.py` maps the command to it.)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "Import a Hugging Face or Megatron-DeepSpeed checkpoint as a moetron run."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (config.json + safetensors)")
+    source.add_argument(
+        "--megatron-deepspeed", metavar="DIR", help="a Megatron-DeepSpeed --save directory or one global_step<N>"
+    )
+    parser.add_argument("--save", required=True, help="a new (or empty) run directory for the moetron checkpoint")
+    parser.add_argument(
+        "--seq-length", type=int, help="training --seq-length to write (HF import; default: min(4096, positions))"
+    )
+    parser.add_argument(
+        "--qkv-layout",
+        choices=["thirds", "per-head"],
+        default="thirds",
+        help="Megatron-DeepSpeed's fused QKV rows: [Q|K|V] thirds (since PR #441, Dec 2024) or per head (before)",
+    )
+    parser.add_argument("--no-optim", action="store_true", help="Megatron-DeepSpeed: import the weights only")
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="load .pt files with a full unpickle (runs code; trusted files only) when weights_only refuses them",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.hf:
+        from moetron.interchange.hf_import import import_hf
+
+        result = import_hf(args.hf, args.save, args.seq_length)
+        print(f"imported {result.hf_class} into {result.path}")
+    else:
+        from moetron.interchange.megatron_deepspeed import import_megatron_deepspeed
+
+        result = import_megatron_deepspeed(
+            args.megatron_deepspeed, args.save, args.qkv_layout, no_optim=args.no_optim, allow_pickle=args.allow_pickle
+        )
+        what = "weights and optimizer state" if result.with_optimizer else "weights"
+        print(f"imported {result.source} (iteration {result.iteration}, {what}) into {result.path}")
+    for note in result.notes[1:]:
+        print(f"note: {note}")
+    how = "--finetune" if args.hf or not result.with_optimizer else f"--save {args.save}  (resumes the run)"
+    print(f"train with: moetron train --config {args.save}/config.yaml --load {args.save} {how}")
+    return 0

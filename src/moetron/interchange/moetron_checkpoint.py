@@ -1,0 +1,66 @@
+"""A moetron checkpoint read one tensor at a time (export never holds the whole model).
+
+    ckpt = MoetronCheckpoint.open("runs/moe")        # a run directory (its `latest`) or one iter_* directory
+    ckpt.cfg.model, ckpt.shape("layers.1.mlp.experts.w1_EDF"), ckpt.read("word_embeddings.weight")
+
+The tensors are DCP's global tensors (`model.<name>`), so any layout that saved the checkpoint reads the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from moetron.config import RunConfig
+from moetron.config_cli import load_config
+from moetron.errors import UserError
+from moetron.train.checkpoint import files
+from moetron.train.checkpoint.state import check_format, single_process_quiet
+
+
+@dataclass
+class MoetronCheckpoint:
+    path: Path  # the iter_* directory
+    cfg: RunConfig
+    state: dict  # state.json
+    shapes: dict[str, tuple[int, ...]]  # parameter or buffer name (no `model.` prefix) → global shape
+    dtypes: dict[str, torch.dtype]
+
+    @classmethod
+    def open(cls, load: str, flag: str = "--load") -> MoetronCheckpoint:
+        path = files.resolve_checkpoint(load)
+        if path is None:
+            raise UserError(
+                f"{flag} {load}: no checkpoint there; give a run directory (with 'latest') or an iter_* dir"
+            )
+        state = check_format(path)
+        if not (path / "config.yaml").is_file():
+            raise UserError(f"{flag} {load}: {path / 'config.yaml'} is missing; the checkpoint is incomplete")
+        cfg, _ = load_config(str(path / "config.yaml"), {})
+        with single_process_quiet():
+            metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        shapes, dtypes = {}, {}
+        for key, meta in metadata.items():
+            if key.startswith("model.") and hasattr(meta, "size"):
+                shapes[key[len("model.") :]] = tuple(meta.size)
+                dtypes[key[len("model.") :]] = meta.properties.dtype
+        return cls(path, cfg, state, shapes, dtypes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.shapes:
+            raise files.corrupt(self.path, f"it lacks model.{name}; saved from another model? (see its config.yaml)")
+        return self.shapes[name]
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A meta-device tensor of `name`'s global shape (for planning without reading)."""
+        return torch.empty(self.shape(name), dtype=self.dtypes[name], device="meta")
+
+    def read(self, name: str) -> torch.Tensor:
+        """The global tensor `name`, read alone from the checkpoint's files."""
+        out = torch.empty(self.shape(name), dtype=self.dtypes[name])
+        with single_process_quiet() as no_dist:
+            dcp.load({f"model.{name}": out}, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=no_dist)
+        return out

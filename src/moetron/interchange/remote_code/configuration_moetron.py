@@ -1,0 +1,29 @@
+"""The transformers config of a moetron model exported with remote code (written by `moetron export`).
+
+`moetron` holds the model's moetron `ModelConfig` fields verbatim (Megatron flag names); the standard transformers
+attributes are read off it so generic tools (generation, lm-eval's `hf` model) find what they look for.
+`inference_routing`: "eval" routes as moetron's eval mode does (the eval capacity factor when the model drops
+tokens; forward passes of fewer tokens than --moe-min-capacity route dropless, as `moetron generate` does), or
+"dropless".
+"""
+
+from transformers import PretrainedConfig
+
+
+class MoetronConfig(PretrainedConfig):
+    model_type = "moetron"
+
+    def __init__(self, moetron: dict | None = None, inference_routing: str = "eval", **kwargs):
+        self.moetron = dict(moetron or {})
+        self.inference_routing = inference_routing
+        m = self.moetron
+        heads = m.get("num_attention_heads", 1)
+        kwargs.setdefault("vocab_size", m.get("vocab_size"))
+        kwargs.setdefault("hidden_size", m.get("hidden_size"))
+        kwargs.setdefault("num_hidden_layers", m.get("num_layers"))
+        kwargs.setdefault("num_attention_heads", heads)
+        kwargs.setdefault("num_key_value_heads", m.get("num_key_value_heads") or heads)
+        kwargs.setdefault("max_position_embeddings", m.get("max_position_embeddings") or m.get("seq_length"))
+        kwargs.setdefault("use_cache", True)
+        kwargs["tie_word_embeddings"] = False  # the moetron model ties (or not) its own output layer
+        super().__init__(**kwargs)
