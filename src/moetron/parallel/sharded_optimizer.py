@@ -1,17 +1,19 @@
 """ZeRO stage 1 (Megatron's `--use-distributed-optimizer`): optimizer state sharded, gradients and weights whole.
 
 Gradients are reduced exactly as at stage 0 (DDP over `dp` for dense parameters, the expert reducer over `edp`),
-so every rank holds the whole reduced gradient. Each rank then owns one dim-0 slice of every parameter — dense
+so every rank holds the whole reduced gradient. Each rank then owns one slice of every parameter — dense
 ones split over the data-parallel group, routed experts over their expert-data-parallel group — and the
 optimizer steps only that slice, keeping Adam's moments for it alone (1/dp of dense and 1/edp of expert state).
 After the step one flat all-gather per group and bucket brings every rank's updated slices back into the whole
 weights.
 
-The slices are `DTensor`s `Shard(0)` over the group's 1-D mesh whose local tensors are VIEWS of the parameter's
+The slices are `DTensor`s `Shard(d)` over the group's 1-D mesh whose local tensors are VIEWS of the parameter's
 own rows and of its gradient's rows: no master copy (the weights are already fp32), no gradient copy, and a
-checkpoint load into the parameters updates the slices with them. Because they are DTensors exactly like FSDP2's
-(stages 2–3), the gradient norm (`grad_norm.py` sums a DTensor's squared norm over its sharded mesh dimension),
-the checkpoint (`GlobalView`) and resharding between stages are one code path.
+checkpoint load into the parameters updates the slices with them. `d` is the parameter's first dimension longer
+than 1 (0 but for a stack of ONE local expert `[1, D, F]`, split on D): slicing there is still one contiguous
+block, so views stay views, and a rank holding one expert shares it with its edp peers. Because they are
+DTensors exactly like FSDP2's (stages 2–3), the gradient norm (`grad_norm.py` sums a DTensor's squared norm over
+its sharded mesh dimension), the checkpoint (`GlobalView`) and resharding between stages are one code path.
 
 Why not `torch.distributed.optim.ZeroRedundancyOptimizer`: it gives each rank whole parameters (the embedding
 alone can be a rank's share, so state is not ~1/dp), keeps one process group (experts need edp, dense dp), and
@@ -38,6 +40,13 @@ def chunk_rows(rows: int, parts: int) -> int:
     return max(math.ceil(rows / parts), 1) if rows else 0
 
 
+def shard_dim(shape: torch.Size) -> int:
+    """The first dimension longer than 1: the slices along it are contiguous (every dimension before is 1)."""
+    if not shape:
+        raise ValueError("ZeRO stage 1 cannot shard a 0-dimensional parameter")
+    return next((d for d, size in enumerate(shape) if size > 1), 0)
+
+
 def row_slice(rows: int, parts: int, index: int) -> slice:
     """The rows slice `index` of `parts` holds (empty past the end, as DTensor's uneven `Shard(0)`)."""
     size = chunk_rows(rows, parts)
@@ -49,17 +58,21 @@ def row_slice(rows: int, parts: int, index: int) -> slice:
 class ShardedParam:
     name: str
     param: nn.Parameter  # the model's whole parameter (replicated)
-    shard: nn.Parameter  # DTensor Shard(0) over `mesh`, local = a view of this rank's rows of `param`
+    shard: nn.Parameter  # DTensor Shard(dim) over `mesh`, local = a view of this rank's rows of `param`
     mesh: object  # the 1-D DeviceMesh of its group (dp or edp)
-    rows: slice
+    dim: int
+    rows: slice  # along `dim`
+
+    def as_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (the parameter's shape) as [rows along dim, rest]: a view (every dimension before is 1)."""
+        return tensor.view(tensor.shape[self.dim], -1)
 
 
-def _view_as_shard(tensor: torch.Tensor, mesh, rows: slice) -> torch.Tensor:
+def _view_as_shard(tensor: torch.Tensor, mesh, dim: int, rows: slice) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Shard
 
-    return DTensor.from_local(
-        tensor.detach()[rows], mesh, [Shard(0)], run_check=False, shape=tensor.shape, stride=tensor.stride()
-    )
+    local = tensor.detach().narrow(dim, rows.start, rows.stop - rows.start)
+    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=tensor.shape, stride=tensor.stride())
 
 
 class OptimizerShards:
@@ -75,9 +88,10 @@ class OptimizerShards:
             for name, param in named:
                 if not param.requires_grad:
                     continue
-                rows = row_slice(param.shape[0], size, rank)
-                shard = nn.Parameter(_view_as_shard(param, mesh, rows))
-                entries.append(ShardedParam(name, param, shard, mesh, rows))
+                dim = shard_dim(param.shape)
+                rows = row_slice(param.shape[dim], size, rank)
+                shard = nn.Parameter(_view_as_shard(param, mesh, dim, rows))
+                entries.append(ShardedParam(name, param, shard, mesh, dim, rows))
             self.entries += entries
             self.groups.append((mesh, entries))
 
@@ -90,7 +104,7 @@ class OptimizerShards:
         `zero_grad` drops the slices."""
         for e in self.entries:
             grad = e.param.grad
-            e.shard.grad = None if grad is None else _view_as_shard(grad, e.mesh, e.rows)
+            e.shard.grad = None if grad is None else _view_as_shard(grad, e.mesh, e.dim, e.rows)
             e.param.grad = None
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
@@ -107,7 +121,8 @@ class OptimizerShards:
 
 
 def _padded_numel(e: ShardedParam, parts: int) -> int:
-    return chunk_rows(e.param.shape[0], parts) * e.param[0].numel()
+    rows_RN = e.as_rows(e.param)
+    return chunk_rows(rows_RN.shape[0], parts) * rows_RN.shape[1]
 
 
 def _buckets(entries: list[ShardedParam], parts: int) -> list[list[ShardedParam]]:
@@ -142,7 +157,8 @@ def _all_gather_bucket(bucket: list[ShardedParam], mesh) -> None:
     recv_PS = recv.view(parts, -1)
     offset = 0
     for e, size in zip(bucket, sizes, strict=True):
-        rows, rest = e.param.shape[0], e.param.shape[1:]
-        whole = recv_PS[:, offset : offset + size].reshape(parts * chunk_rows(rows, parts), *rest)
-        e.param.copy_(whole[:rows])
+        param_RN = e.as_rows(e.param)
+        rows, row_numel = param_RN.shape
+        whole = recv_PS[:, offset : offset + size].reshape(parts * chunk_rows(rows, parts), row_numel)
+        param_RN.copy_(whole[:rows])
         offset += size
