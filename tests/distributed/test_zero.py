@@ -7,9 +7,9 @@ layers (activation checkpointing).
 
   4 processes (dp 4, ep 2, edp 2):  12 steps at stages 0, 1, 2, 3 — the loss and the gradient norm at every step
         within 1e-5 relative of stage 0, the same expert biases; what each rank holds (optimizer state, gradients,
-        weights: 1/dp of dense and 1/edp of expert tensors where the stage shards them); a stage-3 checkpoint at
-        step 6 resumed at stage 3 repeats steps 7–12 exactly; bf16 at stage 2 and fp16 with overflowing loss
-        scales at stage 3 follow stage 0 (same skipped steps and loss scale).
+        weights: 1/dp of dense and 1/edp of expert tensors where the stage shards them; `moetron plan` agrees
+        within 25%); a stage-3 checkpoint at step 6 resumed at stage 3 repeats steps 7–12 exactly; bf16 at stage 2
+        and fp16 with overflowing loss scales at stage 3 follow stage 0 (same skipped steps and loss scale).
   this process:  the stage-3 checkpoint continues at stage 3 on 1 process: the same validation loss and optimizer
         state, then the 4-process curve; it is saved again (unsharded).
   2 processes:  at stage 1 dp 2 (ep 2, edp 1) the stage-3 checkpoint gives the same validation loss, optimizer
@@ -226,6 +226,19 @@ def check_held(four: list[dict]) -> None:
                 assert mine <= bound, (stage, kind, what, mine, full[kind][what])
 
 
+def check_plan(four: list[dict]) -> None:
+    """`moetron plan`'s weights + gradients + Adam per rank at each stage within 25% of what the ranks held."""
+    from moetron.plan.memory import estimate_memory
+
+    for stage in (0, 1, 2, 3):
+        cfg = zero_config(stage)
+        planned = estimate_memory(cfg, cfg.dims(len(four)), "cpu")
+        kinds = ("weights", "grads", "optimizer")
+        measured = max(4 * sum(r["held"][stage][k][w] for k in ("dense", "expert") for w in kinds) for r in four)
+        ratio = (planned.weights + planned.gradients + planned.optimizer) / measured
+        assert 0.75 <= ratio <= 1.25, (stage, ratio)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_zero_stages_match_stage_0_and_checkpoints_reshard(tmp_path):
@@ -234,6 +247,7 @@ def test_zero_stages_match_stage_0_and_checkpoints_reshard(tmp_path):
     torch.set_num_threads(1)
     reference = check_stages(four)
     check_held(four)
+    check_plan(four)
 
     # exact resume at stage 3: steps 7–12 again, bit for bit
     for r in four:
