@@ -11,7 +11,9 @@ rank's tensors store (each storage once, a DTensor's local shard, FSDP2's paddin
   optimizer    Adam's exp_avg, exp_avg_sq and step
   gathered     the most held at once beyond that: FSDP2's all-gather outputs, sampled as every FSDP2 unit starts
                its forward and backward (stages 2–3), or the stage-1 all-gather's send + receive buffers
-Step time is the slowest rank's, after warm-up, as a ratio to stage 0. Gloo on CPU, one thread per process.
+Step time: the four trainers exist side by side and take turns (`--rounds` rounds of `--steps` steps each); the
+ratio to stage 0 is taken within each round (same machine load), the median over rounds is printed. Gloo on CPU,
+one thread per process.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import time
 
 import torch
@@ -86,8 +89,8 @@ class Sampler:
             if isinstance(module, FSDPModule) and module is not model:
                 module.register_forward_pre_hook(self.sample)
                 module.register_forward_hook(self._forward)
-        self.all_gather = sharded_optimizer.dist.all_gather_into_tensor
-        sharded_optimizer.dist.all_gather_into_tensor = self._all_gather
+        self.gather_bucket = sharded_optimizer._all_gather_bucket
+        sharded_optimizer._all_gather_bucket = self._gather_bucket
 
     def sample(self, *_) -> None:
         self.peak = max(self.peak, gathered_now(self.model))
@@ -97,12 +100,22 @@ class Sampler:
         if isinstance(first, torch.Tensor) and first.requires_grad:
             first.register_hook(self.sample)
 
-    def _all_gather(self, out, inp, group=None):
-        self.peak = max(self.peak, out.untyped_storage().nbytes() + inp.untyped_storage().nbytes())
-        return self.all_gather(out, inp, group=group)
+    def _gather_bucket(self, bucket, mesh) -> None:
+        """Stage 1's all-gather of one bucket, recording its receive + send buffers."""
+        all_gather = torch.distributed.all_gather_single
+
+        def recorded(out, inp, *args, **kwargs):
+            self.peak = max(self.peak, out.untyped_storage().nbytes() + inp.untyped_storage().nbytes())
+            return all_gather(out, inp, *args, **kwargs)
+
+        torch.distributed.all_gather_single = recorded
+        try:
+            self.gather_bucket(bucket, mesh)
+        finally:
+            torch.distributed.all_gather_single = all_gather
 
     def close(self) -> None:
-        sharded_optimizer.dist.all_gather_into_tensor = self.all_gather
+        sharded_optimizer._all_gather_bucket = self.gather_bucket
 
 
 def by_kind(trainer: Trainer, named, bytes_of) -> dict[str, int]:
@@ -111,7 +124,7 @@ def by_kind(trainer: Trainer, named, bytes_of) -> dict[str, int]:
     return {kind: bytes_of([t for n, t in named if registry[n].kind == kind]) for kind in ("dense", "expert")}
 
 
-def measure_stage(trainer: Trainer, args: argparse.Namespace, env) -> dict:
+def memory_of_one_step(trainer: Trainer) -> dict:
     model = trainer.model
     out = {"weights": by_kind(trainer, list(model.named_parameters()), storage_bytes)}
     finish = trainer.parallel.finish_gradients
@@ -121,18 +134,11 @@ def measure_stage(trainer: Trainer, args: argparse.Namespace, env) -> dict:
         out["gradients"] = by_kind(trainer, grads, storage_bytes)
         finish()
 
-    for _ in range(args.warmup):
-        trainer.train_step()
-    env.barrier()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        trainer.train_step()
-    env.barrier()
-    out["step_s"] = (time.perf_counter() - start) / args.steps
     sampler = Sampler(model)
     trainer.parallel.finish_gradients = count_then_finish
     trainer.train_step()
     sampler.close()
+    trainer.parallel.finish_gradients = finish
     out["gathered"] = {"dense": sampler.peak, "expert": 0}  # not split by kind
     names = {id(p): n for n, p in trainer.parallel.optimizer_parameters()}
     state = [(names[id(p)], t) for p, s in trainer.optimizer.state.items() for t in s.values()]
@@ -140,19 +146,36 @@ def measure_stage(trainer: Trainer, args: argparse.Namespace, env) -> dict:
     return out
 
 
+def timed(trainer: Trainer, steps: int, env) -> float:
+    env.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    env.barrier()
+    return (time.perf_counter() - start) / steps
+
+
 def measure(rank: int, port: int, args: argparse.Namespace, results) -> None:
+    """Every stage's trainer side by side; their steps timed in interleaved rounds (the machine's load changes
+    over a run: each round compares the stages under the same load), memory measured last."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     os.environ.update(MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
     env = init_distributed(backend="gloo")
+    trainers = {}
     for stage in STAGES:
         cfg = bench_config(args, stage)
         mesh = ParallelMesh.build(cfg.dims(WORLD), env)
         model = build_model(cfg.model, mesh, env.device, cfg.train.seed, zero=ZeroSpec.from_config(cfg))
         loader = RandomTokenLoader(args.micro_batch, args.seq, cfg.model.vocab_size, seed=rank)
-        trainer = Trainer(cfg, env, model, loader, mesh=mesh)
-        results.put((rank, stage, measure_stage(trainer, args, env)))
-        del trainer, model
+        trainers[stage] = Trainer(cfg, env, model, loader, mesh=mesh)
+        timed(trainers[stage], args.warmup, env)
+    rounds = [{stage: timed(trainers[stage], args.steps, env) for stage in STAGES} for _ in range(args.rounds)]
+    for stage in STAGES:
+        row = memory_of_one_step(trainers[stage])
+        row["step_ratios"] = [r[stage] / r[0] for r in rounds]
+        row["step_s"] = statistics.median(r[stage] for r in rounds)
+        results.put((rank, stage, row))
     env.close()
 
 
@@ -187,7 +210,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps per stage")
+    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per stage and round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every stage in turn")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--bf16", action="store_true")
     args = parser.parse_args()
@@ -216,9 +240,15 @@ def main() -> None:
         print(
             f"| {stage} | {mib(worst['weights'])} | {mib(worst['gradients'])} | {mib(worst['optimizer'])} | "
             f"{mib(worst['gathered'])} | {state['dense']:.2f}x | {state['expert']:.2f}x | "
-            f"{max(r['step_s'] for r in rows) / time0:.2f}x | {mib(planned)} | {planned / total:.2f} |"
+            f"{step_ratio(rows):.2f}x | {mib(planned)} | {planned / total:.2f} |"
         )
     print(f"(stage 0 step: {time0 * 1e3:.0f} ms; per-rank maxima; planned = weights + gradients + Adam + gathered)")
+
+
+def step_ratio(rows: list[dict]) -> float:
+    """The median over rounds of the slowest rank's step time against stage 0's in the same round."""
+    per_round = zip(*(r["step_ratios"] for r in rows), strict=True)
+    return statistics.median(max(ratios) for ratios in per_round)
 
 
 def ratio_to_stage_0(rows: list[dict], base: list[dict], kind: str) -> float:

@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
 from launch import run_distributed  # noqa: E402
-from trainer_support import MemoryLoader, parallel_model, random_samples, tiny_config  # noqa: E402
+from test_expert_parallel_train import ep_trainer, global_losses, validation_loss  # noqa: E402
+from trainer_support import tiny_config  # noqa: E402
 
-from moetron.parallel.env import DistEnv, init_distributed  # noqa: E402
+from moetron.parallel.env import init_distributed  # noqa: E402
 from moetron.train.checkpoint import resolve_checkpoint  # noqa: E402
 from moetron.train.trainer import Trainer  # noqa: E402
 
@@ -54,13 +55,6 @@ def zero_config(stage: int, ep: int = 2, **overrides):
     return cfg
 
 
-def zero_trainer(cfg, env: DistEnv | None = None) -> Trainer:
-    env = env or DistEnv()
-    mesh, model = parallel_model(cfg, env)
-    loader = MemoryLoader(random_samples(512), cfg.train.micro_batch_size, mesh.coords.dp, mesh.size("dp"))
-    return Trainer(cfg, env, model, loader, None, config_yaml="# test\n", mesh=mesh)
-
-
 def run(trainer: Trainer, steps: int) -> dict:
     """Per step: this rank's mean LM loss, the global gradient norm, the loss scale after the step."""
     out = {"losses": [], "norms": [], "scales": []}
@@ -72,17 +66,6 @@ def run(trainer: Trainer, steps: int) -> dict:
         out["norms"].append(result.grad_norm)
         out["scales"].append(trainer.scaler.scale)
     return out
-
-
-@torch.no_grad()
-def validation_loss(trainer: Trainer) -> float:
-    """LM loss of one fixed batch, the same on every rank."""
-    batch = random_samples(8, seed=7)
-    trainer.model.eval()
-    try:
-        return float(trainer.model(batch[:, :-1], labels_BT=batch[:, 1:]).lm_loss)
-    finally:
-        trainer.model.train()
 
 
 def global_optimizer_state(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -143,7 +126,7 @@ def four_process_checks(rank: int, world_size: int, save_dir: str) -> dict:
     out: dict = {"stages": {}, "held": {}}
     for stage in (0, 1, 2, 3):
         extra = {"save": save_dir, "checkpoint_activations": True} if stage == 3 else {}
-        trainer = zero_trainer(zero_config(stage, **extra), env)
+        trainer = ep_trainer(zero_config(stage, **extra), env)
         first = run(trainer, HALF)
         if stage == 3:
             trainer.save()
@@ -152,12 +135,12 @@ def four_process_checks(rank: int, world_size: int, save_dir: str) -> dict:
         second = run(trainer, STEPS - HALF)
         out["stages"][stage] = {k: first[k] + second[k] for k in first} | {"biases": biases(trainer)}
         out["held"][stage] = held(trainer)
-    resumed = zero_trainer(zero_config(3, checkpoint_activations=True), env)
+    resumed = ep_trainer(zero_config(3, checkpoint_activations=True), env)
     resumed.load(resolve_checkpoint(save_dir))
     out["resumed"] = run(resumed, STEPS - HALF)
-    out["bf16"] = {stage: run(zero_trainer(zero_config(stage, bf16=True), env), 4) for stage in (0, 2)}
+    out["bf16"] = {stage: run(ep_trainer(zero_config(stage, bf16=True), env), 4) for stage in (0, 2)}
     fp16 = {"fp16": True, "initial_loss_scale": 2.0**20, "hysteresis": 1}
-    out["fp16"] = {stage: run(zero_trainer(zero_config(stage, **fp16), env), 10) for stage in (0, 3)}
+    out["fp16"] = {stage: run(ep_trainer(zero_config(stage, **fp16), env), 10) for stage in (0, 3)}
     return out
 
 
@@ -169,16 +152,11 @@ def two_process_checks(rank: int, world_size: int, stage3_dir: str, single_dir: 
         ("stage1", zero_config(1), stage3_dir),
         ("stage3_ep1", zero_config(3, ep=1), single_dir),
     ):
-        trainer = zero_trainer(cfg, env)
+        trainer = ep_trainer(cfg, env)
         trainer.load(resolve_checkpoint(path))
         out[name] = {"valid": validation_loss(trainer), "state": global_optimizer_state(trainer)}
         out[name] |= run(trainer, STEPS - HALF)
     return out
-
-
-def global_losses(per_rank: list[list[float]]) -> torch.Tensor:
-    """Each step's loss over the global batch: the mean of the ranks' local means."""
-    return torch.tensor(per_rank, dtype=torch.float64).mean(0)
 
 
 def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -265,7 +243,7 @@ def test_zero_stages_match_stage_0_and_checkpoints_reshard(tmp_path):
     torch.testing.assert_close(fp16_losses[3], fp16_losses[0], rtol=2e-2, atol=0)
 
     # the stage-3 dp-4 checkpoint continues on 1 process
-    single = zero_trainer(zero_config(3, ep=1, save=single_dir))
+    single = ep_trainer(zero_config(3, ep=1, save=single_dir))
     single.load(resolve_checkpoint(stage3_dir))
     assert single.progress.iteration == HALF
     assert validation_loss(single) == pytest.approx(four[0]["valid_half"], rel=RTOL)

@@ -20,7 +20,7 @@ alone can be a rank's share, so state is not ~1/dp), keeps one process group (ex
 holds each parameter's state on one rank only, which is no DTensor a layout-free checkpoint can describe. Why not
 FSDP2 without resharding: FSDP2 always reduce-scatters gradients, which is stage 2.
 Why a hand-written all-gather: DTensor's `redistribute` issues one collective per parameter; one flat
-`all_gather_into_tensor` per bucket is what FSDP2 does internally, and it needs no host sync.
+`all_gather_single` per bucket is what FSDP2 does internally, and it needs no host sync.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def _all_gather_bucket(bucket: list[ShardedParam], mesh) -> None:
         send[offset : offset + local.numel()].copy_(local)
         offset += size
     recv = first.new_empty(parts * send.numel())
-    dist.all_gather_into_tensor(recv, send, group=mesh.get_group())
+    dist.all_gather_single(recv, send, group=mesh.get_group())
     recv_PS = recv.view(parts, -1)
     offset = 0
     for e, size in zip(bucket, sizes, strict=True):

@@ -62,7 +62,7 @@ class GlobalView:
             return local
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        if isinstance(local, DTensor):
+        if isinstance(local, DTensor) and local.device_mesh.mesh_dim_names == ("edp",):
             return self.sharded_experts(info, local)
         shape = (info.num_global_experts, *local.shape[1:])
         return DTensor.from_local(
