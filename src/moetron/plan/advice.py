@@ -5,7 +5,7 @@ Candidates, each a change a user can make with flags (the whole memory model is 
   micro batch                halving down to 1, the global batch kept (more accumulation steps)
   activation checkpointing   when off
   bf16                       when training in fp32 (fp16 costs the same memory in moetron)
-  ZeRO                       each stage above the current one (with data parallelism; plan/zero.py)
+  ZeRO                       each stage above the current one (plan/zero.py)
   more GPUs                  ×2, ×4, ×8 with EP grown to match (data parallelism alone replicates everything)
 If no single change fits, the strongest change of each kind is stacked in that order, and the first stack
 that fits is offered.
@@ -101,7 +101,7 @@ def switch_changes(cfg: RunConfig, gpus: int) -> list[Change]:
 def zero_changes(cfg: RunConfig, gpus: int) -> list[Change]:
     return [
         Change("zero", f"ZeRO stage {s}", f"--zero-stage {s}", gpus, _set("parallel", "zero_stage", s))
-        for s in stages_to_try(cfg, cfg.dims(gpus))
+        for s in stages_to_try(cfg)
     ]
 
 

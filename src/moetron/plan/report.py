@@ -145,9 +145,9 @@ def suggestion_lines(plan: Plan, suggestions: list[Suggestion]) -> list[str]:
         replicated = plan.memory.weights + plan.memory.gradients + plan.memory.optimizer
         return [
             "  no change tried fits (more expert parallelism or GPUs, a smaller micro batch, checkpointing, bf16, "
-            f"and all of them together); in this layout the fp32 weights, gradients and Adam state alone take "
-            f"{gib(replicated)} GiB per GPU. Use GPUs with more memory or a smaller model (tensor parallelism "
-            "is not implemented yet)."
+            f"ZeRO stages, and all of them together); in this layout the fp32 weights, gradients and Adam state "
+            f"alone take {gib(replicated)} GiB per GPU. Use GPUs with more memory or a smaller model (tensor "
+            "parallelism is not implemented yet)."
         ]
     lines = ["  changes that fit (needed GiB per GPU, step time):"]
     for s in suggestions:
@@ -167,7 +167,7 @@ def plan_dict(plan: Plan, suggestions: list[Suggestion], source: str = "", large
             "context_bytes": plan.device.context_bytes,
             "assumed": plan.device.assumed,
         },
-        "parallel": {"dp": d.dp, "ep": d.ep, "tp": d.tp, "pp": d.pp, "zero_stage": plan.memory.zero_stage},
+        "parallel": {"dp": d.dp, "ep": d.ep, "tp": d.tp, "pp": d.pp},
         "precision": precision(plan),
         "micro_batch_size": plan.cfg.train.micro_batch_size,
         "global_batch_size": plan.cfg.global_batch(d.dp),

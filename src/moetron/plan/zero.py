@@ -98,9 +98,7 @@ def describe(stage: int, dtype: str) -> str:
     return f"ZeRO-{stage}: {whole} gathered ({dtype}; root fp32)"
 
 
-def stages_to_try(cfg: RunConfig, dims: ParallelDims) -> list[int]:
-    """ZeRO stages above the run's own, weakest first (none without data parallelism to shard over)."""
-    if dims.dp < 2:
-        return []
+def stages_to_try(cfg: RunConfig) -> list[int]:
+    """ZeRO stages above the run's own, weakest first (on one GPU they matter only stacked with more GPUs)."""
     current = effective_stage(cfg.parallel.zero_stage, cfg.parallel.use_distributed_optimizer)
     return list(range(current + 1, 4))
