@@ -20,6 +20,7 @@ from moetron.errors import ConfigError
 from moetron.fileio import output_dir_problem
 from moetron.model.config import ModelConfig
 from moetron.parallel.dims import ParallelDims
+from moetron.parallel.zero import zero_problems
 from moetron.train.schedule import DECAY_STYLES
 
 
@@ -28,6 +29,8 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1  # TP degree (only 1 is supported today)
     pipeline_model_parallel_size: int = 1  # PP degree (only 1 is supported today)
     moe_expert_parallel_size: int = 1  # EP degree, drawn from the data-parallel ranks (dp % ep == 0)
+    zero_stage: int = 0  # ZeRO, DeepSpeed's zero_optimization.stage: 1 shards Adam state, 2 + gradients, 3 + weights
+    use_distributed_optimizer: bool = False  # Megatron's flag: ZeRO stage 1 (when --zero-stage is lower)
     distributed_backend: str | None = None  # None: nccl on GPU, gloo on CPU
 
 
@@ -240,6 +243,7 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
     problems += train_problems(cfg, dims.dp)
     problems += moe_problems(cfg)
     problems += output_problems(cfg)
+    problems += zero_problems(cfg.parallel.zero_stage, cfg.parallel.use_distributed_optimizer, dims)
     backend = cfg.parallel.distributed_backend
     if backend not in (None, "gloo", "nccl"):
         problems.append(f"--distributed-backend {backend!r} is not one of gloo, nccl (or leave it unset: automatic)")

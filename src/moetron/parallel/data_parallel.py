@@ -13,6 +13,10 @@ It is not a second DDP over the edp group because DDP's forward hook runs again 
 recomputes a layer inside the backward, and DDP then marks the same parameters ready twice. The all-reduces are
 launched in one fixed order on every rank (a gradient whose turn has not come waits, and any gradient missing
 at the end is zero-filled and reduced in that order too), so ranks can never pair up different collectives.
+
+ZeRO (`zero.py`): stage 1 keeps this reduction and shards only the optimizer state (`sharded_optimizer.py`);
+stages 2–3 replace both reductions by FSDP2's reduce-scatters (`fsdp.py`). Whatever the stage, `DataParallel`
+tells the trainer which tensors the optimizer steps (`optimizer_parameters`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
+from moetron.parallel.sharded_optimizer import OptimizerShards
+from moetron.parallel.zero import REPLICATED, ZeroSpec
 
 
 class ExpertGradReducer:
@@ -76,7 +82,8 @@ class ExpertGradReducer:
 class DataParallel:
     """What `apply_dp` installed: the module forward runs through, and the hooks of one optimizer step."""
 
-    def __init__(self, module: nn.Module, expert_reducer: ExpertGradReducer | None):
+    def __init__(self, model: nn.Module, module: nn.Module, expert_reducer: ExpertGradReducer | None):
+        self.model = model  # unwrapped: parameters by their layout-free names
         self.module = module
         self.expert_reducer = expert_reducer
 
@@ -92,11 +99,54 @@ class DataParallel:
         if self.expert_reducer is not None:
             self.expert_reducer.finish()
 
+    def optimizer_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, tensor) of what the optimizer steps and the trainer unscales and clips: the trainable
+        parameters themselves (DTensor shards under FSDP2), or their shards at ZeRO stage 1."""
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
-def apply_dp(model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh) -> DataParallel:
-    """DDP over the dense parameters (dp group) and the expert reducer (edp group); nothing in one process."""
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Install what must follow each optimizer step (nothing when the optimizer updates the weights)."""
+
+
+class ShardedOptimizerDataParallel(DataParallel):
+    """ZeRO stage 1: stage 0's reductions, then the optimizer steps this rank's shards (`OptimizerShards`)."""
+
+    def __init__(self, model, module, expert_reducer, shards: OptimizerShards):
+        super().__init__(model, module, expert_reducer)
+        self.shards = shards
+
+    def finish_gradients(self) -> None:
+        super().finish_gradients()
+        self.shards.shard_gradients()
+
+    def optimizer_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return self.shards.named_parameters()
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.shards.attach(optimizer)
+
+
+def apply_dp(
+    model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh, zero: ZeroSpec = REPLICATED
+) -> DataParallel:
+    """Stage 0/1: DDP over the dense parameters (dp group) and the expert reducer (edp group), at stage 1 with the
+    optimizer on shards; stages 2–3: FSDP2. Nothing in one process (there is nothing to shard)."""
     if not mesh.distributed:
-        return DataParallel(model, None)
+        return DataParallel(model, model, None)
+    if zero.uses_fsdp:
+        from moetron.parallel.fsdp import apply_fsdp
+
+        return apply_fsdp(model, mesh, zero)
+    replicated = _replicate(model, registry, mesh)
+    if not zero.shards_optimizer:
+        return replicated
+    groups = [(mesh.submesh("dp"), registry.named_parameters(model, "dense"))]
+    groups.append((mesh.submesh("edp"), registry.named_parameters(model, "expert")))
+    shards = OptimizerShards([(m, named) for m, named in groups if named])
+    return ShardedOptimizerDataParallel(model, replicated.module, replicated.expert_reducer, shards)
+
+
+def _replicate(model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh) -> DataParallel:
     experts = registry.named_parameters(model, "expert")
     reducer = None
     if experts and mesh.size("edp") * mesh.size("ep") > 1:
@@ -108,12 +158,24 @@ def apply_dp(model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh) -> D
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
         device = next(model.parameters()).device
         device_ids = [device.index] if device.type == "cuda" else None
+        _accept_dtensor_parameters(model)
         # No buffer broadcast per forward: the only buffers that change (expert biases) are updated identically on
         # every rank from all-reduced loads, so re-broadcasting them would be a wasted collective.
         module = DistributedDataParallel(
             model, device_ids=device_ids, process_group=mesh.group("dp"), **_no_forward_buffer_sync()
         )
-    return DataParallel(module, reducer)
+    return DataParallel(model, module, reducer)
+
+
+def _accept_dtensor_parameters(model: nn.Module) -> None:
+    """DDP reduces local tensors: a model with DTensor parameters (tensor parallelism) is first given local views
+    by torch's own DDP + TP composition (replaced by the DTensors again after each forward)."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
+        _pre_dp_module_transform(model)
 
 
 def _no_forward_buffer_sync() -> dict:

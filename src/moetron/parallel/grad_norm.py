@@ -42,14 +42,19 @@ def sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
 
 
 def global_grad_norm_sq(
-    model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh
+    model: nn.Module,
+    registry: ParamRegistry,
+    mesh: ParallelMesh,
+    named_params: list[tuple[str, torch.Tensor]] | None = None,
 ) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-    """A `grad_norm_sq_fn` for `clip_gradients` over this model's parameters (see the module docstring).
+    """A `grad_norm_sq_fn` for `clip_gradients` over this model's parameters (see the module docstring), or over
+    `named_params` when the optimizer steps other tensors (ZeRO-1's shards, named like their parameters).
 
     Collectives run in an order every rank agrees on: buckets keyed by mesh dimension names, sorted (the ranks of
     one such group share a pipeline stage, hence the same parameters), then one all-reduce over the pipeline
     stages at the end (stages hold different parameters, so nothing per-bucket crosses them)."""
-    expert_ids = {id(p) for _, p in registry.named_parameters(model, "expert")}
+    named = registry.named_parameters(model) if named_params is None else named_params
+    expert_ids = {id(p) for n, p in named if registry[n].is_expert}
     ep_group = [("ep", mesh.group("ep"))] if mesh.size("ep") > 1 else []
     pp_group = mesh.group("pp") if mesh.size("pp") > 1 else None
 

@@ -1,10 +1,13 @@
 """The one ordered recipe that turns a GPT model into its parallel form (torchtitan's `parallelize_*`).
 
     mesh = ParallelMesh.build(dims, env)                 # coordinates and process groups by purpose
-    parallel = parallelize(cfg.model, mesh, env.device, seed, train_cfg)
+    model = build_model(cfg.model, mesh, env.device, seed, zero=zero)   # this rank's part, initialised
+    parallel = parallelize(model, mesh, zero)              # zero = ZeroSpec.from_config(cfg): the ZeRO stage
     parallel.module(tokens)                               # what the forward runs through (DDP, or the model)
     with parallel.micro_batch(last=True): loss.backward() # gradients reduced in the last micro-batch only
     parallel.finish_gradients()                           # wait for the reductions
+    optimizer = AdamW(parallel.optimizer_parameters())    # the weights, or at ZeRO-1 this rank's shards of them
+    parallel.attach_optimizer(optimizer)                  # ZeRO-1: gather the updated shards after each step
     clip_gradients(params, max_norm, parallel.grad_norm_sq)   # the true global norm
 
 The order matters, and each step is one small `apply_*` in its own module:
@@ -15,7 +18,10 @@ The order matters, and each step is one small `apply_*` in its own module:
   5. materialise on the device and initialise: weights are drawn per parameter name and per GLOBAL expert id,
      so every layout holds exactly the weights of the one-process model;
   6. the parameter-kind registry is read off the model (params.py);
-  7. apply_dp       DDP over the dense parameters, the expert reducer over the edp group (data_parallel.py).
+  7. apply_dp       DDP over the dense parameters, the expert reducer over the edp group (data_parallel.py);
+                    with ZeRO stage 1 the optimizer on shards, stages 2–3 FSDP2 (zero.py, fsdp.py). A meta-device
+                    build at stage 2–3 is sharded during step 5 instead, block by block (fsdp.py), so no rank
+                    ever holds the whole model.
 A new parallel dimension is one more `apply_*` between 1 and 7 plus its coordinates in `dims.py`/`mesh.py`:
 tensor parallelism goes before apply_ep, pipeline splitting right after the build (each stage keeps its layers).
 """
@@ -39,6 +45,7 @@ from moetron.parallel.expert_parallel import apply_ep
 from moetron.parallel.grad_norm import global_grad_norm_sq
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
+from moetron.parallel.zero import REPLICATED, ZeroSpec
 
 
 @dataclass
@@ -63,6 +70,13 @@ class ParallelModel:
         """After the last micro-batch's backward: wait for (and finish) the gradient reductions."""
         self.data_parallel.finish_gradients()
 
+    def optimizer_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, tensor) the optimizer steps and the trainer unscales and clips (ZeRO-1: this rank's shards)."""
+        return self.data_parallel.optimizer_parameters()
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.data_parallel.attach_optimizer(optimizer)
+
 
 def check_dims(cfg: ModelConfig, mesh: ParallelMesh) -> None:
     """Every layout problem (degrees, and expert counts the EP size must divide) as one ConfigError."""
@@ -78,6 +92,7 @@ def build_model(
     seed: int,
     checkpoint_activations: bool | None = None,
     compile_blocks: bool = False,
+    zero: ZeroSpec = REPLICATED,
 ) -> GPTModel:
     """Steps 1–5: this rank's part of the model, materialised on `device` and initialised from `seed`.
 
@@ -88,16 +103,22 @@ def build_model(
     apply_ep(model, mesh)
     apply_ac(model, cfg.checkpoint_activations if checkpoint_activations is None else checkpoint_activations)
     apply_compile(model, compile_blocks)
+    if zero.uses_fsdp and mesh.distributed:
+        from moetron.parallel.fsdp import materialize_sharded
+
+        materialize_sharded(model, mesh, zero, device, seed)
+        return model
     model.to_empty(device=device)
     model.init_weights(seed)
     return model
 
 
-def parallelize(model: GPTModel, mesh: ParallelMesh) -> ParallelModel:
+def parallelize(model: GPTModel, mesh: ParallelMesh, zero: ZeroSpec = REPLICATED) -> ParallelModel:
     """Steps 6–7 on a model from `build_model` (a model built whole, e.g. by `create_model`, is expert-sharded
     here first: correct, but it briefly held every expert)."""
     check_dims(model.cfg, mesh)
     apply_ep(model, mesh)
     registry = ParamRegistry.from_model(model)
-    data_parallel = apply_dp(model, registry, mesh)
-    return ParallelModel(model, mesh, registry, data_parallel, global_grad_norm_sq(model, registry, mesh))
+    data_parallel = apply_dp(model, registry, mesh, zero)
+    norm_sq = global_grad_norm_sq(model, registry, mesh, data_parallel.optimizer_parameters())
+    return ParallelModel(model, mesh, registry, data_parallel, norm_sq)

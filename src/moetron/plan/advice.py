@@ -5,6 +5,7 @@ Candidates, each a change a user can make with flags (the whole memory model is 
   micro batch                halving down to 1, the global batch kept (more accumulation steps)
   activation checkpointing   when off
   bf16                       when training in fp32 (fp16 costs the same memory in moetron)
+  ZeRO                       each stage above the current one (plan/zero.py)
   more GPUs                  ×2, ×4, ×8 with EP grown to match (data parallelism alone replicates everything)
 If no single change fits, the strongest change of each kind is stacked in that order, and the first stack
 that fits is offered.
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from moetron.config import RunConfig
 from moetron.errors import ConfigError
 from moetron.plan.estimate import Plan, make_plan
+from moetron.plan.zero import stages_to_try
 
 GPU_FACTORS = (2, 4, 8)
 
@@ -96,6 +98,13 @@ def switch_changes(cfg: RunConfig, gpus: int) -> list[Change]:
     return changes
 
 
+def zero_changes(cfg: RunConfig, gpus: int) -> list[Change]:
+    return [
+        Change("zero", f"ZeRO stage {s}", f"--zero-stage {s}", gpus, _set("parallel", "zero_stage", s))
+        for s in stages_to_try(cfg)
+    ]
+
+
 def more_gpu_changes(cfg: RunConfig, gpus: int) -> list[Change]:
     changes = []
     for more in (gpus * factor for factor in GPU_FACTORS):
@@ -109,7 +118,7 @@ def more_gpu_changes(cfg: RunConfig, gpus: int) -> list[Change]:
 
 def single_changes(cfg: RunConfig, gpus: int) -> list[Change]:
     """Every candidate, weakest first within each kind."""
-    kinds = (expert_parallel_changes, micro_batch_changes, switch_changes, more_gpu_changes)
+    kinds = (expert_parallel_changes, micro_batch_changes, switch_changes, zero_changes, more_gpu_changes)
     return [change for kind in kinds for change in kind(cfg, gpus)]
 
 

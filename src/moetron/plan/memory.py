@@ -19,7 +19,8 @@ Activation checkpointing keeps each layer's fp32 input and recomputes one layer 
 The peak is the larger of "start of backward" (everything above; gradients only what is already there:
 the LM head's, or all of them when accumulating micro-batches) and "after backward" (weights, gradients,
 optimizer). Layouts: data parallel and expert parallel (experts / EP per rank); TP and PP are accepted as
-1 only — `layer_bytes` and `local_parameters` are the seams where they will divide the work.
+1 only — `layer_bytes` and `local_parameters` are the seams where they will divide the work. ZeRO stages shard
+weights, gradients and optimizer state and add gathered weights (`plan/zero.py`).
 
 Shape legend: T tokens per micro-batch per rank (mbs · seq), h hidden, f ffn, a heads, s seq, V vocab.
 """
@@ -33,6 +34,7 @@ from moetron.config import RunConfig
 from moetron.model.config import ModelConfig
 from moetron.model.flops import attention_params, count_parameters, embedding_params, mlp_params, moe_layer_params
 from moetron.parallel.dims import ParallelDims
+from moetron.plan.zero import zero_memory
 
 LOGITS_BYTES_PER_ENTRY = 16  # logits + fp32 log-softmax + grad of the log-softmax + grad of the logits
 MATH_ATTENTION_BYTES = {4: 12, 2: 13}  # per token, head and key: scores, probabilities, dropout mask (measured)
@@ -60,6 +62,8 @@ class MemoryEstimate:
     all_to_all: int
     peak: int
     phase: str  # which moment sets the peak: "start of backward" | "after backward"
+    gathered: int = 0  # ZeRO: weights gathered whole (stages 2–3) or the stage-1 all-gather bucket
+    zero_stage: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -170,17 +174,17 @@ def all_to_all_bytes(cfg: RunConfig, dims: ParallelDims) -> int:
 def estimate_memory(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda") -> MemoryEstimate:
     """Peak bytes per rank for `cfg` under the layout `dims` on a `device_kind` ("cuda" or "cpu") device."""
     params = local_parameters(cfg.model, dims)
-    weights = 4 * params.total
-    gradients = 4 * params.total
-    ddp = 4 * params.replicated if dims.dp > 1 else 0
-    optimizer = 8 * params.total
-    casts = 2 * params.matmul if compute_bytes(cfg) == 2 else 0
+    z = zero_memory(cfg, dims, params, compute_bytes(cfg))
+    weights, gradients, ddp, optimizer, casts = z.weights, z.gradients, z.ddp_buckets, z.optimizer, z.weight_casts
     activations = activation_bytes(cfg, dims, device_kind)
     logits = logits_bytes(cfg, dims)
     a2a = all_to_all_bytes(cfg, dims)
     lm_head_grad = 4 * embedding_params(cfg.model)
     grads_at_backward = gradients if accumulating(cfg, dims) else lm_head_grad
     backward_start = weights + optimizer + ddp + grads_at_backward + casts + activations + logits + a2a
-    after_backward = weights + optimizer + ddp + gradients
+    backward_start += z.gathered_in_backward
+    after_backward = weights + optimizer + ddp + gradients + z.gathered_after_step
     peak, phase = max((backward_start, "start of backward"), (after_backward, "after backward"))
-    return MemoryEstimate(weights, gradients, ddp, optimizer, casts, activations, logits, a2a, peak, phase)
+    return MemoryEstimate(
+        weights, gradients, ddp, optimizer, casts, activations, logits, a2a, peak, phase, z.gathered, z.stage
+    )

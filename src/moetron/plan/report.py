@@ -5,13 +5,15 @@ from __future__ import annotations
 from moetron.plan.advice import Suggestion
 from moetron.plan.estimate import Plan
 from moetron.plan.hardware import GIB, with_article
+from moetron.plan.zero import describe
 
 MEMORY_ROWS = [  # (MemoryEstimate field, label)
-    ("weights", "weights (fp32; also the master copy)"),
-    ("gradients", "gradients (fp32)"),
+    ("weights", "weights (fp32; also the master copy{sharded_weights})"),
+    ("gradients", "gradients (fp32{sharded_gradients})"),
     ("ddp_buckets", "DDP gradient buckets (fp32)"),
-    ("optimizer", "Adam moments exp_avg + exp_avg_sq (fp32)"),
+    ("optimizer", "Adam moments exp_avg + exp_avg_sq (fp32{sharded_optimizer})"),
     ("weight_casts", "{dtype} copies of the matmul weights"),
+    ("gathered", "{gathered}"),
     ("activations", "activations ({activations})"),
     ("logits", "logits and loss buffers [{tokens}, {vocab}]"),
     ("all_to_all", "all-to-all send/receive buffers"),
@@ -21,6 +23,18 @@ MEMORY_ROWS = [  # (MemoryEstimate field, label)
 def precision(plan: Plan) -> str:
     t = plan.cfg.train
     return "fp16" if t.fp16 else "bf16" if t.bf16 else "fp32"
+
+
+def zero_labels(plan: Plan) -> dict[str, str]:
+    """What the ZeRO stage shards, for the memory rows' labels."""
+    stage = plan.memory.zero_stage
+    shard = ", sharded"
+    return {
+        "sharded_weights": shard if stage >= 2 else "",
+        "sharded_gradients": shard if stage >= 2 else "",
+        "sharded_optimizer": shard if stage >= 1 else "",
+        "gathered": describe(stage, precision(plan)) if stage else "",
+    }
 
 
 def gib(n: float) -> str:
@@ -50,8 +64,10 @@ def describe_layout(plan: Plan) -> str:
     d, t = plan.dims, plan.cfg.train
     local = [e // d.ep for e in plan.cfg.model.num_experts if e > 1]
     experts = f" ({'/'.join(map(str, sorted(set(local))))} experts per GPU)" if local else ""
+    stage = plan.memory.zero_stage
+    zero = f", ZeRO stage {stage} (dense state 1/{d.dp}, expert state 1/{d.edp} per GPU)" if stage else ""
     return (
-        f"{plan.gpus} GPU(s): data parallel {d.dp}, expert parallel {d.ep}{experts}; micro batch "
+        f"{plan.gpus} GPU(s): data parallel {d.dp}, expert parallel {d.ep}{experts}{zero}; micro batch "
         f"{t.micro_batch_size} × {plan.accumulation_steps} accumulation step(s) × {d.dp} = global batch "
         f"{plan.cfg.global_batch(d.dp)}, seq {plan.cfg.model.seq_length}"
     )
@@ -65,6 +81,7 @@ def memory_lines(plan: Plan) -> list[str]:
         "activations": f"micro batch {plan.cfg.train.micro_batch_size} × seq {m.seq_length}{ckpt}",
         "tokens": plan.cfg.train.micro_batch_size * m.seq_length,
         "vocab": m.padded_vocab_size(),
+        **zero_labels(plan),
     }
     lines = [f"  {'memory per GPU':<52} {'GiB':>8}"]
     for name, label in MEMORY_ROWS:
@@ -128,9 +145,9 @@ def suggestion_lines(plan: Plan, suggestions: list[Suggestion]) -> list[str]:
         replicated = plan.memory.weights + plan.memory.gradients + plan.memory.optimizer
         return [
             "  no change tried fits (more expert parallelism or GPUs, a smaller micro batch, checkpointing, bf16, "
-            f"and all of them together); in this layout the fp32 weights, gradients and Adam state alone take "
-            f"{gib(replicated)} GiB per GPU. Use GPUs with more memory or a smaller model (tensor parallelism "
-            "and ZeRO-style sharding are not implemented yet)."
+            f"ZeRO stages, and all of them together); in this layout the fp32 weights, gradients and Adam state "
+            f"alone take {gib(replicated)} GiB per GPU. Use GPUs with more memory or a smaller model (tensor "
+            "parallelism is not implemented yet)."
         ]
     lines = ["  changes that fit (needed GiB per GPU, step time):"]
     for s in suggestions:

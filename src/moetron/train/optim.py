@@ -20,11 +20,17 @@ from torch import nn
 from moetron.parallel.params import ParamRegistry
 
 
-def param_groups(model: nn.Module, weight_decay: float, registry: ParamRegistry | None = None) -> list[dict]:
-    """The decay / no-decay groups, as the parameter registry classifies each parameter."""
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    registry: ParamRegistry | None = None,
+    named_params: list[tuple[str, torch.Tensor]] | None = None,
+) -> list[dict]:
+    """The decay / no-decay groups, as the parameter registry classifies each parameter. `named_params`: what the
+    optimizer steps when it is not the model's own parameters (ZeRO-1: this rank's shards of them)."""
     registry = registry or ParamRegistry.from_model(model)
     decay, no_decay = [], []
-    for name, param in registry.named_parameters(model):
+    for name, param in registry.named_parameters(model) if named_params is None else named_params:
         if param.requires_grad:
             (decay if registry[name].decay else no_decay).append(param)
     groups = [
@@ -43,10 +49,16 @@ def _fused_supported(device: torch.device) -> bool:
     return True
 
 
-def build_optimizer(model: nn.Module, registry: ParamRegistry, train, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module,
+    registry: ParamRegistry,
+    train,
+    device: torch.device,
+    named_params: list[tuple[str, torch.Tensor]] | None = None,
+) -> torch.optim.AdamW:
     fused = _fused_supported(device)
     return torch.optim.AdamW(
-        param_groups(model, train.weight_decay, registry),
+        param_groups(model, train.weight_decay, registry, named_params),
         lr=train.lr,
         betas=(train.adam_beta1, train.adam_beta2),
         eps=train.adam_eps,
@@ -63,6 +75,15 @@ def local_grad_norm_sq(params: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.stack([n.float() for n in norms]).pow(2).sum()
 
 
+def local_grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Every gradient as the tensor this rank holds (a DTensor's local shard): scaling shards in place scales the
+    whole gradient, and one foreach kernel can take gradients sharded over different meshes (dp, edp)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+
+
 def clip_gradients(
     params: list[torch.Tensor],
     max_norm: float,
@@ -77,6 +98,6 @@ def clip_gradients(
         # the coefficient is clamped to 1 and applied only when finite, all on device: no host sync here
         coeff = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         coeff = torch.where(torch.isfinite(coeff), coeff, torch.ones_like(coeff))
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = local_grads(params)
         torch._foreach_mul_(grads, coeff.to(grads[0].device))
     return total

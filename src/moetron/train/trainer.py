@@ -36,10 +36,11 @@ from moetron.parallel.data_parallel import sync_router_loads
 from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import parallelize
+from moetron.parallel.zero import ZeroSpec
 from moetron.train.checkpoint import GlobalView, load_checkpoint, save_checkpoint
 from moetron.train.executor import LocalExecutor, MicroBatch
 from moetron.train.metrics import IntervalMetrics, RunLogger, StepSums, moe_step_stats
-from moetron.train.optim import build_optimizer, clip_gradients
+from moetron.train.optim import build_optimizer, clip_gradients, local_grads
 from moetron.train.precision import autocast_context, build_loss_scaler
 from moetron.train.reduce import mean_over
 from moetron.train.schedule import LRScheduler, build_schedule_spec
@@ -88,11 +89,14 @@ class Trainer:
         self.train_loader, self.make_valid_loader = train_loader, make_valid_loader
         self.config_yaml = config_yaml
         STREAMS.configure(cfg.train.seed)
-        self.parallel = parallelize(model, self.mesh)  # EP: keeps this rank's experts; DDP and expert reducer
+        # EP: keeps this rank's experts; DDP and expert reducer, or ZeRO (sharded optimizer, FSDP2)
+        self.parallel = parallelize(model, self.mesh, ZeroSpec.from_config(cfg))
         self.model = self.parallel.model
         self.executor = LocalExecutor(self.parallel, language_model_loss, self.autocast)
-        self.optimizer = build_optimizer(self.model, self.parallel.registry, cfg.train, env.device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        stepped = self.parallel.optimizer_parameters()  # the weights, or at ZeRO-1 this rank's shards of them
+        self.optimizer = build_optimizer(self.model, self.parallel.registry, cfg.train, env.device, stepped)
+        self.parallel.attach_optimizer(self.optimizer)
+        self.params = [p for _, p in stepped]
         spec = build_schedule_spec(cfg.train, self.gbs, self.seq, self.total_iters)
         self.scheduler = LRScheduler(self.optimizer, spec)
         self.scaler = build_loss_scaler(cfg.train)
@@ -119,7 +123,7 @@ class Trainer:
         self.parallel.finish_gradients()
         m = self.cfg.model
         sums = StepSums(lm_loss, moe_step_stats(self.model), m.moe_loss_coeff, m.moe_z_loss_coeff)
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = local_grads(self.params)
         if scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)  # a power of two: exact
         norm = clip_gradients(self.params, self.cfg.train.clip_grad, self.parallel.grad_norm_sq)
@@ -302,7 +306,7 @@ class Trainer:
         }
 
     def checkpoint_view(self) -> GlobalView:
-        return GlobalView(self.model, self.parallel.registry, self.mesh)
+        return GlobalView(self.model, self.parallel.registry, self.mesh, self.parallel.optimizer_parameters())
 
     def save(self) -> Path:
         t = self.cfg.train

@@ -44,9 +44,17 @@ from moetron.train.checkpoint.rng_files import load_rng, save_rng
 class GlobalView:
     """Maps this rank's tensors to their layout-free global form (and back, in place, for loading)."""
 
-    def __init__(self, model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh | None):
+    def __init__(
+        self,
+        model: nn.Module,
+        registry: ParamRegistry,
+        mesh: ParallelMesh | None,
+        optimizer_params: list[tuple[str, torch.Tensor]] | None = None,
+    ):
+        """`optimizer_params`: (name, tensor) the optimizer steps, when not the model's parameters (ZeRO-1)."""
         self.model, self.registry = model, registry
         self.expert_mesh = mesh.submesh("edp", "ep") if mesh is not None and mesh.size("ep") > 1 else None
+        self.optimizer_params = optimizer_params
 
     def tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """`local` (a tensor of parameter `name`'s shape, or the parameter itself) as its global tensor."""
@@ -56,9 +64,31 @@ class GlobalView:
             return local
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
+        if isinstance(local, DTensor) and local.device_mesh.mesh_dim_names == ("edp",):
+            return self.sharded_experts(info, local)
         shape = (info.num_global_experts, *local.shape[1:])
         return DTensor.from_local(
             local, self.expert_mesh, [Replicate(), Shard(0)], run_check=False, shape=shape, stride=_stride(shape)
+        )
+
+    def sharded_experts(self, info, shard) -> torch.Tensor:
+        """ZeRO: an expert stack sharded over edp (FSDP2, or the stage-1 optimizer shards: `Shard(d)` of the LOCAL
+        `[E/ep, …]` stack) as the global `[E, …]` tensor over (edp, ep). Rows are split by ep first, then each
+        block by edp: on dim 0 that order is `_StridedShard(0, split_factor=ep)` (FSDP2 + TP's placement)."""
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        (placement,) = shard.placements
+        dim = placement.dim
+        over_edp = _StridedShard(0, split_factor=self.expert_mesh.size(1)) if dim == 0 else Shard(dim)
+        shape = (info.num_global_experts, *shard.shape[1:])
+        return DTensor.from_local(
+            shard.to_local(),
+            self.expert_mesh,
+            [over_edp, Shard(0)],
+            run_check=False,
+            shape=shape,
+            stride=_stride(shape),
         )
 
     def model_state(self) -> dict[str, torch.Tensor]:
@@ -67,7 +97,8 @@ class GlobalView:
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         """`optim.<parameter>.<key>` → global tensor, for every tensor the optimizer keeps per parameter."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        named = self.model.named_parameters() if self.optimizer_params is None else self.optimizer_params
+        names = {id(p): n for n, p in named}
         out = {}
         for param, state in optimizer.state.items():
             name = names[id(param)]

@@ -1,0 +1,176 @@
+"""ZeRO stages 2 and 3 on FSDP2 (`fully_shard`): gradients reduce-scattered, and at stage 3 weights gathered per layer.
+
+One FSDP2 group per unit, bottom-up (each group is all-gathered and reduce-scattered in one collective):
+
+    experts of a MoE layer   over the expert-data-parallel mesh `edp` (only with ep > 1: with ep = 1 they are
+                             ordinary members of their block's group), gradients summed over edp and divided by
+                             the FULL dp (`set_gradient_divide_factor`): the all-to-all already brought every
+                             expert-parallel peer's tokens into them (the same rule as `ExpertGradReducer`)
+    router of a MoE layer    its own group with an fp32 policy under bf16/fp16, so routing never sees rounded
+                             weights (the router upcasts its input itself)
+    transformer block        over the data-parallel mesh `dp`
+    the root (embeddings, final norm, output layer)   over `dp`, fp32 (see below)
+
+`reshard_after_forward`: True at stage 3 (a block's weights exist whole only while it runs forward or
+backward: DeepSpeed's ZeRO-3), False at stage 2 (gathered once per step, kept until the backward is done:
+ZeRO-2's whole weights during the step, with sharded gradients and optimizer state). The root is never resharded
+after forward (the head is the first thing the backward needs). Gradients are reduce-scattered after every
+micro-batch's backward, so accumulation adds into the shards (no whole gradient ever lives across micro-batches).
+
+Mixed precision: the sharded weights (the optimizer's) stay fp32 — the master copy; blocks and experts gather in
+the compute dtype (half the traffic and the gathered memory) and reduce gradients in fp32. `cast_forward_inputs`
+is off and the executor's autocast still decides each op's dtype, so the residual stream, norms, softmax and loss
+stay fp32 as at stage 0; the root gathers fp32 for the same reason (the embedding output is the residual stream).
+
+Parameters become DTensors `Shard(d)` over their group's 1-D mesh (d = 0, or for expert stacks with fewer local
+experts than edp ranks the first dimension edp divides, so every rank holds a share). Names do not change.
+`materialize_sharded` builds a meta-device model into this form one unit at a time: a rank never holds more than
+its shards plus one block's whole weights, however large the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moetron.model.gpt import GPTModel, TransformerLayer
+from moetron.model.init import init_tree, output_std
+from moetron.parallel.data_parallel import DataParallel
+from moetron.parallel.mesh import ParallelMesh
+from moetron.parallel.zero import ZeroSpec
+
+
+def policies(spec: ZeroSpec):
+    """(blocks and experts, fp32 units) mixed-precision policies."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    fp32 = MixedPrecisionPolicy(cast_forward_inputs=False)
+    if spec.compute_dtype == torch.float32:
+        return fp32, fp32
+    return MixedPrecisionPolicy(spec.compute_dtype, torch.float32, cast_forward_inputs=False), fp32
+
+
+def expert_placement(parts: int, experts: set[int]) -> Callable:
+    """FSDP2's `shard_placement_fn`: expert stacks `[E_local, …]` split on dim 0 when `parts` divides E_local,
+    else on the first dimension it divides (so no rank is left without a share); everything else the default."""
+    from torch.distributed.tensor import Shard
+
+    def place(param: nn.Parameter):
+        if id(param) not in experts or param.shape[0] % parts == 0:
+            return None
+        dim = next((d for d in range(1, param.ndim) if param.shape[d] % parts == 0), 0)
+        return Shard(dim)
+
+    return place
+
+
+def _needs_sum_then_divide(group) -> bool:
+    """gloo has no PREMUL_SUM, which FSDP2 uses for a divide factor other than the group size."""
+    return dist.get_backend(group) == "gloo"
+
+
+def shard_block(layer: TransformerLayer, mesh: ParallelMesh, spec: ZeroSpec) -> None:
+    """One transformer block's FSDP2 groups: its experts (edp, when ep > 1), its router (fp32), then the rest."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks, fp32 = policies(spec)
+    reshard = spec.stage == 3
+    expert_ids: set[int] = set()
+    if layer.is_moe:
+        moe = layer.mlp
+        expert_ids = {id(p) for p in moe.experts.parameters()}
+        if mesh.size("ep") > 1:
+            edp = mesh.submesh("edp")
+            placement = expert_placement(mesh.size("edp"), expert_ids)
+            fully_shard(
+                moe.experts, mesh=edp, reshard_after_forward=reshard, mp_policy=blocks, shard_placement_fn=placement
+            )
+            moe.experts.set_gradient_divide_factor(float(mesh.size("dp")))
+            moe.experts.set_force_sum_reduction_for_comms(_needs_sum_then_divide(edp.get_group()))
+        if spec.compute_dtype != torch.float32:
+            fully_shard(moe.router, mesh=mesh.submesh("dp"), reshard_after_forward=reshard, mp_policy=fp32)
+    placement = expert_placement(mesh.size("dp"), expert_ids)
+    fully_shard(
+        layer, mesh=mesh.submesh("dp"), reshard_after_forward=reshard, mp_policy=blocks, shard_placement_fn=placement
+    )
+
+
+def shard_root(model: GPTModel, mesh: ParallelMesh, spec: ZeroSpec) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh.submesh("dp"), reshard_after_forward=False, mp_policy=policies(spec)[1])
+
+
+def fully_shard_model(model: GPTModel, mesh: ParallelMesh, spec: ZeroSpec) -> None:
+    """Every FSDP2 group of a materialised model (each rank briefly holds the whole model: prefer building it with
+    `materialize_sharded`)."""
+    for _, layer in model.layer_items():
+        shard_block(layer, mesh, spec)
+    shard_root(model, mesh, spec)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def materialize_in_units(model: GPTModel, device: torch.device | str, seed: int, shard: Callable[[nn.Module], None]):
+    """Materialise and initialise a meta-device model block by block, calling `shard(block)` after each block and
+    `shard(model)` after the root's own modules: the values are those of `model.init_weights(seed)` (every
+    parameter is drawn from its own name's generator), but only one unit is ever whole."""
+    std = model.cfg.init_method_std
+    out_std = output_std(std, model.cfg.num_layers)
+    for index, layer in model.layer_items():
+        layer.to_empty(device=device)
+        init_tree(layer, seed, std, out_std, prefix=f"layers.{index}")
+        shard(layer)
+    for name, child in model.named_children():
+        if name != "layers":
+            child.to_empty(device=device)
+            init_tree(child, seed, std, out_std, prefix=name)
+    model.to_empty(device=device, recurse=False)
+    shard(model)
+
+
+def materialize_sharded(model: GPTModel, mesh: ParallelMesh, spec: ZeroSpec, device: torch.device | str, seed: int):
+    """`model.to_empty(device); model.init_weights(seed)` for a meta-device model, sharded unit by unit."""
+
+    def shard(unit: nn.Module) -> None:
+        if unit is model:
+            shard_root(model, mesh, spec)
+        else:
+            shard_block(unit, mesh, spec)
+
+    materialize_in_units(model, device, seed, shard)
+
+
+class ShardedDataParallel(DataParallel):
+    """What FSDP2 installed: the forward runs through the model itself; gradients are reduce-scattered by the
+    backward (every micro-batch, into the shards) and waited for at its end, so there is nothing left to do."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model, model, None)
+        # the sharded DTensors, captured now: after a forward without backward (evaluation) at stage 2 the module
+        # holds its gathered weights instead, until the next backward or state_dict() reshards it
+        self._sharded = super().optimizer_parameters()
+
+    def optimizer_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self._sharded)
+
+    def micro_batch(self, last: bool):
+        return contextlib.nullcontext()
+
+    def finish_gradients(self) -> None:
+        pass
+
+
+def apply_fsdp(model: GPTModel, mesh: ParallelMesh, spec: ZeroSpec) -> ShardedDataParallel:
+    """ZeRO stage 2 or 3 (the model may already be sharded by `materialize_sharded`)."""
+    if not is_sharded(model):
+        fully_shard_model(model, mesh, spec)
+    return ShardedDataParallel(model)

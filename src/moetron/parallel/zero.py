@@ -1,0 +1,78 @@
+"""ZeRO (sharded data parallelism): the stages, their flags and the layouts they cannot run yet.
+
+`--zero-stage` takes DeepSpeed's `zero_optimization.stage`; Megatron's `--use-distributed-optimizer` is stage 1.
+
+    stage 0   everything replicated over data parallelism (DDP; experts reduced over edp)
+    stage 1   + Adam state sharded           (parallel/sharded_optimizer.py: DDP's gradients, sharded optimizer)
+    stage 2   + gradients reduce-scattered   (parallel/fsdp.py: FSDP2, weights gathered once per step)
+    stage 3   + weights sharded              (parallel/fsdp.py: FSDP2, weights gathered per layer, freed after)
+
+Dense tensors are sharded over the data-parallel group, routed experts over their expert-data-parallel group
+(the ranks holding the same experts), so at EP = ep each expert's state is split edp ways. The optimizer always
+keeps fp32 weights (the master copy); bf16/fp16 compute dtype is what stages 2–3 gather in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from moetron.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from moetron.config import RunConfig
+
+STAGES = (0, 1, 2, 3)
+
+
+def effective_stage(zero_stage: int, use_distributed_optimizer: bool) -> int:
+    """The stage a run uses: `--zero-stage`, or 1 for Megatron's `--use-distributed-optimizer` alone."""
+    return max(zero_stage, 1) if use_distributed_optimizer else zero_stage
+
+
+@dataclass(frozen=True)
+class ZeroSpec:
+    stage: int = 0
+    compute_dtype: torch.dtype = torch.float32  # the autocast dtype (bf16/fp16), or fp32
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> ZeroSpec:
+        p, t = cfg.parallel, cfg.train
+        dtype = torch.float16 if t.fp16 else torch.bfloat16 if t.bf16 else torch.float32
+        return cls(effective_stage(p.zero_stage, p.use_distributed_optimizer), dtype)
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.stage >= 1
+
+    @property
+    def uses_fsdp(self) -> bool:
+        return self.stage >= 2
+
+
+REPLICATED = ZeroSpec()  # stage 0
+
+
+def zero_problems(zero_stage: int, use_distributed_optimizer: bool, dims: ParallelDims) -> list[str]:
+    """What `--zero-stage` cannot do (yet) with this layout, each with its fix."""
+    if zero_stage not in STAGES:
+        return [
+            f"--zero-stage {zero_stage} is not one of 0, 1, 2, 3 (DeepSpeed's zero_optimization.stage); "
+            f"use 1 to shard the optimizer state, 2 to shard gradients too, 3 to shard the weights too"
+        ]
+    stage = effective_stage(zero_stage, use_distributed_optimizer)
+    flag = f"--zero-stage {stage}" if zero_stage else "--use-distributed-optimizer"
+    p = []
+    if stage >= 1 and dims.tp > 1:
+        p.append(
+            f"{flag} with --tensor-model-parallel-size {dims.tp} is not supported yet; use --zero-stage 0 with "
+            f"tensor parallelism, or --tensor-model-parallel-size 1 with ZeRO"
+        )
+    if stage >= 2 and dims.pp > 1:
+        p.append(
+            f"{flag} with --pipeline-model-parallel-size {dims.pp} is not supported yet (the pipeline schedule "
+            f"would have to drive FSDP's per-micro-batch gathers); use --zero-stage 1 or 0 with pipelining"
+        )
+    return p
