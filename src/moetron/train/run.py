@@ -22,6 +22,7 @@ from moetron.errors import UserError
 from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build_model
+from moetron.parallel.pipeline_layout import PipelineLayout
 from moetron.train.checkpoint import resolve_checkpoint
 from moetron.train.trainer import Trainer
 
@@ -163,7 +164,8 @@ def run_training(cfg: RunConfig, explicit: set[str], env: DistEnv) -> int:
     resolve_vocab_size(cfg, explicit)
     check_token_ids(cfg.data, cfg.model.vocab_size, TRAIN_VOCAB_FIX)
     train_loader, make_valid = build_loaders(cfg, env, mesh)
-    model = build_model(cfg.model, mesh, env.device, cfg.train.seed, compile_blocks=cfg.train.compile)
+    pipeline = PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
+    model = build_model(cfg.model, mesh, env.device, cfg.train.seed, None, cfg.train.compile, pipeline)
     trainer = Trainer(cfg, env, model, train_loader, make_valid, config_yaml=to_yaml(cfg), mesh=mesh)
     load_into(trainer, cfg, checkpoint)
     return trainer.train()
