@@ -93,8 +93,11 @@ class DataParallel:
             self.expert_reducer.finish()
 
 
-def apply_dp(model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh) -> DataParallel:
-    """DDP over the dense parameters (dp group) and the expert reducer (edp group); nothing in one process."""
+def apply_dp(model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh, ddp: bool = True) -> DataParallel:
+    """DDP over the dense parameters (dp group) and the expert reducer (edp group); nothing in one process.
+
+    `ddp=False`: no DDP, the caller reduces the dense gradients (the zero-bubble pipeline schedule computes weight
+    gradients with `autograd.grad`, so DDP's hooks never see them)."""
     if not mesh.distributed:
         return DataParallel(model, None)
     experts = registry.named_parameters(model, "expert")
@@ -102,7 +105,7 @@ def apply_dp(model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh) -> D
     if experts and mesh.size("edp") * mesh.size("ep") > 1:
         reducer = ExpertGradReducer([p for _, p in experts], mesh.group("edp"), divide_by=mesh.size("dp"))
     module: nn.Module = model
-    if mesh.size("dp") > 1:
+    if mesh.size("dp") > 1 and ddp:
         ignored = [n for n, _ in experts]
         if ignored:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)

@@ -99,6 +99,7 @@ class PipelineParts:
     data_parallel: list[DataParallel]
     tied_embedding: nn.Parameter | None = None  # held by the first and the last stage's ranks: grads summed
     embedding_group: object | None = None
+    dense_after_backward: list[nn.Parameter] | None = None  # zero-bubble: dense grads reduced here, not by DDP
 
     @property
     def holds_first(self) -> bool:
@@ -123,6 +124,8 @@ class PipelineParts:
         """After the schedule: finish every stage's expert reductions, then sum the tied embedding's gradient."""
         for dp in self.data_parallel:
             dp.finish_gradients()
+        if self.dense_after_backward:
+            mean_gradients(self.dense_after_backward, self.mesh.group("dp"), self.mesh.size("dp"))
         if self.embedding_group is not None:
             grad = self.tied_embedding.grad
             if grad is None:
@@ -136,8 +139,13 @@ def apply_pp(model: GPTModel, registry: ParamRegistry, mesh: ParallelMesh, layou
     indices = layout.stages_of(rank)
     last = layout.num_stages - 1
     modules = [StageModule(model, layout.stage_layers[s], s == 0, s == last) for s in indices]
-    data_parallel = [apply_dp(m, registry, mesh) for m in modules]
+    # zero-bubble computes weight gradients with autograd.grad and adds them to .grad itself: DDP's hooks would
+    # never fire, so the dense gradients are averaged after the schedule instead (experts: the reducer's finish)
+    split_backward = layout.schedule == "zero-bubble" and mesh.size("dp") > 1
+    data_parallel = [apply_dp(m, registry, mesh, ddp=not split_backward) for m in modules]
     parts = PipelineParts(layout, mesh, indices, modules, data_parallel)
+    if split_backward:
+        parts.dense_after_backward = [p for m in modules for _, p in registry.named_parameters(m, "dense")]
     if model.output_layer is None and model.word_embeddings is not None:  # tied, and this rank is an end
         parts.tied_embedding = model.word_embeddings.weight
         parts.embedding_group = embedding_group(mesh, layout)
@@ -163,3 +171,30 @@ def embedding_group(mesh: ParallelMesh, layout: PipelineLayout):
             if mine and (dp, tp) == (mesh.coords.dp, mesh.coords.tp):
                 found = group
     return found
+
+
+BUCKET_ELEMENTS = 1 << 25  # 128 MiB of fp32 per all-reduce
+
+
+def mean_gradients(params: list[nn.Parameter], group, size: int) -> None:
+    """Average `params`' gradients over `group` in flat buckets (missing gradients count as zeros).
+
+    Our own collective because the zero-bubble schedule's split backward bypasses DDP (see `apply_pp`)."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    start = 0
+    while start < len(grads):
+        end, elements = start, 0
+        while end < len(grads) and (end == start or elements + grads[end].numel() <= BUCKET_ELEMENTS):
+            elements += grads[end].numel()
+            end += 1
+        bucket = grads[start:end]
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        pieces = flat.split([g.numel() for g in bucket])
+        torch._foreach_copy_(bucket, [piece.view_as(g) for piece, g in zip(pieces, bucket, strict=True)])
+        start = end
