@@ -55,7 +55,8 @@ def split_for_pipeline(model: GPTModel, mesh: ParallelMesh, layout: PipelineLayo
     if not last:
         model.final_layernorm = None
         model.output_layer = None
-    if not first and not (last and model.output_layer is None):
+    tied = not model.cfg.untie_embeddings_and_output_weights
+    if not first and not (last and tied):
         model.word_embeddings = None
 
 
@@ -72,7 +73,7 @@ class StageModule(nn.Module):
             self.position_embeddings = model.position_embeddings
         if last:
             self.final_layernorm = model.final_layernorm
-            if model.output_layer is None:
+            if not model.cfg.untie_embeddings_and_output_weights:
                 self.word_embeddings = model.word_embeddings
             else:
                 self.output_layer = model.output_layer
@@ -146,11 +147,10 @@ def apply_pp(model: GPTModel, registry: ParamRegistry, mesh: ParallelMesh, layou
     parts = PipelineParts(layout, mesh, indices, modules, data_parallel)
     if split_backward:
         parts.dense_after_backward = [p for m in modules for _, p in registry.named_parameters(m, "dense")]
-    if model.output_layer is None and model.word_embeddings is not None:  # tied, and this rank is an end
-        parts.tied_embedding = model.word_embeddings.weight
-        parts.embedding_group = embedding_group(mesh, layout)
-    else:
-        embedding_group(mesh, layout)  # every rank takes part in creating every group
+    if not model.cfg.untie_embeddings_and_output_weights:
+        group = embedding_group(mesh, layout)  # collective: every rank takes part
+        if model.word_embeddings is not None:  # this rank holds the first or the last stage
+            parts.tied_embedding, parts.embedding_group = model.word_embeddings.weight, group
     return parts
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from moetron.plan.advice import Suggestion
 from moetron.plan.estimate import Plan
 from moetron.plan.hardware import GIB, with_article
+from moetron.plan.pipeline import pipeline_dict, pipeline_words, stage_lines
 
 MEMORY_ROWS = [  # (MemoryEstimate field, label)
     ("weights", "weights (fp32; also the master copy)"),
@@ -50,8 +51,9 @@ def describe_layout(plan: Plan) -> str:
     d, t = plan.dims, plan.cfg.train
     local = [e // d.ep for e in plan.cfg.model.num_experts if e > 1]
     experts = f" ({'/'.join(map(str, sorted(set(local))))} experts per GPU)" if local else ""
+    pipeline = f", {pipeline_words(plan)}" if d.pp > 1 else ""
     return (
-        f"{plan.gpus} GPU(s): data parallel {d.dp}, expert parallel {d.ep}{experts}; micro batch "
+        f"{plan.gpus} GPU(s): data parallel {d.dp}, expert parallel {d.ep}{experts}{pipeline}; micro batch "
         f"{t.micro_batch_size} × {plan.accumulation_steps} accumulation step(s) × {d.dp} = global batch "
         f"{plan.cfg.global_batch(d.dp)}, seq {plan.cfg.model.seq_length}"
     )
@@ -73,6 +75,7 @@ def memory_lines(plan: Plan) -> list[str]:
             lines.append(f"  {label.format(**fill):<52} {gib(value):>8}")
     if plan.device.context_bytes:
         lines.append(f"  {'CUDA context and library workspaces (typical)':<52} {gib(plan.device.context_bytes):>8}")
+    lines += stage_lines(plan)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     room = plan.device.memory_bytes - plan.needed_bytes
     lines.append(f"  {f'needed at the peak ({mem.phase})':<52} {gib(plan.needed_bytes):>8}")
@@ -151,6 +154,7 @@ def plan_dict(plan: Plan, suggestions: list[Suggestion], source: str = "", large
             "assumed": plan.device.assumed,
         },
         "parallel": {"dp": d.dp, "ep": d.ep, "tp": d.tp, "pp": d.pp},
+        "pipeline": pipeline_dict(plan),
         "precision": precision(plan),
         "micro_batch_size": plan.cfg.train.micro_batch_size,
         "global_batch_size": plan.cfg.global_batch(d.dp),
