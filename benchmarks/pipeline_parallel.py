@@ -8,7 +8,7 @@ script, one layout after the other (it spawns each process group itself).
 Model: 8 layers, hidden 256, 4 heads, 8 experts on every 2nd layer (4 MoE layers), top-2, vocabulary 4096, dropout
 off; micro batch 2; AdamW. PP = 2 runs 1F1B (and interleaved 1F1B with 2 virtual stages per rank at m = 8) on 2
 processes; the baseline runs the same global batch (micro batch × m) on 1 process, and DP = 2 the same global batch
-on 2 processes. One thread per process.
+on 2 processes. One thread per process (`tests/distributed/launch.py` spawns each group).
 
 Bubble: each rank's busy time is the time inside its stages' forward and backward of a micro-batch and the loss;
 the bubble is 1 − busy / (the schedule's step time), the mean over ranks and measured steps. (p − 1)/(m + p − 1)
@@ -22,18 +22,19 @@ of that rank minus the same weights and Adam state.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import socket
 import statistics
+import sys
 import time
-
-import torch
+from pathlib import Path
 
 from memory_peak import peak_cpu_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
+from launch import run_distributed  # noqa: E402 - spawns a gloo group (torchrun's environment, 1 thread each)
+
 from moetron.config import RunConfig
 from moetron.data.synthetic import RandomTokenLoader
-from moetron.parallel.env import DistEnv, init_distributed
+from moetron.parallel.env import init_distributed
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build_model
 from moetron.parallel.pipeline_layout import PipelineLayout
@@ -73,11 +74,9 @@ class BusyClock:
         setattr(owner, name, timed)
 
 
-def measure(rank: int, world: int, port: int, cfg: RunConfig, args: argparse.Namespace, results) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
-    os.environ.update(MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    env = init_distributed(backend="gloo") if world > 1 else DistEnv()
+def measure(rank: int, world: int, cfg: RunConfig, args: argparse.Namespace) -> tuple:
+    """One rank of a layout (run by `run_distributed`: gloo, one thread): its timings and memory."""
+    env = init_distributed()
     clock = BusyClock()
     pipelined = cfg.parallel.pipeline_model_parallel_size > 1
     if pipelined:
@@ -112,27 +111,16 @@ def measure(rank: int, world: int, port: int, cfg: RunConfig, args: argparse.Nam
     env.barrier()
     peak = peak_cpu_bytes(trainer.train_step)
     busy_s = statistics.median(busy) if busy else 0.0
-    results.put((rank, mesh.coords.pp, statistics.median(times), bubbles, peak, weights + adam, busy_s))
-    env.close()
+    return mesh.coords.pp, statistics.median(times), bubbles, peak, weights + adam, busy_s
 
 
 def run_layout(cfg: RunConfig, world: int, args: argparse.Namespace) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=measure, args=(r, world, port, cfg, args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    rows = sorted(results.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
-    step = max(r[2] for r in rows)
-    bubbles = [b for r in rows for b in r[3]]
+    rows = run_distributed(measure, world_size=world, args=(cfg, args), timeout=3600)
+    step = max(r[1] for r in rows)
+    bubbles = [b for r in rows for b in r[2]]
     tokens = cfg.global_batch(cfg.dims(world).dp) * cfg.model.seq_length
     m = cfg.num_micro_batches(cfg.dims(world).dp)
-    per_micro = [r[6] / m for r in rows]  # each rank's busy seconds per micro-batch
+    per_micro = [r[5] / m for r in rows]  # each rank's busy seconds per micro-batch
     unequal = 0.0
     if any(per_micro):
         step_1f1b = (m - 1) * max(per_micro) + sum(per_micro)
@@ -141,8 +129,7 @@ def run_layout(cfg: RunConfig, world: int, args: argparse.Namespace) -> dict:
         "tokens_per_s": tokens / step,
         "bubble": statistics.mean(bubbles) if bubbles else 0.0,
         "unequal": unequal,
-        "peaks": {r[1]: r[4] for r in rows},  # pipeline rank → measured step peak above weights + Adam
-        "resident": {r[1]: r[5] for r in rows},
+        "peaks": {r[0]: r[3] for r in rows},  # pipeline rank → measured step peak above weights + Adam
     }
 
 
@@ -191,6 +178,7 @@ def main() -> None:
             ratio = r["tokens_per_s"] / base["tokens_per_s"]
             pipelined = "PP" in name
             cells = [f"{r['bubble']:.3f}", f"{theory:.3f}", f"{r['unequal']:.3f}"] if pipelined else ["–"] * 3
+            cells[2] = cells[2] if name == "PP=2 1F1B" else "–"
             print(f"| {name} | {m} | {r['tokens_per_s']:.0f} | {ratio:.2f}x | {' | '.join(cells)} |", flush=True)
             if name == "PP=2 1F1B":
                 memory_rows.append((m, r["peaks"], planned_step_peaks(cfg, world)))

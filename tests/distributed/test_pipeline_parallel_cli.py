@@ -11,7 +11,6 @@ This file is also the worker torchrun runs for the failure: `python test_pipelin
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,29 +19,18 @@ import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+sys.path.insert(0, str(HERE))
+
+import test_expert_parallel_cli as ep_cli  # noqa: E402
+
+ENV = ep_cli.ENV
+corpus_flags = ep_cli.corpus_flags  # the same tiny-corpus fixture (a 40 kB tinyshakespeare dataset)
+
 TINY = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
     "--global-batch-size 8 --num-experts 4 --expert-interval 1 --topk 2 --lr 3e-3 --lr-warmup-iters 2 "
     "--log-interval 5 --eval-iters 1 --eval-interval 5 --pipeline-model-parallel-size 2"
 ).split()
-
-
-@pytest.fixture
-def corpus_flags(tmp_path, shakespeare, gpt2_files):
-    from moetron.data.indexed import IndexedDatasetBuilder
-    from moetron.data.tokenizer import build_tokenizer
-
-    vocab, merges = gpt2_files
-    tokenizer = build_tokenizer("GPT2BPETokenizer", str(vocab), str(merges))
-    prefix = tmp_path / "corpus" / "shakespeare_text_document"
-    prefix.parent.mkdir()
-    builder = IndexedDatasetBuilder(prefix, np.uint16)
-    for paragraph in shakespeare.read_text()[:40_000].split("\n\n"):
-        builder.add_document(tokenizer.encode(paragraph) + [tokenizer.eod])
-    builder.finalize()
-    flags = ["--data-path", str(prefix), "--split", "90,10,0", "--tokenizer-type", "GPT2BPETokenizer"]
-    return flags + ["--vocab-file", str(vocab), "--merge-file", str(merges)]
 
 
 def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:

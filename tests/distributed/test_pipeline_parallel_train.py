@@ -14,7 +14,8 @@ Two spawned groups carry every check (spawning is the expensive part):
                         RoPE model with aux-loss-free expert biases follow their one-process runs; SIGTERM on one
                         stage stops both after the same step with one checkpoint.
   4 processes:          PP = 2 × EP = 2 (DP = 2) follows the one-process curve of the same global batch and saves;
-                        PP = 4 loads the PP = 2 checkpoint (validation loss) and continues like the one-process run.
+                        so does zero bubble × DP = 2 (EP = 1: experts reduced over EDP = 2); PP = 4 loads the
+                        PP = 2 checkpoint (validation loss) and continues like the one-process run.
 This process loads the PP = 2 and PP = 2 × EP = 2 checkpoints at PP = 1: the same validation loss, and training
 from step 6 continues on the one-process curve (optimizer state included).
 PP × TP is not tested here: tensor parallelism is not in this branch.
@@ -156,6 +157,8 @@ def four_process_checks(rank: int, world_size: int, tmp: str) -> dict:
     out = {"pp2ep2": curve(trainer, STEPS), "dp_rank": trainer.mesh.coords.dp}
     trainer.save()
     out["pp2ep2_valid"] = valid_loss(trainer)
+    # zero bubble × DP = 2: its split backward bypasses DDP, the dense gradients are averaged after the schedule
+    out["zb_dp2"] = curve(pp_trainer(pp_config(2, "zero-bubble", 1, global_batch_size=2 * GBS), env), STEPS)
     pp4 = pp_trainer(pp_config(4), env)
     out["pp4_layers"] = [i for i, _ in pp4.model.layer_items()]
     pp4.load(resolve_checkpoint(f"{tmp}/pp2"))
@@ -215,10 +218,11 @@ def test_pipeline_parallel_training_and_checkpoints(tmp_path):
 
     four = run_distributed(four_process_checks, world_size=4, args=(tmp,), timeout=900)
     wide = curve(pp_trainer(pp_config(1, global_batch_size=2 * GBS)), STEPS)
-    per_dp = {r["dp_rank"]: r["pp2ep2"] for r in four}
-    for key in ("lm", "moe"):  # each data-parallel rank's mean; the step's value is their mean
-        close([(a + b) / 2 for a, b in zip(per_dp[0][key], per_dp[1][key], strict=True)], wide[key])
-    close(four[0]["pp2ep2"]["norm"], wide["norm"])
+    for run in ("pp2ep2", "zb_dp2"):
+        per_dp = {r["dp_rank"]: r[run] for r in four}
+        for key in ("lm", "moe"):  # each data-parallel rank's mean; the step's value is their mean
+            close([(a + b) / 2 for a, b in zip(per_dp[0][key], per_dp[1][key], strict=True)], wide[key])
+        close(four[0][run]["norm"], wide["norm"])
     for rank, r in enumerate(four):
         assert r["pp4_layers"] == [rank]
         assert r["pp4_valid"] == pytest.approx(ref_valid, rel=1e-5)

@@ -24,12 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
+from moetron.config import RunConfig
 from moetron.eval.perplexity import evaluate
 from moetron.model.loss import LossFunction
 from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
 from moetron.model.rng import STREAMS
 from moetron.parallel.parallelize import ParallelModel
 from moetron.train.metrics import moe_step_stats
+from moetron.train.precision import compute_dtype
 
 
 @dataclass
@@ -88,14 +90,14 @@ def build_executor(
     parallel: ParallelModel,
     loss_fn: LossFunction,
     autocast: Callable[[], contextlib.AbstractContextManager],
-    micro_batch_size: int,
-    seq_length: int,
-    num_micro: int,
-    compute_dtype: torch.dtype = torch.float32,
+    cfg: RunConfig,
 ):
     """`LocalExecutor`, or the `PipelineExecutor` when the model is split into pipeline stages."""
     if parallel.pipeline is None:
         return LocalExecutor(parallel, loss_fn, autocast)
     from moetron.train.pipeline_executor import PipelineExecutor  # torch's pipelining: imported only when used
 
-    return PipelineExecutor(parallel, loss_fn, autocast, micro_batch_size, seq_length, num_micro, compute_dtype)
+    t = cfg.train
+    num_micro = cfg.num_micro_batches(parallel.mesh.size("dp"))
+    dtype = compute_dtype(t.fp16, t.bf16)
+    return PipelineExecutor(parallel, loss_fn, autocast, t.micro_batch_size, cfg.model.seq_length, num_micro, dtype)

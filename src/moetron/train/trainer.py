@@ -41,7 +41,7 @@ from moetron.train.executor import MicroBatch, build_executor
 from moetron.train.failures import pipeline_failures
 from moetron.train.metrics import IntervalMetrics, RunLogger, StepSums
 from moetron.train.optim import build_optimizer, clip_gradients
-from moetron.train.precision import autocast_context, build_loss_scaler, compute_dtype
+from moetron.train.precision import autocast_context, build_loss_scaler
 from moetron.train.reduce import mean_over
 from moetron.train.schedule import LRScheduler, build_schedule_spec
 from moetron.train.signals import StopFlag, StopSignal
@@ -92,10 +92,7 @@ class Trainer:
         self.pipeline = PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
         self.parallel = parallelize(model, self.mesh, self.pipeline)  # PP stages, EP experts, DDP, expert reducer
         self.model = self.parallel.model
-        self.executor = build_executor(
-            self.parallel, language_model_loss, self.autocast, cfg.train.micro_batch_size, self.seq, self.num_micro,
-            compute_dtype(cfg.train.fp16, cfg.train.bf16),
-        )  # fmt: skip
+        self.executor = build_executor(self.parallel, language_model_loss, self.autocast, cfg)  # pipeline's when split
         self.optimizer = build_optimizer(self.model, self.parallel.registry, cfg.train, env.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         spec = build_schedule_spec(cfg.train, self.gbs, self.seq, self.total_iters)
