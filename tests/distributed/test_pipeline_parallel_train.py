@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
@@ -209,6 +210,10 @@ def test_pipeline_parallel_training_and_checkpoints(tmp_path):
     stopped = two[0]["sigterm_iteration"]
     assert stopped == two[1]["sigterm_iteration"] and 4 <= stopped < STEPS
     assert (tmp_path / "sigterm" / "latest").read_text().strip() == f"iter_{stopped:07d}"
+
+    # the tied embedding: saved by both ends under one name, written once (DCP de-duplicates equal replicas)
+    saved = dcp.FileSystemReader(f"{tmp}/pp2/iter_{STEPS:07d}").read_metadata().state_dict_metadata
+    assert len(saved["model.word_embeddings.weight"].chunks) == 1 and "model.layers.3.mlp.router.weight" in saved
 
     # PP = 2 → PP = 1: the same validation loss; from step 6 the one-process curve, optimizer state included
     continued, loaded_valid = resumed(pp_config(1), f"{tmp}/pp2/iter_{SAVE_AT:07d}", STEPS - SAVE_AT)
