@@ -23,7 +23,7 @@ sys.path.insert(0, str(HERE))
 
 import test_expert_parallel_cli as ep_cli  # noqa: E402
 
-ENV = ep_cli.ENV
+ENV, moetron_train = ep_cli.ENV, ep_cli.moetron_train  # `moetron train`, under torchrun when nproc > 1
 corpus_flags = ep_cli.corpus_flags  # the same tiny-corpus fixture (a 40 kB tinyshakespeare dataset)
 
 TINY = (
@@ -40,10 +40,10 @@ def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_torchrun_pipeline_train_then_resume_on_one_process(tmp_path, corpus_flags):
+def test_torchrun_pipeline_train_resume_on_one_process_and_bad_flags(tmp_path, corpus_flags):
     run = tmp_path / "run"
     common = [*TINY, *corpus_flags, "--save", str(run)]
-    proc = torchrun("-m", "moetron", "train", *common, "--train-iters", "10")
+    proc = moetron_train(*common, "--train-iters", "10", nproc=2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f" iteration {10:>7d}/10 |" in proc.stdout and "load max/mean" in proc.stdout
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -52,25 +52,17 @@ def test_torchrun_pipeline_train_then_resume_on_one_process(tmp_path, corpus_fla
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert len(evals) == 2 and all(np.isfinite(e["valid_loss"]) for e in evals)
 
-    one = [sys.executable, "-m", "moetron", "train", *common, "--train-iters", "12", "--load", str(run)]
-    resumed = subprocess.run(
-        [*one, "--pipeline-model-parallel-size", "1"], capture_output=True, text=True, env=ENV, timeout=300
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "loaded checkpoint" in resumed.stdout and "iteration 10" in resumed.stdout
-    assert (run / "latest").read_text().strip() == "iter_0000012"
+    one_process = ["--load", str(run), "--pipeline-model-parallel-size", "1"]
+    resumed = moetron_train(*common, "--train-iters", "12", *one_process)
+    assert resumed.returncode == 0 and "loaded checkpoint" in resumed.stdout, resumed.stderr[-3000:]
+    assert "iteration 10" in resumed.stdout and (run / "latest").read_text().strip() == "iter_0000012"
 
-
-def test_bad_pipeline_flags_are_one_clear_error(tmp_path, corpus_flags):
-    run = tmp_path / "never"
-    env = {**ENV, "WORLD_SIZE": "2"}  # what torchrun announces; the check runs before any process group
-    args = [*TINY, *corpus_flags, "--train-iters", "2", "--save", str(run), "--num-layers", "3"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "moetron", "train", *args], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2" in proc.stderr
-    assert "Traceback" not in proc.stderr and not run.exists()
+    # a bad pipeline flag: one clear error before any process group (WORLD_SIZE is what torchrun announces)
+    never = tmp_path / "never"
+    args = [*TINY, *corpus_flags, "--train-iters", "2", "--save", str(never), "--num-layers", "3"]
+    bad = moetron_train(*args, env={**ENV, "WORLD_SIZE": "2"})
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and not never.exists(), bad.stderr
+    assert "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2" in bad.stderr
 
 
 # ---------------------------------------------------------------- one stage fails
