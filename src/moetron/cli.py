@@ -55,6 +55,16 @@ def _is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") in ("", "0")
 
 
+def report_user_error(err: UserError) -> int:
+    """Print `error: <message>` once and return the exit status (2, or the error's own `exit_code`).
+
+    Under torchrun every rank hits the same config error, so rank 0 says it; a failure of one rank (`every_rank`,
+    see `train/failures.py`) is said where it happened, and the ranks it stopped (`quiet`) say nothing."""
+    if (_is_rank_zero() or getattr(err, "every_rank", False)) and not getattr(err, "quiet", False):
+        print(f"error: {err}", file=sys.stderr)
+    return getattr(err, "exit_code", 2)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     top = _top_level_parser()
@@ -74,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except UserError as err:
-        if _is_rank_zero():  # under torchrun every rank hits the same config error: say it once
-            print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report_user_error(err)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

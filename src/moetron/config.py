@@ -21,13 +21,18 @@ from moetron.fileio import output_dir_problem
 from moetron.model.config import ModelConfig
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.zero import zero_problems
+from moetron.parallel.pipeline_layout import pipeline_problems
 from moetron.train.schedule import DECAY_STYLES
 
 
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1  # TP degree (only 1 is supported today)
-    pipeline_model_parallel_size: int = 1  # PP degree (only 1 is supported today)
+    pipeline_model_parallel_size: int = 1  # PP degree: pipeline stages on torch.distributed.pipelining
+    pipeline_schedule: str | None = None  # 1f1b | interleaved-1f1b | gpipe | zero-bubble (None: 1f1b / interleaved)
+    num_layers_per_virtual_pipeline_stage: int | None = None  # interleaving: layers per virtual stage
+    decoder_first_pipeline_num_layers: int | None = None  # uneven split: layers of the first stage (+ embedding)
+    decoder_last_pipeline_num_layers: int | None = None  # uneven split: layers of the last stage (+ LM head)
     moe_expert_parallel_size: int = 1  # EP degree, drawn from the data-parallel ranks (dp % ep == 0)
     zero_stage: int = 0  # ZeRO, DeepSpeed's zero_optimization.stage: 1 shards Adam state, 2 + gradients, 3 + weights
     use_distributed_optimizer: bool = False  # Megatron's flag: ZeRO stage 1 (when --zero-stage is lower)
@@ -234,6 +239,11 @@ def moe_problems(cfg: RunConfig) -> list[str]:
     return []
 
 
+def _micro_batches(cfg: RunConfig, dp: int) -> int:
+    """Micro-batches per step, 0 when the batch flags are themselves invalid (reported elsewhere)."""
+    return cfg.num_micro_batches(dp) if cfg.train.micro_batch_size > 0 and dp > 0 else 0
+
+
 def validate(cfg: RunConfig, world_size: int) -> list[str]:
     """Every problem of every section, before any process group, data load or allocation."""
     dims = cfg.dims(world_size)
@@ -244,6 +254,7 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
     problems += moe_problems(cfg)
     problems += output_problems(cfg)
     problems += zero_problems(cfg.parallel.zero_stage, cfg.parallel.use_distributed_optimizer, dims)
+    problems += pipeline_problems(cfg.model.num_layers, cfg.parallel, _micro_batches(cfg, dims.dp), cfg.train.compile)
     backend = cfg.parallel.distributed_backend
     if backend not in (None, "gloo", "nccl"):
         problems.append(f"--distributed-backend {backend!r} is not one of gloo, nccl (or leave it unset: automatic)")

@@ -92,7 +92,10 @@ def parallel_model(cfg: RunConfig, env: DistEnv):
     """(mesh, this rank's model) as `moetron train` builds them: meta device, local experts, then initialised."""
     from moetron.parallel.mesh import ParallelMesh
     from moetron.parallel.parallelize import build_model
+    from moetron.parallel.pipeline_layout import PipelineLayout
     from moetron.parallel.zero import ZeroSpec
 
     mesh = ParallelMesh.build(cfg.dims(env.world_size), env)
-    return mesh, build_model(cfg.model, mesh, env.device, cfg.train.seed, zero=ZeroSpec.from_config(cfg))
+    pipeline = PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
+    zero = ZeroSpec.from_config(cfg)
+    return mesh, build_model(cfg.model, mesh, env.device, cfg.train.seed, zero=zero, pipeline=pipeline)

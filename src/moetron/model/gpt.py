@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -148,9 +148,16 @@ class GPTModel(nn.Module):
                 )
             x_BTC = x_BTC + self.position_embeddings(positions_T)[None]
         else:
-            rope = rotary_angles(positions_T, self.cfg.head_dim, self.cfg.rotary_base)
+            rope = self.rope_angles(positions_T)
         with STREAMS.fork("embedding"):
             return self.embedding_dropout(x_BTC), rope
+
+    def rope_angles(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The RoPE angles of `positions_T` (None with learned positions): computed, not stored, so a pipeline
+        stage without the embedding recomputes them from the sequence length."""
+        if self.cfg.position_embedding_type == "learned_absolute":
+            return None
+        return rotary_angles(positions_T, self.cfg.head_dim, self.cfg.rotary_base)
 
     def run_layers(
         self,
@@ -158,9 +165,11 @@ class GPTModel(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         kv_cache: KVCache | None = None,
         moe_aux: list[MoEAux] | None = None,
+        layers: Mapping[str, TransformerLayer] | None = None,
     ) -> torch.Tensor:
-        """Every layer this model holds, in order (each on its own random stream); MoE reports go to `moe_aux`."""
-        for name, layer in self.layers.items():
+        """Every layer this model holds (or those of `layers`, e.g. one pipeline stage's), in order, each on its own
+        random stream; MoE reports go to `moe_aux`."""
+        for name, layer in (self.layers if layers is None else layers).items():
             with STREAMS.fork("layers", name):
                 x_BTC, aux = self.run_layer(layer, x_BTC, rope, kv_cache)
             if aux is not None and moe_aux is not None:

@@ -127,17 +127,20 @@ class ShardedOptimizerDataParallel(DataParallel):
 
 
 def apply_dp(
-    model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh, zero: ZeroSpec = REPLICATED
+    model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh, zero: ZeroSpec = REPLICATED, ddp: bool = True
 ) -> DataParallel:
     """Stage 0/1: DDP over the dense parameters (dp group) and the expert reducer (edp group), at stage 1 with the
-    optimizer on shards; stages 2–3: FSDP2. Nothing in one process (there is nothing to shard)."""
+    optimizer on shards; stages 2–3: FSDP2. Nothing in one process (there is nothing to shard).
+
+    `ddp=False`: no DDP, the caller reduces the dense gradients (the zero-bubble pipeline schedule computes weight
+    gradients with `autograd.grad`, so DDP's hooks never see them)."""
     if not mesh.distributed:
         return DataParallel(model, model, None)
     if zero.uses_fsdp:
         from moetron.parallel.fsdp import apply_fsdp
 
         return apply_fsdp(model, mesh, zero)
-    replicated = _replicate(model, registry, mesh)
+    replicated = _replicate(model, registry, mesh, ddp)
     if not zero.shards_optimizer:
         return replicated
     groups = [(mesh.submesh("dp"), registry.named_parameters(model, "dense"))]
@@ -146,13 +149,13 @@ def apply_dp(
     return ShardedOptimizerDataParallel(model, replicated.module, replicated.expert_reducer, shards)
 
 
-def _replicate(model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh) -> DataParallel:
+def _replicate(model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh, ddp: bool = True) -> DataParallel:
     experts = registry.named_parameters(model, "expert")
     reducer = None
     if experts and mesh.size("edp") * mesh.size("ep") > 1:
         reducer = ExpertGradReducer([p for _, p in experts], mesh.group("edp"), divide_by=mesh.size("dp"))
     module: nn.Module = model
-    if mesh.size("dp") > 1:
+    if mesh.size("dp") > 1 and ddp:
         ignored = [n for n, _ in experts]
         if ignored:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)

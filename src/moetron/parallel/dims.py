@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 DENSE_DIMS = ("pp", "dp", "tp")
 EXPERT_DIMS = ("pp", "edp", "ep", "etp")
-# The largest degree each dimension supports today (raised by the issues that implement TP and PP).
-SUPPORTED = {"tp": 1, "pp": 1}
+# The largest degree each dimension supports today (raised by the issue that implements TP); pp is unbounded.
+SUPPORTED = {"tp": 1}
 
 
 @dataclass(frozen=True)

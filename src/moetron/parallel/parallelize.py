@@ -12,6 +12,7 @@
 
 The order matters, and each step is one small `apply_*` in its own module:
   1. build on the meta device (no memory; layers keyed by global index, so names never change);
+     split_for_pipeline  keep this pipeline rank's layers and ends (pipeline.py);
   2. apply_ep       keep this rank's `E / ep` experts, install the all-to-all dispatcher (expert_parallel.py);
   3. apply_ac       recompute each layer in backward (activation_checkpoint.py);
   4. apply_compile  `torch.compile` each transformer block (compile.py);
@@ -22,6 +23,7 @@ The order matters, and each step is one small `apply_*` in its own module:
                     with ZeRO stage 1 the optimizer on shards, stages 2–3 FSDP2 (zero.py, fsdp.py). A meta-device
                     build at stage 2–3 is sharded during step 5 instead, block by block (fsdp.py), so no rank
                     ever holds the whole model.
+     with pp > 1 apply_pp builds this rank's stage modules and wraps each with apply_dp (pipeline.py).
 A new parallel dimension is one more `apply_*` between 1 and 7 plus its coordinates in `dims.py`/`mesh.py`:
 tensor parallelism goes before apply_ep, pipeline splitting right after the build (each stage keeps its layers).
 """
@@ -46,6 +48,8 @@ from moetron.parallel.grad_norm import global_grad_norm_sq
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
 from moetron.parallel.zero import REPLICATED, ZeroSpec
+from moetron.parallel.pipeline import PipelineParts, apply_pp, split_for_pipeline
+from moetron.parallel.pipeline_layout import PipelineLayout
 
 
 @dataclass
@@ -55,8 +59,9 @@ class ParallelModel:
     model: GPTModel  # the unwrapped model: parameters by their layout-free names
     mesh: ParallelMesh
     registry: ParamRegistry
-    data_parallel: DataParallel
+    data_parallel: DataParallel | PipelineParts
     grad_norm_sq: Callable[[list[torch.Tensor]], torch.Tensor]
+    pipeline: PipelineParts | None = None  # this rank's pipeline stages (pp > 1)
 
     @property
     def module(self) -> nn.Module:
@@ -93,13 +98,15 @@ def build_model(
     checkpoint_activations: bool | None = None,
     compile_blocks: bool = False,
     zero: ZeroSpec = REPLICATED,
+    pipeline: PipelineLayout | None = None,
 ) -> GPTModel:
     """Steps 1–5: this rank's part of the model, materialised on `device` and initialised from `seed`.
 
-    `checkpoint_activations` defaults to the model config's flag."""
+    `checkpoint_activations` defaults to the model config's flag; `pipeline` is the stage layout when pp > 1."""
     check_dims(cfg, mesh)
     with torch.device("meta"):
         model = GPTModel(cfg)
+    split_for_pipeline(model, mesh, pipeline)
     apply_ep(model, mesh)
     apply_ac(model, cfg.checkpoint_activations if checkpoint_activations is None else checkpoint_activations)
     apply_compile(model, compile_blocks)
@@ -113,12 +120,22 @@ def build_model(
     return model
 
 
-def parallelize(model: GPTModel, mesh: ParallelMesh, zero: ZeroSpec = REPLICATED) -> ParallelModel:
-    """Steps 6–7 on a model from `build_model` (a model built whole, e.g. by `create_model`, is expert-sharded
-    here first: correct, but it briefly held every expert)."""
+def parallelize(
+    model: GPTModel, mesh: ParallelMesh, zero: ZeroSpec = REPLICATED, pipeline: PipelineLayout | None = None
+) -> ParallelModel:
+    """Steps 6–7 on a model from `build_model` (a model built whole, e.g. by `create_model`, is split and
+    expert-sharded here first: correct, but it briefly held every layer and expert)."""
     check_dims(model.cfg, mesh)
+    split_for_pipeline(model, mesh, pipeline)
     apply_ep(model, mesh)
     registry = ParamRegistry.from_model(model)
-    data_parallel = apply_dp(model, registry, mesh, zero)
-    norm_sq = global_grad_norm_sq(model, registry, mesh, data_parallel.optimizer_parameters())
-    return ParallelModel(model, mesh, registry, data_parallel, norm_sq)
+    if pipeline is None or pipeline.pp == 1:
+        data_parallel = apply_dp(model, registry, mesh, zero)
+        norm_sq = global_grad_norm_sq(model, registry, mesh, data_parallel.optimizer_parameters())
+        return ParallelModel(model, mesh, registry, data_parallel, norm_sq)
+    parts = apply_pp(model, registry, mesh, pipeline)
+    norm_sq = global_grad_norm_sq(model, registry, mesh, parts.optimizer_parameters())
+    duplicates = parts.duplicate_parameters()
+    return ParallelModel(
+        model, mesh, registry, parts, lambda params: norm_sq([p for p in params if id(p) not in duplicates]), parts
+    )

@@ -70,9 +70,10 @@ def zero_problems(zero_stage: int, use_distributed_optimizer: bool, dims: Parall
             f"{flag} with --tensor-model-parallel-size {dims.tp} is not supported yet; use --zero-stage 0 with "
             f"tensor parallelism, or --tensor-model-parallel-size 1 with ZeRO"
         )
-    if stage >= 2 and dims.pp > 1:
+    if stage >= 1 and dims.pp > 1:
         p.append(
             f"{flag} with --pipeline-model-parallel-size {dims.pp} is not supported yet (the pipeline schedule "
-            f"would have to drive FSDP's per-micro-batch gathers); use --zero-stage 1 or 0 with pipelining"
+            f"would have to drive the sharded optimizer's and FSDP's gathers per stage); use --zero-stage 0 with "
+            f"pipelining"
         )
     return p

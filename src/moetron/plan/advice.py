@@ -7,6 +7,7 @@ Candidates, each a change a user can make with flags (the whole memory model is 
   bf16                       when training in fp32 (fp16 costs the same memory in moetron)
   ZeRO                       each stage above the current one (plan/zero.py)
   more GPUs                  ×2, ×4, ×8 with EP grown to match (data parallelism alone replicates everything)
+  pipeline parallelism       every PP that divides the GPUs and the layers (global batch kept; plan/pipeline.py)
 If no single change fits, the strongest change of each kind is stacked in that order, and the first stack
 that fits is offered.
 """
@@ -105,6 +106,18 @@ def zero_changes(cfg: RunConfig, gpus: int) -> list[Change]:
     ]
 
 
+def pipeline_changes(cfg: RunConfig, gpus: int) -> list[Change]:
+    """Larger pipeline sizes on the same GPUs: each rank holds 1/pp of the layers (fewer data-parallel ranks)."""
+    gbs, changes = cfg.global_batch(cfg.dims(gpus).dp), []
+    for pp in range(cfg.parallel.pipeline_model_parallel_size + 1, gpus + 1):
+        if gpus % pp or cfg.model.num_layers % pp:
+            continue
+        edit = _chain([_set("parallel", "pipeline_model_parallel_size", pp), _set("train", "global_batch_size", gbs)])
+        flags = f"--pipeline-model-parallel-size {pp} --global-batch-size {gbs}"
+        changes.append(Change("pp", f"pipeline parallel {pp}", flags, gpus, edit))
+    return changes
+
+
 def more_gpu_changes(cfg: RunConfig, gpus: int) -> list[Change]:
     changes = []
     for more in (gpus * factor for factor in GPU_FACTORS):
@@ -118,7 +131,14 @@ def more_gpu_changes(cfg: RunConfig, gpus: int) -> list[Change]:
 
 def single_changes(cfg: RunConfig, gpus: int) -> list[Change]:
     """Every candidate, weakest first within each kind."""
-    kinds = (expert_parallel_changes, micro_batch_changes, switch_changes, zero_changes, more_gpu_changes)
+    kinds = (
+        expert_parallel_changes,
+        micro_batch_changes,
+        switch_changes,
+        zero_changes,
+        pipeline_changes,
+        more_gpu_changes,
+    )
     return [change for kind in kinds for change in kind(cfg, gpus)]
 
 

@@ -17,6 +17,7 @@ from moetron.model.flops import ParamCounts, count_parameters, flops_per_token
 from moetron.parallel.dims import ParallelDims
 from moetron.plan.hardware import Accelerator
 from moetron.plan.memory import LocalParams, MemoryEstimate, estimate_memory, local_parameters
+from moetron.plan.pipeline import StagePlan, pipeline_bubble, pipeline_step_time, plan_stages
 
 DEFAULT_MFU = 0.30
 NOT_SUPPORTED = "is not supported yet"
@@ -35,6 +36,8 @@ class Plan:
     memory: MemoryEstimate
     step_time_s: float
     warnings: list[str] = field(default_factory=list)
+    stages: list[StagePlan] = field(default_factory=list)  # per pipeline rank (pp > 1)
+    bubble: float = 0.0  # idle share of a step (pipeline bubble)
 
     @property
     def needed_bytes(self) -> int:
@@ -95,12 +98,16 @@ def make_plan(cfg: RunConfig, gpus: int, device: Accelerator, mfu: float = DEFAU
     if errors:
         raise ConfigError(errors)
     dims = cfg.dims(gpus)
-    if dims.tp > 1 or dims.pp > 1:
+    if dims.tp > 1:
         warnings.append(
-            "the memory model does not shard by tensor/pipeline parallelism yet: each GPU is planned holding the "
+            "the memory model does not shard by tensor parallelism yet: each GPU is planned holding the "
             f"whole model, with data parallel {dims.dp}"
         )
     seconds, per_token = step_time(cfg, dims, device, mfu)
+    stages, bubble = [], 0.0
+    if dims.pp > 1:
+        stages, bubble = plan_stages(cfg, dims, device.kind), pipeline_bubble(cfg, dims)
+        seconds = pipeline_step_time(cfg, dims, stages, device.peak_tflops * 1e12 * mfu)
     return Plan(
         cfg=cfg,
         gpus=gpus,
@@ -113,4 +120,6 @@ def make_plan(cfg: RunConfig, gpus: int, device: Accelerator, mfu: float = DEFAU
         memory=estimate_memory(cfg, dims, device.kind),
         step_time_s=seconds,
         warnings=warnings,
+        stages=stages,
+        bubble=bubble,
     )

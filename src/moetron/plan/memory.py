@@ -18,9 +18,9 @@ Everything follows what moetron's trainer actually keeps (train/trainer.py, trai
 Activation checkpointing keeps each layer's fp32 input and recomputes one layer at a time in backward.
 The peak is the larger of "start of backward" (everything above; gradients only what is already there:
 the LM head's, or all of them when accumulating micro-batches) and "after backward" (weights, gradients,
-optimizer). Layouts: data parallel and expert parallel (experts / EP per rank); TP and PP are accepted as
-1 only — `layer_bytes` and `local_parameters` are the seams where they will divide the work. ZeRO stages shard
-weights, gradients and optimizer state and add gathered weights (`plan/zero.py`).
+optimizer). Layouts: data parallel, expert parallel (experts / EP per rank) and pipeline parallel (per stage,
+`plan/pipeline.py`); TP is accepted as 1 only — `layer_bytes` and `local_parameters` are its seams. ZeRO stages
+shard weights, gradients and optimizer state and add gathered weights (`plan/zero.py`).
 
 Shape legend: T tokens per micro-batch per rank (mbs · seq), h hidden, f ffn, a heads, s seq, V vocab.
 """
@@ -172,14 +172,25 @@ def all_to_all_bytes(cfg: RunConfig, dims: ParallelDims) -> int:
 
 
 def estimate_memory(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda") -> MemoryEstimate:
-    """Peak bytes per rank for `cfg` under the layout `dims` on a `device_kind` ("cuda" or "cpu") device."""
-    params = local_parameters(cfg.model, dims)
+    """Peak bytes per rank for `cfg` under the layout `dims` on a `device_kind` ("cuda" or "cpu") device
+    (with pipeline parallelism: of the heaviest pipeline rank, see `plan/pipeline.py`)."""
+    if dims.pp > 1:
+        from moetron.plan.pipeline import plan_stages
+
+        return max((s.memory for s in plan_stages(cfg, dims, device_kind)), key=lambda m: m.peak)
+    activations = activation_bytes(cfg, dims, device_kind)
+    return assemble(cfg, dims, local_parameters(cfg.model, dims), activations, logits_bytes(cfg, dims),
+                    all_to_all_bytes(cfg, dims))  # fmt: skip
+
+
+def assemble(
+    cfg: RunConfig, dims: ParallelDims, params: LocalParams, activations: int, logits: int, all_to_all: int
+) -> MemoryEstimate:
+    """The peak of one rank holding `params`, given its activations, logits and all-to-all buffers."""
     z = zero_memory(cfg, dims, params, compute_bytes(cfg))
     weights, gradients, ddp, optimizer, casts = z.weights, z.gradients, z.ddp_buckets, z.optimizer, z.weight_casts
-    activations = activation_bytes(cfg, dims, device_kind)
-    logits = logits_bytes(cfg, dims)
-    a2a = all_to_all_bytes(cfg, dims)
-    lm_head_grad = 4 * embedding_params(cfg.model)
+    a2a = all_to_all
+    lm_head_grad = 4 * min(embedding_params(cfg.model), params.total)  # a pipeline stage may hold less
     grads_at_backward = gradients if accumulating(cfg, dims) else lm_head_grad
     backward_start = weights + optimizer + ddp + grads_at_backward + casts + activations + logits + a2a
     backward_start += z.gathered_in_backward

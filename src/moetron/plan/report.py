@@ -5,6 +5,7 @@ from __future__ import annotations
 from moetron.plan.advice import Suggestion
 from moetron.plan.estimate import Plan
 from moetron.plan.hardware import GIB, with_article
+from moetron.plan.pipeline import pipeline_dict, pipeline_words, stage_lines
 from moetron.plan.zero import describe
 
 MEMORY_ROWS = [  # (MemoryEstimate field, label)
@@ -66,8 +67,9 @@ def describe_layout(plan: Plan) -> str:
     experts = f" ({'/'.join(map(str, sorted(set(local))))} experts per GPU)" if local else ""
     stage = plan.memory.zero_stage
     zero = f", ZeRO stage {stage} (dense state 1/{d.dp}, expert state 1/{d.edp} per GPU)" if stage else ""
+    pipeline = f", {pipeline_words(plan)}" if d.pp > 1 else ""
     return (
-        f"{plan.gpus} GPU(s): data parallel {d.dp}, expert parallel {d.ep}{experts}{zero}; micro batch "
+        f"{plan.gpus} GPU(s): data parallel {d.dp}, expert parallel {d.ep}{experts}{zero}{pipeline}; micro batch "
         f"{t.micro_batch_size} × {plan.accumulation_steps} accumulation step(s) × {d.dp} = global batch "
         f"{plan.cfg.global_batch(d.dp)}, seq {plan.cfg.model.seq_length}"
     )
@@ -90,6 +92,7 @@ def memory_lines(plan: Plan) -> list[str]:
             lines.append(f"  {label.format(**fill):<52} {gib(value):>8}")
     if plan.device.context_bytes:
         lines.append(f"  {'CUDA context and library workspaces (typical)':<52} {gib(plan.device.context_bytes):>8}")
+    lines += stage_lines(plan)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     room = plan.device.memory_bytes - plan.needed_bytes
     lines.append(f"  {f'needed at the peak ({mem.phase})':<52} {gib(plan.needed_bytes):>8}")
@@ -168,6 +171,7 @@ def plan_dict(plan: Plan, suggestions: list[Suggestion], source: str = "", large
             "assumed": plan.device.assumed,
         },
         "parallel": {"dp": d.dp, "ep": d.ep, "tp": d.tp, "pp": d.pp},
+        "pipeline": pipeline_dict(plan),
         "precision": precision(plan),
         "micro_batch_size": plan.cfg.train.micro_batch_size,
         "global_batch_size": plan.cfg.global_batch(d.dp),

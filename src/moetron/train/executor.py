@@ -1,17 +1,19 @@
 """Executors: who runs one optimizer step's micro-batches forward and backward.
 
-    executor = LocalExecutor(parallel, language_model_loss, autocast)
+    executor = LocalExecutor(parallel, language_model_loss, autocast)   # or build_executor(...): PP's when split
     lm_loss_sum = executor.forward_backward(next_micro_batch, num_micro, loss_scale)
+    executor.moe_step_stats(), executor.evaluate(valid_loader, micro_batches, all_reduce_mean)
 
 The trainer owns everything around it (gradient unscaling, clipping, the optimizer, the schedule); an executor
-owns the micro-batch loop. `LocalExecutor` runs every micro-batch through the whole model on this rank; a
-pipeline executor runs the same contract as a schedule over pipeline stages. Contract:
+owns the micro-batch loop. `LocalExecutor` runs every micro-batch through the whole model on this rank;
+`PipelineExecutor` (pipeline_executor.py) runs the same contract as a schedule over pipeline stages. Contract:
   - each micro-batch's LM loss is multiplied by `loss_scale / num_micro` before its backward, and the MoE aux
     losses' attached gradients by the same factor (`AUX_LOSS_SCALE`), so the gradients are those of the mean
     over micro-batches of (lm_loss + moe_loss), times the fp16 loss scale;
   - gradients are reduced across data parallelism in the last micro-batch only (`parallel.micro_batch`);
   - every micro-batch runs inside `STREAMS.micro_batch("train", first sample index)` (layout-free randomness);
-  - the return value is Σ lm_loss / num_micro (fp64, on device: no host sync).
+  - the return value is Σ lm_loss / num_micro (fp64, on device: no host sync), the same on every rank;
+  - `moe_step_stats()` then gives every MoE layer's statistics of the step (all layers, on every rank).
 """
 
 from __future__ import annotations
@@ -22,10 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
+from moetron.config import RunConfig
+from moetron.eval.perplexity import evaluate
 from moetron.model.loss import LossFunction
 from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
 from moetron.model.rng import STREAMS
 from moetron.parallel.parallelize import ParallelModel
+from moetron.train.metrics import moe_step_stats
+from moetron.train.precision import compute_dtype
 
 
 @dataclass
@@ -70,3 +76,28 @@ class LocalExecutor:
                 value = lm_loss.detach().double() / num_micro
                 total = value if total is None else total + value
         return total
+
+    def moe_step_stats(self) -> torch.Tensor | None:
+        """[L_moe, 4] of the last step's MoE layers (`train.metrics.moe_step_stats`)."""
+        return moe_step_stats(self.parallel.model)
+
+    def evaluate(self, loader, micro_batches: int, all_reduce_mean: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+        """Validation loss over `micro_batches` micro-batches (`eval.perplexity.evaluate`)."""
+        return evaluate(self.parallel.model, loader, micro_batches, self.autocast, all_reduce_mean)
+
+
+def build_executor(
+    parallel: ParallelModel,
+    loss_fn: LossFunction,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    cfg: RunConfig,
+):
+    """`LocalExecutor`, or the `PipelineExecutor` when the model is split into pipeline stages."""
+    if parallel.pipeline is None:
+        return LocalExecutor(parallel, loss_fn, autocast)
+    from moetron.train.pipeline_executor import PipelineExecutor  # torch's pipelining: imported only when used
+
+    t = cfg.train
+    num_micro = cfg.num_micro_batches(parallel.mesh.size("dp"))
+    dtype = compute_dtype(t.fp16, t.bf16)
+    return PipelineExecutor(parallel, loss_fn, autocast, t.micro_batch_size, cfg.model.seq_length, num_micro, dtype)

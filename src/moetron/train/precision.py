@@ -17,12 +17,16 @@ import contextlib
 import torch
 
 
+def compute_dtype(fp16: bool, bf16: bool) -> torch.dtype:
+    """The dtype autocast computes matmuls in (fp32 without mixed precision)."""
+    return torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
+
+
 def autocast_context(device: torch.device, fp16: bool, bf16: bool):
     """A fresh autocast context for one forward pass (a no-op in fp32)."""
     if not (fp16 or bf16):
         return contextlib.nullcontext()
-    dtype = torch.float16 if fp16 else torch.bfloat16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=compute_dtype(fp16, bf16))
 
 
 class DynamicLossScaler:

@@ -22,6 +22,7 @@ from moetron.errors import UserError
 from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build_model
+from moetron.parallel.pipeline_layout import PipelineLayout
 from moetron.parallel.zero import ZeroSpec
 from moetron.train.checkpoint import resolve_checkpoint
 from moetron.train.startup import startup_banner, startup_warnings
@@ -213,8 +214,10 @@ def run_training(cfg: RunConfig, explicit: set[str], env: DistEnv) -> int:
                      env.device.type, explicit)]:  # fmt: skip
             print(line, flush=True)
     train_loader, make_valid = build_loaders(cfg, env, mesh)
-    zero = ZeroSpec.from_config(cfg)
-    model = build_model(cfg.model, mesh, env.device, cfg.train.seed, compile_blocks=cfg.train.compile, zero=zero)
+    zero, pipeline = ZeroSpec.from_config(cfg), PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
+    model = build_model(
+        cfg.model, mesh, env.device, cfg.train.seed, compile_blocks=cfg.train.compile, zero=zero, pipeline=pipeline
+    )
     trainer = Trainer(cfg, env, model, train_loader, make_valid, config_yaml=to_yaml(cfg), mesh=mesh)
     load_into(trainer, cfg, checkpoint)
     return trainer.train()

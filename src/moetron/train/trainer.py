@@ -28,7 +28,6 @@ import torch
 
 from moetron.config import RunConfig
 from moetron.errors import UserError
-from moetron.eval.perplexity import evaluate
 from moetron.model.flops import flops_per_token, megatron_tflops, mfu, peak_tflops
 from moetron.model.loss import language_model_loss
 from moetron.model.rng import STREAMS
@@ -36,10 +35,12 @@ from moetron.parallel.data_parallel import sync_router_loads
 from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import parallelize
+from moetron.parallel.pipeline_layout import PipelineLayout
 from moetron.parallel.zero import ZeroSpec
 from moetron.train.checkpoint import GlobalView, load_checkpoint, save_checkpoint
-from moetron.train.executor import LocalExecutor, MicroBatch
-from moetron.train.metrics import IntervalMetrics, RunLogger, StepSums, moe_step_stats
+from moetron.train.executor import MicroBatch, build_executor
+from moetron.train.failures import pipeline_failures
+from moetron.train.metrics import IntervalMetrics, RunLogger, StepSums
 from moetron.train.optim import build_optimizer, clip_gradients, local_grads
 from moetron.train.precision import autocast_context, build_loss_scaler
 from moetron.train.reduce import mean_over
@@ -89,10 +90,11 @@ class Trainer:
         self.train_loader, self.make_valid_loader = train_loader, make_valid_loader
         self.config_yaml = config_yaml
         STREAMS.configure(cfg.train.seed)
-        # EP: keeps this rank's experts; DDP and expert reducer, or ZeRO (sharded optimizer, FSDP2)
-        self.parallel = parallelize(model, self.mesh, ZeroSpec.from_config(cfg))
+        self.pipeline = PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
+        # PP stages, EP experts; DDP and the expert reducer, or ZeRO (sharded optimizer, FSDP2)
+        self.parallel = parallelize(model, self.mesh, ZeroSpec.from_config(cfg), self.pipeline)
         self.model = self.parallel.model
-        self.executor = LocalExecutor(self.parallel, language_model_loss, self.autocast)
+        self.executor = build_executor(self.parallel, language_model_loss, self.autocast, cfg)  # pipeline's when split
         stepped = self.parallel.optimizer_parameters()  # the weights, or at ZeRO-1 this rank's shards of them
         self.optimizer = build_optimizer(self.model, self.parallel.registry, cfg.train, env.device, stepped)
         self.parallel.attach_optimizer(self.optimizer)
@@ -122,7 +124,7 @@ class Trainer:
         lm_loss = self.executor.forward_backward(self.next_micro_batch, self.num_micro, scale)
         self.parallel.finish_gradients()
         m = self.cfg.model
-        sums = StepSums(lm_loss, moe_step_stats(self.model), m.moe_loss_coeff, m.moe_z_loss_coeff)
+        sums = StepSums(lm_loss, self.executor.moe_step_stats(), m.moe_loss_coeff, m.moe_z_loss_coeff)
         grads = local_grads(self.params)
         if scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)  # a power of two: exact
@@ -177,7 +179,7 @@ class Trainer:
         self._write_run_config()
         self.model.train()
         try:
-            with StopSignal() as stop:
+            with StopSignal() as stop, pipeline_failures(self.mesh, self.env.rank):
                 return self._loop(stop)
         finally:
             self.logger.close()
@@ -269,9 +271,7 @@ class Trainer:
         if self.make_valid_loader is None or t.eval_iters == 0:
             return None
         # repeatable: each micro-batch's routing draws are keyed by its samples, and training's RNG is untouched
-        result = evaluate(
-            self.model, self.make_valid_loader(), t.eval_iters * self.num_micro, self.autocast, self.reduce_mean
-        )
+        result = self.executor.evaluate(self.make_valid_loader(), t.eval_iters * self.num_micro, self.reduce_mean)
         p = self.progress
         record = {
             "iteration": p.iteration,

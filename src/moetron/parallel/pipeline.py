@@ -1,0 +1,214 @@
+"""Pipeline parallelism: this rank's stages of the GPT, run by `torch.distributed.pipelining`'s schedules.
+
+    split_for_pipeline(model, mesh, layout)     # on the meta model: keep this rank's layers, names unchanged
+    parts = apply_pp(model, registry, mesh, layout)   # stage modules, data parallelism per stage, tied embeddings
+    stages = pipeline_stages(parts, ...); schedule = build_schedule(...)   # pipeline_stage.py: PyTorch's engine
+
+A stage module is tensor in / tensor out: the first stage maps tokens [B, T] to hidden states [B, T, C], a middle
+stage hidden states to hidden states, the last stage hidden states to logits [B, T, V]. It registers the very
+modules of the model it runs (`layers.<global index>`, the embeddings, the final norm, the head), so parameter
+names are the model's: the registry, data parallelism, the checkpoint and the initialisation see the names of
+the one-process model. RoPE angles are recomputed on every stage from the sequence length (they are not
+parameters). MoE aux losses reach their gradients inside each layer (`model/moe/aux_loss.py`), so nothing but
+the hidden states crosses a stage boundary.
+
+Tied embeddings (Megatron's default): the first stage looks tokens up in `word_embeddings.weight` and the last
+stage multiplies by it for the logits, so both hold a copy (initialised identically: weights are drawn by
+name). After the backward their gradients are summed over the two ranks (Megatron's embedding group), so both
+copies take the same optimizer step — the one-process gradient — and stay equal; the last stage's copy is left
+out of the gradient norm (counted once) and both save it under one name (DCP writes it once).
+
+Data parallelism wraps each stage module on its own (`apply_dp`: DDP over dp, the expert reducer over edp);
+torch's stage runs DDP's `no_sync` for all but a stage's last backward, and `MoetronStage` arms the expert
+reducer for that same backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moetron.model.gpt import GPTModel
+from moetron.parallel.data_parallel import DataParallel, apply_dp
+from moetron.parallel.mesh import ParallelMesh
+from moetron.parallel.params import ParamRegistry
+from moetron.parallel.pipeline_layout import PipelineLayout
+
+
+def split_for_pipeline(model: GPTModel, mesh: ParallelMesh, layout: PipelineLayout | None) -> None:
+    """Keep only this pipeline rank's layers (their global names unchanged) and ends: the embedding on the rank
+    of the first stage, the final norm and head on the rank of the last (tied: the word embeddings there too).
+    Call on the meta model (memory then scales with the stage from the start); a built model works too."""
+    if layout is None or layout.pp == 1:
+        return
+    rank = mesh.coords.pp
+    keep = {str(i) for i in layout.layers_of(rank)}
+    for name in [n for n in model.layers if n not in keep]:
+        del model.layers[name]
+    first, last = layout.holds_first(rank), layout.holds_last(rank)
+    if not first:
+        model.position_embeddings = None
+    if not last:
+        model.final_layernorm = None
+        model.output_layer = None
+    tied = not model.cfg.untie_embeddings_and_output_weights
+    if not first and not (last and tied):
+        model.word_embeddings = None
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of a GPT: tokens or hidden states in, hidden states or logits out."""
+
+    def __init__(self, model: GPTModel, layers: tuple[int, ...], first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        self._model = [model]  # a list, so it is no submodule: DDP must see this stage's parameters only
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+        if first:
+            self.word_embeddings = model.word_embeddings
+            self.position_embeddings = model.position_embeddings
+        if last:
+            self.final_layernorm = model.final_layernorm
+            if not model.cfg.untie_embeddings_and_output_weights:
+                self.word_embeddings = model.word_embeddings
+            else:
+                self.output_layer = model.output_layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: tokens [B, T] (first stage) or hidden states [B, T, C]; returns [B, T, C] or logits [B, T, V]."""
+        model = self._model[0]
+        if self.first:
+            x, rope = model.embed(x)
+        else:
+            rope = model.rope_angles(torch.arange(x.shape[1], device=x.device))
+        x = model.run_layers(x, rope, layers=self.layers)
+        return model.logits(x) if self.last else x
+
+
+@dataclass
+class PipelineParts:
+    """This rank's stages: their modules and data parallelism, and the tied-embedding gradient sum."""
+
+    layout: PipelineLayout
+    mesh: ParallelMesh
+    stage_indices: tuple[int, ...]
+    modules: list[StageModule]
+    data_parallel: list[DataParallel]
+    tied_embedding: nn.Parameter | None = None  # held by the first and the last stage's ranks: grads summed
+    embedding_group: object | None = None
+    dense_after_backward: list[nn.Parameter] | None = None  # zero-bubble: dense grads reduced here, not by DDP
+
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def holds_last(self) -> bool:
+        return self.layout.num_stages - 1 in self.stage_indices
+
+    def duplicate_parameters(self) -> set[int]:
+        """ids of parameters another rank also holds and counts in the gradient norm (the last stage's copy of
+        the tied embeddings)."""
+        if self.tied_embedding is None or self.holds_first:
+            return set()
+        return {id(self.tied_embedding)}
+
+    # ------------------------------------------------------------ DataParallel's interface, for the trainer
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:  # noqa: ARG002 - the stages arm it
+        return contextlib.nullcontext()
+
+    def optimizer_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) the optimizer steps: every stage's, each once (the tied embedding is in two)."""
+        seen, out = set(), []
+        for dp in self.data_parallel:
+            for name, param in dp.optimizer_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    out.append((name, param))
+        return out
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        for dp in self.data_parallel:
+            dp.attach_optimizer(optimizer)
+
+    def finish_gradients(self) -> None:
+        """After the schedule: finish every stage's expert reductions, then sum the tied embedding's gradient."""
+        for dp in self.data_parallel:
+            dp.finish_gradients()
+        if self.dense_after_backward:
+            mean_gradients(self.dense_after_backward, self.mesh.group("dp"), self.mesh.size("dp"))
+        if self.embedding_group is not None:
+            grad = self.tied_embedding.grad
+            if grad is None:
+                grad = self.tied_embedding.grad = torch.zeros_like(self.tied_embedding)
+            dist.all_reduce(grad, group=self.embedding_group)
+
+
+def apply_pp(model: GPTModel, registry: ParamRegistry, mesh: ParallelMesh, layout: PipelineLayout) -> PipelineParts:
+    """This rank's stage modules (on a model `split_for_pipeline` cut), each wrapped by data parallelism."""
+    rank = mesh.coords.pp
+    indices = layout.stages_of(rank)
+    last = layout.num_stages - 1
+    modules = [StageModule(model, layout.stage_layers[s], s == 0, s == last) for s in indices]
+    # zero-bubble computes weight gradients with autograd.grad and adds them to .grad itself: DDP's hooks would
+    # never fire, so the dense gradients are averaged after the schedule instead (experts: the reducer's finish)
+    split_backward = layout.schedule == "zero-bubble" and mesh.size("dp") > 1
+    data_parallel = [apply_dp(m, registry, mesh, ddp=not split_backward) for m in modules]
+    parts = PipelineParts(layout, mesh, indices, modules, data_parallel)
+    if split_backward:
+        parts.dense_after_backward = [p for m in modules for _, p in registry.named_parameters(m, "dense")]
+    if not model.cfg.untie_embeddings_and_output_weights:
+        group = embedding_group(mesh, layout)  # collective: every rank takes part
+        if model.word_embeddings is not None:  # this rank holds the first or the last stage
+            parts.tied_embedding, parts.embedding_group = model.word_embeddings.weight, group
+    return parts
+
+
+def embedding_group(mesh: ParallelMesh, layout: PipelineLayout):
+    """The group of this rank's first- and last-stage peers (same dp/tp coordinates), None on other ranks.
+
+    For pp = 2 that is the pp group. Otherwise each pair is a new group: `new_group` is collective over the
+    world, so every rank creates every pair in the same order."""
+    first, last = layout.rank_of_stage(0), layout.rank_of_stage(layout.num_stages - 1)
+    mine = mesh.coords.pp in (first, last)
+    if mesh.size("pp") == 2:
+        return mesh.group("pp") if mine else None
+    dims, found = mesh.dims, None
+    for dp in range(dims.dp):
+        for tp in range(dims.tp):
+            ranks = [dims.rank_of(pp=first, dp=dp, tp=tp), dims.rank_of(pp=last, dp=dp, tp=tp)]
+            group = dist.new_group(ranks)
+            if mine and (dp, tp) == (mesh.coords.dp, mesh.coords.tp):
+                found = group
+    return found
+
+
+BUCKET_ELEMENTS = 1 << 25  # 128 MiB of fp32 per all-reduce
+
+
+def mean_gradients(params: list[nn.Parameter], group, size: int) -> None:
+    """Average `params`' gradients over `group` in flat buckets (missing gradients count as zeros).
+
+    Our own collective because the zero-bubble schedule's split backward bypasses DDP (see `apply_pp`)."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    start = 0
+    while start < len(grads):
+        end, elements = start, 0
+        while end < len(grads) and (end == start or elements + grads[end].numel() <= BUCKET_ELEMENTS):
+            elements += grads[end].numel()
+            end += 1
+        bucket = grads[start:end]
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        pieces = flat.split([g.numel() for g in bucket])
+        torch._foreach_copy_(bucket, [piece.view_as(g) for piece, g in zip(pieces, bucket, strict=True)])
+        start = end

@@ -1,0 +1,190 @@
+"""Pipeline parallelism in the plan: the bubble, each stage's memory and step time (the ends are heavier).
+
+Bubble fraction — the idle share of a step with equal stage times, p stages, m micro-batches, v virtual stages:
+  1f1b, gpipe        (p − 1) / (m + p − 1)
+  interleaved-1f1b   (p − 1) / (v·m + p − 1)       (Narayanan et al. 2021: the bubble shrinks v-fold)
+  zero-bubble        (p − 1) / (3·v·m + p − 1)     (ZB-H1 with equal F, B and W times: a third of 1F1B's bubble)
+
+Memory of pipeline rank r (the rest as in `memory.py`): its layers' parameters, plus the embedding on the first
+stage and the final norm and head on the last (tied embeddings: both ends hold the matrix), with their gradients,
+Adam state, DDP buckets and casts; the activations of the micro-batches in flight at the peak — 1F1B holds
+min(m, p − r) micro-batches (the first stage p of them), GPipe all m, the interleaved schedules torch's warm-up
+count of chunk forwards + 1 (each a 1/v of the rank's layers); the logits and loss buffers on the last stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moetron.config import RunConfig
+from moetron.model.config import ModelConfig
+from moetron.model.flops import attention_params, mlp_params, moe_layer_params, norm_params
+from moetron.parallel.dims import ParallelDims
+from moetron.parallel.pipeline_layout import MULTI_STAGE, PipelineLayout
+from moetron.plan import memory as mem
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    rank: int  # pipeline rank
+    layers: tuple[int, ...]  # global layer indices it holds
+    first: bool  # holds the embedding
+    last: bool  # holds the final norm, the head and the loss
+    in_flight: float  # micro-batches of this rank's activations alive at the peak
+    flops_per_token: float  # training FLOPs per token of this rank's part
+    memory: mem.MemoryEstimate
+
+
+def bubble_fraction(schedule: str, pp: int, num_micro: int, virtual: int = 1) -> float:
+    """The idle share of a step (0 without pipelining)."""
+    if pp == 1:
+        return 0.0
+    work = num_micro * (virtual if schedule in MULTI_STAGE else 1) * (3 if schedule == "zero-bubble" else 1)
+    return (pp - 1) / (work + pp - 1)
+
+
+def in_flight(layout: PipelineLayout, rank: int, num_micro: int) -> float:
+    """Micro-batches of rank `rank`'s activations held at the peak (fractions: interleaved chunks of 1/v)."""
+    p, v = layout.pp, layout.virtual
+    if layout.schedule == "gpipe":
+        return float(num_micro)
+    if layout.schedule not in MULTI_STAGE:
+        return float(min(num_micro, p - rank))
+    per_round = num_micro // max(1, num_micro // p)  # torch's _get_warmup_ops
+    chunks = min(v * num_micro, (v - 1) * per_round + 2 * (p - 1 - rank) + 1)
+    return chunks / v
+
+
+def layer_params(model: ModelConfig, num_experts: int, ep: int) -> tuple[int, int, int]:
+    """(parameters, of which routed experts on this rank, matmul weights) of one layer."""
+    total = 2 * norm_params(model) + attention_params(model)
+    if num_experts > 1:
+        routed, other = moe_layer_params(model, num_experts)
+        matmul = attention_params(model) + routed // ep + other - model.hidden_size * num_experts
+        return total + routed // ep + other, routed // ep, matmul
+    ffn = mlp_params(model, model.ffn_size)
+    return total + ffn, 0, attention_params(model) + ffn
+
+
+def stage_parameters(model: ModelConfig, layers: tuple[int, ...], first: bool, last: bool, ep: int) -> mem.LocalParams:
+    """`memory.local_parameters` for one pipeline rank's part of the model."""
+    experts_per_layer = model.experts_per_layer()
+    vocab = model.padded_vocab_size() * model.hidden_size
+    untied = model.untie_embeddings_and_output_weights
+    total = experts = matmul = 0
+    for i in layers:
+        t, e, mm = layer_params(model, experts_per_layer[i], ep)
+        total, experts, matmul = total + t, experts + e, matmul + mm
+    if first:
+        learned = model.position_embedding_type == "learned_absolute"
+        total += vocab + (model.max_positions * model.hidden_size if learned else 0)
+        matmul += vocab if untied else 0
+    if last:
+        total += norm_params(model) + (vocab if untied or not first else 0)
+        matmul += vocab
+    return mem.LocalParams(total, experts, total - (experts if ep > 1 else 0), matmul)
+
+
+def stage_flops_per_token(model: ModelConfig, layers: tuple[int, ...], last: bool, seq: int) -> float:
+    """6 · (matmul weights a token meets here) + attention, as `model.flops.flops_per_token` counts the whole."""
+    experts_per_layer, active = model.experts_per_layer(), 0
+    for i in layers:
+        active += attention_params(model)
+        if experts_per_layer[i] > 1:
+            routed, other = moe_layer_params(model, experts_per_layer[i])
+            active += routed * model.topk // experts_per_layer[i] + other
+        else:
+            active += mlp_params(model, model.ffn_size)
+    active += model.padded_vocab_size() * model.hidden_size if last else 0
+    return float(6 * active + 12 * len(layers) * seq * model.num_attention_heads * model.head_dim)
+
+
+def stage_activation_bytes(cfg: RunConfig, dims: ParallelDims, stage: tuple[int, ...], first: bool, last: bool,
+                           micro_batches: float, device_kind: str) -> int:  # fmt: skip
+    """Saved activations of `micro_batches` micro-batches of this rank's layers (+ the ends it holds)."""
+    model, c = cfg.model, mem.compute_bytes(cfg)
+    seq, experts = model.seq_length, model.experts_per_layer()
+    tokens, h = cfg.train.micro_batch_size * seq, model.hidden_size
+    ends = tokens * h * ((4 if first else 0) + (4 + c if last else 0))
+    layers = [mem.layer_bytes(model, experts[i], tokens, seq, c, device_kind, dims.ep) for i in stage]
+    if model.checkpoint_activations:
+        return int(micro_batches * (ends + len(layers) * tokens * h * 4)) + max(layers, default=0)
+    return int(micro_batches * (ends + sum(layers)))
+
+
+def plan_stages(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda") -> list[StagePlan]:
+    """One `StagePlan` per pipeline rank (one, the whole model, when pp == 1)."""
+    layout = PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
+    m = cfg.num_micro_batches(dims.dp)
+    seq = cfg.model.seq_length
+    out = []
+    for rank in range(layout.pp):
+        layers, first, last = layout.layers_of(rank), layout.holds_first(rank), layout.holds_last(rank)
+        flight = in_flight(layout, rank, m) if layout.pp > 1 else 1.0
+        params = stage_parameters(cfg.model, layers, first, last, dims.ep)
+        has_moe = any(cfg.model.experts_per_layer()[i] > 1 for i in layers)
+        memory = mem.assemble(
+            cfg, dims, params,
+            activations=stage_activation_bytes(cfg, dims, layers, first, last, flight, device_kind),
+            logits=mem.logits_bytes(cfg, dims) if last else 0,
+            all_to_all=mem.all_to_all_bytes(cfg, dims) if has_moe else 0,
+        )  # fmt: skip
+        flops = stage_flops_per_token(cfg.model, layers, last, seq)
+        out.append(StagePlan(rank, layers, first, last, flight, flops, memory))
+    return out
+
+
+def pipeline_step_time(cfg: RunConfig, dims: ParallelDims, stages: list[StagePlan], peak_flops: float) -> float:
+    """Seconds per step: the slowest stage's compute for the data-parallel rank's tokens, over 1 − bubble."""
+    recompute = 4 / 3 if cfg.model.checkpoint_activations else 1.0
+    tokens = cfg.global_batch(dims.dp) * cfg.model.seq_length / dims.dp
+    slowest = max(s.flops_per_token for s in stages) * tokens * recompute / peak_flops
+    return slowest / (1 - pipeline_bubble(cfg, dims))
+
+
+def pipeline_bubble(cfg: RunConfig, dims: ParallelDims) -> float:
+    layout = PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
+    return bubble_fraction(layout.schedule, layout.pp, cfg.num_micro_batches(dims.dp), layout.virtual)
+
+
+# ---------------------------------------------------------------- the report's lines (plan/report.py)
+def pipeline_words(plan) -> str:
+    layout = PipelineLayout.from_config(plan.cfg.model.num_layers, plan.cfg.parallel)
+    virtual = f", {layout.virtual} virtual stages per GPU" if layout.virtual > 1 else ""
+    return f"pipeline {layout.pp} ({layout.schedule}{virtual}, bubble {plan.bubble:.0%})"
+
+
+def _stage_name(stage: StagePlan) -> str:
+    ends = [e for e, held in (("embedding", stage.first), ("head", stage.last)) if held]
+    span = f"layers {stage.layers[0]}–{stage.layers[-1]}" if stage.layers else "no layers"
+    if stage.layers and list(stage.layers) != list(range(stage.layers[0], stage.layers[-1] + 1)):
+        span = f"{len(stage.layers)} layers"
+    return f"stage {stage.rank}: {span}" + (f" + {' + '.join(ends)}" if ends else "")
+
+
+def stage_lines(plan) -> list[str]:
+    """One memory line per pipeline rank, under the heaviest rank's breakdown."""
+    if not plan.stages:
+        return []
+    lines = ["  needed per pipeline rank (micro-batches in flight):"]
+    for stage in plan.stages:
+        label = f"  {_stage_name(stage)} ({stage.in_flight:g} in flight)"
+        lines.append(f"  {label:<52} {(stage.memory.peak + plan.device.context_bytes) / 2**30:>8.2f}")
+    return lines
+
+
+def pipeline_dict(plan) -> dict | None:
+    if not plan.stages:
+        return None
+    layout = PipelineLayout.from_config(plan.cfg.model.num_layers, plan.cfg.parallel)
+    return {
+        "schedule": layout.schedule,
+        "virtual_stages": layout.virtual,
+        "micro_batches": plan.accumulation_steps,
+        "bubble_fraction": plan.bubble,
+        "stages": [
+            {"rank": s.rank, "layers": list(s.layers), "embedding": s.first, "head": s.last,
+             "in_flight": s.in_flight, "peak_bytes": s.memory.peak, "activations_bytes": s.memory.activations}
+            for s in plan.stages
+        ],
+    }  # fmt: skip

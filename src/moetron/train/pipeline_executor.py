@@ -1,0 +1,142 @@
+"""The pipeline executor: `LocalExecutor.forward_backward`'s contract, run by a torch.distributed.pipelining schedule.
+
+    executor = PipelineExecutor(parallel, language_model_loss, autocast, micro_batch_size, seq, num_micro, dtype)
+    lm_loss = executor.forward_backward(next_micro_batch, num_micro, loss_scale)   # the same value on every rank
+    stats = executor.moe_step_stats()          # [L_moe, 4] of EVERY MoE layer, whichever stage holds it
+
+Every rank reads all of the step's micro-batches from its loader (cheap memmap reads, and every stage's loader
+keeps the same position for the checkpoint); the first stage feeds the tokens, the last the labels. Around each
+micro-batch's forward, on every stage, the random streams are keyed by that micro-batch's first sample
+(`STREAMS.micro_batch`), so dropout and random token selection draw exactly what the one-process run draws in
+whatever order the schedule runs the micro-batches. The loss function (last stage) multiplies each LM loss by
+loss_scale / num_micro, and the MoE aux losses' gradients are scaled by the same factor in their layers
+(AUX_LOSS_SCALE): the gradients are the one-process executor's, and the schedule rescales nothing.
+
+After the schedule one all-reduce over the pipeline group carries the LM loss (computed on the last stage) and
+every MoE layer's statistics (each computed on its own stage, placed at its global MoE-layer row) to every rank,
+so logs, NaN checks and `moe_loss` equal the one-process run's. Evaluation runs the same schedule forward-only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from moetron.model.loss import LossFunction
+from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
+from moetron.model.rng import STREAMS
+from moetron.parallel.parallelize import ParallelModel
+from moetron.parallel.pipeline_stage import build_schedule, pipeline_stages
+from moetron.train.executor import MicroBatch
+from moetron.train.metrics import moe_step_stats
+
+
+class PipelineExecutor:
+    """This rank's pipeline stages, driven micro-batch by micro-batch by torch's schedule."""
+
+    def __init__(
+        self,
+        parallel: ParallelModel,
+        loss_fn: LossFunction,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+        micro_batch_size: int,
+        seq_length: int,
+        num_micro: int,
+        logits_dtype: torch.dtype = torch.float32,
+    ):
+        self.parallel, self.loss_fn, self.autocast = parallel, loss_fn, autocast
+        self.parts, self.model = parallel.pipeline, parallel.model
+        self.num_micro = num_micro
+        self.device = next(self.model.parameters()).device
+        self._phase, self._first_samples = "train", []
+        self._losses: list[torch.Tensor] = []  # this step's unscaled LM losses (last stage), in micro-batch order
+        self._factor = 1.0
+        self._moe_stats: torch.Tensor | None = None
+        moe_indices = self.model.cfg.moe_layer_indices()
+        self._moe_rows = {layer: row for row, layer in enumerate(moe_indices)}  # global layer → MoE-layer row
+        stages = pipeline_stages(
+            self.parts, self.device, micro_batch_size, seq_length, logits_dtype, self._micro_batch_context
+        )
+        self.schedule = build_schedule(self.parts.layout.schedule, stages, num_micro, self._scaled_loss)
+
+    # ------------------------------------------------------------ per micro-batch (called by the schedule)
+    @contextlib.contextmanager
+    def _micro_batch_context(self, index: int) -> Iterator[None]:
+        with STREAMS.micro_batch(self._phase, self._first_samples[index]), self.autocast():
+            yield
+
+    def _scaled_loss(self, logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            lm_loss = self.loss_fn(logits_BTV, labels_BT)
+        self._losses.append(lm_loss.detach())
+        return lm_loss * self._factor
+
+    # ------------------------------------------------------------ one optimizer step
+    def _feed(self, micro_batches: list[MicroBatch], phase: str) -> tuple[tuple, torch.Tensor | None]:
+        """(schedule inputs, targets) of this rank: tokens for the first stage, labels for the last."""
+        self._phase, self._first_samples, self._losses = phase, [mb.first_sample for mb in micro_batches], []
+        args = (torch.cat([mb.tokens_BT for mb in micro_batches]),) if self.parts.holds_first else ()
+        target = torch.cat([mb.labels_BT for mb in micro_batches]) if self.parts.holds_last else None
+        return args, target
+
+    def _loss_sum(self, divide_by: int) -> torch.Tensor:
+        """Σ lm_loss / divide_by over this step's micro-batches in order (fp64; 0 off the last stage)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for loss in self._losses:
+            total = total + loss.double() / divide_by
+        return total
+
+    def forward_backward(
+        self, next_micro_batch: Callable[[], MicroBatch], num_micro: int, loss_scale: float
+    ) -> torch.Tensor:
+        if num_micro != self.num_micro:
+            raise ValueError(f"the schedule was built for {self.num_micro} micro-batches, not {num_micro}")
+        args, target = self._feed([next_micro_batch() for _ in range(num_micro)], "train")
+        self._factor = loss_scale / num_micro
+        with AUX_LOSS_SCALE.scaled(self._factor):
+            self.schedule.step(*args, target=target, return_outputs=False)
+        lm_loss, self._moe_stats = self._over_stages(self._loss_sum(num_micro), moe_step_stats(self.model))
+        return lm_loss
+
+    def moe_step_stats(self) -> torch.Tensor | None:
+        """[L_moe, 4] of the last step, every MoE layer of the model (see `train.metrics.moe_step_stats`)."""
+        stats, self._moe_stats = self._moe_stats, None
+        return stats
+
+    def _over_stages(self, lm_loss: torch.Tensor, local_stats: torch.Tensor | None):
+        """(lm loss, every MoE layer's stats) on every rank: one SUM all-reduce over the pipeline group, each
+        value non-zero on exactly one stage (adding zeros is exact). Device ops only: no host sync."""
+        mine = {}
+        if local_stats is not None:
+            layers = [self._moe_rows[moe.layer_index] for moe in self.model.moe_layers()]
+            mine = dict(zip(layers, local_stats, strict=True))
+        zeros = torch.zeros(4, dtype=torch.float64, device=self.device)
+        rows = [mine[r].double() if r in mine else zeros for r in range(len(self._moe_rows))]
+        flat = torch.cat([lm_loss.reshape(1), *rows])
+        dist.all_reduce(flat, group=self.parts.mesh.group("pp"))
+        stats = flat[1:].view(-1, 4).float() if rows else None
+        return flat[0], stats
+
+    # ------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, loader, micro_batches: int, all_reduce_mean: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+        """`eval.perplexity.evaluate` over the pipeline: the schedule forward-only, the loss on every rank."""
+        from moetron.eval.perplexity import perplexity
+
+        was_training = self.model.training
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        try:
+            for _ in range(micro_batches // self.num_micro):
+                batches = [MicroBatch.from_loader(loader, self.device) for _ in range(self.num_micro)]
+                args, target = self._feed(batches, "valid")
+                self.schedule.eval(*args, target=target, return_outputs=False)
+                total = total + self._loss_sum(1)
+        finally:
+            self.model.train(was_training)
+        mean, _ = self._over_stages(total / micro_batches, None)
+        loss = float(all_reduce_mean(mean))
+        return {"valid_loss": loss, "valid_ppl": perplexity(loss), "micro_batches": micro_batches}
