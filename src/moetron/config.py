@@ -20,8 +20,8 @@ from moetron.errors import ConfigError
 from moetron.fileio import output_dir_problem
 from moetron.model.config import ModelConfig
 from moetron.parallel.dims import ParallelDims
-from moetron.parallel.zero import zero_problems
 from moetron.parallel.pipeline_layout import pipeline_problems
+from moetron.parallel.zero import zero_problems
 from moetron.train.schedule import DECAY_STYLES
 
 

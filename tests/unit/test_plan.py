@@ -187,7 +187,8 @@ def test_sharding_fixes_what_the_replicated_state_alone_cannot_fit():
     flags = [s.flags for s in suggestions(plan)]
     assert not plan.fits and "--zero-stage 2" in flags and "--zero-stage 3" in flags
     one = make_plan(cfg, 1, accelerator("A100-80GB"))  # one GPU: nothing to shard over, no pipeline to split into
-    assert not one.fits and suggestions(one) == []
+    fixes = [s.flags for s in suggestions(one)]
+    assert not one.fits and len(fixes) == 1 and "--zero-stage 3" in fixes[0] and "--gpus 2" in fixes[0]
 
 
 def test_memory_sizes_and_devices():

@@ -75,6 +75,6 @@ def test_plan_shards_by_pipeline_and_reports_each_stage(capsys):
 def test_advice_proposes_pipeline_parallelism():
     cfg, _ = load_config(str(RECIPES / "gpt-6.7B.yaml"), {})
     plan = make_plan(cfg, 64, accelerator("A100-80GB"))  # a dense 6.7B with Adam does not fit one 80 GB GPU
-    fixes = suggestions(plan)
-    assert not plan.fits and fixes and all("--pipeline-model-parallel-size" in f.flags for f in fixes)
-    assert fixes[0].plan.fits and fixes[0].plan.dims.pp == 4  # the fastest that fits (the least bubble)
+    fixes = [f for f in suggestions(plan) if "--pipeline-model-parallel-size" in f.flags]  # (ZeRO 2/3 fit too)
+    assert not plan.fits and fixes and all(f.plan.fits for f in fixes)
+    assert fixes[0].plan.dims.pp == 4  # the fastest pipeline that fits (the least bubble)

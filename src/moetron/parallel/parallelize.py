@@ -47,9 +47,9 @@ from moetron.parallel.expert_parallel import apply_ep
 from moetron.parallel.grad_norm import global_grad_norm_sq
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
-from moetron.parallel.zero import REPLICATED, ZeroSpec
 from moetron.parallel.pipeline import PipelineParts, apply_pp, split_for_pipeline
 from moetron.parallel.pipeline_layout import PipelineLayout
+from moetron.parallel.zero import REPLICATED, ZeroSpec
 
 
 @dataclass
