@@ -19,14 +19,17 @@ from moetron.data.config import DataConfig
 from moetron.errors import ConfigError
 from moetron.model.config import ModelConfig
 from moetron.parallel.dims import ParallelDims
+from moetron.parallel.tensor_parallel_layout import tensor_parallel_problems
 from moetron.train.schedule import DECAY_STYLES
 
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1  # TP degree (only 1 is supported today)
+    tensor_model_parallel_size: int = 1  # TP degree (Megatron-DeepSpeed's MP_SIZE): heads, MLP and vocabulary split
+    sequence_parallel: bool = False  # with TP: norms and dropout on sequence shards (their activations / TP)
     pipeline_model_parallel_size: int = 1  # PP degree (only 1 is supported today)
-    moe_expert_parallel_size: int = 1  # EP degree, drawn from the data-parallel ranks (dp % ep == 0)
+    moe_expert_parallel_size: int = 1  # EP degree: divides data-parallel × tensor-parallel ranks (dp·tp % ep == 0)
+    expert_tensor_parallel_size: int = 1  # 1: experts whole, EP may span TP ranks (folding); = TP: experts split too
     distributed_backend: str | None = None  # None: nccl on GPU, gloo on CPU
 
 
@@ -109,7 +112,8 @@ class RunConfig:
         p = self.parallel
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
         dp = max(world_size // max(tp * pp, 1), 1)  # the indivisible case is reported by dims.problems()
-        return ParallelDims(world_size=world_size, dp=dp, tp=tp, pp=pp, ep=p.moe_expert_parallel_size)
+        ep, etp, sp = p.moe_expert_parallel_size, p.expert_tensor_parallel_size, p.sequence_parallel
+        return ParallelDims(world_size=world_size, dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=sp)
 
     def global_batch(self, dp: int) -> int:
         return self.train.global_batch_size or self.train.micro_batch_size * dp
@@ -183,6 +187,7 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
     dims = cfg.dims(world_size)
     problems = list(dims.problems(cfg.model.experts_per_layer()))
     problems += cfg.model.problems()
+    problems += tensor_parallel_problems(cfg.model, dims)
     problems += cfg.data.problems()
     problems += train_problems(cfg, dims.dp)
     backend = cfg.parallel.distributed_backend
