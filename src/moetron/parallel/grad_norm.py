@@ -4,10 +4,11 @@ Each rank holds some gradients in full (dense tensors replicated over data paral
 same values after the reduction) and some as one shard of a larger tensor: routed experts (a different slice of
 the experts on every expert-parallel rank), tensor-parallel shards (plain local tensors the registry marks as split
 over `tp`; replicated ones — norms, routers, row-parallel biases — are counted once), DTensor shards (ZeRO), and
-whole layers on one pipeline stage. A squared norm is summed locally per kind of sharding, then all-reduced over exactly the groups
-its tensor is split across (EP for experts, a DTensor's sharded mesh dimensions, PP for everything), so every
-rank clips by the same norm — the norm of the one-process model's gradient (DeepSpeed only averages the local
-norms). Sums over a product of groups are done one group after the other.
+whole layers on one pipeline stage. A squared norm is summed locally per kind of sharding, then all-reduced over
+exactly the groups its tensor is split across (EP for experts, TP for tensor-parallel shards, a DTensor's sharded
+mesh dimensions, PP for everything), so every rank clips by the same norm — the norm of the one-process model's
+gradient (DeepSpeed only averages the local norms). Sums over a product of groups are done one group after the
+other.
 """
 
 from __future__ import annotations

@@ -177,6 +177,7 @@ def apply_moe_tp(model: GPTModel, mesh: ParallelMesh) -> None:
             continue
         if mesh.size("etp") == 1:
             moe.dispatcher = TokenShareDispatcher(moe.dispatcher, tp_mesh, rank, tp)
-        else:
+            continue
+        if not isinstance(moe.experts, FfnShardedExperts):
             moe.experts = split_expert_ffn(moe.experts, tp_mesh, rank, tp)
-            moe.dispatcher = ExpertTensorParallelDispatcher(moe.dispatcher, tp_mesh)
+        moe.dispatcher = ExpertTensorParallelDispatcher(moe.dispatcher, tp_mesh)

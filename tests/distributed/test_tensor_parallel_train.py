@@ -1,0 +1,183 @@
+"""Tensor parallelism (gloo) against one process: losses, gradients, exact resume and checkpoints across TP sizes.
+
+A tiny MoE GPT (layer 0 dense, layer 1 with 4 experts) under two routers — top-1 with capacity dropping and random
+token selection, and top-2 dropless — with hidden dropout 0.1 on (attention dropout off: on head shards it draws
+per-rank masks, see model/attention.py). Every layout trains 12 steps of the same global batch and must give the
+one-process loss at every step (1e-4 relative) and the one-process gradients of the first step (1e-5).
+
+Two spawned groups carry every check (spawning is the expensive part):
+  2 processes: TP = 2; TP = 2 with sequence parallelism; TP = 2 × EP = 2 folded (the experts over the TP ranks);
+               exact resume at TP = 2 (6 steps + checkpoint + 6 steps = 12 straight, bit for bit); the TP = 1
+               checkpoint of this process loads at TP = 2 (validation loss, then 6 more steps on the loaded
+               optimizer state follow the one-process curve).
+  4 processes: DP = 2 × TP = 2 × EP = 2 (folded), and with expert tensor parallelism (ETP = 2); the TP = 2
+               checkpoint loads at TP = 4.
+Between and after the groups this process loads the TP = 2 checkpoint at TP = 1 (the round trip).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+
+from launch import run_distributed  # noqa: E402
+from trainer_support import MemoryLoader, parallel_model, random_samples, run_losses, tiny_config  # noqa: E402
+
+from moetron.model.rng import STREAMS  # noqa: E402
+from moetron.parallel.env import DistEnv, init_distributed  # noqa: E402
+from moetron.train.checkpoint import resolve_checkpoint  # noqa: E402
+from moetron.train.trainer import Trainer  # noqa: E402
+
+STEPS, HALF, MBS, GLOBAL_BATCH = 12, 6, 2, 4
+ROUTERS = {
+    "top1-capacity-rts": {"topk": 1, "moe_token_dropping": True, "moe_use_rts": True},
+    "top2-dropless": {"topk": 2, "moe_token_dropping": False},
+}
+TWO = {"tp2": {"tp": 2}, "tp2-sp": {"tp": 2, "sp": True}, "tp2-ep2": {"tp": 2, "ep": 2}}
+FOUR = {"dp2-tp2-ep2": {"tp": 2, "ep": 2}, "dp2-tp2-ep2-etp2": {"tp": 2, "ep": 2, "etp": 2}}
+
+
+def tp_config(router: str, tp: int = 1, ep: int = 1, sp: bool = False, etp: int = 1, save: str | None = None):
+    cfg = tiny_config(micro_batch_size=MBS, global_batch_size=GLOBAL_BATCH, train_iters=STEPS, hidden_dropout=0.1)
+    m, p = cfg.model, cfg.parallel
+    m.attention_dropout = 0.0
+    for key, value in ROUTERS[router].items():
+        setattr(m, key, value)
+    p.tensor_model_parallel_size, p.moe_expert_parallel_size = tp, ep
+    p.sequence_parallel, p.expert_tensor_parallel_size = sp, etp
+    cfg.train.lr_warmup_iters, cfg.train.save = 2, save
+    return cfg
+
+
+def make_trainer(cfg, env: DistEnv | None = None) -> Trainer:
+    """A trainer whose model comes from the meta-device recipe (`moetron train`'s): this rank's shards only."""
+    env = env or DistEnv()
+    mesh, model = parallel_model(cfg, env)
+    loader = MemoryLoader(random_samples(512), cfg.train.micro_batch_size, mesh.coords.dp, mesh.size("dp"))
+    return Trainer(cfg, env, model, loader, None, config_yaml="# test\n", mesh=mesh)
+
+
+def first_step_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The global gradient of every parameter after the first step's backward (before clipping); then rewinds, so
+    the trainer starts its run from the first batch with no gradient left over."""
+    trainer.executor.forward_backward(trainer.next_micro_batch, trainer.num_micro, 1.0)
+    trainer.parallel.finish_gradients()
+    view = trainer.checkpoint_view()
+    grads = {}
+    for name, param in trainer.model.named_parameters():
+        grad = view.tensor(name, param.grad)
+        grads[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad.clone()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.train_loader.consumed_samples = 0
+    for moe in trainer.model.moe_layers():
+        moe.take_stats()
+    return grads
+
+
+def curve(cfg, env: DistEnv | None = None) -> dict:
+    trainer = make_trainer(cfg, env)
+    grads = first_step_grads(trainer)
+    return {"grads": grads, "losses": run_losses(trainer, STEPS)}
+
+
+@torch.no_grad()
+def validation_loss(trainer: Trainer) -> float:
+    """LM loss of one fixed batch (the same on every rank: every rank holds the whole batch). Random token selection
+    stays on in eval (DeepSpeed's rule): its draws come from the layers' streams of this batch, as in `evaluate`."""
+    batch = random_samples(8, seed=7)
+    trainer.model.eval()
+    try:
+        with STREAMS.micro_batch("valid", 0):
+            return float(trainer.model(batch[:, :-1], labels_BT=batch[:, 1:]).lm_loss)
+    finally:
+        trainer.model.train()
+
+
+def resumed(cfg, path: str, env: DistEnv | None = None) -> dict:
+    """Load `path` (weights, optimizer, progress) into a fresh trainer, then train to the end."""
+    trainer = make_trainer(cfg, env)
+    trainer.load(resolve_checkpoint(path))
+    return {"valid": validation_loss(trainer), "losses": run_losses(trainer, STEPS - trainer.progress.iteration)}
+
+
+ROUTER = "top1-capacity-rts"  # the checkpoint checks: random token selection on, so resume must restore the draws
+
+
+# ---------------------------------------------------------------- the spawned groups
+def two_process_checks(rank: int, world_size: int, tp1_dir: str, tp2_dir: str) -> dict:
+    env = init_distributed()
+    out = {
+        (layout, router): curve(tp_config(router, **dims), env) for layout, dims in TWO.items() for router in ROUTERS
+    }
+    first = make_trainer(tp_config(ROUTER, tp=2, save=tp2_dir), env)
+    head = run_losses(first, HALF)
+    first.save()
+    out["resume"] = {"head": head, "valid": validation_loss(first), **resumed(tp_config(ROUTER, tp=2), tp2_dir, env)}
+    out["from_tp1"] = resumed(tp_config(ROUTER, tp=2), tp1_dir, env)
+    return out
+
+
+def four_process_checks(rank: int, world_size: int, tp2_dir: str) -> dict:
+    env = init_distributed()
+    out = {
+        (layout, router): curve(tp_config(router, **dims), env) for layout, dims in FOUR.items() for router in ROUTERS
+    }
+    out["from_tp2"] = resumed(tp_config(ROUTER, tp=4), tp2_dir, env)
+    return out
+
+
+# ---------------------------------------------------------------- the test
+def check_curve(got: dict, want: dict, what: str) -> None:
+    losses = torch.tensor(got["losses"], dtype=torch.float64)
+    torch.testing.assert_close(losses, torch.tensor(want["losses"], dtype=torch.float64), rtol=1e-4, atol=0, msg=what)
+    assert got["grads"].keys() == want["grads"].keys()
+    for name, grad in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tensor_parallel_training_and_checkpoints(tmp_path):
+    torch.set_num_threads(1)
+    tp1_dir, tp2_dir = str(tmp_path / "tp1"), str(tmp_path / "tp2")
+    reference = {router: curve(tp_config(router)) for router in ROUTERS}
+    single = make_trainer(tp_config(ROUTER, save=tp1_dir))
+    run_losses(single, HALF)
+    single.save()
+    tp1_valid = validation_loss(single)
+    straight = reference[ROUTER]["losses"]
+
+    two = run_distributed(two_process_checks, world_size=2, args=(tp1_dir, tp2_dir), timeout=1200)
+    for layout in TWO:
+        for router in ROUTERS:
+            check_curve(two[0][(layout, router)], reference[router], f"{layout} {router}")
+            assert two[0][(layout, router)]["losses"] == two[1][(layout, router)]["losses"]  # TP peers agree
+    for r in two:  # exact resume at TP = 2: bit-identical to the uninterrupted TP = 2 run
+        assert r["resume"]["head"] + r["resume"]["losses"] == r[("tp2", ROUTER)]["losses"]
+        # TP = 1 → 2: the same validation loss, and the loaded optimizer state continues the one-process curve
+        assert r["from_tp1"]["valid"] == pytest.approx(tp1_valid, rel=1e-5)
+        torch.testing.assert_close(r["from_tp1"]["losses"], straight[HALF:], rtol=1e-4, atol=0)
+
+    # TP = 2 → 1: the same validation loss and the same continuation
+    back = resumed(tp_config(ROUTER), tp2_dir)
+    assert back["valid"] == pytest.approx(two[0]["resume"]["valid"], rel=1e-5)
+    torch.testing.assert_close(back["losses"], straight[HALF:], rtol=1e-4, atol=0)
+
+    four = run_distributed(four_process_checks, world_size=4, args=(tp2_dir,), timeout=1200)
+    for layout in FOUR:
+        for router in ROUTERS:
+            key = (layout, router)
+            dp_ranks = [four[0][key], four[2][key]]  # ranks 0, 1 are data-parallel rank 0; ranks 2, 3 rank 1
+            mean = torch.tensor([r["losses"] for r in dp_ranks], dtype=torch.float64).mean(0).tolist()
+            check_curve({"grads": four[0][key]["grads"], "losses": mean}, reference[router], f"{layout} {router}")
+            assert four[0][key]["losses"] != four[2][key]["losses"]  # the replicas really saw different samples
+            assert four[0][key]["losses"] == four[1][key]["losses"] and four[2][key]["losses"] == four[3][key]["losses"]
+    for r in four:  # TP = 2 → 4
+        assert r["from_tp2"]["valid"] == pytest.approx(two[0]["resume"]["valid"], rel=1e-5)
+        torch.testing.assert_close(r["from_tp2"]["losses"], straight[HALF:], rtol=1e-4, atol=0)
