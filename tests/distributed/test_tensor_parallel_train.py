@@ -3,13 +3,14 @@
 A tiny MoE GPT (layer 0 dense, layer 1 with 4 experts) under two routers — top-1 with capacity dropping and random
 token selection, and top-2 dropless — with hidden dropout 0.1 on (attention dropout off: on head shards it draws
 per-rank masks, see model/attention.py). Every layout trains 12 steps of the same global batch and must give the
-one-process loss at every step (1e-4 relative) and the one-process gradients of the first step (1e-5).
+one-process loss at every step (1e-4 relative) and the one-process gradients of the first step (1e-5); every
+rank holds the parameter count `moetron plan` gives it.
 
 Two spawned groups carry every check (spawning is the expensive part):
   2 processes: TP = 2; TP = 2 with sequence parallelism; TP = 2 × EP = 2 folded (the experts over the TP ranks);
                exact resume at TP = 2 (6 steps + checkpoint + 6 steps = 12 straight, bit for bit); the TP = 1
                checkpoint of this process loads at TP = 2 (validation loss, then 6 more steps on the loaded
-               optimizer state follow the one-process curve).
+               optimizer state follow the one-process curve); 3 steps of TP = 2 + SP × EP = 2 with --compile.
   4 processes: DP = 2 × TP = 2 × EP = 2 (folded), and with expert tensor parallelism (ETP = 2); the TP = 2
                checkpoint loads at TP = 4.
 Between and after the groups this process loads the TP = 2 checkpoint at TP = 1 (the round trip).
@@ -31,6 +32,9 @@ from trainer_support import MemoryLoader, parallel_model, random_samples, run_lo
 
 from moetron.model.rng import STREAMS  # noqa: E402
 from moetron.parallel.env import DistEnv, init_distributed  # noqa: E402
+from moetron.parallel.mesh import ParallelMesh  # noqa: E402
+from moetron.parallel.parallelize import build_model  # noqa: E402
+from moetron.plan.memory import local_parameters  # noqa: E402
 from moetron.train.checkpoint import resolve_checkpoint  # noqa: E402
 from moetron.train.trainer import Trainer  # noqa: E402
 
@@ -83,7 +87,17 @@ def first_step_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
 def curve(cfg, env: DistEnv | None = None) -> dict:
     trainer = make_trainer(cfg, env)
     grads = first_step_grads(trainer)
-    return {"grads": grads, "losses": run_losses(trainer, STEPS)}
+    params = sum(p.numel() for p in trainer.model.parameters())  # this rank's share, to check the plan's
+    return {"grads": grads, "losses": run_losses(trainer, STEPS), "params": params}
+
+
+def compiled_losses(env: DistEnv, steps: int = 3) -> list[float]:
+    """`--compile` (per-block torch.compile) composes with TP, SP and EP: a few steps of the compiled model."""
+    cfg = tp_config("top2-dropless", tp=2, sp=True, ep=2)
+    mesh = ParallelMesh.build(cfg.dims(env.world_size), env)
+    model = build_model(cfg.model, mesh, env.device, cfg.train.seed, compile_blocks=True)
+    loader = MemoryLoader(random_samples(512), MBS, mesh.coords.dp, mesh.size("dp"))
+    return run_losses(Trainer(cfg, env, model, loader, None, config_yaml="# test\n", mesh=mesh), steps)
 
 
 @torch.no_grad()
@@ -112,6 +126,9 @@ ROUTER = "top1-capacity-rts"  # the checkpoint checks: random token selection on
 # ---------------------------------------------------------------- the spawned groups
 def two_process_checks(rank: int, world_size: int, tp1_dir: str, tp2_dir: str) -> dict:
     env = init_distributed()
+    # first, as `moetron train --compile` does in a fresh process (compiling after a non-SP and an SP TP model ran
+    # in the same process trips an assertion in torch 2.13's AOTAutograd partitioner)
+    compiled = compiled_losses(env)
     out = {
         (layout, router): curve(tp_config(router, **dims), env) for layout, dims in TWO.items() for router in ROUTERS
     }
@@ -120,6 +137,7 @@ def two_process_checks(rank: int, world_size: int, tp1_dir: str, tp2_dir: str) -
     first.save()
     out["resume"] = {"head": head, "valid": validation_loss(first), **resumed(tp_config(ROUTER, tp=2), tp2_dir, env)}
     out["from_tp1"] = resumed(tp_config(ROUTER, tp=2), tp1_dir, env)
+    out["compiled"] = compiled
     return out
 
 
@@ -133,6 +151,14 @@ def four_process_checks(rank: int, world_size: int, tp2_dir: str) -> dict:
 
 
 # ---------------------------------------------------------------- the test
+def check_params(results: list[dict], layouts: dict, world_size: int) -> None:
+    """Every rank holds the parameters `moetron plan` says it holds."""
+    for name, dims in layouts.items():
+        cfg = tp_config(ROUTER, **dims)
+        planned = local_parameters(cfg.model, cfg.dims(world_size)).total
+        assert [r[(name, ROUTER)]["params"] for r in results] == [planned] * world_size, name
+
+
 def check_curve(got: dict, want: dict, what: str) -> None:
     losses = torch.tensor(got["losses"], dtype=torch.float64)
     torch.testing.assert_close(losses, torch.tensor(want["losses"], dtype=torch.float64), rtol=1e-4, atol=0, msg=what)
@@ -158,6 +184,10 @@ def test_tensor_parallel_training_and_checkpoints(tmp_path):
         for router in ROUTERS:
             check_curve(two[0][(layout, router)], reference[router], f"{layout} {router}")
             assert two[0][(layout, router)]["losses"] == two[1][(layout, router)]["losses"]  # TP peers agree
+    check_params(two, TWO, 2)
+    for r in two:
+        compiled = reference["top2-dropless"]["losses"][: len(r["compiled"])]
+        torch.testing.assert_close(r["compiled"], compiled, rtol=1e-4, atol=0)
     for r in two:  # exact resume at TP = 2: bit-identical to the uninterrupted TP = 2 run
         assert r["resume"]["head"] + r["resume"]["losses"] == r[("tp2", ROUTER)]["losses"]
         # TP = 1 → 2: the same validation loss, and the loaded optimizer state continues the one-process curve
@@ -178,6 +208,7 @@ def test_tensor_parallel_training_and_checkpoints(tmp_path):
             check_curve({"grads": four[0][key]["grads"], "losses": mean}, reference[router], f"{layout} {router}")
             assert four[0][key]["losses"] != four[2][key]["losses"]  # the replicas really saw different samples
             assert four[0][key]["losses"] == four[1][key]["losses"] and four[2][key]["losses"] == four[3][key]["losses"]
+    check_params(four, FOUR, 4)
     for r in four:  # TP = 2 → 4
         assert r["from_tp2"]["valid"] == pytest.approx(two[0]["resume"]["valid"], rel=1e-5)
         torch.testing.assert_close(r["from_tp2"]["losses"], straight[HALF:], rtol=1e-4, atol=0)

@@ -125,6 +125,9 @@ def apply_tp(model: GPTModel, mesh: ParallelMesh) -> None:
     if tp == 1 or any(True for _ in sharded_modules(model)):
         return
     tp_mesh, rank, sp = mesh.submesh("tp"), mesh.coords.tp, mesh.dims.sp
+    if sp:  # torch 2.13: with --compile, a warm AOTAutograd cache replays sequence-parallel blocks with different
+        # gradients (a cold cache reproduces the eager run exactly), so those blocks are compiled afresh every run
+        torch._functorch.config.enable_autograd_cache = False
     parallelize_module(model, tp_mesh, _model_plan(model, sp))
     if sp:  # a second style on the same module: the head needs the whole sequence (replicated)
         gather = PrepareModuleOutput(
