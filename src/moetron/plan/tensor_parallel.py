@@ -14,11 +14,13 @@ unless --sequence-parallel, which divides those by tp. The logits and loss buffe
 
 Communication (`comm_bytes_per_step`): what one rank sends in ring collectives (an all-reduce of n bytes sends
 2·(tp−1)/tp·n, an all-gather or reduce-scatter (tp−1)/tp·n) over one optimizer step, forward and backward: per
-layer and micro-batch one all-reduce of the [T, h] activations in the forward and one in the backward for
-attention and for a dense MLP (with SP an all-gather + a reduce-scatter instead: the same bytes); a MoE layer
-all-gathers its token shares' outputs (folding; its backward all-gathers the input gradients) or all-reduces the
-partial expert outputs (expert TP); the embedding all-reduces its output, the head its input gradient.
-Recomputed layers (activation checkpointing) run their forward collectives twice.
+layer and micro-batch, attention and a dense MLP each all-reduce the [T, h] activations once forward and once
+backward; with SP they all-gather + reduce-scatter forward and all-gather + all-reduce backward (DTensor reduces
+the gathered input's gradient with an all-reduce, so SP sends 25% more than TP alone, where Megatron's SP sends
+the same); a MoE layer all-gathers its token shares' outputs (folding; backward: the input gradients) or
+all-reduces the partial expert outputs (expert TP); the embedding all-reduces its output, the head its input
+gradient. Recomputed layers (activation checkpointing) run their forward collectives twice. Measured against
+the collectives DTensor issues in benchmarks/tensor_parallel.py.
 """
 
 from __future__ import annotations
@@ -93,22 +95,27 @@ def shard_parameters(local, model: ModelConfig, dims: ParallelDims):
 
 def comm_bytes_per_step(model: ModelConfig, dims: ParallelDims, micro_batch: int, num_micro: int, c: int) -> float:
     """Bytes one rank sends over its tensor-parallel group in one optimizer step (see the module docstring); `c`
-    is the compute dtype's size (activations), the embedding and head collectives are fp32."""
+    is the compute dtype's size (activations), the embedding and head collectives are fp32. In units of
+    g = (tp−1)/tp · [T, h] bytes (an all-gather or reduce-scatter; an all-reduce is 2g)."""
     tp = dims.tp
     if tp == 1:
         return 0.0
-    n = micro_batch * model.seq_length * model.hidden_size * c
-    all_reduce, all_gather = 2 * (tp - 1) / tp * n, (tp - 1) / tp * n
+    g = (tp - 1) / tp * micro_batch * model.seq_length * model.hidden_size
     forwards = 2 if model.checkpoint_activations else 1  # recomputation repeats a layer's forward collectives
+    # attention or a dense MLP: all-reduce forward and backward; with SP all-gather + reduce-scatter forward and,
+    # as DTensor redistributes the gradients, an all-gather + an all-reduce backward
+    block = forwards * 2 * g + (3 * g if dims.sp else 2 * g)
     sp = 1 if dims.sp else 0
     per_micro = 0.0
     for num_experts in model.experts_per_layer():
-        per_micro += (forwards + 1) * all_reduce  # attention: its output forward, its input gradient backward
+        per_micro += block
         if num_experts == 1:
-            per_micro += (forwards + 1) * all_reduce  # the dense MLP, likewise
+            per_micro += block
         elif dims.etp == 1:  # the token shares' outputs forward, their input gradients backward (+ SP's gathers)
-            per_micro += (forwards + 1) * (1 + sp) * all_gather
+            per_micro += (forwards + 1) * (1 + sp) * g
         else:  # partial expert outputs forward, input gradients backward (+ SP's gathers)
-            per_micro += (forwards + 1) * (all_reduce + sp * all_gather)
-    ends = 2 * all_reduce * 4 / c  # the embedding's output forward, the head's input gradient backward (fp32)
-    return num_micro * (per_micro + ends)
+            per_micro += (forwards + 1) * (2 + sp) * g
+    # the embedding's output (all-reduce) and the head's input gradient (all-reduce; SP: gather + scatter + the
+    # embedding's scattered gradient gathered), fp32
+    ends = (5 if dims.sp else 4) * g * 4
+    return num_micro * (per_micro * c + ends)
