@@ -3,7 +3,7 @@ training tokens/s of TP = 2 (with and without sequence parallelism, and folded w
 process and against DP = 2, measured one after another in this one script (it spawns each process group itself).
 
     python benchmarks/tensor_parallel.py                      # seq 128, micro batch 4, 4 measured steps
-    python benchmarks/tensor_parallel.py --seq 256 --steps 6
+    python benchmarks/tensor_parallel.py --seq 512 --global-batch 2 --vocab-size 8192   # activations dominate
 
 Model: 4 layers, hidden 256, 8 heads, 8 experts every 2nd layer (2 MoE layers), top-2 dropless, GPT-2 vocabulary
 (50,304 padded rows: the vocab-parallel embedding and loss matter), hidden dropout 0.1; AdamW. Every layout trains
@@ -55,7 +55,7 @@ def bench_config(args: argparse.Namespace, world: int, tp: int, sp: bool, ep: in
     cfg = RunConfig()
     m, t, p = cfg.model, cfg.train, cfg.parallel
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 4, 256, 8, args.seq
-    m.num_experts, m.topk, m.moe_token_dropping, m.vocab_size = [8], 2, False, 50257
+    m.num_experts, m.topk, m.moe_token_dropping, m.vocab_size = [8], 2, False, args.vocab_size
     m.hidden_dropout, m.attention_dropout = 0.1, 0.0
     dp = world // tp
     t.micro_batch_size, t.global_batch_size = args.global_batch // dp, args.global_batch
@@ -192,10 +192,14 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=4, help="samples per step (every layout the same)")
     parser.add_argument("--steps", type=int, default=4, help="measured optimizer steps")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--vocab-size", type=int, default=50257, help="GPT-2's by default")
     args = parser.parse_args()
     measured = {layout[0]: run_layout(layout, args) for layout in LAYOUTS}
     base = measured[LAYOUTS[0][0]]
-    print(f"small MoE GPT, seq {args.seq}, global batch {args.global_batch}, {args.steps} steps (CPU, gloo, per rank)")
+    print(
+        f"small MoE GPT, vocab {args.vocab_size}, seq {args.seq}, global batch {args.global_batch}, {args.steps} "
+        "steps (CPU, gloo, per rank)"
+    )
     print(
         "| layout | params (ratio) | dense params (ratio) | saved activations (ratio) | plan / measured "
         "| TP comm / step (plan) | a2a / step | tokens/s ratio |"
