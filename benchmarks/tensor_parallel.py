@@ -23,9 +23,7 @@ CPU, one thread per process. Reported per rank:
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
 import time
 
 import torch
@@ -40,6 +38,7 @@ from moetron.plan.estimate import make_plan
 from moetron.plan.hardware import accelerator
 from moetron.train.executor import MicroBatch
 from moetron.train.trainer import Trainer
+from process_group import spawn_group
 
 # name, processes, tp, sp, ep
 LAYOUTS = [
@@ -155,17 +154,7 @@ def measure(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
 
 def run_layout(layout: tuple, args: argparse.Namespace) -> dict:
     world = layout[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=measure, args=(r, world, port, args, layout, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    rows = sorted(results.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
+    rows = spawn_group(measure, world, (args, layout))
     _, elapsed, params, dense, activations, tp_bytes, a2a = rows[0]
     cfg = bench_config(args, world, *layout[2:])
     plan = make_plan(cfg, world, accelerator("cpu", "64GB"))

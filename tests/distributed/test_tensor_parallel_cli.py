@@ -9,18 +9,16 @@ resumes it at TP = 1. TP problems are reported together, before anything starts.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
+from pathlib import Path
 
-import numpy as np
 import pytest
 
-from moetron.cli import main
-from moetron.data.indexed import IndexedDatasetBuilder
-from moetron.data.tokenizer import build_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_support import ENV, moetron_train, shakespeare_corpus_flags  # noqa: E402
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+from moetron.cli import main
+
 TINY = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
     "--global-batch-size 4 --num-experts 4 --topk 1 --lr 3e-3 --lr-warmup-iters 2 --log-interval 4 "
@@ -31,22 +29,7 @@ TP2_EP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-ex
 
 @pytest.fixture
 def corpus_flags(tmp_path, shakespeare, gpt2_files):
-    vocab, merges = gpt2_files
-    tokenizer = build_tokenizer("GPT2BPETokenizer", str(vocab), str(merges))
-    prefix = tmp_path / "corpus" / "shakespeare_text_document"
-    prefix.parent.mkdir()
-    builder = IndexedDatasetBuilder(prefix, np.uint16)
-    for paragraph in shakespeare.read_text()[:30_000].split("\n\n"):
-        builder.add_document(tokenizer.encode(paragraph) + [tokenizer.eod])
-    builder.finalize()
-    flags = ["--data-path", str(prefix), "--split", "90,10,0", "--tokenizer-type", "GPT2BPETokenizer"]
-    return flags + ["--vocab-file", str(vocab), "--merge-file", str(merges)]
-
-
-def moetron_train(*args: str, nproc: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    command = [*launcher, "-m", "moetron"] if nproc > 1 else [sys.executable, "-m", "moetron"]
-    return subprocess.run([*command, "train", *args], capture_output=True, text=True, env=env or ENV, timeout=300)
+    return shakespeare_corpus_flags(tmp_path, shakespeare, gpt2_files, chars=30_000)
 
 
 @pytest.mark.distributed

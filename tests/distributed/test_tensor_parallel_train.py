@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
 from launch import run_distributed  # noqa: E402
-from trainer_support import MemoryLoader, parallel_model, random_samples, run_losses, tiny_config  # noqa: E402
+from trainer_support import MemoryLoader, parallel_trainer, random_samples, run_losses, tiny_config  # noqa: E402
 
 from moetron.model.rng import STREAMS  # noqa: E402
 from moetron.parallel.env import DistEnv, init_distributed  # noqa: E402
@@ -59,14 +59,6 @@ def tp_config(router: str, tp: int = 1, ep: int = 1, sp: bool = False, etp: int 
     return cfg
 
 
-def make_trainer(cfg, env: DistEnv | None = None) -> Trainer:
-    """A trainer whose model comes from the meta-device recipe (`moetron train`'s): this rank's shards only."""
-    env = env or DistEnv()
-    mesh, model = parallel_model(cfg, env)
-    loader = MemoryLoader(random_samples(512), cfg.train.micro_batch_size, mesh.coords.dp, mesh.size("dp"))
-    return Trainer(cfg, env, model, loader, None, config_yaml="# test\n", mesh=mesh)
-
-
 def first_step_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The global gradient of every parameter after the first step's backward (before clipping); then rewinds, so
     the trainer starts its run from the first batch with no gradient left over."""
@@ -85,7 +77,7 @@ def first_step_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def curve(cfg, env: DistEnv | None = None) -> dict:
-    trainer = make_trainer(cfg, env)
+    trainer = parallel_trainer(cfg, env)
     grads = first_step_grads(trainer)
     params = sum(p.numel() for p in trainer.model.parameters())  # this rank's share, to check the plan's
     return {"grads": grads, "losses": run_losses(trainer, STEPS), "params": params}
@@ -115,7 +107,7 @@ def validation_loss(trainer: Trainer) -> float:
 
 def resumed(cfg, path: str, env: DistEnv | None = None) -> dict:
     """Load `path` (weights, optimizer, progress) into a fresh trainer, then train to the end."""
-    trainer = make_trainer(cfg, env)
+    trainer = parallel_trainer(cfg, env)
     trainer.load(resolve_checkpoint(path))
     return {"valid": validation_loss(trainer), "losses": run_losses(trainer, STEPS - trainer.progress.iteration)}
 
@@ -132,7 +124,7 @@ def two_process_checks(rank: int, world_size: int, tp1_dir: str, tp2_dir: str) -
     out = {
         (layout, router): curve(tp_config(router, **dims), env) for layout, dims in TWO.items() for router in ROUTERS
     }
-    first = make_trainer(tp_config(ROUTER, tp=2, save=tp2_dir), env)
+    first = parallel_trainer(tp_config(ROUTER, tp=2, save=tp2_dir), env)
     head = run_losses(first, HALF)
     first.save()
     out["resume"] = {"head": head, "valid": validation_loss(first), **resumed(tp_config(ROUTER, tp=2), tp2_dir, env)}
@@ -173,7 +165,7 @@ def test_tensor_parallel_training_and_checkpoints(tmp_path):
     torch.set_num_threads(1)
     tp1_dir, tp2_dir = str(tmp_path / "tp1"), str(tmp_path / "tp2")
     reference = {router: curve(tp_config(router)) for router in ROUTERS}
-    single = make_trainer(tp_config(ROUTER, save=tp1_dir))
+    single = parallel_trainer(tp_config(ROUTER, save=tp1_dir))
     run_losses(single, HALF)
     single.save()
     tp1_valid = validation_loss(single)

@@ -95,3 +95,12 @@ def parallel_model(cfg: RunConfig, env: DistEnv):
 
     mesh = ParallelMesh.build(cfg.dims(env.world_size), env)
     return mesh, build_model(cfg.model, mesh, env.device, cfg.train.seed)
+
+
+def parallel_trainer(cfg: RunConfig, env: DistEnv | None = None) -> Trainer:
+    """`build_trainer`, but the model comes from the meta-device recipe (`parallel_model`: this rank's shards only)
+    and the loader reads this rank's data-parallel slice."""
+    env = env or DistEnv()
+    mesh, model = parallel_model(cfg, env)
+    loader = MemoryLoader(random_samples(512), cfg.train.micro_batch_size, mesh.coords.dp, mesh.size("dp"))
+    return Trainer(cfg, env, model, loader, None, config_yaml="# test\n", mesh=mesh)
