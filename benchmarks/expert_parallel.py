@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 
@@ -28,7 +27,7 @@ from moetron.parallel.env import init_distributed
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build_model
 from moetron.train.trainer import Trainer
-from process_group import spawn_group
+from process_group import spawn_group, timed_steps
 
 LAYOUTS = [("EP=1, 1 process", 1, 1), ("DP=2 (no EP)", 2, 1), ("EP=2, 2 processes", 2, 2)]
 
@@ -72,12 +71,7 @@ def measure(rank: int, world: int, port: int, args: argparse.Namespace, ep: int,
     for _ in range(args.warmup):
         trainer.train_step()
     counter.bytes = 0
-    env.barrier()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        trainer.train_step()
-    env.barrier()
-    elapsed = time.perf_counter() - start
+    elapsed = timed_steps(trainer, env, args.steps)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     results.put((rank, elapsed, counter.bytes / args.steps, experts))
     env.close()

@@ -21,3 +21,15 @@ def spawn_group(target, world: int, args: tuple, timeout: float = 3600) -> list:
     for p in procs:
         p.join()
     return rows
+
+
+def timed_steps(trainer, env, steps: int) -> float:
+    """Wall seconds of `steps` optimizer steps, every rank starting and ending together (barriers)."""
+    import time
+
+    env.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    env.barrier()
+    return time.perf_counter() - start

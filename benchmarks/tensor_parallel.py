@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -38,7 +37,7 @@ from moetron.plan.estimate import make_plan
 from moetron.plan.hardware import accelerator
 from moetron.train.executor import MicroBatch
 from moetron.train.trainer import Trainer
-from process_group import spawn_group
+from process_group import spawn_group, timed_steps
 
 # name, processes, tp, sp, ep
 LAYOUTS = [
@@ -142,12 +141,7 @@ def measure(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
     counter = CountCollectives(tp)
     with counter:
         trainer.train_step()
-    env.barrier()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        trainer.train_step()
-    env.barrier()
-    elapsed = time.perf_counter() - start
+    elapsed = timed_steps(trainer, env, args.steps)
     results.put((rank, elapsed, params, dense, activations, counter.sent["tp"], counter.sent["a2a"]))
     env.close()
 
