@@ -10,9 +10,10 @@ Two spawned groups carry every check (spawning is the expensive part):
   2 processes: TP = 2; TP = 2 with sequence parallelism; TP = 2 × EP = 2 folded (the experts over the TP ranks);
                exact resume at TP = 2 (6 steps + checkpoint + 6 steps = 12 straight, bit for bit); the TP = 1
                checkpoint of this process loads at TP = 2 (validation loss, then 6 more steps on the loaded
-               optimizer state follow the one-process curve); 3 steps of TP = 2 + SP × EP = 2 with --compile.
-  4 processes: DP = 2 × TP = 2 × EP = 2 (folded), and with expert tensor parallelism (ETP = 2); the TP = 2
-               checkpoint loads at TP = 4.
+               optimizer state follow the one-process curve); 3 steps of TP = 2 + SP × EP = 2 with --compile, and
+               of a model built whole and split by `parallelize`.
+  4 processes: DP = 2 × TP = 2 × EP = 2 (folded), and with expert tensor parallelism (ETP = 2), sequence
+               parallelism and activation checkpointing; the TP = 2 checkpoint loads at TP = 4.
 Between and after the groups this process loads the TP = 2 checkpoint at TP = 1 (the round trip).
 """
 
@@ -28,7 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
 from launch import run_distributed  # noqa: E402
-from trainer_support import MemoryLoader, parallel_trainer, random_samples, run_losses, tiny_config  # noqa: E402
+from trainer_support import (  # noqa: E402
+    MemoryLoader,
+    build_trainer,
+    parallel_trainer,
+    random_samples,
+    run_losses,
+    tiny_config,
+)
 
 from moetron.model.rng import STREAMS  # noqa: E402
 from moetron.parallel.env import DistEnv, init_distributed  # noqa: E402
@@ -44,13 +52,18 @@ ROUTERS = {
     "top2-dropless": {"topk": 2, "moe_token_dropping": False},
 }
 TWO = {"tp2": {"tp": 2}, "tp2-sp": {"tp": 2, "sp": True}, "tp2-ep2": {"tp": 2, "ep": 2}}
-FOUR = {"dp2-tp2-ep2": {"tp": 2, "ep": 2}, "dp2-tp2-ep2-etp2": {"tp": 2, "ep": 2, "etp": 2}}
+FOUR = {  # the second also with sequence parallelism and activation checkpointing (recomputed TP collectives)
+    "dp2-tp2-ep2": {"tp": 2, "ep": 2},
+    "dp2-tp2-ep2-etp2-sp-ac": {"tp": 2, "ep": 2, "etp": 2, "sp": True, "ac": True},
+}
 
 
-def tp_config(router: str, tp: int = 1, ep: int = 1, sp: bool = False, etp: int = 1, save: str | None = None):
+def tp_config(
+    router: str, tp: int = 1, ep: int = 1, sp: bool = False, etp: int = 1, ac: bool = False, save: str | None = None
+):
     cfg = tiny_config(micro_batch_size=MBS, global_batch_size=GLOBAL_BATCH, train_iters=STEPS, hidden_dropout=0.1)
     m, p = cfg.model, cfg.parallel
-    m.attention_dropout = 0.0
+    m.attention_dropout, m.checkpoint_activations = 0.0, ac
     for key, value in ROUTERS[router].items():
         setattr(m, key, value)
     p.tensor_model_parallel_size, p.moe_expert_parallel_size = tp, ep
@@ -130,6 +143,8 @@ def two_process_checks(rank: int, world_size: int, tp1_dir: str, tp2_dir: str) -
     out["resume"] = {"head": head, "valid": validation_loss(first), **resumed(tp_config(ROUTER, tp=2), tp2_dir, env)}
     out["from_tp1"] = resumed(tp_config(ROUTER, tp=2), tp1_dir, env)
     out["compiled"] = compiled
+    # a model built whole (`create_model`) is split by `parallelize` instead: the same run
+    out["built_whole"] = run_losses(build_trainer(tp_config(ROUTER, tp=2, sp=True, ep=2), env), 3)
     return out
 
 
@@ -180,6 +195,7 @@ def test_tensor_parallel_training_and_checkpoints(tmp_path):
     for r in two:
         compiled = reference["top2-dropless"]["losses"][: len(r["compiled"])]
         torch.testing.assert_close(r["compiled"], compiled, rtol=1e-4, atol=0)
+        torch.testing.assert_close(r["built_whole"], straight[: len(r["built_whole"])], rtol=1e-4, atol=0)
     for r in two:  # exact resume at TP = 2: bit-identical to the uninterrupted TP = 2 run
         assert r["resume"]["head"] + r["resume"]["losses"] == r[("tp2", ROUTER)]["losses"]
         # TP = 1 → 2: the same validation loss, and the loaded optimizer state continues the one-process curve

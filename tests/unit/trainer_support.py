@@ -69,10 +69,11 @@ def build_trainer(cfg: RunConfig, env: DistEnv | None = None, samples: torch.Ten
     torch.manual_seed(cfg.train.seed + env.rank)
     model = create_model(cfg.model, env.device, cfg.train.seed)
     samples = random_samples(512) if samples is None else samples
-    loader = MemoryLoader(samples, cfg.train.micro_batch_size, env.rank, dims.dp)
+    dp_rank = dims.coordinates(env.rank).dp  # tensor-parallel peers read the same samples
+    loader = MemoryLoader(samples, cfg.train.micro_batch_size, dp_rank, dims.dp)
 
     def valid():
-        return MemoryLoader(random_samples(64, seed=1), cfg.train.micro_batch_size, env.rank, dims.dp)
+        return MemoryLoader(random_samples(64, seed=1), cfg.train.micro_batch_size, dp_rank, dims.dp)
 
     return Trainer(cfg, env, model, loader, valid, config_yaml="# test\n")
 
