@@ -11,7 +11,8 @@ Two spawned groups carry every check (spawning is the expensive part):
                exact resume at TP = 2 (6 steps + checkpoint + 6 steps = 12 straight, bit for bit); the TP = 1
                checkpoint of this process loads at TP = 2 (validation loss, then 6 more steps on the loaded
                optimizer state follow the one-process curve); 3 steps of TP = 2 + SP × EP = 2 with --compile, and
-               of a model built whole and split by `parallelize`.
+               of a model built whole and split by `parallelize`; 4 steps of a GQA / RoPE / SwiGLU / RMSNorm model with
+               an untied head and a shared expert at TP = 2 + SP × EP = 2.
   4 processes: DP = 2 × TP = 2 × EP = 2 (folded), and with expert tensor parallelism (ETP = 2), sequence
                parallelism and activation checkpointing; the TP = 2 checkpoint loads at TP = 4.
 Between and after the groups this process loads the TP = 2 checkpoint at TP = 1 (the round trip).
@@ -58,6 +59,18 @@ FOUR = {  # the second also with sequence parallelism and activation checkpointi
 }
 
 
+MODERN = {  # a Mixtral/Qwen-style model: GQA, RoPE, SwiGLU without biases, RMSNorm, untied head, a shared expert
+    "num_key_value_heads": 2,
+    "position_embedding_type": "rope",
+    "swiglu": True,
+    "add_bias_linear": False,
+    "normalization": "rmsnorm",
+    "untie_embeddings_and_output_weights": True,
+    "num_shared_experts": 1,
+    "ffn_hidden_size": 64,
+}
+
+
 def tp_config(
     router: str, tp: int = 1, ep: int = 1, sp: bool = False, etp: int = 1, ac: bool = False, save: str | None = None
 ):
@@ -87,6 +100,12 @@ def first_step_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     for moe in trainer.model.moe_layers():
         moe.take_stats()
     return grads
+
+
+def modern(cfg):
+    for key, value in MODERN.items():
+        setattr(cfg.model, key, value)
+    return cfg
 
 
 def curve(cfg, env: DistEnv | None = None) -> dict:
@@ -143,6 +162,7 @@ def two_process_checks(rank: int, world_size: int, tp1_dir: str, tp2_dir: str) -
     out["resume"] = {"head": head, "valid": validation_loss(first), **resumed(tp_config(ROUTER, tp=2), tp2_dir, env)}
     out["from_tp1"] = resumed(tp_config(ROUTER, tp=2), tp1_dir, env)
     out["compiled"] = compiled
+    out["modern"] = run_losses(parallel_trainer(modern(tp_config("top2-dropless", tp=2, sp=True, ep=2)), env), 4)
     # a model built whole (`create_model`) is split by `parallelize` instead: the same run
     out["built_whole"] = run_losses(build_trainer(tp_config(ROUTER, tp=2, sp=True, ep=2), env), 3)
     return out
@@ -185,6 +205,7 @@ def test_tensor_parallel_training_and_checkpoints(tmp_path):
     single.save()
     tp1_valid = validation_loss(single)
     straight = reference[ROUTER]["losses"]
+    modern_losses = run_losses(parallel_trainer(modern(tp_config("top2-dropless"))), 4)
 
     two = run_distributed(two_process_checks, world_size=2, args=(tp1_dir, tp2_dir), timeout=1200)
     for layout in TWO:
@@ -196,6 +217,7 @@ def test_tensor_parallel_training_and_checkpoints(tmp_path):
         compiled = reference["top2-dropless"]["losses"][: len(r["compiled"])]
         torch.testing.assert_close(r["compiled"], compiled, rtol=1e-4, atol=0)
         torch.testing.assert_close(r["built_whole"], straight[: len(r["built_whole"])], rtol=1e-4, atol=0)
+        torch.testing.assert_close(r["modern"], modern_losses, rtol=1e-4, atol=0)
     for r in two:  # exact resume at TP = 2: bit-identical to the uninterrupted TP = 2 run
         assert r["resume"]["head"] + r["resume"]["losses"] == r[("tp2", ROUTER)]["losses"]
         # TP = 1 → 2: the same validation loss, and the loaded optimizer state continues the one-process curve
