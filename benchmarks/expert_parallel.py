@@ -16,10 +16,7 @@ their ratio to the activation bytes of one step (the [tokens, hidden] input of e
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
-import time
 
 import torch
 
@@ -30,6 +27,7 @@ from moetron.parallel.env import init_distributed
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build_model
 from moetron.train.trainer import Trainer
+from process_group import spawn_group, timed_steps
 
 LAYOUTS = [("EP=1, 1 process", 1, 1), ("DP=2 (no EP)", 2, 1), ("EP=2, 2 processes", 2, 2)]
 
@@ -73,29 +71,14 @@ def measure(rank: int, world: int, port: int, args: argparse.Namespace, ep: int,
     for _ in range(args.warmup):
         trainer.train_step()
     counter.bytes = 0
-    env.barrier()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        trainer.train_step()
-    env.barrier()
-    elapsed = time.perf_counter() - start
+    elapsed = timed_steps(trainer, env, args.steps)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     results.put((rank, elapsed, counter.bytes / args.steps, experts))
     env.close()
 
 
 def run_layout(world: int, ep: int, args: argparse.Namespace) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=measure, args=(r, world, port, args, ep, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    rows = [results.get(timeout=1800) for _ in procs]
-    for p in procs:
-        p.join()
+    rows = spawn_group(measure, world, (args, ep), timeout=1800)
     elapsed = max(r[1] for r in rows)
     tokens = args.micro_batch * args.seq * world * args.steps
     return {"tokens_per_s": tokens / elapsed, "a2a_bytes": sum(r[2] for r in rows) / world, "experts": rows[0][3]}

@@ -21,19 +21,22 @@ from moetron.fileio import output_dir_problem
 from moetron.model.config import ModelConfig
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.pipeline_layout import pipeline_problems
+from moetron.parallel.tensor_parallel_layout import tensor_parallel_problems
 from moetron.parallel.zero import zero_problems
 from moetron.train.schedule import DECAY_STYLES
 
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1  # TP degree (only 1 is supported today)
+    tensor_model_parallel_size: int = 1  # TP degree (Megatron-DeepSpeed's MP_SIZE): heads, MLP and vocabulary split
+    sequence_parallel: bool = False  # with TP: norms and dropout on sequence shards (their activations / TP)
     pipeline_model_parallel_size: int = 1  # PP degree: pipeline stages on torch.distributed.pipelining
     pipeline_schedule: str | None = None  # 1f1b | interleaved-1f1b | gpipe | zero-bubble (None: 1f1b / interleaved)
     num_layers_per_virtual_pipeline_stage: int | None = None  # interleaving: layers per virtual stage
     decoder_first_pipeline_num_layers: int | None = None  # uneven split: layers of the first stage (+ embedding)
     decoder_last_pipeline_num_layers: int | None = None  # uneven split: layers of the last stage (+ LM head)
-    moe_expert_parallel_size: int = 1  # EP degree, drawn from the data-parallel ranks (dp % ep == 0)
+    moe_expert_parallel_size: int = 1  # EP degree: divides data-parallel × tensor-parallel ranks (dp·tp % ep == 0)
+    expert_tensor_parallel_size: int = 1  # 1: experts whole, EP may span TP ranks (folding); = TP: experts split too
     zero_stage: int = 0  # ZeRO, DeepSpeed's zero_optimization.stage: 1 shards Adam state, 2 + gradients, 3 + weights
     use_distributed_optimizer: bool = False  # Megatron's flag: ZeRO stage 1 (when --zero-stage is lower)
     distributed_backend: str | None = None  # None: nccl on GPU, gloo on CPU
@@ -124,7 +127,8 @@ class RunConfig:
         p = self.parallel
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
         dp = max(world_size // max(tp * pp, 1), 1)  # the indivisible case is reported by dims.problems()
-        return ParallelDims(world_size=world_size, dp=dp, tp=tp, pp=pp, ep=p.moe_expert_parallel_size)
+        ep, etp, sp = p.moe_expert_parallel_size, p.expert_tensor_parallel_size, p.sequence_parallel
+        return ParallelDims(world_size=world_size, dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=sp)
 
     def global_batch(self, dp: int) -> int:
         return self.train.global_batch_size or self.train.micro_batch_size * dp
@@ -249,6 +253,7 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
     dims = cfg.dims(world_size)
     problems = list(dims.problems(cfg.model.experts_per_layer()))
     problems += cfg.model.problems()
+    problems += tensor_parallel_problems(cfg.model, dims)
     problems += cfg.data.problems()
     problems += train_problems(cfg, dims.dp)
     problems += moe_problems(cfg)

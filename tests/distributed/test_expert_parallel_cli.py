@@ -8,17 +8,15 @@ clear error before anything is written.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from moetron.data.indexed import IndexedDatasetBuilder
-from moetron.data.tokenizer import build_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_support import ENV, moetron_train, shakespeare_corpus_flags  # noqa: E402
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TINY = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
     "--global-batch-size 8 --num-experts 4 --topk 2 --lr 3e-3 --lr-warmup-iters 2 --log-interval 5 "
@@ -28,22 +26,7 @@ TINY = (
 
 @pytest.fixture
 def corpus_flags(tmp_path, shakespeare, gpt2_files):
-    vocab, merges = gpt2_files
-    tokenizer = build_tokenizer("GPT2BPETokenizer", str(vocab), str(merges))
-    prefix = tmp_path / "corpus" / "shakespeare_text_document"
-    prefix.parent.mkdir()
-    builder = IndexedDatasetBuilder(prefix, np.uint16)
-    for paragraph in shakespeare.read_text()[:40_000].split("\n\n"):
-        builder.add_document(tokenizer.encode(paragraph) + [tokenizer.eod])
-    builder.finalize()
-    flags = ["--data-path", str(prefix), "--split", "90,10,0", "--tokenizer-type", "GPT2BPETokenizer"]
-    return flags + ["--vocab-file", str(vocab), "--merge-file", str(merges)]
-
-
-def moetron_train(*args: str, nproc: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    command = [*launcher, "-m", "moetron"] if nproc > 1 else [sys.executable, "-m", "moetron"]
-    return subprocess.run([*command, "train", *args], capture_output=True, text=True, env=env or ENV, timeout=240)
+    return shakespeare_corpus_flags(tmp_path, shakespeare, gpt2_files, chars=40_000)
 
 
 @pytest.mark.distributed

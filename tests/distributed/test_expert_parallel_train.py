@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
 from launch import run_distributed  # noqa: E402
-from trainer_support import MemoryLoader, parallel_model, random_samples, run_losses, tiny_config  # noqa: E402
+from trainer_support import parallel_trainer as ep_trainer  # noqa: E402
+from trainer_support import random_samples, run_losses, tiny_config  # noqa: E402
 
 from moetron.parallel.env import DistEnv, init_distributed  # noqa: E402
 from moetron.train.checkpoint import resolve_checkpoint  # noqa: E402
@@ -45,14 +46,6 @@ def ep_config(ep: int, global_batch: int, **overrides):
     for key, value in overrides.items():
         setattr(cfg.model if hasattr(cfg.model, key) else cfg.train, key, value)
     return cfg
-
-
-def ep_trainer(cfg, env: DistEnv | None = None) -> Trainer:
-    """trainer_support.build_trainer, but the model comes from the meta-device recipe (local experts only)."""
-    env = env or DistEnv()
-    mesh, model = parallel_model(cfg, env)
-    loader = MemoryLoader(random_samples(512), cfg.train.micro_batch_size, mesh.coords.dp, mesh.size("dp"))
-    return Trainer(cfg, env, model, loader, None, config_yaml="# test\n", mesh=mesh)
 
 
 @torch.no_grad()

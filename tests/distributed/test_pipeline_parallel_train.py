@@ -15,10 +15,11 @@ Two spawned groups carry every check (spawning is the expensive part):
                         stage stops both after the same step with one checkpoint.
   4 processes:          PP = 2 × EP = 2 (DP = 2) follows the one-process curve of the same global batch and saves;
                         so does zero bubble × DP = 2 (EP = 1: experts reduced over EDP = 2); PP = 4 loads the
-                        PP = 2 checkpoint (validation loss) and continues like the one-process run.
-This process loads the PP = 2 and PP = 2 × EP = 2 checkpoints at PP = 1: the same validation loss, and training
-from step 6 continues on the one-process curve (optimizer state included).
-PP × TP is not tested here: tensor parallelism is not in this branch.
+                        PP = 2 checkpoint (validation loss) and continues like the one-process run; PP = 2 ×
+                        TP = 2 with sequence parallelism follows the one-process curve (attention dropout off:
+                        head shards draw their own masks) and saves.
+This process loads the PP = 2, PP = 2 × EP = 2 and PP = 2 × TP = 2 checkpoints at PP = 1: the same validation loss,
+and training from step 6 continues on the one-process curve (optimizer state included).
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ def two_process_checks(rank: int, world_size: int, tmp: str) -> dict:
 
 
 # ---------------------------------------------------------------- 4 processes
+PP_TP = {"tensor_model_parallel_size": 2, "sequence_parallel": True, "attention_dropout": 0.0}
+
 def four_process_checks(rank: int, world_size: int, tmp: str) -> dict:
     env = init_distributed()
     trainer = pp_trainer(pp_config(2, global_batch_size=2 * GBS, moe_expert_parallel_size=2, save=f"{tmp}/pp2ep2"), env)
@@ -160,6 +163,10 @@ def four_process_checks(rank: int, world_size: int, tmp: str) -> dict:
     out["pp2ep2_valid"] = valid_loss(trainer)
     # zero bubble × DP = 2: its split backward bypasses DDP, the dense gradients are averaged after the schedule
     out["zb_dp2"] = curve(pp_trainer(pp_config(2, "zero-bubble", 1, global_batch_size=2 * GBS), env), STEPS)
+    tp = pp_trainer(pp_config(2, save=f"{tmp}/pp2tp2", **PP_TP), env)
+    out["pp2tp2"] = curve(tp, STEPS)
+    tp.save()
+    out["pp2tp2_valid"] = valid_loss(tp)
     pp4 = pp_trainer(pp_config(4), env)
     out["pp4_layers"] = [i for i, _ in pp4.model.layer_items()]
     pp4.load(resolve_checkpoint(f"{tmp}/pp2"))
@@ -232,6 +239,12 @@ def test_pipeline_parallel_training_and_checkpoints(tmp_path):
         assert r["pp4_layers"] == [rank]
         assert r["pp4_valid"] == pytest.approx(ref_valid, rel=1e-5)
         assert_same_curve(r["pp4_resumed"], {k: v[SAVE_AT:] for k, v in ref.items()})
+    no_attention_dropout = curve(pp_trainer(pp_config(1, attention_dropout=0.0)), STEPS)
+    for r in four:
+        assert_same_curve(r["pp2tp2"], no_attention_dropout)
+    back = pp_trainer(pp_config(1, attention_dropout=0.0))
+    back.load(resolve_checkpoint(f"{tmp}/pp2tp2"))
+    assert valid_loss(back) == pytest.approx(four[0]["pp2tp2_valid"], rel=1e-5)
     back = pp_trainer(pp_config(1, global_batch_size=2 * GBS))
     back.load(resolve_checkpoint(f"{tmp}/pp2ep2"))
     assert valid_loss(back) == pytest.approx(four[0]["pp2ep2_valid"], rel=1e-5)

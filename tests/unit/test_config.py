@@ -104,7 +104,7 @@ def test_validate_reports_every_problem_at_once():
         "--fp16 and --bf16 are both set",
         "no stopping criterion",
         "--save-interval 10 is set without --save",
-        "--tensor-model-parallel-size 2 is not supported",
+        "world size 1 is not divisible by --tensor-model-parallel-size 2",
         "--data-path",
     ]:
         assert fragment in text, fragment

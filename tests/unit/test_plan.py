@@ -7,6 +7,7 @@ by the difference between a 4-layer and a 2-layer model.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -189,6 +190,25 @@ def test_sharding_fixes_what_the_replicated_state_alone_cannot_fit():
     one = make_plan(cfg, 1, accelerator("A100-80GB"))  # one GPU: nothing to shard over, no pipeline to split into
     fixes = [s.flags for s in suggestions(one)]
     assert not one.fits and len(fixes) == 1 and "--zero-stage 3" in fixes[0] and "--gpus 2" in fixes[0]
+
+
+def test_tensor_parallelism_splits_the_dense_model_and_is_proposed():
+    cfg, _ = load_config(str(CONFIGS / "gpt-6.7B.yaml"), {})
+    plan = make_plan(cfg, 64, accelerator("A100-80GB"))
+    assert not plan.fits
+    fixes = [s for s in suggestions(plan) if "--tensor-model-parallel-size" in s.flags]  # next to ZeRO and PP
+    assert fixes and all(s.plan.fits for s in fixes)
+    tp8 = next(s.plan for s in fixes if "--tensor-model-parallel-size 8" in s.flags)
+    assert tp8.dims.sp and tp8.cfg.global_batch(tp8.dims.dp) == plan.cfg.global_batch(plan.dims.dp)
+    # the vocabulary, attention and MLP matrices are split; norms, biases of row-parallel layers, positions are not
+    assert plan.local.total / 8 < tp8.local.total < plan.local.total / 8 * 1.01
+    assert tp8.memory.logits == pytest.approx(plan.memory.logits / 8, rel=1e-6)
+    # sequence parallelism divides what TP alone leaves whole (residual stream, norms, dropout masks)
+    no_sp = copy.deepcopy(tp8.cfg)
+    no_sp.parallel.sequence_parallel = False
+    no_sp_plan = make_plan(no_sp, 64, accelerator("A100-80GB"))
+    assert tp8.memory.activations < no_sp_plan.memory.activations < plan.memory.activations
+    assert tp8.tp_comm_bytes > 0 and tp8.step_time_s == pytest.approx(plan.step_time_s)  # 64 GPUs either way
 
 
 def test_memory_sizes_and_devices():

@@ -69,10 +69,11 @@ def build_trainer(cfg: RunConfig, env: DistEnv | None = None, samples: torch.Ten
     torch.manual_seed(cfg.train.seed + env.rank)
     model = create_model(cfg.model, env.device, cfg.train.seed)
     samples = random_samples(512) if samples is None else samples
-    loader = MemoryLoader(samples, cfg.train.micro_batch_size, env.rank, dims.dp)
+    dp_rank = dims.coordinates(env.rank).dp  # tensor-parallel peers read the same samples
+    loader = MemoryLoader(samples, cfg.train.micro_batch_size, dp_rank, dims.dp)
 
     def valid():
-        return MemoryLoader(random_samples(64, seed=1), cfg.train.micro_batch_size, env.rank, dims.dp)
+        return MemoryLoader(random_samples(64, seed=1), cfg.train.micro_batch_size, dp_rank, dims.dp)
 
     return Trainer(cfg, env, model, loader, valid, config_yaml="# test\n")
 
@@ -99,3 +100,12 @@ def parallel_model(cfg: RunConfig, env: DistEnv):
     pipeline = PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
     zero = ZeroSpec.from_config(cfg)
     return mesh, build_model(cfg.model, mesh, env.device, cfg.train.seed, zero=zero, pipeline=pipeline)
+
+
+def parallel_trainer(cfg: RunConfig, env: DistEnv | None = None) -> Trainer:
+    """`build_trainer`, but the model comes from the meta-device recipe (`parallel_model`: this rank's shards only)
+    and the loader reads this rank's data-parallel slice."""
+    env = env or DistEnv()
+    mesh, model = parallel_model(cfg, env)
+    loader = MemoryLoader(random_samples(512), cfg.train.micro_batch_size, mesh.coords.dp, mesh.size("dp"))
+    return Trainer(cfg, env, model, loader, None, config_yaml="# test\n", mesh=mesh)

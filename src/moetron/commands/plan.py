@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -41,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("plan")
     group.add_argument("--config", metavar="FILE.yaml", required=True, help="the YAML config `moetron train` would use")
     group.add_argument(
-        "--gpus", type=int, help="number of GPUs (processes) of the run; default: --moe-expert-parallel-size"
+        "--gpus", type=int, help="number of GPUs (processes) of the run; default: the fewest the parallel sizes need"
     )
     group.add_argument(
         "--gpu-type",
@@ -87,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer_given(cfg):
         # the vocabulary `moetron train` would use: the tokenizer's, unless --vocab-size is set (same rule as train)
         resolve_vocab_size(cfg, explicit)
-    gpus = args.gpus if args.gpus is not None else cfg.parallel.moe_expert_parallel_size
+    p = cfg.parallel  # default: the fewest GPUs the parallel degrees need (EP may span the TP ranks)
+    fewest = math.lcm(p.moe_expert_parallel_size, p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    gpus = args.gpus if args.gpus is not None else fewest
     if gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {gpus}")
     if not 0 < args.mfu <= 1:

@@ -14,9 +14,16 @@ full layer or a tensor-parallel shard of it. Optional QK normalisation (`--qk-la
 keys before RoPE: per head over D (Qwen3, Megatron-Core), or over all heads' channels at once (OLMoE's
 `all_heads`; a tensor-parallel shard would need the other shards' heads for that one). Attention runs through
 `F.scaled_dot_product_attention` (flash / memory-efficient kernels on GPU, the math kernel on CPU).
+
+Attention dropout draws from a stream of its own (`moetron.model.rng`), so the layer's other draws (hidden
+dropout, the router's random token selection) never depend on how many attention probabilities there are. A
+tensor-parallel shard holds only some heads: its `stream_shard` key (set by tensor parallelism) makes the shards
+draw independent masks (SDPA draws inside the kernel, so a head shard cannot reproduce the one-process masks).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +32,7 @@ from torch import nn
 from moetron.model.config import ModelConfig
 from moetron.model.kv_cache import KVCache
 from moetron.model.norm import build_norm
+from moetron.model.rng import STREAMS
 from moetron.model.rotary import apply_rotary
 
 # `enable_gqa` lets SDPA broadcast K key/value heads over H query heads without copying (torch >= 2.5).
@@ -65,6 +73,7 @@ class SelfAttention(nn.Module):
         self.queries_per_group = cfg.num_attention_heads // cfg.kv_heads
         self.head_dim = cfg.head_dim
         self.dropout_p = cfg.attention_dropout
+        self.stream_shard: tuple = ()  # extra key of the attention-dropout stream (tensor parallelism: the shard)
         qkv_channels = (cfg.num_attention_heads + 2 * cfg.kv_heads) * self.head_dim
         qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias
         self.query_key_value = nn.Linear(cfg.hidden_size, qkv_channels, bias=qkv_bias)
@@ -110,9 +119,16 @@ class SelfAttention(nn.Module):
             k_BKSD, v_BKSD = kv_cache.update(self.layer_index, k_BKTD, v_BKTD)
         else:
             k_BKSD, v_BKSD = k_BKTD, v_BKTD
-        y_BHTD = self.attend(q_BHTD, k_BKSD.to(q_BHTD.dtype), v_BKSD.to(q_BHTD.dtype), past)
+        with self.dropout_stream():
+            y_BHTD = self.attend(q_BHTD, k_BKSD.to(q_BHTD.dtype), v_BKSD.to(q_BHTD.dtype), past)
         y_BTC = y_BHTD.transpose(1, 2).reshape(B, T, -1)
         return self.dense(y_BTC)
+
+    def dropout_stream(self) -> contextlib.AbstractContextManager:
+        """The attention-dropout stream of this layer (and shard) while dropout is on; else nothing to swap."""
+        if not (self.training and self.dropout_p > 0):
+            return contextlib.nullcontext()
+        return STREAMS.fork("layers", self.layer_index, "attention", *self.stream_shard)
 
     def attend(self, q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, past: int) -> torch.Tensor:
         """Causal SDPA where query t sits at absolute position `past + t`."""

@@ -13,9 +13,11 @@ the layout. The three parts — `embed`, `run_layers`, `logits` — are callable
 embedding or head was removed (set to None) skips that part.
 
 The LM loss lives outside the model (`moetron.model.loss`); `forward(labels_BT=...)` computes Megatron's
-`Σ(CE · loss_mask) / Σ loss_mask` in fp32 for convenience. Each MoE layer attaches its weighted aux loss to its
-own output (`moe/aux_loss.py`), so `lm_loss.backward()` alone trains the routers too; `GPTOutput.moe_loss` is the
-value `moe_loss_coeff · Σ aux + moe_z_loss_coeff · Σ z` over the MoE layers (reference §4.5), for reports.
+`Σ(CE · loss_mask) / Σ loss_mask` in fp32 for convenience, with `self.loss_fn` (tensor parallelism swaps in
+its vocab-parallel cross-entropy there, because its logits are vocabulary shards). Each MoE layer attaches its
+weighted aux loss to its own output (`moe/aux_loss.py`), so `lm_loss.backward()` alone trains the routers too;
+`GPTOutput.moe_loss` is the value `moe_loss_coeff · Σ aux + moe_z_loss_coeff · Σ z` over the MoE layers
+(reference §4.5), for reports.
 Parameter names follow Megatron (`query_key_value`, `dense_h_to_4h`, `input_layernorm`, …) so
 converters stay simple. Nothing here is distributed; parallelism wraps this model from outside.
 """
@@ -37,7 +39,7 @@ from moetron.model.attention import SelfAttention
 from moetron.model.config import ModelConfig
 from moetron.model.init import init_tree, output_std
 from moetron.model.kv_cache import KVCache
-from moetron.model.loss import language_model_loss
+from moetron.model.loss import LossFunction, language_model_loss
 from moetron.model.mlp import MLP
 from moetron.model.moe.layer import MoEAux, MoELayer
 from moetron.model.norm import build_norm
@@ -97,6 +99,7 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i) for i in range(cfg.num_layers)})
         self.final_layernorm = build_norm(cfg)
         self.recompute_layers = cfg.checkpoint_activations  # activation checkpointing (parallel.apply_ac sets it)
+        self.loss_fn: LossFunction = language_model_loss  # what forward(labels_BT=...) computes
         self.output_layer = None
         if cfg.untie_embeddings_and_output_weights:
             self.output_layer = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size(), bias=False)
@@ -121,7 +124,7 @@ class GPTModel(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(T)
         logits_BTV = self.logits(x_BTC)
-        lm_loss = None if labels_BT is None else language_model_loss(logits_BTV, labels_BT, loss_mask_BT)
+        lm_loss = None if labels_BT is None else self.loss_fn(logits_BTV, labels_BT, loss_mask_BT)
         return GPTOutput(
             logits=logits_BTV if return_logits else None,
             lm_loss=lm_loss,
@@ -193,7 +196,8 @@ class GPTModel(nn.Module):
         return layer(x_BTC, rope, kv_cache)
 
     def logits(self, x_BTC: torch.Tensor) -> torch.Tensor:
-        """Final norm, then the output layer (or the tied word embeddings): [B, T, V_padded]."""
+        """Final norm, then the output layer (or the tied word embeddings): [B, T, V_padded] (under tensor
+        parallelism a DTensor sharded over the vocabulary: the weight is a vocabulary shard)."""
         x_BTC = self.final_layernorm(x_BTC)
         weight_VC = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
         return F.linear(x_BTC, weight_VC)

@@ -9,12 +9,18 @@ Megatron's rules (reference §4.1): weights and embeddings ~ N(0, std); the two 
 of every block (attention `dense`, MLP `dense_4h_to_h`) ~ N(0, std / sqrt(2·num_layers)); biases 0;
 norm weights 1. A submodule with its own `init_weights(std, out_std, seed)` (the MoE layer) is handed
 a seed derived from its name and initialises its whole subtree itself.
+
+A parameter that holds only a slice of its tensor (tensor parallelism: a column or row shard) is described by
+its module's `param_slices[name]` (a `TensorSlice`, set by `moetron.parallel` when it splits the module): it is
+drawn at the full shape from the same generator and this slice is copied, so a shard holds exactly the values
+the one-process model has there.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,15 +36,30 @@ def stable_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+@dataclass(frozen=True)
+class TensorSlice:
+    """The part of a larger tensor that a parameter holds: `full[index]` has the parameter's shape."""
+
+    full_shape: tuple[int, ...]
+    index: tuple[slice, ...]
+
+
+def param_slice(module: nn.Module, name: str) -> TensorSlice | None:
+    """The slice parameter `name` of `module` holds (None: the whole tensor)."""
+    return getattr(module, "param_slices", {}).get(name)
+
+
 @torch.no_grad()
-def normal_(param: torch.Tensor, std: float, seed: int, name: str) -> None:
-    """Fill `param` with N(0, std) drawn on CPU from the generator of (seed, name)."""
+def normal_(param: torch.Tensor, std: float, seed: int, name: str, part: TensorSlice | None = None) -> None:
+    """Fill `param` with N(0, std) drawn on CPU from the generator of (seed, name); a `part` of a larger tensor
+    is drawn at the full shape and sliced."""
     generator = torch.Generator(device="cpu").manual_seed(stable_seed(seed, name))
-    if param.device.type == "cpu" and param.dtype == torch.float32 and param.is_contiguous():
+    if part is None and param.device.type == "cpu" and param.dtype == torch.float32 and param.is_contiguous():
         param.normal_(0.0, std, generator=generator)  # the same draw as below, without a temporary
         return
-    values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
-    param.copy_(values)
+    values = torch.empty(part.full_shape if part else param.shape, dtype=torch.float32)
+    values.normal_(0.0, std, generator=generator)
+    param.copy_(values[part.index] if part else values)
 
 
 def output_std(std: float, num_layers: int) -> float:
@@ -57,7 +78,7 @@ def init_module_params(module: nn.Module, prefix: str, std: float, out_std: floa
             param.zero_()
         elif isinstance(module, (nn.Linear, nn.Embedding)):
             is_output = isinstance(module, nn.Linear) and prefix.endswith(OUTPUT_PROJECTIONS)
-            normal_(param, out_std if is_output else std, seed, full_name)
+            normal_(param, out_std if is_output else std, seed, full_name, param_slice(module, param_name))
         else:
             raise TypeError(f"no initialisation rule for parameter {full_name} of {type(module).__name__}")
 

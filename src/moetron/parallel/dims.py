@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 DENSE_DIMS = ("pp", "dp", "tp")
 EXPERT_DIMS = ("pp", "edp", "ep", "etp")
-# The largest degree each dimension supports today (raised by the issue that implements TP); pp is unbounded.
-SUPPORTED = {"tp": 1}
+# The largest degree a dimension supports today, for a dimension whose implementation is partial (none now:
+# tp, pp, dp and ep are all unbounded; combinations not supported yet are refused by their own `*_problems`).
+SUPPORTED: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,12 @@ class ParallelDims:
     pp: int = 1
     ep: int = 1
     etp: int = 1  # expert tensor parallelism: 1 (folding) or tp
+    sequence_parallel: bool = False  # norms and dropout on sequence shards between the TP regions (needs tp > 1)
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism is on (Megatron ignores --sequence-parallel without tensor parallelism)."""
+        return self.sequence_parallel and self.tp > 1
 
     @property
     def edp(self) -> int:

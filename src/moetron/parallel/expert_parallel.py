@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from moetron.model.gpt import GPTModel
-from moetron.model.moe.dispatch import permute, unpermute
+from moetron.model.moe.dispatch import LocalDispatcher, permute, unpermute
 from moetron.model.moe.experts import GroupedExperts
 from moetron.model.moe.layer import MoELayer
 from moetron.model.moe.routing_decision import Routing
@@ -170,5 +170,5 @@ def apply_ep(model: GPTModel, mesh: ParallelMesh) -> None:
     for moe in model.moe_layers():
         if moe.experts.num_experts == moe.experts.num_global_experts:
             shard_layer_experts(moe, ep_rank, ep_size)
-        if group is not None:
+        if group is not None and isinstance(moe.dispatcher, LocalDispatcher):  # not twice (parallelize after build)
             moe.dispatcher = AllToAllDispatcher(moe.num_experts, group, ep_size, ep_rank)

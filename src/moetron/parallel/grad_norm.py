@@ -2,11 +2,13 @@
 
 Each rank holds some gradients in full (dense tensors replicated over data parallelism: every replica holds the
 same values after the reduction) and some as one shard of a larger tensor: routed experts (a different slice of
-the experts on every expert-parallel rank), DTensor shards (tensor parallelism, ZeRO), and whole layers on one
-pipeline stage. A squared norm is summed locally per kind of sharding, then all-reduced over exactly the groups
-its tensor is split across (EP for experts, a DTensor's sharded mesh dimensions, PP for everything), so every
-rank clips by the same norm — the norm of the one-process model's gradient (DeepSpeed only averages the local
-norms). Sums over a product of groups are done one group after the other.
+the experts on every expert-parallel rank), tensor-parallel shards (plain local tensors the registry marks as split
+over `tp`; replicated ones — norms, routers, row-parallel biases — are counted once), DTensor shards (ZeRO), and
+whole layers on one pipeline stage. A squared norm is summed locally per kind of sharding, then all-reduced over
+exactly the groups its tensor is split across (EP for experts, TP for tensor-parallel shards, a DTensor's sharded
+mesh dimensions, PP for everything), so every rank clips by the same norm — the norm of the one-process model's
+gradient (DeepSpeed only averages the local norms). Sums over a product of groups are done one group after the
+other.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ def global_grad_norm_sq(
     named = registry.named_parameters(model) if named_params is None else named_params
     expert_ids = {id(p) for n, p in named if registry[n].is_expert}
     ep_group = [("ep", mesh.group("ep"))] if mesh.size("ep") > 1 else []
+    # tensor parallelism keeps its shards as plain local tensors and records where they are split (the registry)
+    tp_split = {id(p) for n, p in registry.named_parameters(model) if registry[n].tp_dim is not None}
+    tp_group = [("tp", mesh.group("tp"))] if mesh.size("tp") > 1 else []
     pp_group = mesh.group("pp") if mesh.size("pp") > 1 else None
 
     def norm_sq(params: list[torch.Tensor]) -> torch.Tensor:
@@ -66,7 +71,7 @@ def global_grad_norm_sq(
                 continue
             local, groups = _local_and_groups(p.grad)
             device = local.device
-            groups = groups + (ep_group if id(p) in expert_ids else [])
+            groups = groups + (ep_group if id(p) in expert_ids else []) + (tp_group if id(p) in tp_split else [])
             key = tuple(sorted(name for name, _ in groups))
             buckets.setdefault(key, ([g for _, g in sorted(groups, key=lambda ng: ng[0])], []))[1].append(local)
         total = torch.zeros((), dtype=torch.float32, device=device)

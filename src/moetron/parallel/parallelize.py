@@ -13,25 +13,29 @@
 The order matters, and each step is one small `apply_*` in its own module:
   1. build on the meta device (no memory; layers keyed by global index, so names never change);
      split_for_pipeline  keep this pipeline rank's layers and ends (pipeline.py);
-  2. apply_ep       keep this rank's `E / ep` experts, install the all-to-all dispatcher (expert_parallel.py);
-  3. apply_ac       recompute each layer in backward (activation_checkpoint.py);
-  4. apply_compile  `torch.compile` each transformer block (compile.py);
-  5. materialise on the device and initialise: weights are drawn per parameter name and per GLOBAL expert id,
-     so every layout holds exactly the weights of the one-process model;
-  6. the parameter-kind registry is read off the model (params.py);
-  7. apply_dp       DDP over the dense parameters, the expert reducer over the edp group (data_parallel.py);
+  2. apply_tp       split attention, dense MLPs and the vocabulary over the tp ranks; sequence parallelism
+                    (tensor_parallel.py);
+  3. apply_ep       keep this rank's `E / ep` experts, install the all-to-all dispatcher (expert_parallel.py);
+  4. apply_moe_tp   each TP rank dispatches its share of the tokens through that dispatcher, or (expert TP)
+                    keeps a slice of every expert's ffn channels (tensor_parallel_moe.py);
+  5. apply_ac       recompute each layer in backward (activation_checkpoint.py);
+  6. apply_compile  `torch.compile` each transformer block (compile.py);
+  7. materialise on the device and initialise: weights are drawn per parameter name and per GLOBAL expert id
+     (a tensor-parallel shard: at the full shape, then sliced), so every layout holds exactly the weights of the
+     one-process model;
+  8. the parameter-kind registry is read off the model (params.py), with each parameter's TP layout;
+  9. apply_dp       DDP over the dense parameters, the expert reducer over the edp group (data_parallel.py);
                     with ZeRO stage 1 the optimizer on shards, stages 2–3 FSDP2 (zero.py, fsdp.py). A meta-device
-                    build at stage 2–3 is sharded during step 5 instead, block by block (fsdp.py), so no rank
+                    build at stage 2–3 is sharded during step 7 instead, block by block (fsdp.py), so no rank
                     ever holds the whole model.
      with pp > 1 apply_pp builds this rank's stage modules and wraps each with apply_dp (pipeline.py).
-A new parallel dimension is one more `apply_*` between 1 and 7 plus its coordinates in `dims.py`/`mesh.py`:
-tensor parallelism goes before apply_ep, pipeline splitting right after the build (each stage keeps its layers).
+A new parallel dimension is one more `apply_*` between 1 and 9 plus its coordinates in `dims.py`/`mesh.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +44,7 @@ from torch import nn
 from moetron.errors import ConfigError
 from moetron.model.config import ModelConfig
 from moetron.model.gpt import GPTModel
+from moetron.model.loss import LossFunction
 from moetron.parallel.activation_checkpoint import apply_ac
 from moetron.parallel.compile import apply_compile
 from moetron.parallel.data_parallel import DataParallel, apply_dp
@@ -49,6 +54,9 @@ from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
 from moetron.parallel.pipeline import PipelineParts, apply_pp, split_for_pipeline
 from moetron.parallel.pipeline_layout import PipelineLayout
+from moetron.parallel.tensor_parallel import apply_tp, loss_parallel_scope, record_tp_layouts
+from moetron.parallel.tensor_parallel_layout import tensor_parallel_problems
+from moetron.parallel.tensor_parallel_moe import apply_moe_tp
 from moetron.parallel.zero import REPLICATED, ZeroSpec
 
 
@@ -68,8 +76,18 @@ class ParallelModel:
         """What the forward runs through (DDP over the dense parameters, or the model itself)."""
         return self.data_parallel.module
 
-    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
-        return self.data_parallel.micro_batch(last)
+    @property
+    def loss_fn(self) -> LossFunction:
+        """The LM loss for this model's logits (vocab-parallel cross-entropy under tensor parallelism)."""
+        return self.model.loss_fn
+
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool) -> Iterator[None]:
+        """Around one micro-batch's forward and backward: gradient reduction in the last one only; under tensor
+        parallelism the vocab-parallel loss's backward needs `loss_parallel` too."""
+        tp = self.mesh.size("tp") > 1
+        with self.data_parallel.micro_batch(last), loss_parallel_scope() if tp else contextlib.nullcontext():
+            yield
 
     def finish_gradients(self) -> None:
         """After the last micro-batch's backward: wait for (and finish) the gradient reductions."""
@@ -84,8 +102,8 @@ class ParallelModel:
 
 
 def check_dims(cfg: ModelConfig, mesh: ParallelMesh) -> None:
-    """Every layout problem (degrees, and expert counts the EP size must divide) as one ConfigError."""
-    problems = mesh.dims.problems(cfg.experts_per_layer())
+    """Every layout problem (degrees, expert counts the EP size must divide, what TP splits) as one ConfigError."""
+    problems = mesh.dims.problems(cfg.experts_per_layer()) + tensor_parallel_problems(cfg, mesh.dims)
     if problems:
         raise ConfigError(problems)
 
@@ -107,7 +125,9 @@ def build_model(
     with torch.device("meta"):
         model = GPTModel(cfg)
     split_for_pipeline(model, mesh, pipeline)
+    apply_tp(model, mesh)
     apply_ep(model, mesh)
+    apply_moe_tp(model, mesh)
     apply_ac(model, cfg.checkpoint_activations if checkpoint_activations is None else checkpoint_activations)
     apply_compile(model, compile_blocks)
     if zero.uses_fsdp and mesh.distributed:
@@ -123,12 +143,15 @@ def build_model(
 def parallelize(
     model: GPTModel, mesh: ParallelMesh, zero: ZeroSpec = REPLICATED, pipeline: PipelineLayout | None = None
 ) -> ParallelModel:
-    """Steps 6–7 on a model from `build_model` (a model built whole, e.g. by `create_model`, is split and
-    expert-sharded here first: correct, but it briefly held every layer and expert)."""
+    """Steps 8–9 on a model from `build_model` (a model built whole, e.g. by `create_model`, is split, tensor-
+    and expert-sharded here first: correct, but it briefly held everything)."""
     check_dims(model.cfg, mesh)
     split_for_pipeline(model, mesh, pipeline)
+    apply_tp(model, mesh)
     apply_ep(model, mesh)
+    apply_moe_tp(model, mesh)
     registry = ParamRegistry.from_model(model)
+    record_tp_layouts(model, registry)
     if pipeline is None or pipeline.pp == 1:
         data_parallel = apply_dp(model, registry, mesh, zero)
         norm_sq = global_grad_norm_sq(model, registry, mesh, data_parallel.optimizer_parameters())

@@ -11,7 +11,8 @@ Kinds:
           PR-MoE's residual MLP)
   expert  routed experts `[E_local, …]` of a MoE layer: dim 0 is the local expert, global id = offset + index;
           sharded over the expert-parallel group, replicated over the expert-data-parallel group
-Layouts along tensor parallelism (`tp_layout`) are recorded by `apply_tp`: "replicated" until then.
+Layouts along tensor parallelism (`tp_layout`, and `tp_dim`, the dimension split over the TP ranks) are recorded
+by `tensor_parallel.record_tp_layouts`: "replicated" until then. A split parameter holds 1 / tp of its tensor.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class ParamInfo:
     num_local_experts: int = 0
     num_global_experts: int = 0
     tp_layout: str = "replicated"  # "replicated" | "column" | "row" | "vocab" (set by apply_tp)
+    tp_dim: int | None = None  # the dimension split over the tensor-parallel ranks (None: replicated over them)
 
     @property
     def is_expert(self) -> bool:
@@ -99,5 +101,5 @@ class ParamRegistry:
             (n, p) for n, p in model.named_parameters() if n in self.infos and (kind is None or self[n].kind == kind)
         ]
 
-    def set_tp_layout(self, name: str, layout: str) -> None:
-        self.infos[name] = replace(self.infos[name], tp_layout=layout)
+    def set_tp_layout(self, name: str, layout: str, dim: int | None = None) -> None:
+        self.infos[name] = replace(self.infos[name], tp_layout=layout, tp_dim=dim)

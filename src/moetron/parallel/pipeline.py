@@ -164,7 +164,8 @@ def apply_pp(model: GPTModel, registry: ParamRegistry, mesh: ParallelMesh, layou
     if not model.cfg.untie_embeddings_and_output_weights:
         group = embedding_group(mesh, layout)  # collective: every rank takes part
         if model.word_embeddings is not None:  # this rank holds the first or the last stage
-            parts.tied_embedding, parts.embedding_group = model.word_embeddings.weight, group
+            # `_parameters`: the parameter itself (under tensor parallelism `.weight` reads a DTensor view of it)
+            parts.tied_embedding, parts.embedding_group = model.word_embeddings._parameters["weight"], group
     return parts
 
 

@@ -75,8 +75,10 @@ def pipeline_stages(
     model = parts.modules[0]._model[0]
     B, T, cfg = micro_batch_size, seq_length, model.cfg
     tokens = torch.empty(B, T, dtype=torch.long, device="meta")
-    # the fp32 residual stream; requires_grad: gradients flow back across the boundary
-    hidden = torch.empty(B, T, cfg.hidden_size, dtype=torch.float32, device="meta", requires_grad=True)
+    # the fp32 residual stream; requires_grad: gradients flow back across the boundary. Sequence parallelism sends
+    # each tensor-parallel rank's sequence shard to its peer of the next stage (same tp coordinate)
+    shard_T = T // parts.mesh.size("tp") if parts.mesh.dims.sp else T
+    hidden = torch.empty(B, shard_T, cfg.hidden_size, dtype=torch.float32, device="meta", requires_grad=True)
     logits = torch.empty(B, T, cfg.padded_vocab_size(), dtype=logits_dtype, device="meta", requires_grad=True)
     last, stages = parts.layout.num_stages - 1, []
     for index, dp in zip(parts.stage_indices, parts.data_parallel, strict=True):

@@ -2,6 +2,8 @@
 
 Candidates, each a change a user can make with flags (the whole memory model is re-run on it):
   expert parallelism         every EP that divides each expert count and the data-parallel size
+  tensor parallelism         TP 2, 4, 8 (with sequence parallelism) where it divides the GPUs and the model
+                             (heads, ffn, vocabulary: plan/tensor_parallel.py models what it saves)
   micro batch                halving down to 1, the global batch kept (more accumulation steps)
   activation checkpointing   when off
   bf16                       when training in fp32 (fp16 costs the same memory in moetron)
@@ -77,6 +79,20 @@ def expert_parallel_changes(cfg: RunConfig, gpus: int) -> list[Change]:
     return changes
 
 
+def tensor_parallel_changes(cfg: RunConfig, gpus: int) -> list[Change]:
+    """Larger TP sizes with sequence parallelism, the global batch kept (fewer data-parallel ranks accumulate more);
+    a size the model cannot split is dropped by `_try` (its ConfigError)."""
+    gbs, changes = cfg.global_batch(cfg.dims(gpus).dp), []
+    for tp in (2, 4, 8):
+        if tp <= cfg.parallel.tensor_model_parallel_size or gpus % tp:
+            continue
+        edits = [_set("parallel", "tensor_model_parallel_size", tp), _set("parallel", "sequence_parallel", True)]
+        edit = _chain([*edits, _set("train", "global_batch_size", gbs)])
+        flags = f"--tensor-model-parallel-size {tp} --sequence-parallel --global-batch-size {gbs}"
+        changes.append(Change("tp", f"tensor parallel {tp} + sequence parallel (within a node)", flags, gpus, edit))
+    return changes
+
+
 def micro_batch_changes(cfg: RunConfig, gpus: int) -> list[Change]:
     gbs = cfg.global_batch(cfg.dims(gpus).dp)
     changes, mbs = [], cfg.train.micro_batch_size // 2
@@ -133,6 +149,7 @@ def single_changes(cfg: RunConfig, gpus: int) -> list[Change]:
     """Every candidate, weakest first within each kind."""
     kinds = (
         expert_parallel_changes,
+        tensor_parallel_changes,
         micro_batch_changes,
         switch_changes,
         zero_changes,

@@ -1,9 +1,10 @@
 """One plan: parameters, FLOPs, per-rank memory, the verdict and a step-time estimate for a config on N devices.
 
 Step time is compute only: FLOPs per step per device (6·N_active + attention per token, ×4/3 when
-activations are recomputed) divided by `peak × mfu`. The MFU is an assumption the user can change
-(`--mfu`); all-to-all time and routing imbalance are not modelled separately, so they are part of what
-that assumption has to absorb.
+activations are recomputed; tensor parallelism splits each token's FLOPs over its ranks) divided by
+`peak × mfu`. The MFU is an assumption the user can change (`--mfu`); all-to-all and tensor-parallel
+communication time and routing imbalance are not modelled separately, so they are part of what that
+assumption has to absorb (the plan states the TP traffic per step, `plan/tensor_parallel.py`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from moetron.errors import ConfigError
 from moetron.model.flops import ParamCounts, count_parameters, flops_per_token
 from moetron.parallel.dims import ParallelDims
 from moetron.plan.hardware import Accelerator
-from moetron.plan.memory import LocalParams, MemoryEstimate, estimate_memory, local_parameters
+from moetron.plan.memory import LocalParams, MemoryEstimate, compute_bytes, estimate_memory, local_parameters
 from moetron.plan.pipeline import StagePlan, pipeline_bubble, pipeline_step_time, plan_stages
+from moetron.plan.tensor_parallel import comm_bytes_per_step
 
 DEFAULT_MFU = 0.30
 NOT_SUPPORTED = "is not supported yet"
@@ -38,6 +40,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     stages: list[StagePlan] = field(default_factory=list)  # per pipeline rank (pp > 1)
     bubble: float = 0.0  # idle share of a step (pipeline bubble)
+    tp_comm_bytes: float = 0.0  # bytes one GPU sends over its tensor-parallel group per step
 
     @property
     def needed_bytes(self) -> int:
@@ -88,7 +91,8 @@ def step_time(cfg: RunConfig, dims: ParallelDims, device: Accelerator, mfu: floa
     """(seconds per optimizer step, training FLOPs per token) at `mfu` of the device's peak."""
     per_token = flops_per_token(cfg.model, cfg.model.seq_length)
     recompute = 4 / 3 if cfg.model.checkpoint_activations else 1.0  # one more forward pass
-    tokens_per_device = cfg.global_batch(dims.dp) * cfg.model.seq_length / dims.dp
+    # TP ranks share each token's FLOPs (the replicated norms, routers and shared experts are small)
+    tokens_per_device = cfg.global_batch(dims.dp) * cfg.model.seq_length / (dims.dp * dims.tp)
     return tokens_per_device * per_token * recompute / (device.peak_tflops * 1e12 * mfu), per_token
 
 
@@ -98,11 +102,6 @@ def make_plan(cfg: RunConfig, gpus: int, device: Accelerator, mfu: float = DEFAU
     if errors:
         raise ConfigError(errors)
     dims = cfg.dims(gpus)
-    if dims.tp > 1:
-        warnings.append(
-            "the memory model does not shard by tensor parallelism yet: each GPU is planned holding the "
-            f"whole model, with data parallel {dims.dp}"
-        )
     seconds, per_token = step_time(cfg, dims, device, mfu)
     stages, bubble = [], 0.0
     if dims.pp > 1:
@@ -122,4 +121,7 @@ def make_plan(cfg: RunConfig, gpus: int, device: Accelerator, mfu: float = DEFAU
         warnings=warnings,
         stages=stages,
         bubble=bubble,
+        tp_comm_bytes=comm_bytes_per_step(
+            cfg.model, dims, cfg.train.micro_batch_size, cfg.num_micro_batches(dims.dp), compute_bytes(cfg)
+        ),
     )

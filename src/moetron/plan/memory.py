@@ -18,9 +18,10 @@ Everything follows what moetron's trainer actually keeps (train/trainer.py, trai
 Activation checkpointing keeps each layer's fp32 input and recomputes one layer at a time in backward.
 The peak is the larger of "start of backward" (everything above; gradients only what is already there:
 the LM head's, or all of them when accumulating micro-batches) and "after backward" (weights, gradients,
-optimizer). Layouts: data parallel, expert parallel (experts / EP per rank) and pipeline parallel (per stage,
-`plan/pipeline.py`); TP is accepted as 1 only — `layer_bytes` and `local_parameters` are its seams. ZeRO stages
-shard weights, gradients and optimizer state and add gathered weights (`plan/zero.py`).
+optimizer). Layouts: data parallel, expert parallel (experts / EP per rank), tensor and sequence parallel
+(`plan/tensor_parallel.py`: what each rank holds and saves, as a `Split` of the terms below) and pipeline
+parallel (per stage, `plan/pipeline.py`). ZeRO stages shard weights, gradients and optimizer state and add
+gathered weights (`plan/zero.py`).
 
 Shape legend: T tokens per micro-batch per rank (mbs · seq), h hidden, f ffn, a heads, s seq, V vocab.
 """
@@ -34,6 +35,7 @@ from moetron.config import RunConfig
 from moetron.model.config import ModelConfig
 from moetron.model.flops import attention_params, count_parameters, embedding_params, mlp_params, moe_layer_params
 from moetron.parallel.dims import ParallelDims
+from moetron.plan.tensor_parallel import WHOLE, Split, activation_split, shard_parameters
 from moetron.plan.zero import zero_memory
 
 LOGITS_BYTES_PER_ENTRY = 16  # logits + fp32 log-softmax + grad of the log-softmax + grad of the logits
@@ -86,7 +88,9 @@ def local_parameters(model: ModelConfig, dims: ParallelDims) -> LocalParams:
             matmul += routed // dims.ep + other - model.hidden_size * num_experts  # the router runs in fp32
         else:
             matmul += mlp_params(model, model.ffn_size)
-    return LocalParams(counts.total - counts.expert + experts, experts, replicated, matmul)
+    return shard_parameters(
+        LocalParams(counts.total - counts.expert + experts, experts, replicated, matmul), model, dims
+    )
 
 
 def routed_rows(model: ModelConfig, num_experts: int, tokens: int, ep: int) -> int:
@@ -99,20 +103,22 @@ def routed_rows(model: ModelConfig, num_experts: int, tokens: int, ep: int) -> i
     return num_experts * capacity if ep > 1 else min(routes, num_experts * capacity)
 
 
-def mlp_activation_bytes(model: ModelConfig, tokens: int, c: int) -> int:
+def mlp_activation_bytes(model: ModelConfig, tokens: int, c: int, split: Split = WHOLE) -> int:
     """fc1 input, fc1 output (2F for SwiGLU) and the activation's output(s), in the compute dtype."""
     f = model.ffn_size
-    per_token = model.hidden_size + (4 * f if model.swiglu else 2 * f)
-    return tokens * per_token * c
+    per_token = model.hidden_size + (4 * f if model.swiglu else 2 * f) * split.ffn
+    return int(tokens * per_token * c)
 
 
-def expert_activation_bytes(model: ModelConfig, num_experts: int, tokens: int, c: int, ep: int) -> int:
+def expert_activation_bytes(
+    model: ModelConfig, num_experts: int, tokens: int, c: int, ep: int, split: Split = WHOLE
+) -> int:
     """Router tensors, then per kept route: expert input, hidden, activation, output (+ residual/shared MLP)."""
     h, f = model.hidden_size, model.expert_ffn_size
-    rows = routed_rows(model, num_experts, tokens, ep)
-    per_route = 2 * h + (4 * f if model.swiglu else 2 * f)
+    rows = routed_rows(model, num_experts, tokens, ep) * split.routes
+    per_route = 2 * h + (4 * f if model.swiglu else 2 * f) * split.expert_ffn
     router = tokens * (4 * h + 5 * 4 * num_experts)  # fp32 input and [T, E] logits/probs/masks
-    total = router + rows * per_route * c
+    total = int(router + rows * per_route * c)
     dense_branches = [f] if model.mlp_type == "residual" else []  # PR-MoE's MLP: output kept for the mix
     dense_branches += [f * model.num_shared_experts] if model.num_shared_experts else []
     for ffn in dense_branches:
@@ -120,32 +126,42 @@ def expert_activation_bytes(model: ModelConfig, num_experts: int, tokens: int, c
     return total
 
 
-def layer_bytes(model: ModelConfig, num_experts: int, tokens: int, seq: int, c: int, device_kind: str, ep: int) -> int:
-    """Activations one transformer layer saves for backward (micro-batch of `tokens` = mbs·seq)."""
+def layer_bytes(
+    model: ModelConfig,
+    num_experts: int,
+    tokens: int,
+    seq: int,
+    c: int,
+    device_kind: str,
+    ep: int,
+    split: Split = WHOLE,
+) -> int:
+    """Activations one transformer layer saves for backward (micro-batch of `tokens` = mbs·seq), on one rank."""
     h, a, d = model.hidden_size, model.num_attention_heads, model.head_dim
     mask = c if device_kind == "cpu" else 1  # dropout masks: the input dtype on CPU, bool on CUDA
-    residual = 2 * 4 * h  # the fp32 residual stream saved by both norms
-    attention = (h + (a + 2 * model.kv_heads) * d + a * d) * c + 4 * a  # qkv in, q/k/v, output, logsumexp
-    dropout = 2 * mask * h * (model.hidden_dropout > 0)
+    residual = 2 * 4 * h * split.sequence  # the fp32 residual stream saved by both norms
+    heads = ((a + 2 * model.kv_heads) * d + a * d) * c + 4 * a  # q/k/v, output, logsumexp
+    attention = h * c + heads * split.heads  # qkv input (whole: the gathered input), then the heads
+    dropout = 2 * mask * h * (model.hidden_dropout > 0) * split.sequence
     per_token = residual + attention + dropout
     if device_kind == "cpu" and model.attention_dropout > 0:
-        per_token += MATH_ATTENTION_BYTES[c] * a * seq  # CPU SDPA with dropout runs the math kernel
+        per_token += MATH_ATTENTION_BYTES[c] * a * seq * split.heads  # CPU SDPA with dropout: the math kernel
     if num_experts > 1:
-        mlp = expert_activation_bytes(model, num_experts, tokens, c, ep)
+        mlp = expert_activation_bytes(model, num_experts, tokens, c, ep, split)
     else:
-        mlp = mlp_activation_bytes(model, tokens, c)
-    return tokens * per_token + mlp
+        mlp = mlp_activation_bytes(model, tokens, c, split)
+    return int(tokens * per_token) + mlp
 
 
 def activation_bytes(cfg: RunConfig, dims: ParallelDims, device_kind: str) -> int:
     """Saved activations of one micro-batch at the start of backward (all layers, or checkpointed inputs)."""
-    model, c = cfg.model, compute_bytes(cfg)
+    model, c, split = cfg.model, compute_bytes(cfg), activation_split(dims)
     seq = model.seq_length
     tokens = cfg.train.micro_batch_size * seq
-    layers = [layer_bytes(model, e, tokens, seq, c, device_kind, dims.ep) for e in model.experts_per_layer()]
-    ends = tokens * model.hidden_size * (4 + 4 + c)  # embedding output + final norm input and output
+    layers = [layer_bytes(model, e, tokens, seq, c, device_kind, dims.ep, split) for e in model.experts_per_layer()]
+    ends = int(tokens * model.hidden_size * (8 * split.sequence + c))  # embedding output, final norm in and out
     if model.checkpoint_activations:
-        return ends + len(layers) * tokens * model.hidden_size * 4 + max(layers)
+        return ends + int(len(layers) * tokens * model.hidden_size * 4 * split.sequence) + max(layers)
     return ends + sum(layers)
 
 
@@ -157,7 +173,7 @@ def logits_bytes(cfg: RunConfig, dims: ParallelDims) -> int:
     """The [T, V] loss buffers; with accumulation the trainer still holds the previous micro-batch's logits."""
     tokens = cfg.train.micro_batch_size * cfg.model.seq_length
     per_entry = LOGITS_BYTES_PER_ENTRY + (compute_bytes(cfg) if accumulating(cfg, dims) else 0)
-    return tokens * cfg.model.padded_vocab_size() * per_entry
+    return int(tokens * cfg.model.padded_vocab_size() * per_entry * activation_split(dims).vocab)
 
 
 def all_to_all_bytes(cfg: RunConfig, dims: ParallelDims) -> int:
@@ -167,8 +183,8 @@ def all_to_all_bytes(cfg: RunConfig, dims: ParallelDims) -> int:
     if dims.ep == 1 or not moe:
         return 0
     tokens = cfg.train.micro_batch_size * model.seq_length
-    rows = max(routed_rows(model, e, tokens, dims.ep) for e in moe)
-    return 2 * rows * model.hidden_size * compute_bytes(cfg)
+    rows = max(routed_rows(model, e, tokens, dims.ep) for e in moe) * activation_split(dims).routes
+    return int(2 * rows * model.hidden_size * compute_bytes(cfg))
 
 
 def estimate_memory(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda") -> MemoryEstimate:

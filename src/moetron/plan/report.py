@@ -64,12 +64,15 @@ def describe_model(plan: Plan) -> str:
 def describe_layout(plan: Plan) -> str:
     d, t = plan.dims, plan.cfg.train
     local = [e // d.ep for e in plan.cfg.model.num_experts if e > 1]
-    experts = f" ({'/'.join(map(str, sorted(set(local))))} experts per GPU)" if local else ""
+    split = f", each split over {d.etp} TP ranks" if d.etp > 1 else ""
+    experts = f" ({'/'.join(map(str, sorted(set(local))))} experts per GPU{split})" if local else ""
+    tensor = f", tensor parallel {d.tp}" + (" + sequence parallel" if d.sp else "") if d.tp > 1 else ""
     stage = plan.memory.zero_stage
     zero = f", ZeRO stage {stage} (dense state 1/{d.dp}, expert state 1/{d.edp} per GPU)" if stage else ""
     pipeline = f", {pipeline_words(plan)}" if d.pp > 1 else ""
     return (
-        f"{plan.gpus} GPU(s): data parallel {d.dp}, expert parallel {d.ep}{experts}{zero}{pipeline}; micro batch "
+        f"{plan.gpus} GPU(s): data parallel {d.dp}{tensor}, expert parallel {d.ep}{experts}{zero}{pipeline}; "
+        "micro batch "
         f"{t.micro_batch_size} × {plan.accumulation_steps} accumulation step(s) × {d.dp} = global batch "
         f"{plan.cfg.global_batch(d.dp)}, seq {plan.cfg.model.seq_length}"
     )
@@ -82,7 +85,7 @@ def memory_lines(plan: Plan) -> list[str]:
         "dtype": precision(plan),
         "activations": f"micro batch {plan.cfg.train.micro_batch_size} × seq {m.seq_length}{ckpt}",
         "tokens": plan.cfg.train.micro_batch_size * m.seq_length,
-        "vocab": m.padded_vocab_size(),
+        "vocab": m.padded_vocab_size() // plan.dims.tp,  # this GPU's vocabulary shard
         **zero_labels(plan),
     }
     lines = [f"  {'memory per GPU':<52} {'GiB':>8}"]
@@ -123,6 +126,11 @@ def format_plan(plan: Plan, suggestions: list[Suggestion], source: str = "", lar
     ]
     if t.train_iters or t.train_tokens:
         lines.append(f"  run        ~{human(plan.cfg.total_iters(plan.dims.dp))} steps ≈ {_duration(plan)}")
+    if plan.tp_comm_bytes:
+        lines.append(
+            f"  TP comm    ~{gib(plan.tp_comm_bytes)} GiB sent per GPU per step to its {plan.dims.tp - 1} "
+            "tensor-parallel peer(s) (all-reduces / all-gathers of activations: keep TP within NVLink)"
+        )
     for warning in plan.warnings:
         lines.append(f"  warning    {warning}")
     if larger is not None:
@@ -147,10 +155,10 @@ def suggestion_lines(plan: Plan, suggestions: list[Suggestion]) -> list[str]:
     if not suggestions:
         replicated = plan.memory.weights + plan.memory.gradients + plan.memory.optimizer
         return [
-            "  no change tried fits (more expert parallelism or GPUs, a smaller micro batch, checkpointing, bf16, "
-            f"ZeRO stages, and all of them together); in this layout the fp32 weights, gradients and Adam state "
-            f"alone take {gib(replicated)} GiB per GPU. Use GPUs with more memory or a smaller model (tensor "
-            "parallelism is not implemented yet)."
+            "  no change tried fits (more expert or tensor parallelism or GPUs, a smaller micro batch, checkpointing, "
+            f"bf16, ZeRO stages, and all of them together); in this layout the fp32 weights, gradients and Adam "
+            f"state alone take {gib(replicated)} GiB per GPU. Use GPUs with more memory, more GPUs with tensor "
+            "parallelism (--tensor-model-parallel-size, within a node), or a smaller model."
         ]
     lines = ["  changes that fit (needed GiB per GPU, step time):"]
     for s in suggestions:
@@ -172,6 +180,11 @@ def plan_dict(plan: Plan, suggestions: list[Suggestion], source: str = "", large
         },
         "parallel": {"dp": d.dp, "ep": d.ep, "tp": d.tp, "pp": d.pp},
         "pipeline": pipeline_dict(plan),
+        "tensor_parallel": {
+            "sequence_parallel": d.sp,
+            "expert_tensor_parallel_size": d.etp,
+            "comm_bytes_per_step": plan.tp_comm_bytes,
+        },
         "precision": precision(plan),
         "micro_batch_size": plan.cfg.train.micro_batch_size,
         "global_batch_size": plan.cfg.global_batch(d.dp),

@@ -30,6 +30,7 @@ from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
 from moetron.model.rng import STREAMS
 from moetron.parallel.parallelize import ParallelModel
 from moetron.parallel.pipeline_stage import build_schedule, pipeline_stages
+from moetron.parallel.tensor_parallel import loss_parallel_scope
 from moetron.train.executor import MicroBatch
 from moetron.train.metrics import moe_step_stats
 
@@ -96,10 +97,15 @@ class PipelineExecutor:
             raise ValueError(f"the schedule was built for {self.num_micro} micro-batches, not {num_micro}")
         args, target = self._feed([next_micro_batch() for _ in range(num_micro)], "train")
         self._factor = loss_scale / num_micro
-        with AUX_LOSS_SCALE.scaled(self._factor):
+        with AUX_LOSS_SCALE.scaled(self._factor), self._loss_scope():
             self.schedule.step(*args, target=target, return_outputs=False)
         lm_loss, self._moe_stats = self._over_stages(self._loss_sum(num_micro), moe_step_stats(self.model))
         return lm_loss
+
+    def _loss_scope(self) -> contextlib.AbstractContextManager:
+        """Under tensor parallelism the last stage's logits are vocabulary shards: the loss and its backward (both
+        inside the schedule's step) run in `loss_parallel`."""
+        return loss_parallel_scope() if self.parts.mesh.size("tp") > 1 else contextlib.nullcontext()
 
     def moe_step_stats(self) -> torch.Tensor | None:
         """[L_moe, 4] of the last step, every MoE layer of the model (see `train.metrics.moe_step_stats`)."""
@@ -133,7 +139,8 @@ class PipelineExecutor:
             for _ in range(micro_batches // self.num_micro):
                 batches = [MicroBatch.from_loader(loader, self.device) for _ in range(self.num_micro)]
                 args, target = self._feed(batches, "valid")
-                self.schedule.eval(*args, target=target, return_outputs=False)
+                with self._loss_scope():
+                    self.schedule.eval(*args, target=target, return_outputs=False)
                 total = total + self._loss_sum(1)
         finally:
             self.model.train(was_training)

@@ -29,7 +29,6 @@ import torch
 from moetron.config import RunConfig
 from moetron.errors import UserError
 from moetron.model.flops import flops_per_token, megatron_tflops, mfu, peak_tflops
-from moetron.model.loss import language_model_loss
 from moetron.model.rng import STREAMS
 from moetron.parallel.data_parallel import sync_router_loads
 from moetron.parallel.env import DistEnv
@@ -94,7 +93,8 @@ class Trainer:
         # PP stages, EP experts; DDP and the expert reducer, or ZeRO (sharded optimizer, FSDP2)
         self.parallel = parallelize(model, self.mesh, ZeroSpec.from_config(cfg), self.pipeline)
         self.model = self.parallel.model
-        self.executor = build_executor(self.parallel, language_model_loss, self.autocast, cfg)  # pipeline's when split
+        # the pipeline's executor when split; the loss is vocab-parallel cross-entropy under tensor parallelism
+        self.executor = build_executor(self.parallel, self.parallel.loss_fn, self.autocast, cfg)
         stepped = self.parallel.optimizer_parameters()  # the weights, or at ZeRO-1 this rank's shards of them
         self.optimizer = build_optimizer(self.model, self.parallel.registry, cfg.train, env.device, stepped)
         self.parallel.attach_optimizer(self.optimizer)

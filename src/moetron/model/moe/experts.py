@@ -16,6 +16,8 @@ reading the device is free (a CPU tensor), a SwiGLU expert without biases runs e
 Expert parallelism: a `GroupedExperts` may hold only the experts `expert_offset … expert_offset + E_local − 1`
 of a layer with `num_global_experts`; initialisation draws global expert g's weights from a generator seeded
 by (seed, layer_index, g), so any slice of experts holds exactly the weights the full layer has there.
+Expert tensor parallelism may also keep only a slice of every expert's ffn channels (`param_slices`, see
+`moetron.model.init`): each expert is drawn at its full shape and sliced, for the same reason.
 
 Shape legend: N routed rows (sorted by expert), E local experts, D hidden size, F ffn size per expert.
 """
@@ -28,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moetron.model.init import stable_seed
+from moetron.model.init import param_slice, stable_seed
 from moetron.model.mlp import gelu
 from moetron.model.moe.dispatch import ExpertCounts, gather_rows
 from moetron.model.moe.expert_backends import (
@@ -104,12 +106,13 @@ class GroupedExperts(nn.Module):
             global_id = 0 if identical else self.expert_offset + local
             name = "/".join(str(part) for part in (*key, "expert", global_id))
             generator = torch.Generator(device="cpu").manual_seed(stable_seed(seed, name))
-            for weight, weight_std in ((self.w1_EDF, std), (self.w3_EDF, std), (self.w2_EFD, out_std)):
-                if weight is not None:  # draw on CPU, then copy: identical on every device
-                    draw = torch.empty(weight.shape[1:], dtype=torch.float32).normal_(
-                        0.0, weight_std, generator=generator
-                    )
-                    weight[local].copy_(draw)
+            for weight_name, weight_std in (("w1_EDF", std), ("w3_EDF", std), ("w2_EFD", out_std)):
+                weight = getattr(self, weight_name)
+                if weight is not None:  # draw on CPU at the full expert shape, then copy: identical everywhere
+                    part = param_slice(self, weight_name)  # a tensor-parallel slice of the ffn channels
+                    shape = part.full_shape[1:] if part else weight.shape[1:]
+                    draw = torch.empty(shape, dtype=torch.float32).normal_(0.0, weight_std, generator=generator)
+                    weight[local].copy_(draw[part.index[1:]] if part else draw)
         for b in (self.b1_EF, self.b2_ED):
             if b is not None:
                 b.zero_()
@@ -168,8 +171,13 @@ class GroupedExperts(nn.Module):
             h_NF = h_NF * matmul(x_ND, self.w3_EDF.to(dtype))
         y_ND = matmul(h_NF, self.w2_EFD.to(dtype))
         if self.b2_ED is not None:
-            y_ND = add_bias(y_ND, self.b2_ED.to(dtype))
+            y_ND = add_bias(y_ND, self.output_bias(dtype))
         return y_ND
+
+    def output_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The second projection's bias `b2_ED` in `dtype`. Experts split by tensor parallelism along the ffn
+        channels sum their partial outputs over the group, so they add it on one rank only (they override this)."""
+        return self.b2_ED.to(dtype)
 
 
 def _add_row_bias(h_NA: torch.Tensor, b_EA: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,9 @@ own slices (DCP plans the resharding). Keys:
 
 Layout-free by construction: names never change with the layout (layers keyed by global index), routed experts
 are one global `[E, …]` tensor whose row e is global expert e (this rank's `[E/ep, …]` slice is written as a
-DTensor shard over the expert-parallel mesh; replicas over expert-data parallelism are written once), DTensor
-parameters (tensor parallelism, ZeRO) are already global, and plain replicated tensors are written by one rank
+DTensor shard over the expert-parallel mesh; replicas over expert-data parallelism are written once), tensor-parallel
+shards (plain local tensors the registry marks as split) are written as DTensor shards of their global tensor,
+DTensor parameters (ZeRO) are already global, and plain replicated tensors are written by one rank
 (DCP de-duplicates them). So a checkpoint saved at any (dp, ep) layout loads at any other, optimizer state
 included, and no rank ever holds more than its own shards plus one tensor in flight. Optimizer state is generic:
 whatever tensors the optimizer keeps per parameter, those with the parameter's shape are laid out like it.
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from moetron.errors import UserError
 from moetron.fileio import describe_os_error
 from moetron.parallel.mesh import ParallelMesh
-from moetron.parallel.params import ParamRegistry
+from moetron.parallel.params import ParamInfo, ParamRegistry
 from moetron.train.checkpoint import files
 from moetron.train.checkpoint.rng_files import load_rng, save_rng
 
@@ -52,7 +53,7 @@ class GlobalView:
         optimizer_params: list[tuple[str, torch.Tensor]] | None = None,
     ):
         """`optimizer_params`: (name, tensor) the optimizer steps, when not the model's parameters (ZeRO-1)."""
-        self.model, self.registry = model, registry
+        self.model, self.registry, self.mesh = model, registry, mesh
         self.expert_mesh = mesh.submesh("edp", "ep") if mesh is not None and mesh.size("ep") > 1 else None
         self.optimizer_params = optimizer_params
 
@@ -60,6 +61,8 @@ class GlobalView:
         """`local` (a tensor of parameter `name`'s shape, or the parameter itself) as its global tensor."""
         info = self.registry.infos.get(name)
         local = local.detach()
+        if info is not None and info.tp_dim is not None and self.mesh is not None:
+            return self.tensor_parallel_shard(info, local)
         if info is None or not info.is_expert or self.expert_mesh is None:
             return local
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -90,6 +93,22 @@ class GlobalView:
             shape=shape,
             stride=_stride(shape),
         )
+
+    def tensor_parallel_shard(self, info: ParamInfo, local: torch.Tensor) -> torch.Tensor:
+        """A tensor-parallel shard (split on `info.tp_dim`) as its global DTensor: dense parameters over the
+        (dp, tp) mesh, replicated over dp; experts split by expert TP over (edp, ep, etp), experts on dim 0. The
+        global shape is the config's (the padded vocabulary does not depend on TP), so any TP size reads it."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        shape = list(local.shape)
+        shape[info.tp_dim] *= self.mesh.size("tp")
+        if info.is_expert:
+            shape[0] = info.num_global_experts
+            mesh, placements = self.mesh.submesh("edp", "ep", "etp"), [Replicate(), Shard(0), Shard(info.tp_dim)]
+        else:
+            mesh, placements = self.mesh.submesh("dp", "tp"), [Replicate(), Shard(info.tp_dim)]
+        shape = tuple(shape)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=_stride(shape))
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """`model.<name>` → global tensor, for every parameter and persistent buffer."""

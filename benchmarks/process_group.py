@@ -1,0 +1,35 @@
+"""Spawn one gloo process group for a benchmark and collect what every rank reports (used by the scripts here)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+
+
+def spawn_group(target, world: int, args: tuple, timeout: float = 3600) -> list:
+    """Run `target(rank, world, port, *args, results)` in `world` fresh processes; each puts one tuple on `results`
+    (its rank first). Returns them sorted by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    rows = sorted((results.get(timeout=timeout) for _ in procs), key=lambda row: row[0])
+    for p in procs:
+        p.join()
+    return rows
+
+
+def timed_steps(trainer, env, steps: int) -> float:
+    """Wall seconds of `steps` optimizer steps, every rank starting and ending together (barriers)."""
+    import time
+
+    env.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    env.barrier()
+    return time.perf_counter() - start

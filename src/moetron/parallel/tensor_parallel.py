@@ -1,0 +1,193 @@
+"""Tensor parallelism (Megatron's `--tensor-model-parallel-size`, `MP_SIZE`) and sequence parallelism, on DTensor.
+
+`apply_tp(model, mesh)` splits the dense parts over the `tp` ranks with `torch.distributed.tensor.parallel`:
+
+    word_embeddings          vocab-parallel (RowwiseParallel of nn.Embedding: rows = vocabulary)
+    query_key_value          ColwiseParallel: whole key/value groups per rank (the fused layout is grouped by them)
+    attention dense          RowwiseParallel over the same heads
+    dense_h_to_4h (+ _up)    ColwiseParallel;  dense_4h_to_h: RowwiseParallel
+    LM head                  the tied embedding (or output_layer) as a vocabulary shard: logits are a DTensor
+                             sharded on the vocabulary, and the loss is `vocab_parallel_loss` (`loss_parallel`):
+                             no rank ever holds the full [B, T, V] logits
+    norms, routers, experts  replicated (experts: see tensor_parallel_moe.py, applied after expert parallelism)
+
+With `--sequence-parallel` (Megatron's SP) the residual stream between the TP regions holds seq / tp positions:
+norms run on sequence shards (`SequenceParallel`), each attention / MLP / MoE input is all-gathered
+(`PrepareModuleInput` Shard(1) → Replicate) and each row-parallel output reduce-scattered (`output_layouts=
+Shard(1)`); the embedding output is scattered after its dropout and the final norm's output gathered for the head.
+Hidden dropout on a sequence shard draws the one-process mask of the whole sequence and keeps its shard
+(`SequenceShardDropout`), so SP reproduces the one-process run with dropout on; attention dropout draws on head
+shards from per-rank streams (`SelfAttention.stream_shard`) — independent masks, not the one-process ones.
+
+Parameters stay plain local shards read through DTensor views (`tensor_parallel_params.py`: why), each drawn at
+its full shape and sliced, so every layout holds exactly the one-process weights. `record_tp_layouts` writes each
+parameter's layout into the registry, where the gradient norm and the checkpoint read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from moetron.model.gpt import GPTModel, TransformerLayer
+from moetron.model.loss import language_model_loss, masked_mean
+from moetron.parallel.mesh import ParallelMesh
+from moetron.parallel.params import ParamRegistry
+from moetron.parallel.tensor_parallel_params import ShardViews, localize_parameters, sharded_modules
+
+LAYOUT_OF_PLACEMENT = {0: "column", 1: "row"}  # a Linear weight [out, in] split on dim 0 / 1
+
+
+# ---------------------------------------------------------------- the plans
+def _model_plan(model: GPTModel, sp: bool) -> dict:
+    plan = {"word_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    if model.output_layer is not None:
+        plan["output_layer"] = ColwiseParallel(use_local_output=False)  # only its weight: logits() reads it
+    if sp:  # positions are added to the full embedding; the residual stream is scattered after the dropout
+        plan["embedding_dropout"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+        plan["final_layernorm"] = SequenceParallel()
+    else:  # the head's input as a replicated DTensor, so that the vocab-sharded weight makes vocab-sharded logits
+        plan["final_layernorm"] = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False
+        )
+    # a pipeline stage holds some of the ends only (`split_for_pipeline` sets the others to None)
+    return {name: style for name, style in plan.items() if getattr(model, name) is not None}
+
+
+def _layer_plan(layer: TransformerLayer, sp: bool) -> dict:
+    rows = Shard(1) if sp else Replicate()  # where a row-parallel output goes: reduce-scatter or all-reduce
+    plan = {
+        "self_attention.query_key_value": ColwiseParallel(),
+        "self_attention.dense": RowwiseParallel(output_layouts=rows),
+    }
+    if not layer.is_moe:
+        plan["mlp.dense_h_to_4h"] = ColwiseParallel()
+        if layer.mlp.dense_h_to_4h_up is not None:
+            plan["mlp.dense_h_to_4h_up"] = ColwiseParallel()
+        plan["mlp.dense_4h_to_h"] = RowwiseParallel(output_layouts=rows)
+    if sp:
+        gather = {"desired_input_layouts": (Replicate(),), "use_local_output": True}
+        plan["input_layernorm"] = SequenceParallel()
+        plan["post_attention_layernorm"] = SequenceParallel()
+        plan["self_attention"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=True
+        )
+        if layer.is_moe:  # routing needs every token: the MoE layer sees the whole sequence, returns its shard
+            plan["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(), None),
+                desired_output_layouts=(Shard(1), None),
+            )
+        else:
+            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), **gather)
+    return plan
+
+
+class SequenceShardDropout(nn.Dropout):
+    """Dropout of a sequence shard (dim 1 = positions) with the one-process mask: the mask of the whole sequence
+    is drawn (the same draws as `nn.Dropout` on the full tensor) and this rank keeps its positions. Costs tp× the
+    random numbers of the shard; buys a sequence-parallel run equal to the one-process run with dropout on."""
+
+    def __init__(self, p: float, rank: int, size: int):
+        super().__init__(p)
+        self.rank, self.size = rank, size
+
+    def forward(self, x_BSC: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x_BSC
+        shard = x_BSC.shape[1]
+        full = list(x_BSC.shape)
+        full[1] *= self.size
+        mask = F.dropout(torch.ones(full, dtype=x_BSC.dtype, device=x_BSC.device), self.p, True)
+        return x_BSC * mask.narrow(1, self.rank * shard, shard).contiguous()
+
+
+# ---------------------------------------------------------------- applying it
+def apply_tp(model: GPTModel, mesh: ParallelMesh) -> None:
+    """Split the dense parts of `model` over the tensor-parallel ranks (see the module docstring). Call on the meta
+    device (a built model works too: its full tensors are sliced). No-op when tp == 1 or already applied."""
+    tp = mesh.size("tp")
+    if tp == 1 or any(True for _ in sharded_modules(model)):
+        return
+    tp_mesh, rank, sp = mesh.submesh("tp"), mesh.coords.tp, mesh.dims.sp
+    if sp:  # torch 2.13: with --compile, a warm AOTAutograd cache replays sequence-parallel blocks with different
+        # gradients (a cold cache reproduces the eager run exactly), so those blocks are compiled afresh every run
+        torch._functorch.config.enable_autograd_cache = False
+    parallelize_module(model, tp_mesh, _model_plan(model, sp))
+    if sp and model.final_layernorm is not None:  # a second style on the same module: the head needs the whole
+        # sequence (replicated)
+        gather = PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False
+        )
+        parallelize_module(model.final_layernorm, tp_mesh, gather)
+    for _, layer in model.layer_items():
+        parallelize_module(layer, tp_mesh, _layer_plan(layer, sp))
+        layer.self_attention.stream_shard = ("tp", rank)
+        if sp:
+            layer.hidden_dropout = SequenceShardDropout(layer.hidden_dropout.p, rank, tp)
+    for module in model.modules():
+        localize_parameters(module, rank, tp)
+    model.loss_fn = vocab_parallel_loss
+
+
+def record_tp_layouts(model: nn.Module, registry: ParamRegistry) -> None:
+    """Write each tensor-parallel parameter's layout ("vocab", "column", "row" and the split dimension) into the
+    registry; replicated ones keep "replicated". Experts split by expert TP record theirs (`shard_dims`)."""
+    for prefix, module in model.named_modules():
+        if isinstance(module, ShardViews):
+            for name, spec in module.shard_specs.items():
+                if spec.shard_dim is not None:
+                    kind = "vocab" if isinstance(module, nn.Embedding) or prefix == "output_layer" else None
+                    layout = kind or LAYOUT_OF_PLACEMENT[spec.shard_dim if name == "weight" else 0]
+                    registry.set_tp_layout(f"{prefix}.{name}", layout, spec.shard_dim)
+        for name, (layout, dim) in getattr(module, "tp_shard_dims", {}).items():
+            registry.set_tp_layout(f"{prefix}.{name}", layout, dim)
+
+
+# ---------------------------------------------------------------- the vocab-parallel loss
+_LOSS_PARALLEL_DEPTH = [0]
+
+
+@contextlib.contextmanager
+def loss_parallel_scope():
+    """`loss_parallel()`, re-entrant (its ops are switched on once; an inner scope must not switch them off). The
+    backward of the loss needs it too: the executor's micro-batch scope (`ParallelModel.micro_batch`) holds it."""
+    if _LOSS_PARALLEL_DEPTH[0]:
+        yield
+        return
+    _LOSS_PARALLEL_DEPTH[0] += 1
+    try:
+        with loss_parallel():
+            yield
+    finally:
+        _LOSS_PARALLEL_DEPTH[0] -= 1
+
+
+def vocab_parallel_loss(
+    logits_BTV: torch.Tensor, labels_BT: torch.Tensor, loss_mask_BT: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Megatron's masked mean of fp32 token cross-entropies over vocabulary-sharded logits (a DTensor): each rank
+    computes the log-softmax of its vocabulary shard with two all-reduces of [N] statistics (max and sum) and the
+    label's logit from the shard that holds it (`loss_parallel`). Returns a plain fp32 scalar, the same on every
+    TP rank. Plain logits fall back to `language_model_loss`."""
+    if not isinstance(logits_BTV, DTensor):
+        return language_model_loss(logits_BTV, labels_BT, loss_mask_BT)
+    with loss_parallel_scope():
+        losses_N = F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten(), reduction="none")
+    return masked_mean(losses_N.to_local(), loss_mask_BT)

@@ -1,0 +1,121 @@
+"""Tensor and sequence parallelism in the plan: what one rank holds and saves, and what it sends per step.
+
+Parameters (the split of parallel/tensor_parallel.py): attention's `query_key_value` (weight and bias) and `dense`
+weight, the dense MLPs' first projections (weights and biases) and second weight, and the vocabulary rows of the
+word embeddings (and of an untied output layer) hold 1 / tp on every rank; row-parallel biases, norms, routers,
+position embeddings, shared experts and PR-MoE's MLP are whole. Experts: whole with --expert-tensor-parallel-size
+1 (split by EP only), else 1 / etp of every expert's channels (w1, w3, w2, b1).
+
+Activations (the terms of memory.layer_bytes, scaled by `Split`): per token q/k/v, the attention output, its
+logsumexp and the dense MLP's hidden tensors hold 1 / tp; under folding each rank's experts compute 1 / tp of the
+routes, under expert TP every route with 1 / etp of its hidden channels. The inputs of the column-parallel GEMMs
+stay whole (autograd keeps the gathered input), and so do the residual stream, the norms and the dropout masks —
+unless --sequence-parallel, which divides those by tp. The logits and loss buffers hold 1 / tp of the vocabulary.
+
+Communication (`comm_bytes_per_step`): what one rank sends in ring collectives (an all-reduce of n bytes sends
+2·(tp−1)/tp·n, an all-gather or reduce-scatter (tp−1)/tp·n) over one optimizer step, forward and backward: per
+layer and micro-batch, attention and a dense MLP each all-reduce the [T, h] activations once forward and once
+backward; with SP they all-gather + reduce-scatter forward and all-gather + all-reduce backward (DTensor reduces
+the gathered input's gradient with an all-reduce, so SP sends 25% more than TP alone, where Megatron's SP sends
+the same); a MoE layer all-gathers its token shares' outputs (folding; backward: the input gradients) or
+all-reduces the partial expert outputs (expert TP); the embedding all-reduces its output, the head its input
+gradient. Recomputed layers (activation checkpointing) run their forward collectives twice. Measured against
+the collectives DTensor issues in benchmarks/tensor_parallel.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from moetron.model.config import ModelConfig
+from moetron.model.flops import attention_params, expert_mlp_params, mlp_params
+from moetron.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class Split:
+    """The share of each kind of activation one rank saves (1.0: the whole tensor)."""
+
+    heads: float = 1.0  # q/k/v, attention output, logsumexp, attention probabilities
+    ffn: float = 1.0  # the dense MLP's hidden tensors
+    sequence: float = 1.0  # the residual stream at the norms, dropout masks (sequence parallelism)
+    routes: float = 1.0  # routed rows a rank's experts compute (folding: its share of the tokens)
+    expert_ffn: float = 1.0  # the experts' hidden tensors (expert tensor parallelism)
+    vocab: float = 1.0  # logits and loss buffers
+
+
+WHOLE = Split()  # no tensor parallelism
+
+
+def activation_split(dims: ParallelDims) -> Split:
+    if dims.tp == 1:
+        return WHOLE
+    share = 1.0 / dims.tp
+    folding = dims.etp == 1
+    return Split(
+        heads=share,
+        ffn=share,
+        sequence=share if dims.sp else 1.0,
+        routes=share if folding else 1.0,
+        expert_ffn=1.0 if folding else 1.0 / dims.etp,
+        vocab=share,
+    )
+
+
+def split_parameters(model: ModelConfig) -> tuple[int, int]:
+    """(dense parameters split by TP, routed-expert parameters split by expert TP), counted at TP 1."""
+    h, bias = model.hidden_size, model.hidden_size if model.add_bias_linear else 0
+    dense = model.padded_vocab_size() * h * (2 if model.untie_embeddings_and_output_weights else 1)
+    experts = 0
+    for num_experts in model.experts_per_layer():
+        dense += attention_params(model) - bias  # all but the row-parallel `dense` bias
+        if num_experts > 1:
+            experts += num_experts * (expert_mlp_params(model, model.expert_ffn_size) - bias)  # all but b2
+        else:
+            dense += mlp_params(model, model.ffn_size) - bias
+    return dense, experts
+
+
+def shard_parameters(local, model: ModelConfig, dims: ParallelDims):
+    """`local` (a `LocalParams` at TP 1) less what tensor parallelism takes off this rank."""
+    if dims.tp == 1:
+        return local
+    dense, experts = split_parameters(model)
+    dense_saved = dense - dense // dims.tp
+    expert_saved = (experts // dims.ep - experts // (dims.ep * dims.etp)) if dims.etp > 1 else 0
+    saved = dense_saved + expert_saved
+    return replace(
+        local,
+        total=local.total - saved,
+        experts=local.experts - expert_saved,
+        replicated=local.replicated - dense_saved - (expert_saved if dims.ep == 1 else 0),
+        matmul=local.matmul - saved,
+    )
+
+
+def comm_bytes_per_step(model: ModelConfig, dims: ParallelDims, micro_batch: int, num_micro: int, c: int) -> float:
+    """Bytes one rank sends over its tensor-parallel group in one optimizer step (see the module docstring); `c`
+    is the compute dtype's size (activations), the embedding and head collectives are fp32. In units of
+    g = (tp−1)/tp · [T, h] bytes (an all-gather or reduce-scatter; an all-reduce is 2g)."""
+    tp = dims.tp
+    if tp == 1:
+        return 0.0
+    g = (tp - 1) / tp * micro_batch * model.seq_length * model.hidden_size
+    forwards = 2 if model.checkpoint_activations else 1  # recomputation repeats a layer's forward collectives
+    # attention or a dense MLP: all-reduce forward and backward; with SP all-gather + reduce-scatter forward and,
+    # as DTensor redistributes the gradients, an all-gather + an all-reduce backward
+    block = forwards * 2 * g + (3 * g if dims.sp else 2 * g)
+    sp = 1 if dims.sp else 0
+    per_micro = 0.0
+    for num_experts in model.experts_per_layer():
+        per_micro += block
+        if num_experts == 1:
+            per_micro += block
+        elif dims.etp == 1:  # the token shares' outputs forward, their input gradients backward (+ SP's gathers)
+            per_micro += (forwards + 1) * (1 + sp) * g
+        else:  # partial expert outputs forward, input gradients backward (+ SP's gathers)
+            per_micro += (forwards + 1) * (2 + sp) * g
+    # the embedding's output (all-reduce) and the head's input gradient (all-reduce; SP: gather + scatter + the
+    # embedding's scattered gradient gathered), fp32
+    ends = (5 if dims.sp else 4) * g * 4
+    return num_micro * (per_micro * c + ends)
