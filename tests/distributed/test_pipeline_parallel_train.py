@@ -155,6 +155,7 @@ def two_process_checks(rank: int, world_size: int, tmp: str) -> dict:
 # ---------------------------------------------------------------- 4 processes
 PP_TP = {"tensor_model_parallel_size": 2, "sequence_parallel": True, "attention_dropout": 0.0}
 
+
 def four_process_checks(rank: int, world_size: int, tmp: str) -> dict:
     env = init_distributed()
     trainer = pp_trainer(pp_config(2, global_batch_size=2 * GBS, moe_expert_parallel_size=2, save=f"{tmp}/pp2ep2"), env)
