@@ -1,6 +1,6 @@
 """Executors: who runs one optimizer step's micro-batches forward and backward.
 
-    executor = LocalExecutor(parallel, language_model_loss, autocast)
+    executor = LocalExecutor(parallel, head_loss(fused=True), autocast)   # a `moetron.model.loss.HeadLoss`
     lm_loss_sum = executor.forward_backward(next_micro_batch, num_micro, loss_scale)
 
 The trainer owns everything around it (gradient unscaling, clipping, the optimizer, the schedule); an executor
@@ -11,6 +11,8 @@ pipeline executor runs the same contract as a schedule over pipeline stages. Con
     over micro-batches of (lm_loss + moe_loss), times the fp16 loss scale;
   - gradients are reduced across data parallelism in the last micro-batch only (`parallel.micro_batch`);
   - every micro-batch runs inside `STREAMS.micro_batch("train", first sample index)` (layout-free randomness);
+  - the LM loss is `head_loss(model, hidden, labels)` on the last layer's output: the head loss applies the LM
+    head itself (fused with the cross-entropy by default, so the logits are never materialised);
   - the return value is Σ lm_loss / num_micro (fp64, on device: no host sync).
 """
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetron.model.loss import LossFunction
+from moetron.model.loss import HeadLoss
 from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
 from moetron.model.rng import STREAMS
 from moetron.parallel.parallelize import ParallelModel
@@ -48,10 +50,10 @@ class LocalExecutor:
     def __init__(
         self,
         parallel: ParallelModel,
-        loss_fn: LossFunction,
+        head_loss: HeadLoss,
         autocast: Callable[[], contextlib.AbstractContextManager],
     ):
-        self.parallel, self.loss_fn, self.autocast = parallel, loss_fn, autocast
+        self.parallel, self.head_loss, self.autocast = parallel, head_loss, autocast
 
     def forward_backward(
         self, next_micro_batch: Callable[[], MicroBatch], num_micro: int, loss_scale: float
@@ -64,8 +66,8 @@ class LocalExecutor:
                 last = i == num_micro - 1
                 with self.parallel.micro_batch(last), STREAMS.micro_batch("train", mb.first_sample):
                     with self.autocast():
-                        logits = self.parallel.module(mb.tokens_BT).logits
-                        lm_loss = self.loss_fn(logits, mb.labels_BT)
+                        hidden = self.parallel.module(mb.tokens_BT, return_logits=False).hidden
+                        lm_loss = self.head_loss(self.parallel.model, hidden, mb.labels_BT)
                     (lm_loss * factor).backward()
                 value = lm_loss.detach().double() / num_micro
                 total = value if total is None else total + value

@@ -30,7 +30,7 @@ from moetron.config import RunConfig
 from moetron.errors import UserError
 from moetron.eval.perplexity import evaluate
 from moetron.model.flops import flops_per_token, megatron_tflops, mfu, peak_tflops
-from moetron.model.loss import language_model_loss
+from moetron.model.loss import head_loss
 from moetron.model.rng import STREAMS
 from moetron.parallel.data_parallel import sync_router_loads
 from moetron.parallel.env import DistEnv
@@ -90,7 +90,7 @@ class Trainer:
         STREAMS.configure(cfg.train.seed)
         self.parallel = parallelize(model, self.mesh)  # EP: keeps this rank's experts; DDP and expert reducer
         self.model = self.parallel.model
-        self.executor = LocalExecutor(self.parallel, language_model_loss, self.autocast)
+        self.executor = LocalExecutor(self.parallel, head_loss(cfg.train.fused_cross_entropy), self.autocast)
         self.optimizer = build_optimizer(self.model, self.parallel.registry, cfg.train, env.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         spec = build_schedule_spec(cfg.train, self.gbs, self.seq, self.total_iters)
