@@ -49,7 +49,7 @@ def _top_level_parser() -> argparse.ArgumentParser:
 GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, AMD's (ROCm)
 
 
-def cpu_allocator_defaults(environ: dict | None = None) -> bool:
+def cpu_allocator_defaults(environ: dict | None = None, torch_imported: bool | None = None) -> bool:
     """On a machine without a GPU, give large CPU tensors transparent huge pages: PyTorch's
     `THP_MEM_ALLOC_ENABLE=1` (allocations of 2 MiB and more are 2 MiB-aligned and `madvise(MADV_HUGEPAGE)`d).
 
@@ -61,7 +61,8 @@ def cpu_allocator_defaults(environ: dict | None = None) -> bool:
     The kernel must allow huge pages (`/sys/kernel/mm/transparent_hugepage/enabled`: always or madvise).
     """
     environ = os.environ if environ is None else environ
-    if "torch" in sys.modules or "THP_MEM_ALLOC_ENABLE" in environ:
+    torch_imported = "torch" in sys.modules if torch_imported is None else torch_imported
+    if torch_imported or "THP_MEM_ALLOC_ENABLE" in environ:
         return False
     hidden = environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")
     if not hidden and any(os.path.exists(node) for node in GPU_DEVICE_NODES):

@@ -22,21 +22,47 @@ from __future__ import annotations
 
 import torch
 
-# Bytes of one chunk's fp32 logits: small enough to stay in a CPU core's cache levels and to cost nothing on a GPU,
-# large enough for efficient GEMMs (M ≥ 64 rows). Measured on CPU (benchmarks/e2e.py): 4–16 MiB are equally fast.
-CHUNK_BYTES = 8 * 2**20
-MIN_CHUNK_TOKENS = 64
+# CPU: one chunk's fp32 logits are ~8 MiB, so that they stay in cache between the GEMM, the softmax and the two
+# gradient GEMMs, with at least 64 rows for efficient GEMMs (at V = 50k, 32–128 rows were equally fast). GPU: the
+# chunk's logits are about as large as the whole input x_NC (Liger-Kernel's rule: ⌈V / C⌉ chunks), at least 1024
+# rows, so the GEMMs stay large while the memory stays O(N·C).
+CPU_CHUNK_BYTES = 8 * 2**20
+MIN_CPU_ROWS, MIN_GPU_ROWS = 64, 1024
 
 
-def chunk_tokens(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Tokens per chunk for a vocabulary: `chunk_bytes` of fp32 logits, at least MIN_CHUNK_TOKENS."""
-    return max(MIN_CHUNK_TOKENS, chunk_bytes // (4 * vocab))
+def chunk_tokens(num_tokens: int, hidden: int, vocab: int, device: torch.device) -> int:
+    """Tokens per chunk for N tokens of width C against a V-word vocabulary on `device`."""
+    if device.type == "cpu":
+        return max(MIN_CPU_ROWS, CPU_CHUNK_BYTES // (4 * vocab))
+    return max(MIN_GPU_ROWS, -(-num_tokens // -(-vocab // hidden)))
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
+
+
+def _logits_grad(logp_MV: torch.Tensor, labels_M1: torch.Tensor, weight_M1: torch.Tensor) -> torch.Tensor:
+    """d(Σ weight · CE)/d logits = weight · (softmax − one-hot), in place of the log-probabilities."""
+    grad_MV = logp_MV.exp_()
+    grad_MV.scatter_add_(1, labels_M1, torch.full_like(weight_M1, -1.0))
+    return grad_MV.mul_(weight_M1)
+
+
+def _accumulate_weight_grad(dw_VC: torch.Tensor, grad_MV: torch.Tensor, x_MC: torch.Tensor, first: bool) -> None:
+    """dW (fp32) += grad_MVᵀ · x_MC; the first chunk writes it (no zero-fill of a [V, C] buffer)."""
+    if grad_MV.dtype == dw_VC.dtype:
+        if first:
+            torch.mm(grad_MV.T, x_MC, out=dw_VC)
+        else:
+            dw_VC.addmm_(grad_MV.T, x_MC)
+        return
+    part_VC = (grad_MV.T @ x_MC).float()  # bf16/fp16 GEMM, fp32 accumulation across chunks
+    if first:
+        dw_VC.copy_(part_VC)
+    else:
+        dw_VC.add_(part_VC)
 
 
 class FusedLinearCrossEntropy(torch.autograd.Function):
@@ -49,31 +75,26 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(x_NC.device.type, enabled=False):
             xc_NC, wc_VC = x_NC.to(dtype), w_VC.to(dtype)
             dx_NC = torch.empty_like(xc_NC) if needs_dx else None
-            dw_VC = torch.zeros(w_VC.shape, dtype=torch.float32, device=w_VC.device) if needs_dw else None
+            dw_VC = torch.empty(w_VC.shape, dtype=torch.float32, device=w_VC.device) if needs_dw else None
             loss = torch.zeros((), dtype=torch.float32, device=x_NC.device)
             # two chunk buffers, reused: fresh [M, V] allocations would be page-faulted in on every chunk (CPU)
-            rows = min(chunk, x_NC.shape[0])
-            logits_buf = torch.empty(rows, w_VC.shape[0], dtype=dtype, device=x_NC.device)
-            logp_buf = torch.empty(rows, w_VC.shape[0], dtype=torch.float32, device=x_NC.device)
+            rows, vocab = min(chunk, x_NC.shape[0]), w_VC.shape[0]
+            logits_buf = torch.empty(rows, vocab, dtype=dtype, device=x_NC.device)
+            logp_buf = torch.empty(rows, vocab, dtype=torch.float32, device=x_NC.device)
             for start in range(0, x_NC.shape[0], chunk):
                 end = min(start + chunk, x_NC.shape[0])
-                x_MC, labels_M1, weight_M1 = xc_NC[start:end], labels_N[start:end, None], weight_N[start:end, None]
+                x_MC = xc_NC[start:end]
                 logits_MV = torch.mm(x_MC, wc_VC.T, out=logits_buf[: end - start])
                 # log_softmax is one fused kernel (logsumexp is not, on CPU); its output gives the exact loss
                 logp_MV = torch.log_softmax(logits_MV.float(), dim=1, out=logp_buf[: end - start])
+                labels_M1, weight_M1 = labels_N[start:end, None], weight_N[start:end, None]
                 loss -= (logp_MV.gather(1, labels_M1) * weight_M1).sum()
-                if not (needs_dx or needs_dw):
-                    continue
-                grad_MV = logp_MV.exp_()  # softmax
-                grad_MV.scatter_add_(1, labels_M1, torch.full_like(weight_M1, -1.0))  # − one-hot
-                grad_MV = grad_MV.mul_(weight_M1).to(dtype)
-                if needs_dx:
-                    torch.mm(grad_MV, wc_VC, out=dx_NC[start:end])
-                if needs_dw:
-                    if dtype == torch.float32:
-                        dw_VC.addmm_(grad_MV.T, x_MC)
-                    else:
-                        dw_VC += (grad_MV.T @ x_MC).float()
+                if needs_dx or needs_dw:
+                    grad_MV = _logits_grad(logp_MV, labels_M1, weight_M1).to(dtype)
+                    if needs_dx:
+                        torch.mm(grad_MV, wc_VC, out=dx_NC[start:end])
+                    if needs_dw:
+                        _accumulate_weight_grad(dw_VC, grad_MV, x_MC, first=start == 0)
         ctx.grads = (dx_NC, dw_VC)  # not save_for_backward: these are scaled in place, once
         ctx.input_dtypes = (x_NC.dtype, w_VC.dtype)
         return loss
@@ -98,5 +119,5 @@ def fused_linear_cross_entropy(
     chunk: int | None = None,
 ) -> torch.Tensor:
     """fp32 scalar Σ_n weight_N[n] · CE(x_NC[n] · w_VCᵀ, labels_N[n]) (weight_N: fp32, e.g. mask / Σ mask)."""
-    chunk = chunk or chunk_tokens(w_VC.shape[0])
+    chunk = chunk or chunk_tokens(x_NC.shape[0], x_NC.shape[1], w_VC.shape[0], x_NC.device)
     return FusedLinearCrossEntropy.apply(x_NC, w_VC, labels_N.long(), weight_N.float(), chunk)
