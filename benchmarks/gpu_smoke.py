@@ -33,11 +33,13 @@ from moetron.model.flops import count_parameters, flops_per_token, peak_tflops
 from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build_model
+from moetron.train.precision import compute_dtype
 from moetron.train.trainer import Trainer
 
 SLICE_FLAGS = "--config gpt-1.3B-moe128 --no-checkpoint-activations --micro-batch-size {mbs} --global-batch-size {mbs}"
 SLICE_FLAGS += " --num-layers {layers} --train-iters 1000 --hidden-dropout 0 --attention-dropout 0 --eval-iters 0"
-SLICE_FLAGS += " --log-interval 1000000 --lr-warmup-iters 0 --lr-decay-style constant --no-fp16 --moe-expert-parallel-size 1"
+SLICE_FLAGS += " --log-interval 1000000 --lr-warmup-iters 0 --lr-decay-style constant --no-fp16"
+SLICE_FLAGS += " --moe-expert-parallel-size 1"
 TINY_FLAGS = " --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 --num-experts 8"
 TINY_FLAGS += " --vocab-size 512"
 
@@ -79,7 +81,8 @@ def run_config(args: argparse.Namespace, device: torch.device, precise: bool):
 def build_trainer(cfg, device: torch.device) -> Trainer:
     env = DistEnv(device=device)
     mesh = ParallelMesh.build(cfg.dims(1), env)
-    model = build_model(cfg.model, mesh, device, cfg.train.seed, compile_blocks=cfg.train.compile)
+    dtype = compute_dtype(cfg.train.fp16, cfg.train.bf16)
+    model = build_model(cfg.model, mesh, device, cfg.train.seed, compile_blocks=cfg.train.compile, compute_dtype=dtype)
     loader = RandomLoader(cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
     trainer = Trainer(cfg, env, model, loader, mesh=mesh)
     trainer.model.train()
@@ -163,7 +166,8 @@ def speed_run(args: argparse.Namespace, device: torch.device) -> list[str]:
 def check_against_cpu(args: argparse.Namespace, accelerated: list[float]) -> list[str]:
     if args.skip_cpu_check or not accelerated:
         return ["loss check against CPU fp32: skipped"]
-    cpu = losses(build_trainer(run_config(args, torch.device("cpu"), precise=True), torch.device("cpu")), len(accelerated))
+    cpu_device = torch.device("cpu")
+    cpu = losses(build_trainer(run_config(args, cpu_device, precise=True), cpu_device), len(accelerated))
     worst = max(abs(a - c) / abs(c) for a, c in zip(accelerated, cpu, strict=True))
     pairs = ", ".join(f"{a:.4f}/{c:.4f}" for a, c in zip(accelerated, cpu, strict=True))
     return [f"losses bf16 vs CPU fp32, first {len(cpu)} steps: {pairs}; max relative difference {worst:.2e}"]

@@ -18,7 +18,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 def test_skips_cleanly_without_cuda():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO / "src"))
     out = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "gpu_smoke.py")], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(REPO / "benchmarks" / "gpu_smoke.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith("gpu_smoke: skipped — no CUDA device")

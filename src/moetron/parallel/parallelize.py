@@ -78,16 +78,18 @@ def build_model(
     seed: int,
     checkpoint_activations: bool | None = None,
     compile_blocks: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> GPTModel:
     """Steps 1–5: this rank's part of the model, materialised on `device` and initialised from `seed`.
 
-    `checkpoint_activations` defaults to the model config's flag."""
+    `checkpoint_activations` defaults to the model config's flag; `compute_dtype` (the autocast dtype, fp32 without
+    one) tells `apply_compile` what the experts will run in."""
     check_dims(cfg, mesh)
     with torch.device("meta"):
         model = GPTModel(cfg)
     apply_ep(model, mesh)
     apply_ac(model, cfg.checkpoint_activations if checkpoint_activations is None else checkpoint_activations)
-    apply_compile(model, compile_blocks)
+    apply_compile(model, compile_blocks, device, compute_dtype)
     model.to_empty(device=device)
     model.init_weights(seed)
     return model

@@ -17,6 +17,11 @@ import contextlib
 import torch
 
 
+def compute_dtype(fp16: bool, bf16: bool) -> torch.dtype:
+    """The dtype autocast runs matmuls in (fp32 without autocast)."""
+    return torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
+
+
 def autocast_context(device: torch.device, fp16: bool, bf16: bool):
     """A fresh autocast context for one forward pass (a no-op in fp32)."""
     if not (fp16 or bf16):

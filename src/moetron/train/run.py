@@ -23,6 +23,7 @@ from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build_model
 from moetron.train.checkpoint import resolve_checkpoint
+from moetron.train.precision import compute_dtype
 from moetron.train.startup import startup_banner, startup_warnings
 from moetron.train.trainer import Trainer
 
@@ -212,7 +213,10 @@ def run_training(cfg: RunConfig, explicit: set[str], env: DistEnv) -> int:
                      env.device.type, explicit)]:  # fmt: skip
             print(line, flush=True)
     train_loader, make_valid = build_loaders(cfg, env, mesh)
-    model = build_model(cfg.model, mesh, env.device, cfg.train.seed, compile_blocks=cfg.train.compile)
+    dtype = compute_dtype(cfg.train.fp16, cfg.train.bf16)
+    model = build_model(
+        cfg.model, mesh, env.device, cfg.train.seed, compile_blocks=cfg.train.compile, compute_dtype=dtype
+    )
     trainer = Trainer(cfg, env, model, train_loader, make_valid, config_yaml=to_yaml(cfg), mesh=mesh)
     load_into(trainer, cfg, checkpoint)
     return trainer.train()
