@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
+from train_step import ListLoader  # moetron's loader interface over pre-built batches
 
 LR, BETAS, WEIGHT_DECAY, CLIP = 6e-4, (0.9, 0.95), 0.1, 1.0
 HIDDEN, LAYERS, HEADS, SEQ, BATCH, VOCAB = 128, 4, 4, 64, 12, 50304
@@ -103,24 +104,6 @@ def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_of):
 
 
 # ---------------------------------------------------------------- moetron
-class ListLoader:
-    """moetron's loader interface over pre-built batches."""
-
-    def __init__(self, batches: list[torch.Tensor]):
-        self.batches, self.i = batches, 0
-
-    @property
-    def next_first_sample(self) -> int:
-        return self.i * self.batches[0].shape[0]
-
-    def next_micro_batch(self) -> torch.Tensor:
-        self.i += 1
-        return self.batches[(self.i - 1) % len(self.batches)]
-
-    def state_dict(self) -> dict:
-        return {"consumed_samples": self.i}
-
-
 def moetron_side(comparison: str, batches: list[torch.Tensor], extra_flags: str = "") -> Side:
     from moetron.parallel.env import DistEnv
     from moetron.parallel.mesh import ParallelMesh

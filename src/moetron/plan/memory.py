@@ -11,8 +11,9 @@ Everything follows what moetron's trainer actually keeps (train/trainer.py, trai
                 at both norms, the compute-dtype inputs of each matmul, q/k/v, the attention output, the
                 MLP's pre- and post-activation, dropout masks, and for MoE layers the router's [T, E]
                 tensors and, per kept route, the expert's input, hidden, activation and output.
-  logits/loss   [mbs·seq, V] logits, their fp32 log-softmax and both gradients: 16 B per token per vocab
-                entry at the start of backward — often the largest single buffer.
+  logits/loss   the LM head + loss buffers (`plan/lm_head.py`): fused (the default) a chunk of rows and dX; else
+                [mbs·seq, V] logits, their fp32 log-softmax and both gradients, 16 B per token per vocab entry
+                at the start of backward — then often the largest single buffer.
   all-to-all    with EP > 1: send + receive buffers of one MoE layer's routed tokens.
 
 Activation checkpointing keeps each layer's fp32 input and recomputes one layer at a time in backward.
@@ -33,8 +34,8 @@ from moetron.config import RunConfig
 from moetron.model.config import ModelConfig
 from moetron.model.flops import attention_params, count_parameters, embedding_params, mlp_params, moe_layer_params
 from moetron.parallel.dims import ParallelDims
+from moetron.plan.lm_head import lm_loss_bytes
 
-LOGITS_BYTES_PER_ENTRY = 16  # logits + fp32 log-softmax + grad of the log-softmax + grad of the logits
 MATH_ATTENTION_BYTES = {4: 12, 2: 13}  # per token, head and key: scores, probabilities, dropout mask (measured)
 
 
@@ -149,11 +150,10 @@ def accumulating(cfg: RunConfig, dims: ParallelDims) -> bool:
     return dims.dp > 0 and cfg.num_micro_batches(dims.dp) > 1
 
 
-def logits_bytes(cfg: RunConfig, dims: ParallelDims) -> int:
-    """The [T, V] loss buffers; with accumulation the trainer still holds the previous micro-batch's logits."""
-    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
-    per_entry = LOGITS_BYTES_PER_ENTRY + (compute_bytes(cfg) if accumulating(cfg, dims) else 0)
-    return tokens * cfg.model.padded_vocab_size() * per_entry
+def logits_bytes(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda") -> int:
+    """The LM head + loss buffers (fused chunks, or [T, V] logits: then, accumulating, the trainer still holds the
+    previous micro-batch's logits)."""
+    return lm_loss_bytes(cfg, compute_bytes(cfg), accumulating(cfg, dims), device_kind)
 
 
 def all_to_all_bytes(cfg: RunConfig, dims: ParallelDims) -> int:
@@ -176,7 +176,7 @@ def estimate_memory(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda
     optimizer = 8 * params.total
     casts = 2 * params.matmul if compute_bytes(cfg) == 2 else 0
     activations = activation_bytes(cfg, dims, device_kind)
-    logits = logits_bytes(cfg, dims)
+    logits = logits_bytes(cfg, dims, device_kind)
     a2a = all_to_all_bytes(cfg, dims)
     lm_head_grad = 4 * embedding_params(cfg.model)
     grads_at_backward = gradients if accumulating(cfg, dims) else lm_head_grad

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from moetron.plan import lm_head
 from moetron.plan.advice import Suggestion
 from moetron.plan.estimate import Plan
 from moetron.plan.hardware import GIB, with_article
@@ -13,7 +14,7 @@ MEMORY_ROWS = [  # (MemoryEstimate field, label)
     ("optimizer", "Adam moments exp_avg + exp_avg_sq (fp32)"),
     ("weight_casts", "{dtype} copies of the matmul weights"),
     ("activations", "activations ({activations})"),
-    ("logits", "logits and loss buffers [{tokens}, {vocab}]"),
+    ("logits", "{lm_loss}"),
     ("all_to_all", "all-to-all send/receive buffers"),
 ]
 
@@ -63,8 +64,7 @@ def memory_lines(plan: Plan) -> list[str]:
     fill = {
         "dtype": precision(plan),
         "activations": f"micro batch {plan.cfg.train.micro_batch_size} × seq {m.seq_length}{ckpt}",
-        "tokens": plan.cfg.train.micro_batch_size * m.seq_length,
-        "vocab": m.padded_vocab_size(),
+        "lm_loss": lm_head.describe(plan.cfg, plan.device.kind),
     }
     lines = [f"  {'memory per GPU':<52} {'GiB':>8}"]
     for name, label in MEMORY_ROWS:
