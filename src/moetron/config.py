@@ -81,6 +81,7 @@ class TrainConfig:
 
     seed: int = 1234
     compile: bool = False  # torch.compile each transformer block (see moetron/parallel/compile.py)
+    fused_cross_entropy: bool = True  # LM head + cross-entropy in token chunks, never materialising [B, T, V] logits
 
     # ---- logging and evaluation ----
     log_interval: int = 10

@@ -408,9 +408,8 @@ def hf_mixtral_experts(experts: torch.nn.Module, ffn: int) -> dict[str, torch.Te
     return {"w1_EDF": w1.transpose(1, 2), "w3_EDF": w3.transpose(1, 2), "w2_EFD": w2.transpose(1, 2)}
 
 
-def test_modern_options_express_hf_mixtral_exactly():
-    """RMSNorm + RoPE + GQA + SwiGLU experts, no biases, untied head, softmax-top-2-renormalised dropless routing."""
-    transformers = pytest.importorskip("transformers", reason="optional: checks equality with HF Mixtral")
+def hf_mixtral_model(transformers) -> torch.nn.Module:
+    """A tiny HF MixtralForCausalLM (eval mode, perturbed norms): 2 layers, 4 experts top-2, GQA 4/2, vocab 64."""
     torch.manual_seed(0)
     hf_cfg = transformers.MixtralConfig(
         vocab_size=64,
@@ -428,7 +427,13 @@ def test_modern_options_express_hf_mixtral_exactly():
     hf_cfg._attn_implementation = "eager"
     hf = transformers.MixtralForCausalLM(hf_cfg).eval()
     perturbed_norms(hf)
-    F_ = hf_cfg.intermediate_size
+    return hf
+
+
+def moetron_state_from_hf_mixtral(hf: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """HF Mixtral's weights under moetron's parameter names."""
+    F_ = hf.config.intermediate_size
+    heads, kv_heads = hf.config.num_attention_heads, hf.config.num_key_value_heads
     sd = {
         "word_embeddings.weight": hf.model.embed_tokens.weight,
         "output_layer.weight": hf.lm_head.weight,
@@ -439,13 +444,20 @@ def test_modern_options_express_hf_mixtral_exactly():
         sd[p + "input_layernorm.weight"] = layer.input_layernorm.weight
         sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
         sd[p + "self_attention.query_key_value.weight"] = fuse_qkv(
-            attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, 4, 2
+            attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, heads, kv_heads
         )
         sd[p + "self_attention.dense.weight"] = attn.o_proj.weight
         sd[p + "mlp.router.weight"] = moe.gate.weight
         sd |= {p + "mlp.experts." + k: v for k, v in hf_mixtral_experts(moe.experts, F_).items()}
+    return {k: v.detach().clone() for k, v in sd.items()}
+
+
+def test_modern_options_express_hf_mixtral_exactly():
+    """RMSNorm + RoPE + GQA + SwiGLU experts, no biases, untied head, softmax-top-2-renormalised dropless routing."""
+    transformers = pytest.importorskip("transformers", reason="optional: checks equality with HF Mixtral")
+    hf = hf_mixtral_model(transformers)
     model = create_model(tiny_cfg(**MIXTRAL), "cpu", seed=0).eval()
-    missing, unexpected = model.load_state_dict({k: v.detach().clone() for k, v in sd.items()}, strict=False)
+    missing, unexpected = model.load_state_dict(moetron_state_from_hf_mixtral(hf), strict=False)
     assert not unexpected and all(name.endswith("router.expert_bias") for name in missing), missing
     x = tokens()
     with torch.no_grad():

@@ -47,7 +47,7 @@ def evaluate(
             first_sample = loader.next_first_sample
             batch = loader.next_micro_batch().to(device, non_blocking=True)
             with STREAMS.micro_batch("valid", first_sample), autocast():
-                out = model(batch[:, :-1], labels_BT=batch[:, 1:])
+                out = model(batch[:, :-1], labels_BT=batch[:, 1:], return_logits=False)  # fused head + CE: no logits
             loss = out.lm_loss.detach().double()
             total = loss if total is None else total + loss
     finally:

@@ -14,10 +14,11 @@ embedding or head was removed (set to None) skips that part.
 
 The LM loss lives outside the model (`moetron.model.loss`); `forward(labels_BT=...)` computes Megatron's
 `Σ(CE · loss_mask) / Σ loss_mask` in fp32 for convenience, with `self.loss_fn` (tensor parallelism swaps in
-its vocab-parallel cross-entropy there, because its logits are vocabulary shards). Each MoE layer attaches its
-weighted aux loss to its own output (`moe/aux_loss.py`), so `lm_loss.backward()` alone trains the routers too;
-`GPTOutput.moe_loss` is the value `moe_loss_coeff · Σ aux + moe_z_loss_coeff · Σ z` over the MoE layers
-(reference §4.5), for reports.
+its vocab-parallel cross-entropy there, because its logits are vocabulary shards), or — `return_logits=False` with
+the plain loss — by the fused head + cross-entropy, which never builds the logits. `GPTOutput.hidden` is the last
+layer's output, what a `HeadLoss` starts from. Each MoE layer attaches its weighted aux loss to its own output
+(`moe/aux_loss.py`), so `lm_loss.backward()` alone trains the routers too; `GPTOutput.moe_loss` is the value
+`moe_loss_coeff · Σ aux + moe_z_loss_coeff · Σ z` over the MoE layers (reference §4.5), for reports.
 Parameter names follow Megatron (`query_key_value`, `dense_h_to_4h`, `input_layernorm`, …) so
 converters stay simple. Nothing here is distributed; parallelism wraps this model from outside.
 """
@@ -39,7 +40,7 @@ from moetron.model.attention import SelfAttention
 from moetron.model.config import ModelConfig
 from moetron.model.init import init_tree, output_std
 from moetron.model.kv_cache import KVCache
-from moetron.model.loss import LossFunction, language_model_loss
+from moetron.model.loss import FusedHeadLoss, LossFunction, language_model_loss
 from moetron.model.mlp import MLP
 from moetron.model.moe.layer import MoEAux, MoELayer
 from moetron.model.norm import build_norm
@@ -53,6 +54,7 @@ class GPTOutput:
     lm_loss: torch.Tensor | None  # fp32 scalar, None without labels
     moe_loss: torch.Tensor  # fp32 scalar value (detached: its gradient is attached in the layers); 0 when dense
     moe_aux: list[MoEAux] = field(default_factory=list)  # one MoEAux per MoE layer, in layer order
+    hidden: torch.Tensor | None = None  # [B, T, C]: the last layer's output, before the final norm
 
 
 class TransformerLayer(nn.Module):
@@ -123,13 +125,19 @@ class GPTModel(nn.Module):
         x_BTC = self.run_layers(x_BTC, rope, kv_cache, moe_aux)
         if kv_cache is not None:
             kv_cache.advance(T)
-        logits_BTV = self.logits(x_BTC)
-        lm_loss = None if labels_BT is None else self.loss_fn(logits_BTV, labels_BT, loss_mask_BT)
+        fused = labels_BT is not None and not return_logits and self.loss_fn is language_model_loss
+        logits_BTV = None if fused or not (return_logits or labels_BT is not None) else self.logits(x_BTC)
+        lm_loss = None
+        if fused:  # the logits are not wanted: never build them
+            lm_loss = FusedHeadLoss()(self, x_BTC, labels_BT, loss_mask_BT)
+        elif labels_BT is not None:
+            lm_loss = self.loss_fn(logits_BTV, labels_BT, loss_mask_BT)
         return GPTOutput(
-            logits=logits_BTV if return_logits else None,
+            logits=logits_BTV,
             lm_loss=lm_loss,
             moe_loss=self.weighted_moe_loss(moe_aux, x_BTC.device),
             moe_aux=moe_aux,
+            hidden=x_BTC,
         )
 
     def embed(
@@ -198,9 +206,11 @@ class GPTModel(nn.Module):
     def logits(self, x_BTC: torch.Tensor) -> torch.Tensor:
         """Final norm, then the output layer (or the tied word embeddings): [B, T, V_padded] (under tensor
         parallelism a DTensor sharded over the vocabulary: the weight is a vocabulary shard)."""
-        x_BTC = self.final_layernorm(x_BTC)
-        weight_VC = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
-        return F.linear(x_BTC, weight_VC)
+        return F.linear(self.final_layernorm(x_BTC), self.head_weight())
+
+    def head_weight(self) -> torch.Tensor:
+        """[V_padded, C]: the output layer's weight, or the word embeddings' when they are tied."""
+        return self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
 
     def weighted_moe_loss(self, moe_aux: list[MoEAux], device: torch.device) -> torch.Tensor:
         """moe_loss_coeff · Σ aux_loss + moe_z_loss_coeff · Σ z_loss over the MoE layers (fp32; 0 when dense)."""

@@ -1,11 +1,17 @@
 """The language-model loss, kept outside the model so another implementation (vocab-parallel or chunked
 cross-entropy) can replace it without touching `GPTModel`.
 
-Shapes: B batch, T tokens, V padded vocabulary, N = B·T.
+Shapes: B batch, T tokens, C hidden size, V padded vocabulary, N = B·T.
 
 Megatron's loss: the masked mean of fp32 token cross-entropies, `Σ(CE · loss_mask) / Σ loss_mask` (0, not NaN,
-when the mask is all zero). A `LossFunction` takes the logits and the labels (and an optional mask) and returns
-that fp32 scalar; the trainer's executors call it on the last pipeline stage's output.
+when the mask is all zero). Two seams:
+  - a `LossFunction` takes the logits and the labels (and an optional mask) and returns that fp32 scalar
+    (`language_model_loss`; a vocab-parallel loss is one too);
+  - a `HeadLoss` takes the model, the last layer's hidden states and the labels, and applies the LM head itself
+    (`model.logits`, or `model.final_layernorm` + `model.head_weight()`), so it may never build the logits:
+    `FusedHeadLoss` (the trainer's default, `--fused-cross-entropy`) runs head and cross-entropy chunk by chunk
+    (`fused_cross_entropy.py`); `LogitsHeadLoss(loss_fn)` materialises the logits and calls any `LossFunction`.
+The trainer's executors call a `HeadLoss` on the last pipeline stage's output.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from moetron.model.fused_cross_entropy import fused_linear_cross_entropy
 
 
 class LossFunction(Protocol):
@@ -36,3 +45,45 @@ def masked_mean(losses_N: torch.Tensor, loss_mask_BT: torch.Tensor | None) -> to
         return losses_N.mean()
     mask_N = loss_mask_BT.flatten().float()
     return (losses_N * mask_N).sum() / mask_N.sum().clamp(min=1.0)
+
+
+def token_weights(loss_mask_BT: torch.Tensor | None, num_tokens: int, device: torch.device) -> torch.Tensor:
+    """fp32 [N]: each token's weight in the masked mean (mask / Σ mask; 1 / N without a mask)."""
+    if loss_mask_BT is None:
+        return torch.full((num_tokens,), 1.0 / num_tokens, dtype=torch.float32, device=device)
+    mask_N = loss_mask_BT.flatten().float()
+    return mask_N / mask_N.sum().clamp(min=1.0)
+
+
+class HeadLoss(Protocol):
+    def __call__(
+        self,
+        model: nn.Module,
+        hidden_BTC: torch.Tensor,
+        labels_BT: torch.Tensor,
+        loss_mask_BT: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+class LogitsHeadLoss:
+    """`loss_fn(model.logits(hidden), labels, mask)`: the head as the model applies it, then any `LossFunction`."""
+
+    def __init__(self, loss_fn: LossFunction = language_model_loss):
+        self.loss_fn = loss_fn
+
+    def __call__(self, model, hidden_BTC, labels_BT, loss_mask_BT=None) -> torch.Tensor:
+        return self.loss_fn(model.logits(hidden_BTC), labels_BT, loss_mask_BT)
+
+
+class FusedHeadLoss:
+    """Final norm, then head + cross-entropy fused over token chunks: the [B, T, V] logits never exist."""
+
+    def __call__(self, model, hidden_BTC, labels_BT, loss_mask_BT=None) -> torch.Tensor:
+        x_NC = model.final_layernorm(hidden_BTC).flatten(0, 1)
+        weight_N = token_weights(loss_mask_BT, x_NC.shape[0], x_NC.device)
+        return fused_linear_cross_entropy(x_NC, model.head_weight(), labels_BT.flatten(), weight_N)
+
+
+def head_loss(fused: bool, loss_fn: LossFunction = language_model_loss) -> HeadLoss:
+    """The trainer's LM head + loss: fused (chunked, the plain cross-entropy) or `loss_fn` on materialised logits."""
+    return FusedHeadLoss() if fused else LogitsHeadLoss(loss_fn)

@@ -1,14 +1,18 @@
 """`--compile`: `torch.compile` each transformer block (torchtitan's per-block compile).
 
 Blocks are compiled one by one rather than the whole model: one compiled block's code is reused by every layer
-of the same shape (compile time does not grow with depth). Inside a MoE block the token dispatch and the grouped
-expert GEMMs stay eager (`torch.compiler.disable` on this layer's experts and dispatcher): their shapes depend on
-how many tokens each expert got, and `torch._grouped_mm` has no fake-tensor rule for fp32 (Inductor only traces
-its bf16 form), so the graph breaks around them and everything else in the block (norms, attention, router,
-shared experts, residual adds) is compiled. `nn.Module.compile` compiles in place, so parameter names stay
-unchanged. Inductor is told to draw random numbers with the eager kernels
-(`fallback_random`): dropout masks and routing draws then stay those of the layer's own stream
-(`moetron.model.rng`), so a compiled run reproduces the eager one and every parallel layout.
+of the same shape (compile time does not grow with depth). `nn.Module.compile` compiles in place, so parameter
+names stay unchanged. Inductor is told to draw random numbers with the eager kernels (`fallback_random`): dropout
+masks and routing draws then stay those of the layer's own stream (`moetron.model.rng`), so a compiled run
+reproduces the eager one and every parallel layout.
+
+Inside a MoE block everything with static shapes is compiled: norms, attention, router, shared experts, residual
+adds, and the local token dispatch (the permute and unpermute of `dispatch.py` move exactly T·K rows whatever the
+routing, so no shape depends on the data). What stays eager (`torch.compiler.disable`, a graph break):
+  - the experts, except on CUDA in bf16 with the grouped-GEMM kernel. The CPU runs them expert by expert from host
+    counts (`experts_cpu.py`), `torch._grouped_mm` has no fp32 fake-tensor rule (Inductor traces its bf16 form
+    only), and the batched backend reads the largest count in dropless mode (a new shape per value);
+  - an expert-parallel dispatcher: its all-to-all split sizes are host integers read from the device.
 """
 
 from __future__ import annotations
@@ -16,19 +20,42 @@ from __future__ import annotations
 import torch
 
 from moetron.model.gpt import GPTModel
+from moetron.model.moe.dispatch import LocalDispatcher
+from moetron.model.moe.expert_backends import cuda_grouped_mm_is_a_grouped_kernel, grouped_mm_supported
+from moetron.model.moe.experts import GroupedExperts
 
 
-def apply_compile(model: GPTModel, enabled: bool) -> None:
+def experts_are_traceable(experts: GroupedExperts, device: torch.device, compute_dtype: torch.dtype) -> bool:
+    """Whether the experts' forward compiles into the block's graph: one grouped GEMM per projection (CUDA, bf16,
+    sm90/sm100), no host read."""
+    if device.type != "cuda" or compute_dtype != torch.bfloat16 or experts.backend not in ("auto", "grouped_mm"):
+        return False
+    rocm = torch.version.hip is not None
+    grouped = cuda_grouped_mm_is_a_grouped_kernel(compute_dtype, torch.cuda.get_device_capability(device), rocm)
+    return grouped and grouped_mm_supported(device, compute_dtype, experts.hidden, experts.ffn)
+
+
+def apply_compile(
+    model: GPTModel,
+    enabled: bool,
+    device: torch.device | str = "cpu",
+    compute_dtype: torch.dtype = torch.float32,
+) -> None:
     if not enabled:
         return
     import torch._inductor.config as inductor_config
 
     inductor_config.fallback_random = True
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    device = torch.device(device)
     for _, layer in model.layer_items():
         if layer.is_moe:
             moe = layer.mlp
-            moe.experts.forward = torch.compiler.disable(moe.experts.forward)
-            moe.dispatcher.dispatch = torch.compiler.disable(moe.dispatcher.dispatch)
-            moe.dispatcher.combine = torch.compiler.disable(moe.dispatcher.combine)
+            if experts_are_traceable(moe.experts, device, compute_dtype):
+                moe.experts.backend = "grouped_mm"  # what `auto` picks here, resolved now: no probe in the graph
+            else:
+                moe.experts.forward = torch.compiler.disable(moe.experts.forward)
+            if not isinstance(moe.dispatcher, LocalDispatcher):
+                moe.dispatcher.dispatch = torch.compiler.disable(moe.dispatcher.dispatch)
+                moe.dispatcher.combine = torch.compiler.disable(moe.dispatcher.combine)
         layer.compile()

@@ -117,10 +117,12 @@ def build_model(
     compile_blocks: bool = False,
     zero: ZeroSpec = REPLICATED,
     pipeline: PipelineLayout | None = None,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> GPTModel:
-    """Steps 1–5: this rank's part of the model, materialised on `device` and initialised from `seed`.
+    """Steps 1–7: this rank's part of the model, materialised on `device` and initialised from `seed`.
 
-    `checkpoint_activations` defaults to the model config's flag; `pipeline` is the stage layout when pp > 1."""
+    `checkpoint_activations` defaults to the model config's flag; `pipeline` is the stage layout when pp > 1;
+    `compute_dtype` (the autocast dtype, fp32 without one) tells `apply_compile` what the experts will run in."""
     check_dims(cfg, mesh)
     with torch.device("meta"):
         model = GPTModel(cfg)
@@ -129,7 +131,7 @@ def build_model(
     apply_ep(model, mesh)
     apply_moe_tp(model, mesh)
     apply_ac(model, cfg.checkpoint_activations if checkpoint_activations is None else checkpoint_activations)
-    apply_compile(model, compile_blocks)
+    apply_compile(model, compile_blocks, device, compute_dtype)
     if zero.uses_fsdp and mesh.distributed:
         from moetron.parallel.fsdp import materialize_sharded
 

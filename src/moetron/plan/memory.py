@@ -11,8 +11,9 @@ Everything follows what moetron's trainer actually keeps (train/trainer.py, trai
                 at both norms, the compute-dtype inputs of each matmul, q/k/v, the attention output, the
                 MLP's pre- and post-activation, dropout masks, and for MoE layers the router's [T, E]
                 tensors and, per kept route, the expert's input, hidden, activation and output.
-  logits/loss   [mbs·seq, V] logits, their fp32 log-softmax and both gradients: 16 B per token per vocab
-                entry at the start of backward — often the largest single buffer.
+  logits/loss   the LM head + loss buffers (`plan/lm_head.py`): fused (the default) a chunk of rows and dX; else
+                [mbs·seq, V] logits, their fp32 log-softmax and both gradients, 16 B per token per vocab entry
+                at the start of backward — then often the largest single buffer.
   all-to-all    with EP > 1: send + receive buffers of one MoE layer's routed tokens.
 
 Activation checkpointing keeps each layer's fp32 input and recomputes one layer at a time in backward.
@@ -35,10 +36,10 @@ from moetron.config import RunConfig
 from moetron.model.config import ModelConfig
 from moetron.model.flops import attention_params, count_parameters, embedding_params, mlp_params, moe_layer_params
 from moetron.parallel.dims import ParallelDims
+from moetron.plan.lm_head import lm_loss_bytes
 from moetron.plan.tensor_parallel import WHOLE, Split, activation_split, shard_parameters
 from moetron.plan.zero import zero_memory
 
-LOGITS_BYTES_PER_ENTRY = 16  # logits + fp32 log-softmax + grad of the log-softmax + grad of the logits
 MATH_ATTENTION_BYTES = {4: 12, 2: 13}  # per token, head and key: scores, probabilities, dropout mask (measured)
 
 
@@ -169,11 +170,10 @@ def accumulating(cfg: RunConfig, dims: ParallelDims) -> bool:
     return dims.dp > 0 and cfg.num_micro_batches(dims.dp) > 1
 
 
-def logits_bytes(cfg: RunConfig, dims: ParallelDims) -> int:
-    """The [T, V] loss buffers; with accumulation the trainer still holds the previous micro-batch's logits."""
-    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
-    per_entry = LOGITS_BYTES_PER_ENTRY + (compute_bytes(cfg) if accumulating(cfg, dims) else 0)
-    return int(tokens * cfg.model.padded_vocab_size() * per_entry * activation_split(dims).vocab)
+def logits_bytes(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda") -> int:
+    """The LM head + loss buffers (fused chunks, or [T, V / tp] logits: then, accumulating, the trainer still
+    holds the previous micro-batch's logits)."""
+    return lm_loss_bytes(cfg, compute_bytes(cfg), accumulating(cfg, dims), device_kind, dims)
 
 
 def all_to_all_bytes(cfg: RunConfig, dims: ParallelDims) -> int:
@@ -195,7 +195,7 @@ def estimate_memory(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda
 
         return max((s.memory for s in plan_stages(cfg, dims, device_kind)), key=lambda m: m.peak)
     activations = activation_bytes(cfg, dims, device_kind)
-    return assemble(cfg, dims, local_parameters(cfg.model, dims), activations, logits_bytes(cfg, dims),
+    return assemble(cfg, dims, local_parameters(cfg.model, dims), activations, logits_bytes(cfg, dims, device_kind),
                     all_to_all_bytes(cfg, dims))  # fmt: skip
 
 

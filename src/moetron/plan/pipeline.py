@@ -126,7 +126,7 @@ def plan_stages(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda") -
         memory = mem.assemble(
             cfg, dims, params,
             activations=stage_activation_bytes(cfg, dims, layers, first, last, flight, device_kind),
-            logits=mem.logits_bytes(cfg, dims) if last else 0,
+            logits=mem.logits_bytes(cfg, dims, device_kind) if last else 0,
             all_to_all=mem.all_to_all_bytes(cfg, dims) if has_moe else 0,
         )  # fmt: skip
         flops = stage_flops_per_token(cfg.model, layers, last, seq)

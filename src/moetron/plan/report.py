@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from moetron.plan import lm_head
 from moetron.plan.advice import Suggestion
 from moetron.plan.estimate import Plan
 from moetron.plan.hardware import GIB, with_article
@@ -16,7 +17,7 @@ MEMORY_ROWS = [  # (MemoryEstimate field, label)
     ("weight_casts", "{dtype} copies of the matmul weights"),
     ("gathered", "{gathered}"),
     ("activations", "activations ({activations})"),
-    ("logits", "logits and loss buffers [{tokens}, {vocab}]"),
+    ("logits", "{lm_loss}"),
     ("all_to_all", "all-to-all send/receive buffers"),
 ]
 
@@ -85,7 +86,7 @@ def memory_lines(plan: Plan) -> list[str]:
         "dtype": precision(plan),
         "activations": f"micro batch {plan.cfg.train.micro_batch_size} × seq {m.seq_length}{ckpt}",
         "tokens": plan.cfg.train.micro_batch_size * m.seq_length,
-        "vocab": m.padded_vocab_size() // plan.dims.tp,  # this GPU's vocabulary shard
+        "lm_loss": lm_head.describe(plan.cfg, plan.device.kind, plan.dims),
         **zero_labels(plan),
     }
     lines = [f"  {'memory per GPU':<52} {'GiB':>8}"]

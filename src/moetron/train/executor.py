@@ -1,6 +1,6 @@
 """Executors: who runs one optimizer step's micro-batches forward and backward.
 
-    executor = LocalExecutor(parallel, language_model_loss, autocast)   # or build_executor(...): PP's when split
+    executor = build_executor(parallel, autocast, cfg)   # LocalExecutor(parallel, head_loss, autocast), or PP's
     lm_loss_sum = executor.forward_backward(next_micro_batch, num_micro, loss_scale)
     executor.moe_step_stats(), executor.evaluate(valid_loader, micro_batches, all_reduce_mean)
 
@@ -12,6 +12,8 @@ owns the micro-batch loop. `LocalExecutor` runs every micro-batch through the wh
     over micro-batches of (lm_loss + moe_loss), times the fp16 loss scale;
   - gradients are reduced across data parallelism in the last micro-batch only (`parallel.micro_batch`);
   - every micro-batch runs inside `STREAMS.micro_batch("train", first sample index)` (layout-free randomness);
+  - the LM loss is `head_loss(model, hidden, labels)` on the last layer's output: the head loss applies the LM
+    head itself (fused with the cross-entropy by default, so the logits are never materialised);
   - the return value is Σ lm_loss / num_micro (fp64, on device: no host sync), the same on every rank;
   - `moe_step_stats()` then gives every MoE layer's statistics of the step (all layers, on every rank).
 """
@@ -26,7 +28,7 @@ import torch
 
 from moetron.config import RunConfig
 from moetron.eval.perplexity import evaluate
-from moetron.model.loss import LossFunction
+from moetron.model.loss import HeadLoss, head_loss, language_model_loss
 from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
 from moetron.model.rng import STREAMS
 from moetron.parallel.parallelize import ParallelModel
@@ -54,10 +56,10 @@ class LocalExecutor:
     def __init__(
         self,
         parallel: ParallelModel,
-        loss_fn: LossFunction,
+        head_loss: HeadLoss,
         autocast: Callable[[], contextlib.AbstractContextManager],
     ):
-        self.parallel, self.loss_fn, self.autocast = parallel, loss_fn, autocast
+        self.parallel, self.head_loss, self.autocast = parallel, head_loss, autocast
 
     def forward_backward(
         self, next_micro_batch: Callable[[], MicroBatch], num_micro: int, loss_scale: float
@@ -70,8 +72,8 @@ class LocalExecutor:
                 last = i == num_micro - 1
                 with self.parallel.micro_batch(last), STREAMS.micro_batch("train", mb.first_sample):
                     with self.autocast():
-                        logits = self.parallel.module(mb.tokens_BT).logits
-                        lm_loss = self.loss_fn(logits, mb.labels_BT)
+                        hidden = self.parallel.module(mb.tokens_BT, return_logits=False).hidden
+                        lm_loss = self.head_loss(self.parallel.model, hidden, mb.labels_BT)
                     (lm_loss * factor).backward()
                 value = lm_loss.detach().double() / num_micro
                 total = value if total is None else total + value
@@ -86,18 +88,17 @@ class LocalExecutor:
         return evaluate(self.parallel.model, loader, micro_batches, self.autocast, all_reduce_mean)
 
 
-def build_executor(
-    parallel: ParallelModel,
-    loss_fn: LossFunction,
-    autocast: Callable[[], contextlib.AbstractContextManager],
-    cfg: RunConfig,
-):
-    """`LocalExecutor`, or the `PipelineExecutor` when the model is split into pipeline stages."""
+def build_executor(parallel: ParallelModel, autocast: Callable[[], contextlib.AbstractContextManager], cfg: RunConfig):
+    """`LocalExecutor`, or the `PipelineExecutor` when the model is split into pipeline stages. The loss is the
+    model's (`parallel.loss_fn`: vocab-parallel cross-entropy under tensor parallelism); the local executor fuses
+    the head with the plain cross-entropy when `--fused-cross-entropy` is on (the pipeline's last stage computes
+    logits: its schedule's loss function receives the stage output)."""
+    t, loss_fn = cfg.train, parallel.loss_fn
     if parallel.pipeline is None:
-        return LocalExecutor(parallel, loss_fn, autocast)
+        fused = t.fused_cross_entropy and loss_fn is language_model_loss
+        return LocalExecutor(parallel, head_loss(fused, loss_fn), autocast)
     from moetron.train.pipeline_executor import PipelineExecutor  # torch's pipelining: imported only when used
 
-    t = cfg.train
     num_micro = cfg.num_micro_batches(parallel.mesh.size("dp"))
     dtype = compute_dtype(t.fp16, t.bf16)
     return PipelineExecutor(parallel, loss_fn, autocast, t.micro_batch_size, cfg.model.seq_length, num_micro, dtype)

@@ -25,6 +25,7 @@ from moetron.parallel.parallelize import build_model
 from moetron.parallel.pipeline_layout import PipelineLayout
 from moetron.parallel.zero import ZeroSpec
 from moetron.train.checkpoint import resolve_checkpoint
+from moetron.train.precision import compute_dtype
 from moetron.train.startup import startup_banner, startup_warnings
 from moetron.train.trainer import Trainer
 
@@ -215,8 +216,16 @@ def run_training(cfg: RunConfig, explicit: set[str], env: DistEnv) -> int:
             print(line, flush=True)
     train_loader, make_valid = build_loaders(cfg, env, mesh)
     zero, pipeline = ZeroSpec.from_config(cfg), PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
+    dtype = compute_dtype(cfg.train.fp16, cfg.train.bf16)
     model = build_model(
-        cfg.model, mesh, env.device, cfg.train.seed, compile_blocks=cfg.train.compile, zero=zero, pipeline=pipeline
+        cfg.model,
+        mesh,
+        env.device,
+        cfg.train.seed,
+        compile_blocks=cfg.train.compile,
+        zero=zero,
+        pipeline=pipeline,
+        compute_dtype=dtype,
     )
     trainer = Trainer(cfg, env, model, train_loader, make_valid, config_yaml=to_yaml(cfg), mesh=mesh)
     load_into(trainer, cfg, checkpoint)

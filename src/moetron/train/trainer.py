@@ -93,8 +93,7 @@ class Trainer:
         # PP stages, EP experts; DDP and the expert reducer, or ZeRO (sharded optimizer, FSDP2)
         self.parallel = parallelize(model, self.mesh, ZeroSpec.from_config(cfg), self.pipeline)
         self.model = self.parallel.model
-        # the pipeline's executor when split; the loss is vocab-parallel cross-entropy under tensor parallelism
-        self.executor = build_executor(self.parallel, self.parallel.loss_fn, self.autocast, cfg)
+        self.executor = build_executor(self.parallel, self.autocast, cfg)  # the pipeline's when split into stages
         stepped = self.parallel.optimizer_parameters()  # the weights, or at ZeRO-1 this rank's shards of them
         self.optimizer = build_optimizer(self.model, self.parallel.registry, cfg.train, env.device, stepped)
         self.parallel.attach_optimizer(self.optimizer)

@@ -110,11 +110,28 @@ def unpermute(
     if kept_R is not None:
         weights_R = torch.where(kept_R, weights_R, 0.0)  # the gradient of a tail row's weight is 0, not 0·NaN
         token_R = torch.where(kept_R, token_R, num_tokens)  # the sink row
-    weighted_RD = y_RD.to(acc_dtype) * weights_R.unsqueeze(1)
-    # In place on a fresh buffer: the out-of-place index_add would first copy the zeros.
     rows = num_tokens + (kept_R is not None)
-    y_TD = weighted_RD.new_zeros(rows, y_RD.shape[1]).index_add_(0, token_R, weighted_RD)[:num_tokens]
+    y_TD = WeightedIndexAdd.apply(y_RD.to(acc_dtype), weights_R, token_R, rows)[:num_tokens]
     return y_TD.to(y_RD.dtype)
+
+
+class WeightedIndexAdd(torch.autograd.Function):
+    """`zeros(rows, D).index_add_(0, token_R, y_RD · weights_R)` with a leaner backward than autograd's: the
+    output gradient is gathered once and scaled in place for y, and row-dotted with y for the weights (autograd's
+    chain of index_add, mul and sum allocates two more [R, D] tensors)."""
+
+    @staticmethod
+    def forward(ctx, y_RD: torch.Tensor, weights_R: torch.Tensor, token_R: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.save_for_backward(y_RD, weights_R, token_R)
+        # In place on a fresh buffer: the out-of-place index_add would first copy the zeros.
+        return y_RD.new_zeros(rows, y_RD.shape[1]).index_add_(0, token_R, y_RD * weights_R[:, None])
+
+    @staticmethod
+    def backward(ctx, grad_XD: torch.Tensor):
+        y_RD, weights_R, token_R = ctx.saved_tensors
+        grad_RD = grad_XD.index_select(0, token_R)
+        grad_weights_R = torch.linalg.vecdot(grad_RD, y_RD) if ctx.needs_input_grad[1] else None
+        return grad_RD.mul_(weights_R[:, None]), grad_weights_R, None, None
 
 
 class TokenDispatcher(Protocol):

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from moetron.model.autocast_dtype import autocast_dtype
 from moetron.model.init import param_slice, stable_seed
 from moetron.model.mlp import gelu
 from moetron.model.moe.dispatch import ExpertCounts, gather_rows
@@ -130,7 +131,7 @@ class GroupedExperts(nn.Module):
                 f"(experts {self.expert_offset}.. of {self.num_global_experts}); a layer holding a slice of the "
                 f"experts needs an expert-parallel dispatcher that sends it only its experts' rows"
             )
-        x_ND = x_ND.to(_compute_dtype(x_ND))
+        x_ND = x_ND.to(autocast_dtype(x_ND))
         backend = self.resolved_backend(x_ND)
         if backend == "grouped_mm" and self._runs_expert_by_expert(x_ND):
             dtype = x_ND.dtype
@@ -158,7 +159,7 @@ class GroupedExperts(nn.Module):
         """The single expert applied to every row ([..., D] -> [..., D]): the dense-MLP form (needs E == 1)."""
         if self.num_experts != 1:
             raise ValueError(f"dense_forward needs exactly one expert, this module holds {self.num_experts}")
-        x_TD = x_TD.to(_compute_dtype(x_TD))
+        x_TD = x_TD.to(autocast_dtype(x_TD))
         return self._mlp(x_TD, _single_matmul, _add_single_bias)
 
     def _mlp(self, x_ND: torch.Tensor, matmul: Callable, add_bias: Callable) -> torch.Tensor:
@@ -193,13 +194,6 @@ def _add_single_bias(h_TA: torch.Tensor, b_1A: torch.Tensor) -> torch.Tensor:
 
 def _single_matmul(x_TA: torch.Tensor, w_1AB: torch.Tensor) -> torch.Tensor:
     return x_TA @ w_1AB[0]
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The autocast dtype when autocast is on for x's device (and x is floating), else x's own dtype."""
-    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 def init_expert_weights(experts: GroupedExperts, std: float, out_std: float, seed: int, layer_index: int) -> None:

@@ -1,0 +1,312 @@
+"""End-to-end training speed and memory: moetron against nanoGPT, HF Mixtral and DeepSpeed-MoE, side by side.
+
+    python benchmarks/e2e.py --nanogpt-dir /tmp/nanogpt                    # the three comparisons, eager
+    python benchmarks/e2e.py --nanogpt-dir /tmp/nanogpt --compile          # moetron with --compile
+    python benchmarks/e2e.py --comparisons mixtral --memory --profile      # peak memory, profile of the slower side
+
+Comparisons (same architecture, parameter count, FLOPs per token, optimizer, tokens; fp32; `e2e_sides.py`):
+  dense      moetron's GPT vs karpathy/nanoGPT's GPT (4 layers, 128 hidden, block 64, batch 12, vocab 50304)
+  mixtral    moetron with the README's "exactly Mixtral" flags vs transformers' MixtralForCausalLM (8 experts top-2)
+  deepspeed  moetron's DeepSpeed routing vs deepspeed.moe.layer.MoE inside nanoGPT (top-1, capacity 1.0, every 2nd
+             layer, 8 experts)
+nanoGPT is not a package: fetch karpathy/nanoGPT anywhere outside this repository and pass `--nanogpt-dir` (its
+`model.py` is imported as-is); without it the dense and deepspeed comparisons print a skip line. deepspeed and
+transformers are benchmark-only dependencies (`pip install deepspeed==0.19.8`; a missing one skips its line).
+
+How it is measured: each side runs in its own process (its own allocator settings), both alive at once and
+time-sliced: the driver tells one side to run `--steps` optimizer steps while the other waits, then the other, in
+alternating order, `--rounds` times, after `--warmup` steps each. Each side times its own iterations (wall clock,
+or process CPU time with `--clock cpu`); tokens/s = tokens / Σ iteration times. So both sides meet the same
+machine load, and one line per comparison reads
+
+    NAME: moetron X tok/s, peer Y tok/s, ratio R (rounds r1 r2 r3)
+
+followed by the parameter counts, FLOPs per token (moetron's model formula, and torch's FlopCounterMode count of
+one step on each side), the losses after the same steps, with `--memory` the peak training memory per token
+(parameters + optimizer state + the step's allocator peak, from torch.profiler's allocation events), and with
+`--profile` the top operators of the slower side.
+
+moetron's process gets the CPU allocator default its CLI sets (`moetron.cli.cpu_allocator_defaults`: transparent
+huge pages on a machine without a GPU); the peers keep PyTorch's default unless `--peer-thp`. The peers use fused
+AdamW like moetron unless `--peer-adamw default`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+DATA = REPO.parent / "shared" / "data"
+COMPARISONS = ("dense", "mixtral", "deepspeed")
+
+
+# ---------------------------------------------------------------- the worker (one side, its own process)
+def make_batches(tokens_file: str, count: int, batch: int, seq: int):
+    """`count` [B, T+1] batches at seeded random offsets (nanoGPT's get_batch), the same for every side."""
+    import numpy as np
+    import torch
+
+    data = torch.from_numpy(np.fromfile(tokens_file, dtype=np.uint16).astype(np.int64))
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, len(data) - seq - 1, (count, batch), generator=g)
+    return [torch.stack([data[s : s + seq + 1] for s in row.tolist()]) for row in starts]
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Build one side, then answer the driver's commands on the original stdout (everything else goes to stderr)."""
+    reply = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    if args.worker == "moetron" and args.moetron_thp or args.worker != "moetron" and args.peer_thp:
+        from moetron.cli import cpu_allocator_defaults
+
+        cpu_allocator_defaults()  # before torch is imported, as `moetron train` does
+    import time
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from e2e_sides import BATCH, SEQ, build_side
+    from memory_peak import peak_cpu_bytes
+
+    torch.set_num_threads(args.threads)
+    batches = make_batches(args.tokens_file, 64, BATCH, SEQ)
+    side = build_side(args.worker, args.comparison, batches, args)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    done = 0
+
+    def step():
+        nonlocal done
+        loss = side.step(batches[done % len(batches)])
+        done += 1
+        return loss
+
+    def addmm_flop(self_shape, a_shape, b_shape, *args, **kwargs) -> int:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+    def grouped_mm_flop(a_shape, b_shape, *args, **kwargs) -> int:
+        """[M, K]·[E, K, N] (rows grouped by expert), or [K, M]·[M, N] → [E, K, N] (per-expert weight gradient)."""
+        return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+    # not in FlopCounterMode's table: in-place addmm_ (moetron's fused cross-entropy accumulates dW with it) and
+    # the grouped GEMM (HF's grouped_mm experts)
+    mapping = {torch.ops.aten.addmm_: addmm_flop, torch.ops.aten._grouped_mm: grouped_mm_flop}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        step()
+    info = {"parameters": side.parameters(), "counted_flops": counter.get_total_flops(), "notes": side.notes}
+    if side.cfg is not None:
+        from moetron.model.flops import flops_per_token
+
+        info["model_flops_per_token"] = flops_per_token(side.cfg.model)
+    info["thp"] = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
+    reply.write(json.dumps(info) + "\n")
+    for line in sys.stdin:
+        command, _, count = line.strip().partition(" ")
+        if command == "run":
+            times, loss = [], None
+            for _ in range(int(count)):
+                start = clock()
+                loss = step()
+                times.append(clock() - start)
+            reply.write(json.dumps({"times": times, "loss": float(loss), "steps": done}) + "\n")
+        elif command == "memory":
+            peak = peak_cpu_bytes(step)
+            reply.write(json.dumps({"peak": peak, "resident": side.resident_bytes()}) + "\n")
+        elif command == "profile":
+            from torch.profiler import profile
+
+            with profile() as prof:
+                for _ in range(int(count)):
+                    step()
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
+            reply.write(json.dumps({"table": table}) + "\n")
+        else:
+            return
+
+
+# ---------------------------------------------------------------- the driver
+class Worker:
+    def __init__(self, name: str, comparison: str, args: argparse.Namespace, tokens_file: str, log: Path):
+        self.name = name
+        cmd = [sys.executable, str(Path(__file__)), "--worker", name, "--comparison", comparison]
+        cmd += ["--tokens-file", tokens_file, "--port", str(_free_port())] + _forwarded(args)
+        path = os.pathsep.join([str(REPO / "src"), str(HERE), os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, PYTHONPATH=path)
+        self.log = log
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env
+        )
+        self.info = self.read()
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            tail = self.log.read_text()[-3000:]
+            raise RuntimeError(f"{self.name} worker exited (rc={self.proc.wait()}); its log ends with:\n{tail}")
+        return json.loads(line)
+
+    def ask(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _forwarded(args: argparse.Namespace) -> list[str]:
+    out = ["--threads", str(args.threads), "--clock", args.clock, "--peer-adamw", args.peer_adamw]
+    out += ["--moetron-flags", args.moetron_flags + (" --compile" if args.compile else "")]
+    out += ["--nanogpt-dir", args.nanogpt_dir or ""]
+    out += [flag for flag, on in (("--peer-thp", args.peer_thp), ("--no-moetron-thp", not args.moetron_thp)) if on]
+    return out + (["--peer-compile"] if args.peer_compile else [])
+
+
+def skip_reason(comparison: str, args: argparse.Namespace) -> str | None:
+    import importlib.util
+
+    needs_nanogpt = comparison in ("dense", "deepspeed")
+    if needs_nanogpt and not (args.nanogpt_dir and (Path(args.nanogpt_dir) / "model.py").exists()):
+        return "nanoGPT not found: fetch karpathy/nanoGPT outside the repo and pass --nanogpt-dir DIR (its model.py)"
+    for module, comp in (("transformers", "mixtral"), ("deepspeed", "deepspeed")):
+        if comparison == comp and importlib.util.find_spec(module) is None:
+            return f"{module} is not installed (benchmark-only: pip install {module})"
+    return None
+
+
+def tokens_file(directory: Path) -> tuple[str, str]:
+    """tinyshakespeare as GPT-2 token ids (uint16), or seeded random ids when the shared data is absent."""
+    import numpy as np
+
+    out = directory / "tokens.u16"
+    text, gpt2 = DATA / "tinyshakespeare" / "input.txt", DATA / "gpt2"
+    if text.exists() and (gpt2 / "gpt2-vocab.json").exists():
+        from moetron.data.tokenizer import build_tokenizer
+
+        tok = build_tokenizer("GPT2BPETokenizer", gpt2 / "gpt2-vocab.json", gpt2 / "gpt2-merges.txt")
+        np.array(tok.encode(text.read_text()), dtype=np.uint16).tofile(out)
+        return str(out), "tinyshakespeare, GPT-2 BPE"
+    np.random.default_rng(0).integers(0, 50257, 400_000, dtype=np.uint16).tofile(out)
+    return str(out), f"random tokens ({text} not found)"
+
+
+def compare(comparison: str, args: argparse.Namespace, tokens: str, workdir: Path) -> list[str]:
+    from e2e_sides import BATCH, PEERS, SEQ
+
+    peer = PEERS[comparison]
+    sides = {}
+    try:
+        for name in ("moetron", peer):
+            sides[name] = Worker(name, comparison, args, tokens, workdir / f"{comparison}-{name}.log")
+        for worker in sides.values():
+            worker.ask(f"run {args.warmup}")
+        times = {name: [] for name in sides}
+        losses = {}
+        for r in range(args.rounds):
+            for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
+                result = sides[name].ask(f"run {args.steps}")
+                times[name].append(sum(result["times"]))
+                losses[name] = (result["steps"], result["loss"])
+        tokens_per_round = args.steps * BATCH * SEQ
+        rate = {name: tokens_per_round * len(t) / sum(t) for name, t in times.items()}
+        rounds = [p / m for m, p in zip(times["moetron"], times[peer], strict=True)]
+        lines = [
+            f"{comparison}: moetron {rate['moetron']:.0f} tok/s, peer {rate[peer]:.0f} tok/s, ratio "
+            f"{rate['moetron'] / rate[peer]:.2f} (rounds {' '.join(f'{r:.2f}' for r in rounds)})"
+        ]
+        lines += details(sides, peer, losses, args)
+        if args.profile:
+            slower = peer if rate[peer] < rate["moetron"] else "moetron"
+            lines.append(f"  profile of the slower side ({slower}, 3 steps, top operators by self CPU time):")
+            lines += ["    " + row for row in sides[slower].ask("profile 3")["table"].splitlines()]
+        return lines
+    finally:
+        for worker in sides.values():
+            worker.close()
+
+
+def details(sides: dict, peer: str, losses: dict, args: argparse.Namespace) -> list[str]:
+    from e2e_sides import BATCH, SEQ
+
+    m, p = sides["moetron"].info, sides[peer].info
+    per_token = BATCH * SEQ
+    lines = [
+        f"  parameters: moetron {m['parameters'] / 1e6:.2f}M, {peer} {p['parameters'] / 1e6:.2f}M; model FLOPs/token "
+        f"{m['model_flops_per_token'] / 1e6:.1f}M; counted FLOPs/token of one step: moetron "
+        f"{m['counted_flops'] / per_token / 1e6:.1f}M, {peer} {p['counted_flops'] / per_token / 1e6:.1f}M",
+        f"  loss after {losses['moetron'][0]} steps: moetron {losses['moetron'][1]:.4f}, {peer} {losses[peer][1]:.4f}",
+        f"  THP_MEM_ALLOC_ENABLE: moetron {m['thp']}, {peer} {p['thp']}; {args.threads} threads, {args.clock} clock",
+    ]
+    if args.memory:
+        mem = {name: w.ask("memory") for name, w in sides.items()}
+        total = {name: (v["peak"] + v["resident"]) / per_token / 1024 for name, v in mem.items()}
+        step = {name: v["peak"] / per_token / 1024 for name, v in mem.items()}
+        lines.append(
+            f"  peak training memory per token: moetron {total['moetron']:.1f} KiB, {peer} {total[peer]:.1f} KiB, "
+            f"ratio {total['moetron'] / total[peer]:.2f} (step peak above parameters + optimizer state: "
+            f"{step['moetron']:.1f} vs {step[peer]:.1f} KiB, ratio {step['moetron'] / step[peer]:.2f})"
+        )
+    return lines + [f"  {note}" for note in m["notes"]]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--comparisons", nargs="*", default=list(COMPARISONS), choices=COMPARISONS)
+    parser.add_argument("--nanogpt-dir", default=None, help="a checkout of karpathy/nanoGPT (outside this repo)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per side per round")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument("--peer-adamw", choices=("fused", "default"), default="fused")
+    parser.add_argument("--compile", action="store_true", help="moetron with --compile")
+    parser.add_argument("--peer-compile", action="store_true", help="peers through torch.compile(model)")
+    parser.add_argument("--peer-thp", action="store_true", help="peers with THP_MEM_ALLOC_ENABLE=1 too")
+    parser.add_argument("--no-moetron-thp", dest="moetron_thp", action="store_false", help="moetron without THP")
+    parser.add_argument("--moetron-flags", default="", help="extra `moetron train` flags for moetron's side")
+    parser.add_argument("--memory", action="store_true", help="peak training memory per token")
+    parser.add_argument("--profile", action="store_true", help="profile the slower side")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--comparison", help=argparse.SUPPRESS)
+    parser.add_argument("--tokens-file", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    with tempfile.TemporaryDirectory(prefix="moetron-e2e-") as tmp:
+        tokens, source = tokens_file(Path(tmp))
+        load = os.getloadavg()
+        print(f"data: {source}; load average at start {load[0]:.1f}; rounds {args.rounds} × {args.steps} steps")
+        for comparison in args.comparisons:
+            reason = skip_reason(comparison, args)
+            if reason:
+                print(f"{comparison}: skipped — {reason}", flush=True)
+                continue
+            for line in compare(comparison, args, tokens, Path(tmp)):
+                print(line, flush=True)
+        print(f"load average at end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

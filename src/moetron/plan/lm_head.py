@@ -1,0 +1,63 @@
+"""The LM head + loss buffers in the memory plan: the fused chunks (`--fused-cross-entropy`, the default) or the
+materialised `[T, V]` logits.
+
+Fused (`model/fused_cross_entropy.py`): the head's forward holds one chunk of M rows at a time — the logits in the
+compute dtype, their fp32 log-softmax (and, in bf16/fp16, the fp32 copy of the logits it reads) — and writes dX
+`[T, h]` in the compute dtype; dW `[V, h]` fp32 becomes the head's gradient, which the plan already counts as the
+gradient present at the start of backward. Nothing of size T·V is ever alive, so accumulation holds no previous
+micro-batch's logits either. Plain: logits, fp32 log-softmax and both gradients, 16 B per token and vocabulary
+entry, plus (accumulating) the previous micro-batch's logits. The trainer fuses only on one pipeline stage without
+tensor parallelism (`train/executor.py: build_executor`): under TP the logits are vocabulary shards (V / tp per
+rank, vocab-parallel cross-entropy), under PP the last stage's schedule computes the loss from its output logits.
+
+Shape legend: T tokens per micro-batch (mbs · seq), h hidden, V padded vocabulary, M rows per chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetron.config import RunConfig
+from moetron.model.fused_cross_entropy import chunk_tokens
+from moetron.parallel.dims import ParallelDims
+
+LOGITS_BYTES_PER_ENTRY = 16  # logits + fp32 log-softmax + grad of the log-softmax + grad of the logits
+
+
+def fused(cfg: RunConfig, dims: ParallelDims | None = None) -> bool:
+    """Whether the trainer runs the fused head + loss for this layout (see the module docstring)."""
+    return cfg.train.fused_cross_entropy and (dims is None or (dims.tp == 1 and dims.pp == 1))
+
+
+def loss_rows(cfg: RunConfig, device_kind: str, dims: ParallelDims | None = None) -> int:
+    """Rows of the [rows, V] buffers alive at once: T, or the fused path's chunk."""
+    m = cfg.model
+    tokens = cfg.train.micro_batch_size * m.seq_length
+    if not fused(cfg, dims):
+        return tokens
+    return min(tokens, chunk_tokens(tokens, m.hidden_size, m.padded_vocab_size(), torch.device(device_kind)))
+
+
+def local_vocab(cfg: RunConfig, dims: ParallelDims | None) -> int:
+    """This rank's vocabulary rows: the padded vocabulary, or its tensor-parallel shard."""
+    return cfg.model.padded_vocab_size() // (dims.tp if dims is not None else 1)
+
+
+def lm_loss_bytes(
+    cfg: RunConfig, compute_bytes: int, accumulating: bool, device_kind: str, dims: ParallelDims | None = None
+) -> int:
+    m = cfg.model
+    tokens, vocab = cfg.train.micro_batch_size * m.seq_length, local_vocab(cfg, dims)
+    rows = loss_rows(cfg, device_kind, dims)
+    if not fused(cfg, dims):
+        return rows * vocab * (LOGITS_BYTES_PER_ENTRY + (compute_bytes if accumulating else 0))
+    fp32_copy = 4 if compute_bytes != 4 else 0
+    return rows * vocab * (compute_bytes + 4 + fp32_copy) + tokens * m.hidden_size * compute_bytes
+
+
+def describe(cfg: RunConfig, device_kind: str, dims: ParallelDims | None = None) -> str:
+    rows, vocab = loss_rows(cfg, device_kind, dims), local_vocab(cfg, dims)
+    if fused(cfg, dims):
+        return f"fused LM-head loss: [{rows}, {vocab}] chunk buffers + dX"
+    shard = " (this GPU's vocabulary shard)" if dims is not None and dims.tp > 1 else ""
+    return f"logits and loss buffers [{rows}, {vocab}]{shard}"

@@ -1,0 +1,112 @@
+"""The fused LM head + cross-entropy (`model/fused_cross_entropy.py`) computes the loss and the gradients of the plain
+`F.linear` + `F.cross_entropy` path, chunk by chunk, and the trainer trains the same with it as without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from trainer_support import build_trainer, run_losses, tiny_config
+
+from moetron.model.config import ModelConfig
+from moetron.model.fused_cross_entropy import chunk_tokens, fused_linear_cross_entropy
+from moetron.model.gpt import create_model
+from moetron.model.loss import FusedHeadLoss, LogitsHeadLoss, token_weights
+
+N, C, V = 37, 16, 96
+
+
+def inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, C, generator=g, requires_grad=True)
+    w = (torch.randn(V, C, generator=g) * 0.5).requires_grad_(True)
+    labels = torch.randint(0, V, (N,), generator=g)
+    mask = (torch.rand(N, generator=g) > 0.3).float()
+    return x, w, labels, mask
+
+
+def plain_loss(x, w, labels, mask):
+    losses = F.cross_entropy(F.linear(x, w).float(), labels, reduction="none")
+    return (losses * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 10, N, 64])
+def test_loss_and_gradients_match_the_plain_head(chunk):
+    x, w, labels, mask = inputs()
+    ref = plain_loss(x, w, labels, mask)
+    ref.backward()
+    gx, gw = x.grad, w.grad
+    x.grad = w.grad = None
+    loss = fused_linear_cross_entropy(x, w, labels, token_weights(mask, N, x.device), chunk)
+    (loss * 3.0).backward()  # the upstream gradient scales both
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, 3.0 * gx, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(w.grad, 3.0 * gw, rtol=1e-5, atol=1e-7)
+
+
+def test_without_gradients_only_the_loss_is_computed():
+    x, w, labels, mask = inputs(1)
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(x, w, labels, token_weights(None, N, x.device), 8)
+        ref = F.cross_entropy(F.linear(x, w), labels)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_autocast_runs_the_gemms_in_bf16_and_keeps_fp32_weights_grads():
+    x, w, labels, _ = inputs(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(x, w, labels, token_weights(None, N, x.device), 8)
+        ref = F.cross_entropy(F.linear(x, w).float(), labels)
+    loss.backward()
+    assert loss.dtype == torch.float32 and x.grad.dtype == w.grad.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_a_second_backward_is_refused():
+    x, w, labels, _ = inputs(3)
+    loss = fused_linear_cross_entropy(x, w, labels, token_weights(None, N, x.device), 8)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward per forward"):
+        loss.backward()
+
+
+def test_chunk_rule():
+    assert chunk_tokens(768, 128, 50304, torch.device("cpu")) == 64  # ~8 MiB of logits, at least 64 rows
+    assert chunk_tokens(768, 128, 512, torch.device("cpu")) == 4096
+    assert chunk_tokens(65536, 2048, 50304, torch.device("cuda")) == 2622  # ⌈V/C⌉ = 25 chunks
+    assert chunk_tokens(2048, 2048, 50304, torch.device("cuda")) == 1024
+
+
+@pytest.mark.parametrize("untied", [False, True])
+def test_model_loss_and_gradients_equal_with_and_without_logits(untied):
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=12, vocab_size=90)
+    cfg.untie_embeddings_and_output_weights = untied
+    cfg.hidden_dropout = cfg.attention_dropout = 0.0
+    model = create_model(cfg, "cpu", seed=3)
+    g = torch.Generator().manual_seed(0)
+    tokens, labels = torch.randint(0, 90, (2, 2, 12), generator=g)
+    mask = (torch.rand(2, 12, generator=g) > 0.2).float()
+    grads = []
+    for head in (LogitsHeadLoss(), FusedHeadLoss()):
+        model.zero_grad(set_to_none=True)
+        out = model(tokens, return_logits=False)
+        assert out.logits is None
+        loss = head(model, out.hidden, labels, mask)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain, plain_grads), (fused, fused_grads) = grads
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    with torch.no_grad():  # evaluation's path: forward(labels, return_logits=False)
+        torch.testing.assert_close(
+            model(tokens, labels_BT=labels, loss_mask_BT=mask, return_logits=False).lm_loss,
+            model(tokens, labels_BT=labels, loss_mask_BT=mask).lm_loss,
+        )
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_trainer_trains_the_same_with_the_fused_loss(moe):
+    curves = [run_losses(build_trainer(tiny_config(moe, fused_cross_entropy=fused)), 6) for fused in (False, True)]
+    torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), rtol=1e-5, atol=0)
