@@ -110,3 +110,40 @@ def test_model_loss_and_gradients_equal_with_and_without_logits(untied):
 def test_trainer_trains_the_same_with_the_fused_loss(moe):
     curves = [run_losses(build_trainer(tiny_config(moe, fused_cross_entropy=fused)), 6) for fused in (False, True)]
     torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), rtol=1e-5, atol=0)
+
+
+def _fp16_grads(loss_of, x, w, scale: float):
+    x.grad = w.grad = None
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = loss_of()
+    (loss * scale).backward()
+    return loss.detach(), x.grad.clone(), w.grad.clone()
+
+
+def test_fp16_gradients_are_scaled_before_their_cast_like_the_logits_path():
+    """Under fp16 a large loss scale multiplies the softmax gradient in fp32 before the cast to fp16 (the logits
+    path's order): unscaled, (softmax − one-hot) / N underflows in fp16; scaled after the cast, 2^20 overflows."""
+    x, w, labels, _ = inputs()
+    weights = token_weights(None, N, x.device)
+    exact = F.cross_entropy(F.linear(x.double(), w.double()), labels)
+    gx, gw = torch.autograd.grad(exact, (x, w))
+    for scale in (2.0**14, 2.0**20):
+        ref, px, pw = _fp16_grads(lambda: F.cross_entropy(F.linear(x, w).float(), labels), x, w, scale)
+        loss, fx, fw = _fp16_grads(
+            lambda s=scale: fused_linear_cross_entropy(x, w, labels, weights, 8, grad_scale=s), x, w, scale
+        )
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+        for fused, plain, want in ((fx, px, gx), (fw, pw, gw)):  # as close to the exact gradient as the logits path
+            # overflow where the logits path overflows (the loss scaler then skips the step either way)
+            assert bool(torch.isfinite(fused).all()) == bool(torch.isfinite(plain).all())
+            if not torch.isfinite(plain).all():
+                continue
+            fused_err = (fused.double() / scale - want).abs().max()
+            plain_err = (plain.double() / scale - want).abs().max()
+            assert fused_err <= 1.5 * plain_err + 1e-7
+    # an announced scale that did not come true is corrected in the backward (ratio upstream / announced)
+    x.grad = w.grad = None
+    fused_linear_cross_entropy(x, w, labels, weights, 8, grad_scale=4.0).backward()
+    torch.testing.assert_close(x.grad.double(), gx.double(), rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="grad_scale must be positive"):
+        fused_linear_cross_entropy(x, w, labels, weights, 8, grad_scale=0.0)

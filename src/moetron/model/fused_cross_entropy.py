@@ -8,8 +8,12 @@ fresh memory every step, and on CPU a quarter of a small model's step. Here each
 `logits_MV = x_MC · Wᵀ → log-sum-exp → softmax − one-hot` in one reused buffer that stays in cache, and the two
 gradient GEMMs run right away: `dx_MC = g_MV · W` and `dW += g_MVᵀ · x_MC` (Liger-Kernel's fused linear
 cross-entropy, written for CPU and GPU alike with plain torch ops). The forward therefore already holds both
-gradients (for a unit upstream gradient); the backward only scales them by the upstream scalar. Under
-`torch.no_grad()` (evaluation) only the log-sum-exps are computed.
+gradients, for the upstream gradient the caller announces (`grad_scale`: the factor it will multiply the loss by
+before its backward, e.g. the fp16 loss scale / micro-batches); the backward only rescales them by the upstream
+scalar over that announcement (× 1.0 exactly when it came true). Announcing the scale matters in fp16: the softmax
+gradient `(softmax − one-hot) · weight` is multiplied by the scale in fp32 BEFORE its cast to fp16 — where the
+logits path's backward multiplies it too — so it neither underflows unscaled nor overflows where the logits path
+would not. Under `torch.no_grad()` (evaluation) only the log-sum-exps are computed.
 
 Numerics: logits and softmax are fp32 (as `language_model_loss` casts them); the GEMMs run in the autocast dtype
 when autocast is on (bf16/fp16 inputs, fp32 accumulation of dW across chunks), else in the inputs' dtype. The
@@ -65,7 +69,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     """Σ_n weight_N[n] · CE(x_NC[n] · weight_VCᵀ, labels_N[n]), gradients computed chunk by chunk in forward."""
 
     @staticmethod
-    def forward(ctx, x_NC, w_VC, labels_N, weight_N, chunk: int):
+    def forward(ctx, x_NC, w_VC, labels_N, weight_N, chunk: int, grad_scale: float):
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dtype = autocast_dtype(x_NC)
         with torch.autocast(x_NC.device.type, enabled=False):
@@ -86,13 +90,16 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 labels_M1, weight_M1 = labels_N[start:end, None], weight_N[start:end, None]
                 loss -= (logp_MV.gather(1, labels_M1) * weight_M1).sum()
                 if needs_dx or needs_dw:
-                    grad_MV = _logits_grad(logp_MV, labels_M1, weight_M1).to(dtype)
+                    grad_MV = _logits_grad(logp_MV, labels_M1, weight_M1)
+                    if grad_scale != 1.0:
+                        grad_MV.mul_(grad_scale)  # fp32, before the cast (see the module docstring)
+                    grad_MV = grad_MV.to(dtype)
                     if needs_dx:
                         torch.mm(grad_MV, wc_VC, out=dx_NC[start:end])
                     if needs_dw:
                         _accumulate_weight_grad(dw_VC, grad_MV, x_MC, first=start == 0)
         ctx.grads = (dx_NC, dw_VC)  # not save_for_backward: these are scaled in place, once
-        ctx.input_dtypes = (x_NC.dtype, w_VC.dtype)
+        ctx.input_dtypes, ctx.grad_scale = (x_NC.dtype, w_VC.dtype), grad_scale
         return loss
 
     @staticmethod
@@ -101,10 +108,11 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("the fused LM-head cross-entropy supports one backward per forward (no retain_graph)")
         (dx_NC, dw_VC), ctx.grads = ctx.grads, None
         x_dtype, w_dtype = ctx.input_dtypes
-        # in place: a [V, C] buffer fewer (and no fresh pages) per step
-        dx = None if dx_NC is None else dx_NC.mul_(grad_loss.to(dx_NC.dtype)).to(x_dtype)
-        dw = None if dw_VC is None else dw_VC.mul_(grad_loss).to(w_dtype)
-        return dx, dw, None, None, None
+        # in place: a [V, C] buffer fewer (and no fresh pages) per step; exactly 1.0 when the announced scale held
+        ratio = grad_loss / ctx.grad_scale
+        dx = None if dx_NC is None else dx_NC.mul_(ratio.to(dx_NC.dtype)).to(x_dtype)
+        dw = None if dw_VC is None else dw_VC.mul_(ratio).to(w_dtype)
+        return dx, dw, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -113,7 +121,11 @@ def fused_linear_cross_entropy(
     labels_N: torch.Tensor,
     weight_N: torch.Tensor,
     chunk: int | None = None,
+    grad_scale: float = 1.0,
 ) -> torch.Tensor:
-    """fp32 scalar Σ_n weight_N[n] · CE(x_NC[n] · w_VCᵀ, labels_N[n]) (weight_N: fp32, e.g. mask / Σ mask)."""
+    """fp32 scalar Σ_n weight_N[n] · CE(x_NC[n] · w_VCᵀ, labels_N[n]) (weight_N: fp32, e.g. mask / Σ mask);
+    `grad_scale`: what the caller will multiply the loss by before its backward (see the module docstring)."""
+    if not grad_scale > 0:
+        raise ValueError(f"grad_scale must be positive, got {grad_scale}")
     chunk = chunk or chunk_tokens(x_NC.shape[0], x_NC.shape[1], w_VC.shape[0], x_NC.device)
-    return FusedLinearCrossEntropy.apply(x_NC, w_VC, labels_N.long(), weight_N.float(), chunk)
+    return FusedLinearCrossEntropy.apply(x_NC, w_VC, labels_N.long(), weight_N.float(), chunk, float(grad_scale))

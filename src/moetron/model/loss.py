@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetron.model.fused_cross_entropy import fused_linear_cross_entropy
+from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
 
 
 class LossFunction(Protocol):
@@ -76,12 +77,16 @@ class LogitsHeadLoss:
 
 
 class FusedHeadLoss:
-    """Final norm, then head + cross-entropy fused over token chunks: the [B, T, V] logits never exist."""
+    """Final norm, then head + cross-entropy fused over token chunks: the [B, T, V] logits never exist. The
+    gradients are computed in the forward, for the factor the executor will multiply the loss by
+    (`AUX_LOSS_SCALE.value`, the same announcement the MoE aux losses use): fp16 scales them before their cast."""
 
     def __call__(self, model, hidden_BTC, labels_BT, loss_mask_BT=None) -> torch.Tensor:
         x_NC = model.final_layernorm(hidden_BTC).flatten(0, 1)
         weight_N = token_weights(loss_mask_BT, x_NC.shape[0], x_NC.device)
-        return fused_linear_cross_entropy(x_NC, model.head_weight(), labels_BT.flatten(), weight_N)
+        return fused_linear_cross_entropy(
+            x_NC, model.head_weight(), labels_BT.flatten(), weight_N, grad_scale=AUX_LOSS_SCALE.value
+        )
 
 
 def head_loss(fused: bool, loss_fn: LossFunction = language_model_loss) -> HeadLoss:
