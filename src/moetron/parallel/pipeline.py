@@ -66,6 +66,7 @@ class StageModule(nn.Module):
     def __init__(self, model: GPTModel, layers: tuple[int, ...], first: bool, last: bool):
         super().__init__()
         self.first, self.last = first, last
+        self.emit_hidden = False  # last stage: return the last layer's output (a head loss applies the head)
         self._model = [model]  # a list, so it is no submodule: DDP must see this stage's parameters only
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
         if first:
@@ -79,14 +80,15 @@ class StageModule(nn.Module):
                 self.output_layer = model.output_layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: tokens [B, T] (first stage) or hidden states [B, T, C]; returns [B, T, C] or logits [B, T, V]."""
+        """x: tokens [B, T] (first stage) or hidden states [B, T, C]; returns [B, T, C] or (last stage, unless
+        `emit_hidden`) logits [B, T, V]."""
         model = self._model[0]
         if self.first:
             x, rope = model.embed(x)
         else:
             rope = model.rope_angles(torch.arange(x.shape[1], device=x.device))
         x = model.run_layers(x, rope, layers=self.layers)
-        return model.logits(x) if self.last else x
+        return model.logits(x) if self.last and not self.emit_hidden else x
 
 
 @dataclass

@@ -80,6 +80,8 @@ def pipeline_stages(
     shard_T = T // parts.mesh.size("tp") if parts.mesh.dims.sp else T
     hidden = torch.empty(B, shard_T, cfg.hidden_size, dtype=torch.float32, device="meta", requires_grad=True)
     logits = torch.empty(B, T, cfg.padded_vocab_size(), dtype=logits_dtype, device="meta", requires_grad=True)
+    if any(m.last and m.emit_hidden for m in parts.modules):  # the last stage feeds the fused head + loss
+        logits = torch.empty(B, T, cfg.hidden_size, dtype=torch.float32, device="meta", requires_grad=True)
     last, stages = parts.layout.num_stages - 1, []
     for index, dp in zip(parts.stage_indices, parts.data_parallel, strict=True):
         stage = MoetronStage(

@@ -6,9 +6,10 @@ compute dtype, their fp32 log-softmax (and, in bf16/fp16, the fp32 copy of the l
 `[T, h]` in the compute dtype; dW `[V, h]` fp32 becomes the head's gradient, which the plan already counts as the
 gradient present at the start of backward. Nothing of size T·V is ever alive, so accumulation holds no previous
 micro-batch's logits either. Plain: logits, fp32 log-softmax and both gradients, 16 B per token and vocabulary
-entry, plus (accumulating) the previous micro-batch's logits. The trainer fuses only on one pipeline stage without
-tensor parallelism (`train/executor.py: build_executor`): under TP the logits are vocabulary shards (V / tp per
-rank, vocab-parallel cross-entropy), under PP the last stage's schedule computes the loss from its output logits.
+entry, plus (accumulating) the previous micro-batch's logits. The trainer fuses without tensor parallelism
+(`train/executor.py: build_executor`; under PP on the last stage, except with the zero-bubble schedule, whose split
+backward needs the logits): under TP the logits are vocabulary shards (V / tp per rank, vocab-parallel
+cross-entropy).
 
 Shape legend: T tokens per micro-batch (mbs · seq), h hidden, V padded vocabulary, M rows per chunk.
 """
@@ -26,7 +27,9 @@ LOGITS_BYTES_PER_ENTRY = 16  # logits + fp32 log-softmax + grad of the log-softm
 
 def fused(cfg: RunConfig, dims: ParallelDims | None = None) -> bool:
     """Whether the trainer runs the fused head + loss for this layout (see the module docstring)."""
-    return cfg.train.fused_cross_entropy and (dims is None or (dims.tp == 1 and dims.pp == 1))
+    if dims is not None and (dims.tp > 1 or (dims.pp > 1 and cfg.parallel.pipeline_schedule == "zero-bubble")):
+        return False
+    return cfg.train.fused_cross_entropy
 
 
 def loss_rows(cfg: RunConfig, device_kind: str, dims: ParallelDims | None = None) -> int:

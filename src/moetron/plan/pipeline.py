@@ -14,7 +14,7 @@ count of chunk forwards + 1 (each a 1/v of the rank's layers); the logits and lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moetron.config import RunConfig
 from moetron.model.config import ModelConfig
@@ -22,6 +22,7 @@ from moetron.model.flops import attention_params, mlp_params, moe_layer_params, 
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.pipeline_layout import MULTI_STAGE, PipelineLayout
 from moetron.plan import memory as mem
+from moetron.plan.tensor_parallel import activation_split, shard_parameters
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,21 @@ def stage_parameters(model: ModelConfig, layers: tuple[int, ...], first: bool, l
     return mem.LocalParams(total, experts, total - (experts if ep > 1 else 0), matmul)
 
 
+def tensor_parallel_share(stage: mem.LocalParams, model: ModelConfig, dims: ParallelDims) -> mem.LocalParams:
+    """A stage's parameters under tensor parallelism: each count scaled by the share TP leaves of the whole
+    model's (`plan/tensor_parallel.py: shard_parameters`; the unsplit norms and biases are spread evenly)."""
+    if dims.tp == 1:
+        return stage
+    whole = mem.local_parameters(model, replace(dims, tp=1, etp=1, sequence_parallel=False))
+    split = shard_parameters(whole, model, dims)
+
+    def share(field: str) -> int:
+        full = getattr(whole, field)
+        return int(getattr(stage, field) * getattr(split, field) / full) if full else 0
+
+    return mem.LocalParams(share("total"), share("experts"), share("replicated"), share("matmul"))
+
+
 def stage_flops_per_token(model: ModelConfig, layers: tuple[int, ...], last: bool, seq: int) -> float:
     """6 · (matmul weights a token meets here) + attention, as `model.flops.flops_per_token` counts the whole."""
     experts_per_layer, active = model.experts_per_layer(), 0
@@ -106,7 +122,9 @@ def stage_activation_bytes(cfg: RunConfig, dims: ParallelDims, stage: tuple[int,
     seq, experts = model.seq_length, model.experts_per_layer()
     tokens, h = cfg.train.micro_batch_size * seq, model.hidden_size
     ends = tokens * h * ((4 if first else 0) + (4 + c if last else 0))
-    layers = [mem.layer_bytes(model, experts[i], tokens, seq, c, device_kind, dims.ep) for i in stage]
+    split = activation_split(dims)  # tensor (and sequence) parallelism within the stage
+    ends = int(ends * split.sequence)
+    layers = [mem.layer_bytes(model, experts[i], tokens, seq, c, device_kind, dims.ep, split) for i in stage]
     if model.checkpoint_activations:
         return int(micro_batches * (ends + len(layers) * tokens * h * 4)) + max(layers, default=0)
     return int(micro_batches * (ends + sum(layers)))
@@ -121,7 +139,7 @@ def plan_stages(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda") -
     for rank in range(layout.pp):
         layers, first, last = layout.layers_of(rank), layout.holds_first(rank), layout.holds_last(rank)
         flight = in_flight(layout, rank, m) if layout.pp > 1 else 1.0
-        params = stage_parameters(cfg.model, layers, first, last, dims.ep)
+        params = tensor_parallel_share(stage_parameters(cfg.model, layers, first, last, dims.ep), cfg.model, dims)
         has_moe = any(cfg.model.experts_per_layer()[i] > 1 for i in layers)
         memory = mem.assemble(
             cfg, dims, params,

@@ -91,14 +91,20 @@ class LocalExecutor:
 def build_executor(parallel: ParallelModel, autocast: Callable[[], contextlib.AbstractContextManager], cfg: RunConfig):
     """`LocalExecutor`, or the `PipelineExecutor` when the model is split into pipeline stages. The loss is the
     model's (`parallel.loss_fn`: vocab-parallel cross-entropy under tensor parallelism); the local executor fuses
-    the head with the plain cross-entropy when `--fused-cross-entropy` is on (the pipeline's last stage computes
-    logits: its schedule's loss function receives the stage output)."""
+    the head with the plain cross-entropy when `--fused-cross-entropy` is on (under pipelining the last stage then
+    emits its hidden states and the schedule's loss function applies the fused head; not with zero bubble)."""
     t, loss_fn = cfg.train, parallel.loss_fn
+    fused = t.fused_cross_entropy and loss_fn is language_model_loss
     if parallel.pipeline is None:
-        fused = t.fused_cross_entropy and loss_fn is language_model_loss
         return LocalExecutor(parallel, head_loss(fused, loss_fn), autocast)
     from moetron.train.pipeline_executor import PipelineExecutor  # torch's pipelining: imported only when used
 
     num_micro = cfg.num_micro_batches(parallel.mesh.size("dp"))
     dtype = compute_dtype(t.fp16, t.bf16)
-    return PipelineExecutor(parallel, loss_fn, autocast, t.micro_batch_size, cfg.model.seq_length, num_micro, dtype)
+    # zero bubble splits each backward in two (inputs, then weights): the fused kernel's gradients, computed once
+    # in its forward, cannot be handed out twice, so that schedule keeps the logits
+    split_backward = parallel.pipeline.layout.schedule == "zero-bubble"
+    fused_head = head_loss(True) if fused and not split_backward else None
+    return PipelineExecutor(
+        parallel, loss_fn, autocast, t.micro_batch_size, cfg.model.seq_length, num_micro, dtype, fused_head
+    )

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from moetron.model.loss import LossFunction
+from moetron.model.loss import HeadLoss, LossFunction
 from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
 from moetron.model.rng import STREAMS
 from moetron.parallel.parallelize import ParallelModel
@@ -47,9 +47,14 @@ class PipelineExecutor:
         seq_length: int,
         num_micro: int,
         logits_dtype: torch.dtype = torch.float32,
+        head_loss: HeadLoss | None = None,
     ):
-        self.parallel, self.loss_fn, self.autocast = parallel, loss_fn, autocast
+        """`head_loss`: the last stage emits its hidden states and this applies the LM head and the loss (the fused
+        head + cross-entropy: no [B, T, V] logits); None: the last stage emits logits and `loss_fn` reads them."""
+        self.parallel, self.loss_fn, self.autocast, self.head_loss = parallel, loss_fn, autocast, head_loss
         self.parts, self.model = parallel.pipeline, parallel.model
+        for module in self.parts.modules:
+            module.emit_hidden = module.last and head_loss is not None
         self.num_micro = num_micro
         self.device = next(self.model.parameters()).device
         self._phase, self._first_samples = "train", []
@@ -69,9 +74,13 @@ class PipelineExecutor:
         with STREAMS.micro_batch(self._phase, self._first_samples[index]), self.autocast():
             yield
 
-    def _scaled_loss(self, logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    def _scaled_loss(self, output: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+        """The last stage's output (logits, or hidden states for the head loss) → the LM loss × the step's factor."""
         with self.autocast():
-            lm_loss = self.loss_fn(logits_BTV, labels_BT)
+            if self.head_loss is not None:
+                lm_loss = self.head_loss(self.model, output, labels_BT)
+            else:
+                lm_loss = self.loss_fn(output, labels_BT)
         self._losses.append(lm_loss.detach())
         return lm_loss * self._factor
 
