@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "train-tokenizer": "Train a byte-level BPE tokenizer (vocab.json + merges.txt + tokenizer.json).",
     "inspect": "Describe a .bin/.idx dataset: dtype, documents, tokens, sizes, first document.",
     "train": "Train a GPT / MoE GPT (single process or under torchrun).",
+    "launch": "torchrun for moetron (its flags, then a command): SIGTERM saves a checkpoint and exits 0.",
     "eval": "Validation loss, perplexity and the routing report of a checkpoint.",
     "generate": "Sample text from a checkpoint with a KV cache.",
     "plan": "Parameters, FLOPs, per-GPU memory and a fits/doesn't-fit verdict, without running.",
@@ -78,9 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         top.parse_args([command])  # prints argparse's own "invalid choice" message and exits 2
     module = importlib.import_module(_module_name(command))
-    parser = argparse.ArgumentParser(prog=f"moetron {command}", description=COMMANDS[command])
-    module.add_arguments(parser)
-    args = parser.parse_args(rest)
+    if getattr(module, "RAW_ARGUMENTS", False):  # `launch`: torchrun's flags, parsed by torchrun
+        args = rest
+    else:
+        parser = argparse.ArgumentParser(prog=f"moetron {command}", description=COMMANDS[command])
+        module.add_arguments(parser)
+        args = parser.parse_args(rest)
     try:
         return int(module.run(args) or 0)
     except UserError as err:
