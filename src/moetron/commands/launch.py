@@ -128,12 +128,15 @@ def run(argv: list[str]) -> int:
             rank, failure = err.get_first_failure()
             raise LaunchFailed(
                 f"moetron launch: worker rank {rank} exited with status {failure.exitcode} (its error is above)"
-                + (f" after {stop.received}" if stop.received else "")
+                + (f" after {stop.received}" if stop.received else ""),
+                failure.exitcode,
             ) from None
     return 0
 
 
 class LaunchFailed(UserError):
-    """A worker failed; it said why itself. Exit status 1."""
+    """A worker failed; it said why itself. The launcher exits with the worker's status (1 after a signal)."""
 
-    exit_code = 1
+    def __init__(self, message: str, exitcode: int):
+        super().__init__(message)
+        self.exit_code = exitcode if 0 < exitcode < 128 else 1
