@@ -78,7 +78,7 @@ class Site:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         RECORD.current = self._outer
-        if exc is not None and RECORD.failed is None:
+        if exc is not None and not _recorded_in(exc):  # the innermost site: the first one this error leaves
             RECORD.failed, RECORD.failed_error = self, exc
         return False
 
@@ -121,11 +121,14 @@ def failure_kind(err: BaseException) -> str | None:
     return None
 
 
+def _recorded_in(err: BaseException) -> bool:
+    """Whether the recorded failure is `err` or an error `err` was raised from."""
+    return RECORD.failed_error is not None and any(link is RECORD.failed_error for link in _chain(err))
+
+
 def failed_site(err: BaseException) -> Site | None:
     """The innermost site `err` (or an error it was raised from) left."""
-    if RECORD.failed is None:
-        return None
-    return RECORD.failed if any(link is RECORD.failed_error for link in _chain(err)) else None
+    return RECORD.failed if _recorded_in(err) else None
 
 
 def coordinates_text(coords) -> str:

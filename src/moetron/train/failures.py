@@ -14,8 +14,9 @@ rank it happens on: its rank, mesh coordinates, and the collective it was in (`m
 
     error: rank 0 (pp 0, dp 0, tp 0, ep 0): the all-to-all of MoE layer 1 (forward) timed out after 0.1 min …
 
-    with rank_failures(mesh, rank):      # every multi-process run; stage errors claimed as above when pp > 1
+    with rank_failures(mesh, rank):        # every multi-process run; stage errors claimed as above when pp > 1
         the trainer's loop
+    with collective_failures(mesh, rank):  # only the collective part (loading a checkpoint)
 """
 
 from __future__ import annotations
@@ -99,6 +100,12 @@ def one_failure_line(rank: int, where: str | None, coords=None) -> Iterator[None
         if claim(message):
             raise RankFailed(message) from err
         raise PeerFailed(message) from err
+
+
+def collective_failures(mesh, rank: int) -> contextlib.AbstractContextManager:
+    """Only the collective part of `one_failure_line` (a timeout or lost peer as one line; other errors pass), for
+    the collectives outside the training loop (loading a checkpoint); nothing in one process."""
+    return one_failure_line(rank, None, mesh.coords) if mesh.distributed else contextlib.nullcontext()
 
 
 def rank_failures(mesh, rank: int) -> contextlib.AbstractContextManager:
