@@ -147,6 +147,31 @@ RANK0, RANK1 = "rank 0 (pp 0, dp 0, tp 0, ep 0): ", "rank 1 (pp 0, dp 1, tp 0, e
 TIMED_OUT = f"timed out after {TIMEOUT_MINUTES:g} min waiting for its"
 
 
+def group_timeouts(rank: int, world_size: int) -> dict[str, float]:
+    """Seconds each mesh group waits, in a world joined with init_distributed(timeout_minutes=2) (`launch.py`)."""
+    import torch
+
+    from moetron.parallel.dims import DENSE_DIMS, EXPERT_DIMS, ParallelDims
+    from moetron.parallel.env import DistEnv
+    from moetron.parallel.mesh import ParallelMesh
+
+    env = DistEnv(rank=rank, world_size=world_size, device=torch.device("cpu"))
+    mesh = ParallelMesh.build(ParallelDims(world_size=world_size, dp=world_size, ep=world_size), env)
+    backend = {name: mesh.group(name)._get_backend(torch.device("cpu")) for name in DENSE_DIMS + EXPERT_DIMS}
+    return {name: b.options._timeout.total_seconds() for name, b in backend.items()}
+
+
+@pytest.mark.distributed
+def test_every_mesh_group_waits_as_long_as_the_flag_says():
+    """DeviceMesh gives the groups it creates torch's default (30 min on gloo), not the world's timeout; the size-1
+    groups here (pp, tp, edp, etp) are such groups, as every group smaller than the world is."""
+    sys.path.insert(0, str(HERE))
+    from launch import run_distributed
+
+    for timeouts in run_distributed(group_timeouts, world_size=2):
+        assert timeouts == dict.fromkeys(timeouts, 120.0), timeouts
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_stalled_or_dead_rank_is_named_in_one_line_by_every_rank_waiting_for_it(data_flags, tmp_path):
