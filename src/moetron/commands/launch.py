@@ -87,11 +87,9 @@ class ForwardStop:
 
 def torchrun_args(argv: list[str]):
     """torchrun's parsed flags with `-m moetron COMMAND ...` as the entry point."""
-    from torch.distributed import run as torchrun
-
     from moetron.cli import COMMANDS
 
-    args = torchrun.parse_args(argv)  # torchrun's own parser: its flags, its defaults (PET_* variables), its errors
+    args = torchrun_parser().parse_args(argv)  # torchrun's flags, defaults (PET_* variables) and errors
     if args.module or args.no_python or args.training_script not in COMMANDS or args.training_script == "launch":
         choices = ", ".join(c for c in COMMANDS if c != "launch")
         raise UserError(
@@ -106,12 +104,18 @@ def torchrun_args(argv: list[str]):
     return args
 
 
+def torchrun_parser():
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "moetron launch"
+    return parser
+
+
 def run(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        from torch.distributed.run import get_args_parser
-
         print(usage() + "\n\n" + __doc__.split("\n\n", 1)[1])
-        get_args_parser().print_help()
+        torchrun_parser().print_help()
         return 0
     args = torchrun_args(argv)
     from torch.distributed import run as torchrun
