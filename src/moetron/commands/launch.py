@@ -126,7 +126,8 @@ def run(argv: list[str]) -> int:
         try:
             torchrun.run(args)
         except SignalException as err:
-            print(f"moetron launch: stopped the workers on a second {err.sigval.name}", file=sys.stderr, flush=True)
+            when = "again" if stop.received else "before any worker was running"
+            print(f"moetron launch: received {err.sigval.name} {when}: stopped the workers", file=sys.stderr)
             return 128 + int(err.sigval)
         except ChildFailedError as err:
             rank, failure = err.get_first_failure()
