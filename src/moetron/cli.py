@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "train-tokenizer": "Train a byte-level BPE tokenizer (vocab.json + merges.txt + tokenizer.json).",
     "inspect": "Describe a .bin/.idx dataset: dtype, documents, tokens, sizes, first document.",
     "train": "Train a GPT / MoE GPT (single process or under torchrun).",
+    "launch": "torchrun for moetron (its flags, then a command): SIGTERM saves a checkpoint and exits 0.",
     "eval": "Validation loss, perplexity and the routing report of a checkpoint.",
     "generate": "Sample text from a checkpoint with a KV cache.",
     "plan": "Parameters, FLOPs, per-GPU memory and a fits/doesn't-fit verdict, without running.",
@@ -105,9 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         top.parse_args([command])  # prints argparse's own "invalid choice" message and exits 2
     cpu_allocator_defaults()  # before the command's module imports torch
     module = importlib.import_module(_module_name(command))
-    parser = argparse.ArgumentParser(prog=f"moetron {command}", description=COMMANDS[command])
-    module.add_arguments(parser)
-    args = parser.parse_args(rest)
+    if getattr(module, "RAW_ARGUMENTS", False):  # `launch`: torchrun's flags, parsed by torchrun
+        args = rest
+    else:
+        parser = argparse.ArgumentParser(prog=f"moetron {command}", description=COMMANDS[command])
+        module.add_arguments(parser)
+        args = parser.parse_args(rest)
     try:
         return int(module.run(args) or 0)
     except UserError as err:

@@ -40,6 +40,7 @@ class ParallelConfig:
     zero_stage: int = 0  # ZeRO, DeepSpeed's zero_optimization.stage: 1 shards Adam state, 2 + gradients, 3 + weights
     use_distributed_optimizer: bool = False  # Megatron's flag: ZeRO stage 1 (when --zero-stage is lower)
     distributed_backend: str | None = None  # None: nccl on GPU, gloo on CPU
+    distributed_timeout_minutes: float = 10.0  # how long a collective waits for its peers (fractions allowed)
 
 
 @dataclass
@@ -264,7 +265,15 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
     backend = cfg.parallel.distributed_backend
     if backend not in (None, "gloo", "nccl"):
         problems.append(f"--distributed-backend {backend!r} is not one of gloo, nccl (or leave it unset: automatic)")
+    problems += timeout_problems(cfg.parallel)
     return problems
+
+
+def timeout_problems(p: ParallelConfig) -> list[str]:
+    minutes = p.distributed_timeout_minutes
+    if not (minutes > 0 and math.isfinite(minutes)):
+        return [f"--distributed-timeout-minutes {minutes:g} must be a positive number of minutes (e.g. 10, or 0.5)"]
+    return []
 
 
 def check(cfg: RunConfig, world_size: int) -> None:

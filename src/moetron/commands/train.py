@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from moetron.train.run import run_training
 
-    env = init_distributed(cfg.parallel.distributed_backend)
+    env = init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes)
     try:
         returncode = run_training(cfg, explicit, env)
     except BaseException:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from moetron.parallel.diagnosis import Site
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
 from moetron.parallel.sharded_optimizer import OptimizerShards
@@ -41,6 +42,7 @@ class ExpertGradReducer:
     def __init__(self, params: list[nn.Parameter], group, divide_by: int):
         self.params = list(reversed(params))  # the backward produces the last layers' gradients first
         self.group, self.divide_by = group, divide_by
+        self.site = Site("the gradient reduction of the experts", group, "expert-data-parallel")
         self.position = {id(p): i for i, p in enumerate(self.params)}
         self.enabled = False
         self._ready: set[int] = set()
@@ -69,10 +71,11 @@ class ExpertGradReducer:
 
     def finish(self) -> None:
         """After the last backward: launch what is left (in order), wait for every reduction."""
-        for param in self.params[self._next :]:
-            self._launch(param)
-        for work in self._pending:
-            work.wait()
+        with self.site:
+            for param in self.params[self._next :]:
+                self._launch(param)
+            for work in self._pending:
+                work.wait()
         self._pending.clear()
         self._ready.clear()
         self._next = 0
@@ -86,6 +89,10 @@ class DataParallel:
         self.model = model  # unwrapped: parameters by their layout-free names
         self.module = module
         self.expert_reducer = expert_reducer
+        # DDP's all-reduce runs inside the last micro-batch's backward: its label for the failure diagnosis
+        self.reduction_site = None
+        if isinstance(module, DistributedDataParallel):
+            self.reduction_site = Site("the gradient reduction (DDP)", module.process_group, "data-parallel")
 
     def micro_batch(self, last: bool):
         """Context for one micro-batch's forward and backward: gradients are reduced in the last one only."""
@@ -93,7 +100,7 @@ class DataParallel:
             self.expert_reducer.start(last)
         if isinstance(self.module, DistributedDataParallel) and not last:
             return self.module.no_sync()
-        return contextlib.nullcontext()
+        return self.reduction_site or contextlib.nullcontext()
 
     def finish_gradients(self) -> None:
         if self.expert_reducer is not None:
@@ -197,5 +204,6 @@ def sync_router_loads(model: nn.Module, mesh: ParallelMesh) -> None:
     if not loads:
         return
     flat = torch.cat(loads)
-    dist.all_reduce(flat, group=mesh.group("dp"))
+    with Site("the router-load all-reduce", mesh.group("dp"), "data-parallel"):
+        dist.all_reduce(flat, group=mesh.group("dp"))
     torch._foreach_copy_(loads, list(flat.split([t.numel() for t in loads])))

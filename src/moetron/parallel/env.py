@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moetron.parallel import diagnosis
+
 
 def world_size_from_env() -> int:
     """The world size torchrun announced (1 without torchrun); readable before any process group exists."""
@@ -84,6 +86,9 @@ def choose_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+JOIN_MINUTES = 10.0  # how long ranks wait for each other at startup, however short the collective timeout
+
+
 def restart_safe_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
     """Under torchrun's agent store, a store whose keys are private to this restart attempt (None otherwise).
 
@@ -100,8 +105,28 @@ def restart_safe_store(world_size: int, timeout: datetime.timedelta) -> dist.Sto
     return dist.PrefixStore(f"moetron/attempt_{attempt}", store)
 
 
+def joined_store(world_size: int, rank: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store (torchrun's agent store, or one hosted by rank 0), once every rank has reached it.
+
+    `--distributed-timeout-minutes` may be seconds (to find a stalled rank quickly); the ranks' start-up (imports,
+    CUDA) is not held to it: they meet here under `timeout`, then join the process group together."""
+    store = restart_safe_store(world_size, timeout)
+    if store is None:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=rank == 0,
+            timeout=timeout,
+        )  # fmt: skip
+    if store.add("moetron/joined", 1) == world_size:
+        store.set("moetron/all_joined", "1")
+    store.wait(["moetron/all_joined"])
+    return store
+
+
 def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) -> DistEnv:
-    """Join torchrun's process group (or reuse an existing one); a plain single-process env without torchrun."""
+    """Join torchrun's process group (or reuse an existing one); a plain single-process env without torchrun.
+
+    `timeout_minutes` (`--distributed-timeout-minutes`) is how long any collective waits for its peers before it
+    fails (and the run ends with one line per rank: `moetron.parallel.diagnosis`)."""
     world_size = world_size_from_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = choose_device(local_rank)
@@ -111,11 +136,12 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) 
     if not dist.is_initialized():
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         timeout = datetime.timedelta(minutes=timeout_minutes)
+        rank = int(os.environ["RANK"])
+        join = max(timeout, datetime.timedelta(minutes=JOIN_MINUTES))
         kwargs = {"device_id": device} if backend == "nccl" else {}
-        store = restart_safe_store(world_size, timeout)
-        if store is not None:
-            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=world_size)
-        dist.init_process_group(backend, timeout=timeout, **kwargs)
+        store = joined_store(world_size, rank, join)
+        dist.init_process_group(backend, timeout=timeout, store=store, rank=rank, world_size=world_size, **kwargs)
+        diagnosis.set_timeout(timeout_minutes)
         created = True
     return DistEnv(
         rank=dist.get_rank(),

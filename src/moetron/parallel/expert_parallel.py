@@ -34,6 +34,7 @@ from moetron.model.moe.dispatch import LocalDispatcher, permute, unpermute
 from moetron.model.moe.experts import GroupedExperts
 from moetron.model.moe.layer import MoELayer
 from moetron.model.moe.routing_decision import Routing
+from moetron.parallel.diagnosis import NO_SITE, Site
 from moetron.parallel.mesh import ParallelMesh
 
 
@@ -41,13 +42,14 @@ class AllToAll(torch.autograd.Function):
     """`all_to_all_single` with uneven splits; the backward sends the gradient back along the same routes."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group, backward_site=NO_SITE) -> torch.Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group, ctx.site = out_splits, in_splits, group, backward_site
         return all_to_all_rows(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        return all_to_all_rows(grad_out, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+        with ctx.site:  # the failure diagnosis's label (no collective, no sync)
+            return all_to_all_rows(grad_out, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None, None
 
 
 def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -71,12 +73,16 @@ class AllToAllContext:
 class AllToAllDispatcher:
     """Token dispatcher for a layer whose experts are spread over the ranks of `group` (the EP group)."""
 
-    def __init__(self, num_experts: int, group, ep_size: int, ep_rank: int):
+    def __init__(self, num_experts: int, group, ep_size: int, ep_rank: int, layer_index: int | None = None):
         if num_experts % ep_size:
             raise ValueError(f"{num_experts} experts cannot be split over {ep_size} expert-parallel ranks")
         self.num_experts, self.group = num_experts, group
         self.ep_size, self.ep_rank = ep_size, ep_rank
         self.num_local = num_experts // ep_size
+        layer = "a MoE layer" if layer_index is None else f"MoE layer {layer_index}"
+        # what a rank was doing when a timeout or a dead peer stops it (`parallel/diagnosis.py`)
+        self.forward_site = Site(f"the all-to-all of {layer} (forward)", group, "expert-parallel")
+        self.backward_site = Site(f"the all-to-all of {layer} (backward)", group, "expert-parallel")
 
     def __repr__(self) -> str:
         first = self.ep_rank * self.num_local
@@ -97,9 +103,10 @@ class AllToAllDispatcher:
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, AllToAllContext]:
         """(x_MD, counts_L, ctx): the rows for this rank's experts from every peer, sorted by local expert."""
         x_QD, counts_E, order_Q, _ = permute(x_TD, routing.expert_ids_TK, routing.kept_TK, self.num_experts)
-        recv_RL, send_splits, recv_splits = self.exchange_counts(counts_E)
-        num_sent = sum(send_splits)  # the kept routes; the dropped ones (the tail) stay here
-        x_MD = AllToAll.apply(x_QD[:num_sent], recv_splits, send_splits, self.group)
+        with self.forward_site:
+            recv_RL, send_splits, recv_splits = self.exchange_counts(counts_E)
+            num_sent = sum(send_splits)  # the kept routes; the dropped ones (the tail) stay here
+            x_MD = AllToAll.apply(x_QD[:num_sent], recv_splits, send_splits, self.group, self.backward_site)
         local_order_M = regroup_by_local_expert(recv_RL, sum(recv_splits))
         order_N = order_Q[:num_sent]
         ctx = AllToAllContext(order_N, routing.weights_TK, x_TD.shape[0], send_splits, recv_splits, local_order_M)
@@ -108,7 +115,10 @@ class AllToAllDispatcher:
     def combine(self, y_MD: torch.Tensor, ctx: AllToAllContext) -> torch.Tensor:
         """y_TD: expert outputs sent back to the ranks that own the tokens, weighted and summed over routes."""
         back_M = inverse_permutation(ctx.local_order_M)
-        y_ND = AllToAll.apply(y_MD.index_select(0, back_M), ctx.send_splits, ctx.recv_splits, self.group)
+        with self.forward_site:
+            y_ND = AllToAll.apply(
+                y_MD.index_select(0, back_M), ctx.send_splits, ctx.recv_splits, self.group, self.backward_site
+            )
         return unpermute(y_ND, ctx.order_N, ctx.weights_TK, ctx.num_tokens)
 
 
@@ -171,4 +181,4 @@ def apply_ep(model: GPTModel, mesh: ParallelMesh) -> None:
         if moe.experts.num_experts == moe.experts.num_global_experts:
             shard_layer_experts(moe, ep_rank, ep_size)
         if group is not None and isinstance(moe.dispatcher, LocalDispatcher):  # not twice (parallelize after build)
-            moe.dispatcher = AllToAllDispatcher(moe.num_experts, group, ep_size, ep_rank)
+            moe.dispatcher = AllToAllDispatcher(moe.num_experts, group, ep_size, ep_rank, moe.layer_index)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moetron.parallel.diagnosis import Site
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
 
@@ -62,6 +63,7 @@ def global_grad_norm_sq(
     tp_split = {id(p) for n, p in registry.named_parameters(model) if registry[n].tp_dim is not None}
     tp_group = [("tp", mesh.group("tp"))] if mesh.size("tp") > 1 else []
     pp_group = mesh.group("pp") if mesh.size("pp") > 1 else None
+    site = Site("the gradient-norm all-reduce")  # over several groups: its peers are named as the world's
 
     def norm_sq(params: list[torch.Tensor]) -> torch.Tensor:
         buckets: dict[tuple[str, ...], tuple[list, list[torch.Tensor]]] = {}
@@ -75,14 +77,15 @@ def global_grad_norm_sq(
             key = tuple(sorted(name for name, _ in groups))
             buckets.setdefault(key, ([g for _, g in sorted(groups, key=lambda ng: ng[0])], []))[1].append(local)
         total = torch.zeros((), dtype=torch.float32, device=device)
-        for key in sorted(buckets):
-            groups, grads = buckets[key]
-            partial = sum_of_squares(grads, device)
-            for group in groups:
-                dist.all_reduce(partial, group=group)
-            total = total + partial
-        if pp_group is not None:
-            dist.all_reduce(total, group=pp_group)
+        with site:
+            for key in sorted(buckets):
+                groups, grads = buckets[key]
+                partial = sum_of_squares(grads, device)
+                for group in groups:
+                    dist.all_reduce(partial, group=group)
+                total = total + partial
+            if pp_group is not None:
+                dist.all_reduce(total, group=pp_group)
         return total
 
     return norm_sq

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moetron.parallel.diagnosis import set_group_timeouts
 from moetron.parallel.dims import DENSE_DIMS, EXPERT_DIMS, Coordinates, ParallelDims
 from moetron.parallel.env import DistEnv
 
@@ -39,6 +40,7 @@ class ParallelMesh:
         dense = DeviceMesh(device_type, ranks.view(dims.mesh_shape(DENSE_DIMS)), mesh_dim_names=DENSE_DIMS)
         experts = DeviceMesh(device_type, ranks.view(dims.mesh_shape(EXPERT_DIMS)), mesh_dim_names=EXPERT_DIMS)
         mesh = cls(dims, coords, dense, experts)
+        set_group_timeouts(dense, experts)  # --distributed-timeout-minutes for every group, not only the world
         for name in DENSE_DIMS + EXPERT_DIMS:  # the mesh and the arithmetic must agree on every coordinate
             assert mesh.submesh(name).get_local_rank() == getattr(coords, name), f"mesh disagrees on {name}"
         return mesh

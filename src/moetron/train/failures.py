@@ -1,4 +1,4 @@
-"""One error line, and no hang, when one rank of a pipelined run fails.
+"""One error line per rank, and no hang, when a rank of a multi-process run fails, stalls or dies.
 
 A pipeline stage that fails (in its forward, its loss, its backward, its optimizer step, …) cannot tell the other
 stages: they are waiting in a receive from it. So the failing rank records its error in the process group's
@@ -8,8 +8,15 @@ ranks that waited on it fail in their collective (gloo at once; NCCL's watchdog,
 when a worker exits, otherwise). Those find the record, know they are not the origin, and leave quietly
 (`PeerFailed`: no second message; exit status 1).
 
-    with pipeline_failures(mesh, rank):      # one_failure_line(rank, "pipeline stage 1 of 2") when pp > 1
+A collective that times out (a stalled peer: `--distributed-timeout-minutes`) or loses its peer (a rank that died
+without a word: SIGKILL, out of memory) with no record in the store becomes `CollectiveFailed`, printed by every
+rank it happens on: its rank, mesh coordinates, and the collective it was in (`moetron.parallel.diagnosis`):
+
+    error: rank 0 (pp 0, dp 0, tp 0, ep 0): the all-to-all of MoE layer 1 (forward) timed out after 0.1 min …
+
+    with rank_failures(mesh, rank):        # every multi-process run; stage errors claimed as above when pp > 1
         the trainer's loop
+    with collective_failures(mesh, rank):  # only the collective part (loading a checkpoint)
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 
 from moetron.errors import UserError
+from moetron.parallel import diagnosis
 
 KEY = "moetron/first_failure"
 
@@ -35,6 +43,14 @@ class PeerFailed(UserError):
     """This rank stopped because another rank failed first (and said so)."""
 
     quiet = True
+    exit_code = 1
+
+
+class CollectiveFailed(UserError):
+    """This rank's collective timed out or lost its peer, and no rank recorded a failure first (said by every
+    rank it happens on, each naming where it was)."""
+
+    every_rank = True
     exit_code = 1
 
 
@@ -57,24 +73,45 @@ def claim(message: str) -> bool:
         return False
 
 
+def recorded() -> bool:
+    """Whether some rank recorded a failure (False too when the store went away with the rank hosting it)."""
+    try:
+        return dist.distributed_c10d._get_default_store().check([KEY])
+    except Exception:  # noqa: BLE001 - the store is gone: nobody can have said anything there
+        return False
+
+
 @contextlib.contextmanager
-def one_failure_line(rank: int, where: str) -> Iterator[None]:
-    """Turn any exception in the block into `RankFailed` (first failure of the run) or `PeerFailed` (another
-    rank's failure reached this one). Only for multi-process runs (the store must exist)."""
+def one_failure_line(rank: int, where: str | None, coords=None) -> Iterator[None]:
+    """Turn a collective's timeout or lost peer into `CollectiveFailed` (`PeerFailed` when another rank recorded
+    the failure behind it), and, when `where` names a pipeline stage, any other exception in the block into
+    `RankFailed` (first failure of the run) or `PeerFailed`. Only for multi-process runs (the store must exist)."""
     try:
         yield
-    except (RankFailed, PeerFailed):
+    except (RankFailed, PeerFailed, CollectiveFailed):
         raise
     except Exception as err:
+        line = diagnosis.failure_line(err, rank, coords) if coords is not None else None
+        if line is not None:  # only pipeline stages record failures (and a dead store host costs a C++ warning)
+            raise (PeerFailed if where is not None and recorded() else CollectiveFailed)(line) from err
+        if where is None:
+            raise
         message = f"{where} (rank {rank}) failed: {summary(err)}"
         if claim(message):
             raise RankFailed(message) from err
         raise PeerFailed(message) from err
 
 
-def pipeline_failures(mesh, rank: int) -> contextlib.AbstractContextManager:
-    """`one_failure_line` around a pipelined run (pp > 1); nothing for other layouts."""
-    pp = mesh.size("pp")
-    if pp == 1 or not mesh.distributed:
+def collective_failures(mesh, rank: int) -> contextlib.AbstractContextManager:
+    """Only the collective part of `one_failure_line` (a timeout or lost peer as one line; other errors pass), for
+    the collectives outside the training loop (loading a checkpoint); nothing in one process."""
+    return one_failure_line(rank, None, mesh.coords) if mesh.distributed else contextlib.nullcontext()
+
+
+def rank_failures(mesh, rank: int) -> contextlib.AbstractContextManager:
+    """`one_failure_line` around a multi-process run (naming the pipeline stage when pp > 1); nothing in one."""
+    if not mesh.distributed:
         return contextlib.nullcontext()
-    return one_failure_line(rank, f"pipeline stage {mesh.coords.pp} of {pp}")
+    pp = mesh.size("pp")
+    where = f"pipeline stage {mesh.coords.pp} of {pp}" if pp > 1 else None
+    return one_failure_line(rank, where, mesh.coords)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from moetron.model.loss import HeadLoss, LossFunction
 from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
 from moetron.model.rng import STREAMS
+from moetron.parallel.diagnosis import Site
 from moetron.parallel.parallelize import ParallelModel
 from moetron.parallel.pipeline_stage import build_schedule, pipeline_stages
 from moetron.parallel.tensor_parallel import loss_parallel_scope
@@ -67,6 +68,9 @@ class PipelineExecutor:
             self.parts, self.device, micro_batch_size, seq_length, logits_dtype, self._micro_batch_context
         )
         self.schedule = build_schedule(self.parts.layout.schedule, stages, num_micro, self._scaled_loss)
+        pp_group, stage = self.parts.mesh.group("pp"), self.parts.mesh.coords.pp
+        self._send_recv_site = Site(f"the pipeline send/recv of stage {stage}", pp_group, "pipeline")
+        self._reduce_site = Site("the pipeline's loss all-reduce", pp_group, "pipeline")
 
     # ------------------------------------------------------------ per micro-batch (called by the schedule)
     @contextlib.contextmanager
@@ -106,7 +110,7 @@ class PipelineExecutor:
             raise ValueError(f"the schedule was built for {self.num_micro} micro-batches, not {num_micro}")
         args, target = self._feed([next_micro_batch() for _ in range(num_micro)], "train")
         self._factor = loss_scale / num_micro
-        with AUX_LOSS_SCALE.scaled(self._factor), self._loss_scope():
+        with AUX_LOSS_SCALE.scaled(self._factor), self._loss_scope(), self._send_recv_site:
             self.schedule.step(*args, target=target, return_outputs=False)
         lm_loss, self._moe_stats = self._over_stages(self._loss_sum(num_micro), moe_step_stats(self.model))
         return lm_loss
@@ -131,7 +135,8 @@ class PipelineExecutor:
         zeros = torch.zeros(4, dtype=torch.float64, device=self.device)
         rows = [mine[r].double() if r in mine else zeros for r in range(len(self._moe_rows))]
         flat = torch.cat([lm_loss.reshape(1), *rows])
-        dist.all_reduce(flat, group=self.parts.mesh.group("pp"))
+        with self._reduce_site:
+            dist.all_reduce(flat, group=self.parts.mesh.group("pp"))
         stats = flat[1:].view(-1, 4).float() if rows else None
         return flat[0], stats
 
@@ -148,7 +153,7 @@ class PipelineExecutor:
             for _ in range(micro_batches // self.num_micro):
                 batches = [MicroBatch.from_loader(loader, self.device) for _ in range(self.num_micro)]
                 args, target = self._feed(batches, "valid")
-                with self._loss_scope():
+                with self._loss_scope(), self._send_recv_site:
                     self.schedule.eval(*args, target=target, return_outputs=False)
                 total = total + self._loss_sum(1)
         finally:

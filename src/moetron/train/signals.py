@@ -14,6 +14,10 @@ import signal
 import torch
 import torch.distributed as dist
 
+from moetron.parallel.diagnosis import Site
+
+STOP_SITE = Site("the stop-flag all-reduce (SIGTERM agreement)")
+
 
 class StopSignal:
     """Installs handlers for SIGTERM and SIGINT while active (a context manager); `requested` says a signal came."""
@@ -69,6 +73,7 @@ class StopFlag:
         """(gradient norm, whether any rank got a signal before this step started)."""
         if self.flag is None:
             return float(norm), False
-        self.work.wait()
+        with STOP_SITE:
+            self.work.wait()
         norm_value, flag_value = torch.stack([norm.float().to(self.flag.device), self.flag]).tolist()
         return norm_value, flag_value > 0

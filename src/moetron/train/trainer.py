@@ -38,7 +38,7 @@ from moetron.parallel.pipeline_layout import PipelineLayout
 from moetron.parallel.zero import ZeroSpec
 from moetron.train.checkpoint import GlobalView, load_checkpoint, save_checkpoint
 from moetron.train.executor import MicroBatch, build_executor
-from moetron.train.failures import pipeline_failures
+from moetron.train.failures import collective_failures, rank_failures
 from moetron.train.metrics import IntervalMetrics, RunLogger, StepSums
 from moetron.train.optim import build_optimizer, clip_gradients, local_grads
 from moetron.train.precision import autocast_context, build_loss_scaler
@@ -178,7 +178,7 @@ class Trainer:
         self._write_run_config()
         self.model.train()
         try:
-            with StopSignal() as stop, pipeline_failures(self.mesh, self.env.rank):
+            with StopSignal() as stop, rank_failures(self.mesh, self.env.rank):
                 return self._loop(stop)
         finally:
             self.logger.close()
@@ -326,6 +326,10 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         """Resume from `path`; with --finetune only the weights (iteration, data and schedule start at 0)."""
+        with collective_failures(self.mesh, self.env.rank):  # a stalled or dead peer during the load: one line
+            self._load(path)
+
+    def _load(self, path: Path) -> None:
         t = self.cfg.train
         if t.finetune:
             load_checkpoint(path, self.checkpoint_view(), None, load_rng=False, rank=self.env.rank)

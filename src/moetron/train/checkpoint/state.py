@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from moetron.errors import UserError
 from moetron.fileio import describe_os_error
+from moetron.parallel.diagnosis import Site, failure_kind
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamInfo, ParamRegistry
 from moetron.train.checkpoint import files
@@ -170,14 +171,16 @@ def save_checkpoint(
     A write that fails on any rank (a full disk, a vanished mount) fails the save on every rank with one line:
     the staging directory is removed, `latest` still names the previous checkpoint, which stays intact."""
     run_dir = Path(run_dir)
-    if env.is_main:
-        files.prepare_staging(run_dir, iteration)
-    env.barrier()
+    with Site(f"the checkpoint barrier of the save of iteration {iteration}"):
+        if env.is_main:
+            files.prepare_staging(run_dir, iteration)
+        env.barrier()
     tmp = files.staging_dir(run_dir, iteration)
-    failure = _attempt(lambda: _write_shards(tmp, view, optimizer, state, config_yaml, env))
-    _fail_everywhere_if_any(env, failure, run_dir, iteration, discard=tmp)
-    failure = _attempt(lambda: files.publish(run_dir, iteration, keep_last_n)) if env.is_main else None
-    _fail_everywhere_if_any(env, failure, run_dir, iteration)
+    with Site(f"the checkpoint save of iteration {iteration} (DCP's collectives)"):
+        failure = _attempt(lambda: _write_shards(tmp, view, optimizer, state, config_yaml, env))
+        _fail_everywhere_if_any(env, failure, run_dir, iteration, discard=tmp)
+        failure = _attempt(lambda: files.publish(run_dir, iteration, keep_last_n)) if env.is_main else None
+        _fail_everywhere_if_any(env, failure, run_dir, iteration)
     return run_dir / files.iteration_dir_name(iteration)
 
 
@@ -252,7 +255,8 @@ def load_checkpoint(
     if optimizer is not None:
         ensure_optimizer_state(optimizer)
         tensors.update(view.optimizer_state(optimizer))
-    _read(path, tensors)
+    with Site(f"the checkpoint load of {path.name} (DCP's collectives)"):
+        _read(path, tensors)
     if load_rng:
         load_rng_file(path, rank)
     return state
@@ -288,6 +292,8 @@ def _read(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         with single_process_quiet() as no_dist:
             dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps every rank's failure: one line
+        if failure_kind(err) is not None:  # a peer stalled or died: not the checkpoint's fault
+            raise
         raise files.corrupt(path, _first_line(err)) from None
 
 

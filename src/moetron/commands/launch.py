@@ -1,0 +1,147 @@
+"""`moetron launch`: torchrun for moetron, whose SIGTERM ends a run cleanly (checkpoint saved, exit status 0).
+
+    moetron launch --standalone --nproc-per-node 2 train --config my.yaml      # = torchrun ... -m moetron train ...
+
+Every flag before the command is torchrun's own (`torch.distributed.run`, parsed by torchrun's parser); the command
+and what follows are moetron's. The only difference is what a SIGTERM (or Ctrl-C) to the launcher does.
+
+torchrun (torch 2.13, `torch/distributed/elastic`): its agent turns the signal into a `SignalException`, sends
+the same signal to the workers, waits up to `--shutdown-timeout` (30 s) before SIGKILL, then re-raises it, so the
+launcher exits 1 with a traceback, whatever the workers did — and a SLURM job or a Kubernetes pod that was
+preempted looks failed although every rank saved its checkpoint and exited 0.
+
+`moetron launch` keeps SIGTERM and SIGINT out of torchrun's handled signals (`--signals-to-handle`),
+and on the first one forwards it to its workers (every rank agrees to stop after the same step and saves: see
+`train/signals.py`); torchrun then sees its workers succeed and the launcher exits 0, with one line saying why.
+A second signal is torchrun's own shutdown (the workers are stopped; exit status 128 + the signal).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from moetron.errors import UserError
+
+HELP = "Run a moetron command under torchrun; SIGTERM saves a checkpoint and exits 0 (torchrun's flags first)."
+RAW_ARGUMENTS = True  # the flags are torchrun's: `moetron.cli` hands them over unparsed
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
+
+
+def usage() -> str:
+    return "usage: moetron launch [torchrun flags] COMMAND [command flags]   (e.g. --nproc-per-node 2 train ...)"
+
+
+def worker_pids(parent: int) -> list[int]:
+    """The moetron processes started by `parent` (torchrun starts each worker in a session of its own)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[1]) == parent and b"moetron" in cmdline:
+            pids.append(int(stat.parent.name))
+    return sorted(pids)
+
+
+class ForwardStop:
+    """While active: the first SIGTERM/SIGINT goes to the workers; a second one is torchrun's shutdown."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        name = signal.Signals(signum).name
+        workers = worker_pids(os.getpid())
+        if self.received is not None or not workers:  # nothing to ask, or asked already: torchrun stops them
+            raise SignalException(f"moetron launch got {name}", sigval=signal.Signals(signum))
+        self.received = name
+        print(
+            f"moetron launch: received {name}; the {len(workers)} worker(s) on this node finish their step, save a "
+            f"checkpoint and exit (send it again to stop them at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+        for pid in workers:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def __enter__(self) -> ForwardStop:
+        for sig in FORWARDED:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def torchrun_args(argv: list[str]):
+    """torchrun's parsed flags with `-m moetron COMMAND ...` as the entry point."""
+    from moetron.cli import COMMANDS
+
+    args = torchrun_parser().parse_args(argv)  # torchrun's flags, defaults (PET_* variables) and errors
+    if args.module or args.no_python or args.training_script not in COMMANDS or args.training_script == "launch":
+        choices = ", ".join(c for c in COMMANDS if c != "launch")
+        raise UserError(
+            f"moetron launch: {args.training_script!r} is not a moetron command; give torchrun's flags, then one "
+            f"of {choices} and its flags (no -m / --no-python: the entry point is moetron)"
+        )
+    # torchrun's agent must leave SIGTERM / SIGINT to `ForwardStop` (`--signals-to-handle`, default all four)
+    handled = [name.strip() for name in args.signals_to_handle.split(",") if name.strip()]
+    args.signals_to_handle = ",".join(n for n in handled if n not in {s.name for s in FORWARDED}) or "SIGHUP"
+    args.training_script_args = [args.training_script, *args.training_script_args]
+    args.training_script, args.module = "moetron", True
+    return args
+
+
+def torchrun_parser():
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "moetron launch"
+    return parser
+
+
+def run(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage() + "\n\n" + __doc__.split("\n\n", 1)[1])
+        torchrun_parser().print_help()
+        return 0
+    args = torchrun_args(argv)
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    with ForwardStop() as stop:
+        try:
+            torchrun.run(args)
+        except SignalException as err:
+            when = "again" if stop.received else "before any worker was running"
+            print(f"moetron launch: received {err.sigval.name} {when}: stopped the workers", file=sys.stderr)
+            return 128 + int(err.sigval)
+        except ChildFailedError as err:
+            rank, failure = err.get_first_failure()
+            raise LaunchFailed(
+                f"moetron launch: worker rank {rank} exited with status {failure.exitcode} (its error is above)"
+                + (f" after {stop.received}" if stop.received else ""),
+                failure.exitcode,
+            ) from None
+    return 0
+
+
+class LaunchFailed(UserError):
+    """A worker failed; it said why itself. The launcher exits with the worker's status (1 after a signal)."""
+
+    def __init__(self, message: str, exitcode: int):
+        super().__init__(message)
+        self.exit_code = exitcode if 0 < exitcode < 128 else 1

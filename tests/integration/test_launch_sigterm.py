@@ -1,0 +1,90 @@
+"""`moetron launch` (torchrun for moetron): SIGTERM to the launcher during training saves one checkpoint, at the same
+iteration on both ranks, and exits 0 with one line and no traceback — where plain `torchrun` exits 1 with a
+`SignalException` traceback (torch's agent re-raises the signal whatever its workers did)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "unit"))
+from test_fault_injection import assert_loadable  # noqa: E402
+from test_train_guards import TINY, write_dataset  # noqa: E402
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def test_launch_rejects_what_is_not_a_moetron_command_in_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "moetron", "launch", "--nproc-per-node", "2", "trian", "--x"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "error: moetron launch: 'trian' is not a moetron command" in proc.stderr
+
+
+def test_launch_help_names_torchruns_flags(capsys):
+    from moetron.cli import main
+
+    assert main(["launch", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: moetron launch [torchrun flags] COMMAND" in out and "--nproc-per-node" in out
+
+
+def wait_for_iterations(run: Path, count: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before the signal was sent"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= count:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"fewer than {count} iterations logged in {timeout}s")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sigterm_to_moetron_launch_saves_on_every_rank_and_exits_zero(tmp_path):
+    prefix = write_dataset(tmp_path / "corpus_text_document", documents=60)
+    run = tmp_path / "run"
+    train = [*TINY, "--data-path", prefix, "--global-batch-size", "4", "--eval-iters", "0", "--train-iters", "100000"]
+    train += ["--save", str(run), "--save-interval", "100000"]
+    command = [sys.executable, "-m", "moetron", "launch", "--standalone", "--nproc-per-node", "2", "train", *train]
+    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
+        proc = subprocess.Popen(command, env=ENV, stdout=out, stderr=err, text=True)
+        try:
+            wait_for_iterations(run, 3, proc)
+            proc.send_signal(signal.SIGTERM)
+            returncode = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    assert returncode == 0, stdout[-2000:] + stderr[-3000:]
+    assert "Traceback" not in stderr and "error" not in stderr.lower(), stderr[-3000:]
+    said = [line for line in stderr.splitlines() if line.startswith("moetron launch:")]
+    assert len(said) == 1 and "received SIGTERM" in said[0], stderr[-3000:]
+    stopped = re.findall(r"received SIGTERM: saving at iteration (\d+) and exiting", stdout)
+    assert len(stopped) == 1, stdout[-3000:]
+    iteration = int(stopped[0])
+    checkpoint = run / f"iter_{iteration:07d}"
+    assert (run / "latest").read_text().strip() == checkpoint.name
+    assert sorted(p.name for p in run.glob("iter_*")) == [checkpoint.name]  # saved once
+    assert json.loads((checkpoint / "state.json").read_text())["iteration"] == iteration
+    rng_files = sorted(p.name for p in (checkpoint / "rng").iterdir())  # one per rank: both saved this iteration
+    assert rng_files == ["rank_00000.safetensors", "rank_00001.safetensors"]
+    assert assert_loadable(run) == iteration
