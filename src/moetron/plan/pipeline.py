@@ -153,9 +153,10 @@ def plan_stages(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda") -
 
 
 def pipeline_step_time(cfg: RunConfig, dims: ParallelDims, stages: list[StagePlan], peak_flops: float) -> float:
-    """Seconds per step: the slowest stage's compute for the data-parallel rank's tokens, over 1 − bubble."""
+    """Seconds per step: the slowest stage's compute for the data-parallel rank's tokens (split over its
+    tensor-parallel ranks), over 1 − bubble."""
     recompute = 4 / 3 if cfg.model.checkpoint_activations else 1.0
-    tokens = cfg.global_batch(dims.dp) * cfg.model.seq_length / dims.dp
+    tokens = cfg.global_batch(dims.dp) * cfg.model.seq_length / (dims.dp * dims.tp)
     slowest = max(s.flops_per_token for s in stages) * tokens * recompute / peak_flops
     return slowest / (1 - pipeline_bubble(cfg, dims))
 
