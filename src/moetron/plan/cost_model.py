@@ -10,6 +10,9 @@ One optimizer step on one GPU (the slowest pipeline stage's) costs, in seconds,
     ep          the expert-parallel all-to-alls (dispatch and combine, forward and backward)
     dp          the data-parallel gradient reduction and ZeRO's gathers, less what overlaps the backward
     pp          the activations and their gradients sent between pipeline stages
+    overhead    per micro-batch and layer, a fixed cost of eager execution: KERNELS_PER_LAYER operator launches
+                (forward and backward of attention and MLP/MoE; ×4/3 with checkpointing) × the device's per-op
+                cost (`OP_OVERHEAD_S`). Small on GPUs; on CPU it is what makes many small micro-batches slow
 
 and the step is their sum: nothing but DP/ZeRO traffic is assumed to overlap compute (Megatron's TP collectives
 and the MoE all-to-all sit on the critical path; DDP and FSDP2 launch their collectives during the backward).
@@ -65,6 +68,12 @@ DEFAULT_EFFICIENCY = 0.5  # of the peak, for the matmuls (Narayanan et al. 2021:
 LINK_EFFICIENCY = 0.8  # large-message bus bandwidth / line rate that NCCL reaches (nccl-tests PERFORMANCE.md)
 GPUS_PER_NODE = 8  # default node size for more than 8 GPUs without --nodes (DGX/HGX servers)
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb: one all-reduce per 25 MiB
+KERNELS_PER_LAYER = 100  # operators one layer runs per micro-batch, forward + backward (an estimate for eager mode)
+# seconds per operator beyond its arithmetic: a CUDA kernel launch (~5 µs, the CUDA C++ Best Practices Guide's
+# order of magnitude); on CPU eager dispatch plus the thread pool's fork/join, with ranks sharing cores, fitted to
+# `moetron plan --measure` on a 2-core machine with 4 gloo ranks (benchmarks/RESULTS.md: ~0.1 s per extra
+# micro-batch of a 4-layer MoE)
+OP_OVERHEAD_S = {"cuda": 5e-6, "cpu": 250e-6}
 
 
 @dataclass(frozen=True)
@@ -162,12 +171,13 @@ class StepCost:
     ep: float
     dp: float
     pp: float
+    overhead: float
     tokens_per_step: int
     model_flops_per_step: float  # 6·N_active + attention per token × tokens (no recompute), all GPUs
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp + self.ep + self.dp + self.pp
+        return self.compute + self.bubble + self.tp + self.ep + self.dp + self.pp + self.overhead
 
     @property
     def tokens_per_s(self) -> float:
@@ -270,6 +280,14 @@ def _pp_seconds(plan, net: Network) -> float:
     return net.seconds(sends * message, sends, d.world_size)
 
 
+def _overhead_seconds(plan) -> float:
+    """Operator launches of this GPU's layers (+ the embedding and head as one more) for every micro-batch."""
+    recompute = 4 / 3 if plan.cfg.model.checkpoint_activations else 1.0
+    layers = len(_stage_layers(plan)) + 1
+    per_op = OP_OVERHEAD_S.get(plan.device.kind, OP_OVERHEAD_S["cuda"])
+    return plan.accumulation_steps * layers * KERNELS_PER_LAYER * recompute * per_op
+
+
 def step_cost(plan, net: Network, efficiency: float = DEFAULT_EFFICIENCY) -> StepCost:
     """The cost of one optimizer step of `plan` (an `estimate.Plan`) on `net`."""
     compute = _compute_seconds(plan, efficiency)
@@ -284,6 +302,7 @@ def step_cost(plan, net: Network, efficiency: float = DEFAULT_EFFICIENCY) -> Ste
         ep=_ep_seconds(plan, net),
         dp=_dp_seconds(plan, net, compute),
         pp=_pp_seconds(plan, net),
+        overhead=_overhead_seconds(plan),
         tokens_per_step=tokens,
         model_flops_per_step=model_flops,
     )

@@ -105,6 +105,7 @@ class Row:
     cost: StepCost
     flags: list[str]  # what to add to `moetron train --config FILE`
     measured: object | None = None  # plan.measure.Measurement, filled by --measure
+    predicted_rank: int = 0  # 1 = fastest predicted
 
     @property
     def words(self) -> str:
@@ -232,6 +233,8 @@ def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficie
                 continue
             result.rows.append(Row(layout, plan, step_cost(plan, net, efficiency), layout_flags(cfg, candidate)))
     result.rows.sort(key=rank_key)
+    for i, row in enumerate(result.rows, 1):
+        row.predicted_rank = i
     return result
 
 
@@ -245,9 +248,10 @@ def structure_problems(cfg: RunConfig, gpus: int) -> list[str]:
 
 def rank_key(row: Row) -> tuple:
     """Fastest first; at equal predicted time the simpler layout (lower ZeRO stage, fewer pipeline and tensor
-    ranks), then the one with more memory to spare."""
+    ranks), then the larger micro batch (larger matmuls than the model's fixed efficiency credits), then the one
+    with more memory to spare."""
     layout = row.layout
-    return (round(row.cost.total, 9), layout.zero, layout.pp, layout.tp, row.plan.needed_bytes)
+    return (round(row.cost.total, 9), layout.zero, layout.pp, layout.tp, -layout.mbs, row.plan.needed_bytes)
 
 
 def nothing_fits(result: SearchResult, gpus: int, device: Accelerator) -> str:

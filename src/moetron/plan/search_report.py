@@ -6,7 +6,10 @@ from moetron.plan.cost_model import Network
 from moetron.plan.hardware import GIB
 from moetron.plan.search import Row, SearchResult, train_command
 
-PARTS = ("compute", "bubble", "tp", "ep", "dp", "pp")  # StepCost fields, in the table's order
+PARTS = ("compute", "bubble", "tp", "ep", "dp", "pp", "overhead")
+LABELS = {
+    "overhead": "launch"
+}  # column heads where the field name is too wide  # StepCost fields, in the table's order
 
 
 def _ms(seconds: float) -> str:
@@ -18,28 +21,29 @@ def format_search(result: SearchResult, rows: list[Row], config: str, gpus: int,
     first = rows[0].plan
     device, measured = first.device, any(r.measured is not None for r in rows)
     lines = [
-        f"moetron plan --search: {config} on {gpus} × {device.name} ({device.memory_bytes / GIB:g} GiB), {net.words}",
+        f"moetron plan --search: {config} on {gpus} × {device.name} ({device.memory_bytes / GIB:.3g} GiB), {net.words}",
         f"  global batch {first.cfg.global_batch(first.dims.dp)} × seq {first.cfg.model.seq_length}; "
         f"{result.candidates} layouts tried, {result.valid} valid, {len(result.rows)} fit; compute at "
         f"{efficiency:.0%} of {device.peak_tflops:g} peak TFLOP/s; times in ms per step",
         "",
     ]
-    head = f"  {'#':>2} {'layout':<34} {'GiB':>6} {'step':>7} " + " ".join(f"{p:>7}" for p in PARTS)
+    head = f"  {'#':>2} {'layout':<30} {'GiB':>6} {'step':>7} " + " ".join(f"{LABELS.get(p, p):>7}" for p in PARTS)
     head += f" {'tok/s':>9} {'MFU':>5}"
     if measured:
         head += f" | {'meas GiB':>8} {'meas ms':>8} {'rank':>4}"
+        lines[-2] += "; # = predicted rank, rows re-ranked by the measured step time (rank)"
     lines.append(head)
-    for i, row in enumerate(rows, 1):
+    for row in rows:
         c = row.cost
-        line = f"  {i:>2} {row.words:<34} {row.plan.needed_bytes / GIB:>6.2f} {_ms(c.total):>7} "
+        line = f"  {row.predicted_rank:>2} {row.words:<30} {row.plan.needed_bytes / GIB:>6.2f} {_ms(c.total):>7} "
         line += " ".join(f"{_ms(getattr(c, p)):>7}" for p in PARTS)
         line += f" {c.tokens_per_s:>9.0f} {c.mfu(gpus, device.peak_tflops):>5.1%}"
         if measured:
             line += " | " + measured_cells(row)
         lines.append(line)
     lines += ["", "  commands:"]
-    lines += [f"  {i:>2} {train_command(row, config, gpus, nodes)}" for i, row in enumerate(rows, 1)]
-    errors = [(i, r.measured.error) for i, r in enumerate(rows, 1) if r.measured is not None and r.measured.error]
+    lines += [f"  {row.predicted_rank:>2} {train_command(row, config, gpus, nodes)}" for row in rows]
+    errors = [(r.predicted_rank, r.measured.error) for r in rows if r.measured is not None and r.measured.error]
     lines += [f"  {i:>2} measuring failed: {error}" for i, error in errors]
     if device.assumed:
         lines.append(f"  device: {device.assumed}")
@@ -77,6 +81,7 @@ def search_dict(result: SearchResult, rows: list[Row], config: str, gpus: int, n
 def row_dict(row: Row, config: str, gpus: int, nodes: int) -> dict:
     layout, d, plan = row.layout, row.plan.dims, row.plan
     return {
+        "predicted_rank": row.predicted_rank,
         "layout": {**layout.__dict__, "dp": d.dp, "edp": d.edp},
         "words": row.words,
         "flags": row.flags,

@@ -1,0 +1,63 @@
+"""`python -m moetron.plan.measure_worker train ...`: `moetron train` in this process, then this rank's peak memory.
+
+`moetron plan --measure` launches it under torchrun instead of `-m moetron`: the run is `moetron train` itself
+(same flags, same code path); at exit the worker writes `rank<RANK>.json` into `$MOETRON_MEASURE_DIR` with
+  vmhwm_bytes   the process's resident-set high-water mark (/proc/self/status VmHWM: its own peak, not the
+                parent's — `ru_maxrss` inherits the launcher's), what a CPU run's tensors cost
+  cuda_bytes    torch.cuda.max_memory_allocated() on a GPU run (the tensors; not the CUDA context)
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+from pathlib import Path
+
+OUT_ENV = "MOETRON_MEASURE_DIR"
+
+
+def vmhwm_bytes() -> int | None:
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return None  # not Linux
+    for line in lines:
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # kB
+    return None
+
+
+def record() -> None:
+    out = os.environ.get(OUT_ENV)
+    if not out:
+        return
+    import torch
+
+    cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    rank = os.environ.get("RANK", "0")
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"rank": int(rank), "vmhwm_bytes": vmhwm_bytes(),
+                                                          "cuda_bytes": cuda}))  # fmt: skip
+
+
+def main() -> int:
+    atexit.register(record)  # one process: the run returns normally
+    # under torchrun a finished run leaves with os._exit (DistEnv.finish: gloo's teardown can abort), which skips
+    # atexit, so record there too, just before it
+    from moetron.parallel.env import DistEnv
+
+    finish = DistEnv.finish
+
+    def finish_recorded(self, returncode: int) -> int:
+        record()
+        return finish(self, returncode)
+
+    DistEnv.finish = finish_recorded
+    from moetron.cli import main as moetron_main
+
+    return moetron_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
