@@ -266,7 +266,7 @@ def nothing_fits(result: SearchResult, gpus: int, device: Accelerator) -> str:
             "(usually a power of two)"
         )
     return (
-        f"--gpus {gpus}: none of the {result.valid} valid layouts fits {device.memory_bytes / 2**30:g} GiB per GPU; "
+        f"--gpus {gpus}: none of the {result.valid} valid layouts fits {device.memory_bytes / 2**30:.3g} GiB per GPU; "
         "use more GPUs (--gpus), GPUs with more memory (--gpu-memory), or a smaller model or global batch"
     )
 

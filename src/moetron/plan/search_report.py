@@ -6,10 +6,8 @@ from moetron.plan.cost_model import Network
 from moetron.plan.hardware import GIB
 from moetron.plan.search import Row, SearchResult, train_command
 
-PARTS = ("compute", "bubble", "tp", "ep", "dp", "pp", "overhead")
-LABELS = {
-    "overhead": "launch"
-}  # column heads where the field name is too wide  # StepCost fields, in the table's order
+PARTS = ("compute", "bubble", "tp", "ep", "dp", "pp", "overhead")  # StepCost fields, in the table's order
+LABELS = {"overhead": "launch"}  # column heads where the field name is too wide
 
 
 def _ms(seconds: float) -> str:
