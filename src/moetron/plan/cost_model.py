@@ -158,6 +158,8 @@ def network(gpus: int, nodes: int | None, device_name: str, interconnect: str | 
         inter, names = Link(inter_gbps, inter.latency_s, "--inter-node-bandwidth"), (names[0], f"{inter_gbps:g} GB/s")
     per_node = gpus // nodes
     words = f"{names[0]} within {nodes} node(s) of {per_node} GPU(s)" + (f", {names[1]} between" if nodes > 1 else "")
+    if gpus == 1:
+        words = "one GPU: no communication"
     return Network(per_node, intra, inter, words)
 
 
