@@ -148,3 +148,18 @@ def test_bad_search_flags_are_one_line(tiny_config, capsys, flags, named):
     code, _, err = run_cli(capsys, "--config", str(tiny_config), "--gpus", "4", "--gpu-type", "cpu",
                            "--gpu-memory", "4GB", "--search", *flags)  # fmt: skip
     assert code == 2 and err.startswith("error: ") and named in err and "Traceback" not in err
+
+
+def test_a_failing_measured_run_is_reported_in_its_row(tiny_config, tmp_path):
+    from moetron.plan.measure import measure_rows
+
+    cfg, _ = load_config(str(tiny_config), {})
+    rows = search(cfg, 1, accelerator("cpu", "4GB"), cost_model.network(1, None, "cpu")).rows[:1]
+    measured = measure_rows(rows, str(tmp_path / "missing.yaml"), 1, steps=3, timeout=300)
+    assert measured[0].measured.error.startswith("error: --config") and "no such file" in measured[0].measured.error
+
+
+def test_measure_needs_one_node(tiny_config, capsys):
+    code, _, err = run_cli(capsys, "--config", str(tiny_config), "--gpus", "16", "--gpu-type", "cpu",
+                           "--gpu-memory", "4GB", "--search", "--measure")  # fmt: skip
+    assert code == 2 and "--measure runs the layouts on this machine" in err

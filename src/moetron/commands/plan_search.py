@@ -75,6 +75,11 @@ def run_search(args: argparse.Namespace, cfg: RunConfig, gpus: int, device: Acce
     net = network(gpus, args.nodes, device.name, args.interconnect, args.intra_node_bandwidth,
                   args.inter_node_bandwidth)  # fmt: skip
     nodes = gpus // net.gpus_per_node
+    if args.measure and nodes > 1:
+        raise UserError(
+            f"--measure runs the layouts on this machine, but --gpus {gpus} spans {nodes} nodes; measure on one node "
+            "(--nodes 1 with the GPUs it has) and plan the cluster without --measure"
+        )
     result = search(cfg, gpus, device, net, args.efficiency, fixed_dimensions(cfg, cli_names(explicit)))
     if not result.rows:
         message = nothing_fits(result, gpus, device)

@@ -103,8 +103,9 @@ def launch(config: str, flags: list[str], gpus: int, out: Path, timeout: int) ->
         records[record["rank"]] = record
     if proc.returncode != 0:
         lines = [x for x in (proc.stderr + proc.stdout).splitlines() if x.strip()]
-        errors = [x for x in lines if x.startswith("error:") or "Error" in x]
-        return records, (errors or lines or [f"exit status {proc.returncode}"])[-1].strip()
+        ours = [x for x in lines if x.startswith("error:")]  # moetron's one-line errors
+        raised = [x for x in lines if "Error" in x and "torch.distributed.elastic" not in x]  # a rank's traceback
+        return records, (ours or raised or lines or [f"exit status {proc.returncode}"])[-1].strip()
     return records, ""
 
 
