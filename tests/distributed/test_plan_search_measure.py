@@ -1,15 +1,17 @@
 """`moetron plan --search --measure --top 3` end to end on 4 gloo processes: the search's top 3 layouts of a tiny MoE
 are trained for a few steps under torchrun, and the measurements are compared with the predictions.
 
-The search is narrowed with flags (they fix a dimension: TP 1, PP 1, ZeRO 0, EP 1) and a memory limit between
-two plans (micro batch 4 fits only with checkpointing), so its top 3 are: checkpointing at micro batch 4 (one
-micro-batch per step), no checkpointing at micro batch 2 and checkpointing at micro batch 2 (two micro-batches).
-The clearest pair is the one with the largest predicted ratio, micro batch 4 vs 2 with checkpointing on both
-(predicted ~1.4×): the same FLOPs, but twice the per-micro-batch launch cost, which dominates on a CPU (about
-0.1 s per micro-batch of this model here). The other pairs are noise on a 2-core CPU: they trade a third more
-compute (checkpointing) against one micro-batch's overhead, predicted within ~10 %, while 4 ranks sharing 2
-cores (and other work on the machine) move step times by tens of per cent between runs; layouts that idle some
-ranks (pipeline bubbles) even run faster on an oversubscribed CPU, as the idle ranks give their core to the others.
+The search is narrowed with flags (each fixes a dimension: TP 1, PP 1, ZeRO 0, EP 1), so its top 3 are data
+parallelism over the 4 ranks at micro batch 4, micro batch 2, and micro batch 4 with activation checkpointing.
+The clearest pair is the one with the largest predicted ratio: checkpointing on vs off at micro batch 4 (~1.33×:
+a third more compute, the forward recomputed, on every rank, the same micro-batches and collectives). The measured
+step is the CPU time each rank spends on it (the slowest rank's median, `moetron.plan.measure_worker`), printed
+beside the wall clock: on a 2-core machine shared by the 4 ranks and other engineers' jobs (load averages of
+10–15), a rank's wall-clock step also counts the time it waits for a core, which moves one run's step time by
+30–40 % against the next run's. The other pairs are noise even in CPU time: micro batch 4 vs 2 differs by one
+micro-batch's fixed cost (~30 ms of CPU time here), and larger micro-batches pay more page faults under the
+MALLOC_MMAP_THRESHOLD_ the memory measurement needs; layouts the narrowing leaves out are noisier still
+(pipeline bubbles are idle time, which on an oversubscribed CPU goes to the other ranks).
 Predicted vs measured peak memory: within 25 % for every row (VmHWM above a baseline run, plan/measure.py).
 """
 
@@ -48,20 +50,6 @@ FIXED = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", 
 FIXED += ["--moe-expert-parallel-size", "1"]
 
 
-def memory_limit(config: Path) -> int:
-    """MiB between the plans of micro batch 4 with and without checkpointing (only the first fits)."""
-    from moetron.config_cli import load_config
-    from moetron.plan.estimate import make_plan
-    from moetron.plan.hardware import accelerator
-
-    needed = {}
-    for ckpt in (False, True):
-        cfg, _ = load_config(str(config), {"checkpoint_activations": ckpt, "moe_expert_parallel_size": 1})
-        needed[ckpt] = make_plan(cfg, 4, accelerator("cpu", "64GB")).needed_bytes
-    assert needed[True] < needed[False]
-    return (needed[True] + needed[False]) // 2 // 2**20
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="VmHWM and MALLOC_MMAP_THRESHOLD_ are Linux/glibc's")
@@ -72,9 +60,8 @@ def test_search_measure_top3_on_four_gloo_processes(tmp_path):
 
     config = tmp_path / "tiny-moe.yaml"
     config.write_text(yaml.safe_dump({**TINY_MOE, "data_path": [random_corpus(tmp_path, 8192, 1 << 16)]}))
-    limit = memory_limit(config)
     command = [sys.executable, "-m", "moetron", "plan", "--config", str(config), "--gpus", "4", "--gpu-type", "cpu"]
-    command += ["--gpu-memory", f"{limit}MB", "--search", "--measure", "--top", "3", "--measure-steps", "4"]
+    command += ["--gpu-memory", "8GB", "--search", "--measure", "--top", "3", "--measure-steps", "4"]
     proc = subprocess.run([*command, *FIXED, "--json"], capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads(proc.stdout)["rows"]
@@ -87,7 +74,8 @@ def test_search_measure_top3_on_four_gloo_processes(tmp_path):
         lines.append(
             f"#{row['predicted_rank']} {row['words']}: peak planned {row['peak_bytes'] / 2**20:.1f} MiB, measured "
             f"{measured['peak_bytes'] / 2**20:.1f} MiB (ratio {ratio:.2f}); step predicted "
-            f"{row['step_time_s'] * 1e3:.0f} ms, measured {measured['step_time_s'] * 1e3:.0f} ms"
+            f"{row['step_time_s'] * 1e3:.0f} ms, measured {measured['step_time_s'] * 1e3:.0f} ms wall clock, "
+            f"{measured['cpu_step_s'] * 1e3:.0f} ms CPU time"
         )
         assert row["command"].startswith("torchrun --nproc-per-node 4 -m moetron train --config ")
         cfg, _ = load_config(str(config), flag_overrides(row["flags"]))
@@ -102,8 +90,10 @@ def test_search_measure_top3_on_four_gloo_processes(tmp_path):
         ((a, b) for a in rows for b in rows if a["step_time_s"] < b["step_time_s"]),
         key=lambda pair: pair[1]["step_time_s"] / pair[0]["step_time_s"],
     )
-    assert (fast["words"], slow["words"]) == ("dp4 mbs4 ckpt", "dp4 mbs2 ckpt"), summary
-    assert fast["measured"]["step_time_s"] < slow["measured"]["step_time_s"], summary
+    assert (fast["words"], slow["words"]) == ("dp4 mbs4", "dp4 mbs4 ckpt"), summary
+    # the measured step: CPU time per step (the slowest rank's), as the wall clock of 4 ranks on 2 cores shared with
+    # other jobs measures their load as much as the layout (see the module docstring)
+    assert fast["measured"]["cpu_step_s"] < slow["measured"]["cpu_step_s"], summary
 
 
 def flag_overrides(flags: list[str]) -> dict:

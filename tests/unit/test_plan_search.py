@@ -163,3 +163,19 @@ def test_measure_needs_one_node(tiny_config, capsys):
     code, _, err = run_cli(capsys, "--config", str(tiny_config), "--gpus", "16", "--gpu-type", "cpu",
                            "--gpu-memory", "4GB", "--search", "--measure")  # fmt: skip
     assert code == 2 and "--measure runs the layouts on this machine" in err
+
+
+def test_the_table_shows_measurements_beside_the_predictions(tiny_config):
+    from moetron.plan.measure import Measurement
+    from moetron.plan.search_report import format_search
+
+    cfg, _ = load_config(str(tiny_config), {})
+    net = cost_model.network(2, None, "cpu")
+    result = search(cfg, 2, accelerator("cpu", "4GB"), net)
+    rows = result.rows[:2]
+    rows[0].measured = Measurement(step_time_s=0.25, peak_bytes=3 * 2**20, rank=1)
+    rows[1].measured = Measurement(error="error: --config x.yaml: no such file")
+    text = format_search(result, rows, "tiny.yaml", 2, 1, net, 0.5)
+    assert "meas GiB" in text and "# = predicted rank" in text
+    assert "     250     n/a    1" in text.splitlines()[4]  # measured ms, CPU ms and rank of the first row
+    assert "   2 measuring failed: error: --config x.yaml: no such file" in text

@@ -70,10 +70,9 @@ GPUS_PER_NODE = 8  # default node size for more than 8 GPUs without --nodes (DGX
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb: one all-reduce per 25 MiB
 KERNELS_PER_LAYER = 100  # operators one layer runs per micro-batch, forward + backward (an estimate for eager mode)
 # seconds per operator beyond its arithmetic: a CUDA kernel launch (~5 µs, the CUDA C++ Best Practices Guide's
-# order of magnitude); on CPU eager dispatch plus the thread pool's fork/join, with ranks sharing cores, fitted to
-# `moetron plan --measure` on a 2-core machine with 4 gloo ranks (benchmarks/RESULTS.md: ~0.1 s per extra
-# micro-batch of a 4-layer MoE)
-OP_OVERHEAD_S = {"cuda": 5e-6, "cpu": 250e-6}
+# order of magnitude); on CPU eager dispatch and autograd bookkeeping, fitted to the CPU time per step that
+# `moetron plan --measure` reads on 4 gloo ranks (benchmarks/RESULTS.md: ~30 ms per micro-batch of a 4-layer MoE)
+OP_OVERHEAD_S = {"cuda": 5e-6, "cpu": 60e-6}
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ tokens written once into a temporary directory (the data path is not what is mea
 corpus need not exist here), `--train-iters S --log-interval 1`, no evaluation, no checkpoint.
 
   step time   the median over the steps after the first two (warm-up: allocator, gloo connections, Adam state)
-              of tokens per step / metrics.jsonl's tokens_per_sec
+              of tokens per step / metrics.jsonl's tokens_per_sec; and the slowest rank's median CPU time per
+              step (on a CPU shared with other work the wall clock measures the load as much as the layout)
   peak memory on GPUs: the largest rank's torch.cuda.max_memory_allocated() (the plan's peak, without the CUDA
               context it adds for the verdict); on CPU: the largest rank's VmHWM less the VmHWM of the same rank
               in a baseline run — the same layout with a tiny model (hidden 8 per head, seq 8 per TP rank, vocab
@@ -40,7 +41,8 @@ RUN_TIMEOUT_S = 900
 
 @dataclass
 class Measurement:
-    step_time_s: float | None = None
+    step_time_s: float | None = None  # wall clock
+    cpu_step_s: float | None = None  # CPU time of the slowest rank's step (see measure_worker.py)
     peak_bytes: int | None = None  # the largest rank's (CPU: above its baseline)
     rank: int = 0  # by measured step time, 1 = fastest
     error: str = ""
@@ -118,6 +120,13 @@ def step_time(run_dir: Path, tokens_per_step: int) -> float | None:
     return tokens_per_step / statistics.median(rates) if rates else None
 
 
+def cpu_step_time(records: dict) -> float | None:
+    """The slowest rank's median CPU time per step, after the warm-up steps."""
+    medians = [statistics.median(r["cpu_step_s"][WARMUP_STEPS:]) for r in records.values()
+               if len(r.get("cpu_step_s") or []) > WARMUP_STEPS]  # fmt: skip
+    return max(medians, default=None)
+
+
 def check_devices(gpus: int, device_kind: str) -> None:
     if device_kind == "cpu":
         return
@@ -164,7 +173,7 @@ def measure_rows(rows: list[Row], config: str, gpus: int, steps: int, timeout: i
                 peak = max((r["cuda_bytes"] or 0 for r in records.values()), default=None) if not error else None
             if not error and seconds is None:
                 error = "no step time in metrics.jsonl"
-            row.measured = Measurement(seconds, peak, error=error)
+            row.measured = Measurement(seconds, None if error else cpu_step_time(records), peak, error=error)
     ok = sorted((r for r in rows if not r.measured.error), key=lambda r: r.measured.step_time_s)
     for rank, row in enumerate(ok, 1):
         row.measured.rank = rank

@@ -5,6 +5,8 @@
   vmhwm_bytes   the process's resident-set high-water mark (/proc/self/status VmHWM: its own peak, not the
                 parent's — `ru_maxrss` inherits the launcher's), what a CPU run's tensors cost
   cuda_bytes    torch.cuda.max_memory_allocated() on a GPU run (the tensors; not the CUDA context)
+  cpu_step_s    the CPU time (all of the process's threads) of each `Trainer.train_step`: on a CPU shared with other
+                work, what a step costs this rank regardless of how long it waited for a core
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import atexit
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 OUT_ENV = "MOETRON_MEASURE_DIR"
+CPU_STEP_S: list[float] = []
 
 
 def vmhwm_bytes() -> int | None:
@@ -37,8 +41,23 @@ def record() -> None:
 
     cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     rank = os.environ.get("RANK", "0")
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"rank": int(rank), "vmhwm_bytes": vmhwm_bytes(),
-                                                          "cuda_bytes": cuda}))  # fmt: skip
+    record = {"rank": int(rank), "vmhwm_bytes": vmhwm_bytes(), "cuda_bytes": cuda, "cpu_step_s": CPU_STEP_S}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def time_steps() -> None:
+    """Wrap `Trainer.train_step` to note each step's CPU time (the trainer itself logs only wall-clock rates)."""
+    from moetron.train.trainer import Trainer
+
+    step = Trainer.train_step
+
+    def timed(self):
+        start = time.process_time()
+        result = step(self)
+        CPU_STEP_S.append(time.process_time() - start)
+        return result
+
+    Trainer.train_step = timed
 
 
 def main() -> int:
@@ -54,6 +73,7 @@ def main() -> int:
         return finish(self, returncode)
 
     DistEnv.finish = finish_recorded
+    time_steps()
     from moetron.cli import main as moetron_main
 
     return moetron_main(sys.argv[1:])

@@ -28,7 +28,7 @@ def format_search(result: SearchResult, rows: list[Row], config: str, gpus: int,
     head = f"  {'#':>2} {'layout':<30} {'GiB':>6} {'step':>7} " + " ".join(f"{LABELS.get(p, p):>7}" for p in PARTS)
     head += f" {'tok/s':>9} {'MFU':>5}"
     if measured:
-        head += f" | {'meas GiB':>8} {'meas ms':>8} {'rank':>4}"
+        head += f" | {'meas GiB':>8} {'meas ms':>8} {'cpu ms':>7} {'rank':>4}"
         lines[-2] += "; # = predicted rank, rows re-ranked by the measured step time (rank)"
     lines.append(head)
     for row in rows:
@@ -51,9 +51,10 @@ def format_search(result: SearchResult, rows: list[Row], config: str, gpus: int,
 def measured_cells(row: Row) -> str:
     m = row.measured
     if m is None or m.error:
-        return f"{'failed':>8} {'':>8} {'':>4}"
+        return f"{'failed':>8} {'':>8} {'':>7} {'':>4}"
     memory = f"{m.peak_bytes / GIB:.2f}" if m.peak_bytes is not None else "n/a"
-    return f"{memory:>8} {m.step_time_s * 1e3:>8.0f} {m.rank:>4}"
+    cpu = f"{m.cpu_step_s * 1e3:.0f}" if m.cpu_step_s is not None else "n/a"
+    return f"{memory:>8} {m.step_time_s * 1e3:>8.0f} {cpu:>7} {m.rank:>4}"
 
 
 def search_dict(result: SearchResult, rows: list[Row], config: str, gpus: int, nodes: int, net: Network,
