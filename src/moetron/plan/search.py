@@ -259,11 +259,16 @@ def nothing_fits(result: SearchResult, gpus: int, device: Accelerator) -> str:
     if not result.candidates:
         return f"--gpus {gpus}: no layout to try (every dimension is fixed by a flag to values that cannot combine)"
     if not result.valid:
-        common, count = result.refusals.most_common(1)[0]
+        by_flag: Counter = Counter()  # refusals grouped by the flag they name first
+        example: dict[str, str] = {}
+        for reason, count in result.refusals.items():
+            flag = reason.split()[0]
+            by_flag[flag] += count
+            example.setdefault(flag, reason.split(";")[0])
+        reasons = "; ".join(f"{example[flag]} ({count}×)" for flag, count in by_flag.most_common(3))
         return (
-            f"--gpus {gpus}: none of the {result.candidates} layouts is one `moetron train` accepts; the most common "
-            f"reason ({count} of them): {common} — try a GPU count the model's heads, layers and experts divide "
-            "(usually a power of two)"
+            f"--gpus {gpus}: none of the {result.candidates} layouts is one `moetron train` accepts — try a GPU count "
+            f"that the heads, layers, experts and global batch divide (usually a power of two); most common: {reasons}"
         )
     return (
         f"--gpus {gpus}: none of the {result.valid} valid layouts fits {device.memory_bytes / 2**30:.3g} GiB per GPU; "
