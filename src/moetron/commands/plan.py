@@ -20,6 +20,7 @@ import math
 import os
 import sys
 
+from moetron.commands.plan_search import add_search_arguments, run_search
 from moetron.config import RunConfig
 from moetron.config_cli import add_config_arguments, cli_names, cli_overrides, load_config
 from moetron.errors import UserError
@@ -56,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mfu", type=float, default=DEFAULT_MFU, help=f"assumed model FLOPs utilisation for step time ({DEFAULT_MFU})"
     )
     group.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_search_arguments(parser)
     add_config_arguments(parser)
 
 
@@ -96,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.mfu <= 1:
         raise UserError(f"--mfu is a fraction in (0, 1], got {args.mfu}; e.g. 0.3 for 30 %")
     device = accelerator(args.gpu_type, args.gpu_memory, cfg.train.peak_tflops)
+    if args.search or args.measure:
+        return run_search(args, cfg, gpus, device, explicit)
     note = adapt_expert_parallel(cfg, gpus, explicit)
     if note:
         print(note, file=sys.stderr, flush=True)

@@ -1,0 +1,83 @@
+"""`python -m moetron.plan.measure_worker train ...`: `moetron train` in this process, then this rank's peak memory.
+
+`moetron plan --measure` launches it under torchrun instead of `-m moetron`: the run is `moetron train` itself
+(same flags, same code path); at exit the worker writes `rank<RANK>.json` into `$MOETRON_MEASURE_DIR` with
+  vmhwm_bytes   the process's resident-set high-water mark (/proc/self/status VmHWM: its own peak, not the
+                parent's — `ru_maxrss` inherits the launcher's), what a CPU run's tensors cost
+  cuda_bytes    torch.cuda.max_memory_allocated() on a GPU run (the tensors; not the CUDA context)
+  cpu_step_s    the CPU time (all of the process's threads) of each `Trainer.train_step`: on a CPU shared with other
+                work, what a step costs this rank regardless of how long it waited for a core
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+OUT_ENV = "MOETRON_MEASURE_DIR"
+CPU_STEP_S: list[float] = []
+
+
+def vmhwm_bytes() -> int | None:
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return None  # not Linux
+    for line in lines:
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # kB
+    return None
+
+
+def record() -> None:
+    out = os.environ.get(OUT_ENV)
+    if not out:
+        return
+    import torch
+
+    cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    rank = os.environ.get("RANK", "0")
+    record = {"rank": int(rank), "vmhwm_bytes": vmhwm_bytes(), "cuda_bytes": cuda, "cpu_step_s": CPU_STEP_S}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def time_steps() -> None:
+    """Wrap `Trainer.train_step` to note each step's CPU time (the trainer itself logs only wall-clock rates)."""
+    from moetron.train.trainer import Trainer
+
+    step = Trainer.train_step
+
+    def timed(self):
+        start = time.process_time()
+        result = step(self)
+        CPU_STEP_S.append(time.process_time() - start)
+        return result
+
+    Trainer.train_step = timed
+
+
+def main() -> int:
+    atexit.register(record)  # one process: the run returns normally
+    # under torchrun a finished run leaves with os._exit (DistEnv.finish: gloo's teardown can abort), which skips
+    # atexit, so record there too, just before it
+    from moetron.parallel.env import DistEnv
+
+    finish = DistEnv.finish
+
+    def finish_recorded(self, returncode: int) -> int:
+        record()
+        return finish(self, returncode)
+
+    DistEnv.finish = finish_recorded
+    time_steps()
+    from moetron.cli import main as moetron_main
+
+    return moetron_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""`moetron plan --search`: every parallel layout of a config on N GPUs, the ones that fit, ranked by step time.
+
+A layout is (tp, sequence parallel, pp, virtual stages, ep, etp, ZeRO stage, micro batch, activation
+checkpointing) at the config's global batch; dp = gpus / (tp · pp). Enumerated:
+  tp       divisors of the GPUs up to the GPUs per node (TP across nodes would put every layer's collectives on
+           the slowest link), with and without sequence parallelism, experts whole (etp 1) or split (etp = tp)
+  pp       divisors of the remaining GPUs; 1F1B, and interleaved 1F1B with 2–4 virtual stages per rank
+  ep       divisors of every MoE layer's expert count
+  ZeRO     stages 0–3
+  micro batch   divisors of the global batch per data-parallel rank, smallest first (memory grows with it:
+                the first that does not fit ends that layout's list)
+  checkpointing off and on
+Flags given on the command line (`--tensor-model-parallel-size 1`, `--zero-stage 0`, ...) fix that dimension.
+Each candidate goes through `moetron.config.validate` (the rules `moetron train` applies; the data section and
+output paths aside, as in any plan), then the memory plan (`plan/memory.py`) and the cost model
+(`plan/cost_model.py`); the ones that fit are ranked by predicted step time.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from moetron.config import RunConfig
+from moetron.parallel.tensor_parallel_layout import tensor_parallel_problems
+from moetron.parallel.zero import zero_problems
+from moetron.plan.cost_model import DEFAULT_EFFICIENCY, Network, StepCost, step_cost
+from moetron.plan.estimate import Plan, layout_problems, make_plan
+from moetron.plan.hardware import Accelerator
+
+STRUCTURE = ("tp", "sp", "pp", "virtual_layers", "ep", "etp", "zero")  # Layout fields `structures` enumerates
+MAX_VIRTUAL = 4  # interleaved schedules tried with 2 .. MAX_VIRTUAL virtual stages per pipeline rank
+# the fields a layout sets, in the order their flags are printed
+LAYOUT_FIELDS = (
+    ("parallel", "tensor_model_parallel_size"),
+    ("parallel", "sequence_parallel"),
+    ("parallel", "pipeline_model_parallel_size"),
+    ("parallel", "pipeline_schedule"),
+    ("parallel", "num_layers_per_virtual_pipeline_stage"),
+    ("parallel", "moe_expert_parallel_size"),
+    ("parallel", "expert_tensor_parallel_size"),
+    ("parallel", "zero_stage"),
+    ("parallel", "use_distributed_optimizer"),
+    ("train", "micro_batch_size"),
+    ("train", "global_batch_size"),
+    ("model", "checkpoint_activations"),
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    sp: bool = False
+    pp: int = 1
+    virtual_layers: int | None = None  # --num-layers-per-virtual-pipeline-stage (interleaved 1F1B)
+    ep: int = 1
+    etp: int = 1
+    zero: int = 0
+    mbs: int = 1
+    ckpt: bool = False
+
+    def apply(self, cfg: RunConfig, global_batch: int) -> RunConfig:
+        """A copy of `cfg` with this layout at `global_batch` (the sections it does not change are shared)."""
+        parallel = replace(
+            cfg.parallel,
+            tensor_model_parallel_size=self.tp,
+            sequence_parallel=self.sp,
+            pipeline_model_parallel_size=self.pp,
+            num_layers_per_virtual_pipeline_stage=self.virtual_layers,
+            pipeline_schedule=None,  # from the virtual stages: 1F1B or interleaved 1F1B
+            decoder_first_pipeline_num_layers=None,
+            decoder_last_pipeline_num_layers=None,
+            moe_expert_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
+            zero_stage=self.zero,
+            use_distributed_optimizer=False,
+        )
+        train = replace(cfg.train, micro_batch_size=self.mbs, global_batch_size=global_batch)
+        model = replace(cfg.model, checkpoint_activations=self.ckpt)
+        return RunConfig(model=model, data=cfg.data, parallel=parallel, train=train)
+
+    def words(self, dp: int) -> str:
+        parts = [f"dp{dp}"]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + ("+sp" if self.sp else "") + (f" etp{self.etp}" if self.etp > 1 else ""))
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}" + (f"×v{self.virtual_layers}L" if self.virtual_layers else ""))
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        if self.zero:
+            parts.append(f"zero{self.zero}")
+        parts.append(f"mbs{self.mbs}")
+        if self.ckpt:
+            parts.append("ckpt")
+        return " ".join(parts)
+
+
+@dataclass
+class Row:
+    layout: Layout
+    plan: Plan
+    cost: StepCost
+    flags: list[str]  # what to add to `moetron train --config FILE`
+    measured: object | None = None  # plan.measure.Measurement, filled by --measure
+    predicted_rank: int = 0  # 1 = fastest predicted
+
+    @property
+    def words(self) -> str:
+        return self.layout.words(self.plan.dims.dp)
+
+
+@dataclass
+class SearchResult:
+    rows: list[Row]  # every layout that fits, fastest first
+    candidates: int  # layouts enumerated
+    valid: int  # of which `validate` accepts
+    too_big: int  # valid ones that do not fit
+    refusals: Counter = field(default_factory=Counter)  # the first problem of each refused layout
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search_global_batch(cfg: RunConfig, gpus: int) -> int:
+    """The global batch every layout keeps: the config's, or its micro batch × its own data-parallel size."""
+    if cfg.train.global_batch_size:
+        return cfg.train.global_batch_size
+    p = cfg.parallel
+    return cfg.train.micro_batch_size * max(gpus // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size), 1)
+
+
+def _virtual_options(num_layers: int, pp: int) -> list[int | None]:
+    """None (one stage per rank) and the layers per virtual stage giving 2..MAX_VIRTUAL stages per rank."""
+    if pp == 1:
+        return [None]
+    out: list[int | None] = [None]
+    for v in range(2, MAX_VIRTUAL + 1):
+        if num_layers % (pp * v) == 0:
+            out.append(num_layers // (pp * v))
+    return out
+
+
+def structures(cfg: RunConfig, gpus: int, per_node: int, fixed: dict) -> Iterator[Layout]:
+    """Every (tp, sp, pp, virtual, ep, etp, zero) — micro batch and checkpointing are added by `search`."""
+    moe = [e for e in cfg.model.experts_per_layer() if e > 1]
+    expert_sizes = divisors(math.gcd(*moe)) if moe else [1]
+    for tp in divisors(gpus):
+        if tp > per_node:
+            continue
+        for pp in divisors(gpus // tp):
+            for virtual in _virtual_options(cfg.model.num_layers, pp):
+                for sp in (False, True) if tp > 1 else (False,):
+                    for etp in sorted({1, tp}):
+                        for ep in expert_sizes:
+                            for zero in (0, 1, 2, 3) if gpus > 1 else (0,):
+                                layout = Layout(tp, sp, pp, virtual, ep, etp, zero)
+                                if all(getattr(layout, k) == v for k, v in fixed.items() if k in STRUCTURE):
+                                    yield layout
+
+
+def fixed_dimensions(cfg: RunConfig, names: set[str]) -> dict:
+    """The layout dimensions the user fixed with flags (field names given on the command line)."""
+    p, out = cfg.parallel, {}
+    for name, key in (
+        ("tensor_model_parallel_size", "tp"),
+        ("sequence_parallel", "sp"),
+        ("pipeline_model_parallel_size", "pp"),
+        ("num_layers_per_virtual_pipeline_stage", "virtual_layers"),
+        ("moe_expert_parallel_size", "ep"),
+        ("expert_tensor_parallel_size", "etp"),
+        ("zero_stage", "zero"),
+    ):
+        if name in names:
+            out[key] = getattr(p, name)
+    if "micro_batch_size" in names:
+        out["mbs"] = cfg.train.micro_batch_size
+    if "checkpoint_activations" in names:
+        out["ckpt"] = cfg.model.checkpoint_activations
+    return out
+
+
+def layout_flags(base: RunConfig, cfg: RunConfig) -> list[str]:
+    """The flags that turn `base` (the config file) into `cfg`: only fields that differ."""
+    flags = []
+    for section, name in LAYOUT_FIELDS:
+        old, new = getattr(getattr(base, section), name), getattr(getattr(cfg, section), name)
+        if old == new:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(new, bool):
+            flags.append(flag if new else "--no-" + flag[2:])
+        else:
+            flags += [flag, "none" if new is None else str(new)]
+    return flags
+
+
+def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficiency: float = DEFAULT_EFFICIENCY,
+           fixed: dict | None = None) -> SearchResult:  # fmt: skip
+    """Every layout of `cfg` on `gpus` GPUs that fits `device`, fastest first (see the module docstring)."""
+    fixed = fixed or {}
+    gbs = search_global_batch(cfg, gpus)
+    result = SearchResult([], 0, 0, 0)
+    for structure in structures(cfg, gpus, net.gpus_per_node, fixed):
+        dp = gpus // (structure.tp * structure.pp)
+        per_rank = gbs // dp if gbs % dp == 0 else 0
+        sizes = [(ckpt, mbs) for ckpt in (False, True) for mbs in divisors(per_rank) or [max(gbs // max(dp, 1), 1)]]
+        sizes = [(c, m) for c, m in sizes if fixed.get("ckpt", c) == c and fixed.get("mbs", m) == m]
+        refused = structure_problems(structure.apply(cfg, gbs), gpus)
+        if refused:  # the degrees alone are refused: so is every micro batch of them
+            result.candidates += len(sizes)
+            result.refusals[refused[0]] += len(sizes)
+            continue
+        too_big: set[bool] = set()  # checkpointing settings whose micro batches stopped fitting
+        for ckpt, mbs in sizes:
+            if ckpt in too_big:
+                continue  # a larger micro batch needs more memory still
+            layout = Layout(**{**structure.__dict__, "mbs": mbs, "ckpt": ckpt})
+            result.candidates += 1
+            candidate = layout.apply(cfg, gbs)
+            errors, warnings = layout_problems(candidate, gpus)
+            if errors or warnings:
+                result.refusals[(errors + warnings)[0]] += 1
+                continue
+            result.valid += 1
+            plan = make_plan(candidate, gpus, device)
+            if not plan.fits:
+                result.too_big += 1
+                too_big.add(ckpt)
+                continue
+            result.rows.append(Row(layout, plan, step_cost(plan, net, efficiency), layout_flags(cfg, candidate)))
+    result.rows.sort(key=rank_key)
+    for i, row in enumerate(result.rows, 1):
+        row.predicted_rank = i
+    return result
+
+
+def structure_problems(cfg: RunConfig, gpus: int) -> list[str]:
+    """What `validate` says about the parallel degrees alone (the same rule functions it calls), so that a refused
+    (tp, pp, ep, etp, zero) is not re-validated for every micro batch."""
+    dims = cfg.dims(gpus)
+    problems = dims.problems(cfg.model.experts_per_layer()) + tensor_parallel_problems(cfg.model, dims)
+    return problems + zero_problems(cfg.parallel.zero_stage, cfg.parallel.use_distributed_optimizer, dims)
+
+
+def rank_key(row: Row) -> tuple:
+    """Fastest first; at equal predicted time the simpler layout (lower ZeRO stage, fewer pipeline and tensor
+    ranks), then the larger micro batch (larger matmuls than the model's fixed efficiency credits), then the one
+    with more memory to spare."""
+    layout = row.layout
+    return (round(row.cost.total, 9), layout.zero, layout.pp, layout.tp, -layout.mbs, row.plan.needed_bytes)
+
+
+def nothing_fits(result: SearchResult, gpus: int, device: Accelerator) -> str:
+    """One line saying why no layout is offered, and what to change."""
+    if not result.candidates:
+        return f"--gpus {gpus}: no layout to try (every dimension is fixed by a flag to values that cannot combine)"
+    if not result.valid:
+        by_flag: Counter = Counter()  # refusals grouped by the flag they name first
+        example: dict[str, str] = {}
+        for reason, count in result.refusals.items():
+            flag = reason.split()[0]
+            by_flag[flag] += count
+            example.setdefault(flag, reason.split(";")[0])
+        reasons = "; ".join(f"{example[flag]} ({count}×)" for flag, count in by_flag.most_common(3))
+        return (
+            f"--gpus {gpus}: none of the {result.candidates} layouts is one `moetron train` accepts — try a GPU count "
+            f"that the heads, layers, experts and global batch divide (usually a power of two); most common: {reasons}"
+        )
+    return (
+        f"--gpus {gpus}: none of the {result.valid} valid layouts fits {device.memory_bytes / 2**30:.3g} GiB per GPU; "
+        "use more GPUs (--gpus), GPUs with more memory (--gpu-memory), or a smaller model or global batch"
+    )
+
+
+def train_command(row: Row, config: str, gpus: int, nodes: int) -> str:
+    """The `torchrun ... moetron train` line that runs this row's layout."""
+    per_node = gpus // nodes
+    if nodes > 1:
+        launch = f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint HOST:29500"
+    elif gpus > 1:
+        launch = f"torchrun --nproc-per-node {gpus}"
+    else:
+        return shlex.join(["moetron", "train", "--config", config, *row.flags])
+    return f"{launch} -m moetron train " + shlex.join(["--config", config, *row.flags])
