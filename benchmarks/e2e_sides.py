@@ -153,7 +153,9 @@ def moetron_side(comparison: str, batches: list[torch.Tensor], args, extra_flags
     add_config_arguments(parser)
     flags = f"{MOETRON_FLAGS[comparison]} {extra_flags}".split()
     cfg, _ = load_config(None, cli_overrides(parser.parse_args(flags)))
-    weights = peer_initial_weights(comparison, cfg, args)
+    base, _ = load_config(None, cli_overrides(parser.parse_args(MOETRON_FLAGS[comparison].split())))
+    # the peer's weights only fit the model the comparison defines (extra flags may change it)
+    weights = peer_initial_weights(comparison, cfg, args) if cfg.model == base.model else None
     env = DistEnv()
     mesh = ParallelMesh.build(cfg.dims(1), env)
     model = build_model(cfg.model, mesh, env.device, cfg.train.seed, compile_blocks=cfg.train.compile)
