@@ -12,6 +12,11 @@ no dropout. Peers run their own code, as their users would:
                      factor 1.0, min capacity 4, random token selection, 8 copies of nanoGPT's MLP as experts; a
                      1-process gloo group), loss + 0.01 · Σ l_aux (Megatron-DeepSpeed's moe-loss-coeff).
   moetron            `moetron.train.Trainer.train_step()` on a config given as `moetron train` flags.
+Where the two models are the same function (dense: nanoGPT's GELU set to the tanh form, GPT-2's `gelu_new`, which
+moetron uses — the same cost; mixtral: HF trains without the load-balancing loss, so moetron runs with
+`--moe-loss-coeff 0`), moetron starts from the peer's initial weights (converted with moetron's Hugging Face
+interchange rules), so their losses after the same steps must agree. DeepSpeed-MoE's random token selection draws
+from its own generator, so that pair starts from its own seeds and its losses only track each other.
 The peers' AdamW is fused (`fused=True`, as moetron's) unless `peer_adamw == "default"` (nanoGPT's own choice is
 fused only on CUDA; HF's is foreach).
 """
@@ -20,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -40,7 +47,7 @@ GPT_FLAGS = f"--num-layers {LAYERS} --hidden-size {HIDDEN} --num-attention-heads
 MIXTRAL_FLAGS = (
     "--normalization rmsnorm --position-embedding-type rope --rotary-base 1e6 --swiglu --no-add-bias-linear "
     "--untie-embeddings-and-output-weights --num-experts 8 --expert-interval 1 --topk 2 "
-    "--disable-moe-token-dropping --disable-moe-top2-2nd-expert-sampling"
+    "--disable-moe-token-dropping --disable-moe-top2-2nd-expert-sampling --moe-loss-coeff 0"
 )
 MIXTRAL_SHAPE = "--ffn-hidden-size 256 --num-key-value-heads 2"
 DEEPSPEED_FLAGS = "--num-experts 8 --expert-interval 2 --topk 1 --moe-train-capacity-factor 1.0 --moe-min-capacity 4"
@@ -104,7 +111,39 @@ def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_of):
 
 
 # ---------------------------------------------------------------- moetron
-def moetron_side(comparison: str, batches: list[torch.Tensor], extra_flags: str = "") -> Side:
+def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` (moetron names) into `model`'s parameters, whatever compile wrappers the names carry."""
+    params = {name.replace("_orig_mod.", ""): p for name, p in model.named_parameters(remove_duplicate=False)}
+    missing = sorted(set(params) - set(tensors))
+    if missing:
+        raise RuntimeError(f"peer weights lack {missing[:4]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[name])
+
+
+def peer_initial_weights(comparison: str, cfg, args) -> dict[str, torch.Tensor] | None:
+    """The peer's initial weights in moetron's names (dense, mixtral), built here from the peer's own seed."""
+    from moetron.interchange.hf_architectures import find_architecture
+
+    arch = find_architecture(cfg.model)
+    if comparison == "dense" and args.nanogpt_dir:
+        state = nanogpt_model(args.nanogpt_dir).state_dict()
+        # nanoGPT's nn.Linear is [out, in]; GPT-2's Conv1D (what the rules read) is [in, out]
+        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        hf = {k: v.t() if k.endswith(conv1d) else v for k, v in state.items()}
+        return {rule.moetron: rule.to_moetron([hf[n] for n in rule.hf]) for rule in arch.rules(cfg.model)}
+    if comparison == "mixtral":
+        from moetron.interchange.hf_import import convert_tensors
+        from moetron.interchange.safetensors_stream import HFWeights
+
+        with tempfile.TemporaryDirectory(prefix="moetron-e2e-hf-") as tmp:
+            hf_mixtral_side("fused", False).model.save_pretrained(tmp)  # the checkpoint layout the rules read
+            return convert_tensors(HFWeights(Path(tmp)), arch.rules(cfg.model), cfg.model, "hf-mixtral")
+    return None
+
+
+def moetron_side(comparison: str, batches: list[torch.Tensor], args, extra_flags: str = "") -> Side:
     from moetron.parallel.env import DistEnv
     from moetron.parallel.mesh import ParallelMesh
     from moetron.parallel.parallelize import build_model
@@ -114,9 +153,16 @@ def moetron_side(comparison: str, batches: list[torch.Tensor], extra_flags: str 
     add_config_arguments(parser)
     flags = f"{MOETRON_FLAGS[comparison]} {extra_flags}".split()
     cfg, _ = load_config(None, cli_overrides(parser.parse_args(flags)))
+    base, _ = load_config(None, cli_overrides(parser.parse_args(MOETRON_FLAGS[comparison].split())))
+    # the peer's weights only fit the model the comparison defines (extra flags may change it)
+    weights = peer_initial_weights(comparison, cfg, args) if cfg.model == base.model else None
     env = DistEnv()
     mesh = ParallelMesh.build(cfg.dims(1), env)
     model = build_model(cfg.model, mesh, env.device, cfg.train.seed, compile_blocks=cfg.train.compile)
+    notes = [f"moetron train {' '.join(flags)}"]
+    if weights is not None:
+        load_weights(model, weights)
+        notes.append(f"moetron starts from {PEERS[comparison]}'s initial weights (identical models)")
     loader = ListLoader(batches)
     trainer = Trainer(cfg, env, model, loader, mesh=mesh)
     trainer.model.train()
@@ -124,7 +170,7 @@ def moetron_side(comparison: str, batches: list[torch.Tensor], extra_flags: str 
     def step(batch: torch.Tensor) -> torch.Tensor:
         return trainer.train_step().sums.losses[0]  # the loader already holds the same batches, in order
 
-    return Side("moetron", step, trainer.model, trainer.optimizer, [f"moetron train {' '.join(flags)}"], cfg)
+    return Side("moetron", step, trainer.model, trainer.optimizer, notes, cfg)
 
 
 # ---------------------------------------------------------------- nanoGPT (and DeepSpeed-MoE inside it)
@@ -134,7 +180,10 @@ def nanogpt_model(nanogpt_dir: str) -> nn.Module:
 
     torch.manual_seed(1337)
     config = GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=LAYERS, n_head=HEADS, n_embd=HIDDEN, dropout=0.0)
-    return GPT(config)
+    model = GPT(config)
+    for block in model.transformer.h:
+        block.mlp.gelu = nn.GELU(approximate="tanh")  # GPT-2's gelu_new, moetron's GELU: the same function
+    return model
 
 
 def compiled(model: nn.Module, on: bool):
@@ -222,7 +271,7 @@ def hf_mixtral_side(peer_adamw: str, compile_model: bool) -> Side:
 
 def build_side(name: str, comparison: str, batches: list[torch.Tensor], args) -> Side:
     if name == "moetron":
-        return moetron_side(comparison, batches, args.moetron_flags)
+        return moetron_side(comparison, batches, args, args.moetron_flags)
     if name == "nanogpt":
         return nanogpt_side(args.nanogpt_dir, args.peer_adamw, args.peer_compile)
     if name == "nanogpt-deepspeed":

@@ -127,17 +127,24 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "moe_vs_dense.png")
     parser.add_argument("--work-dir", type=Path, help="keep the data and runs here (default: a temporary directory)")
+    parser.add_argument(
+        "--plot-only", action="store_true", help="no training: plot and tabulate the runs already in --work-dir"
+    )
     args = parser.parse_args()
+    if args.plot_only and not args.work_dir:
+        raise SystemExit("--plot-only reads the runs of an earlier --work-dir DIR: pass --work-dir")
     print(f"load average at start {os.getloadavg()[0]:.1f}")
     with tempfile.TemporaryDirectory(prefix="moetron-study-") as tmp:
         work = args.work_dir or Path(tmp)
         results: dict = {}
         for corpus in args.corpora:
-            prefix, tokenizer = prepare(corpus, work / corpus, args.vocab_size)
+            if not args.plot_only:
+                prefix, tokenizer = prepare(corpus, work / corpus, args.vocab_size)
             results[corpus] = {}
             for model in MODELS:
                 run = work / corpus / "runs" / model
-                train(prefix, tokenizer, run, model, args)
+                if not args.plot_only:
+                    train(prefix, tokenizer, run, model, args)
                 results[corpus][model] = curves(run)
                 print(f"{corpus} {model}: final valid loss {results[corpus][model]['loss'][-1]:.3f}", flush=True)
         plot(results, args.out)
