@@ -193,21 +193,15 @@ class _Progress:
             self.bar.close()
 
 
-def _worker_pool(workers: int, tokenizer_args: tuple, tokenizer: Tokenizer) -> multiprocessing.pool.Pool:
-    """fork on Linux (workers inherit the loaded tokenizer and start in milliseconds), spawn elsewhere."""
-    if sys.platform != "linux":
-        return multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer_args, True))
-    # Set while forking: each child runs the Rust tokenizer single-threaded (the processes are the parallelism)
-    # and `tokenizers` does not warn about a fork after its thread pool was used.
-    saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        return multiprocessing.get_context("fork").Pool(workers)
-    finally:
-        if saved is None:
-            del os.environ["TOKENIZERS_PARALLELISM"]
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = saved
+def _worker_pool(workers: int, tokenizer_args: tuple) -> multiprocessing.pool.Pool:
+    """Workers started by a fork server on Linux, spawned elsewhere; each loads the tokenizer in its initializer.
+
+    Not a plain fork: the parent has already run the Rust tokenizer (and, inside a larger program, torch's thread
+    pools), and a child forked while another thread holds one of their locks deadlocks on it forever (seen in the
+    test suite: a worker asleep on a futex). A fork server is a fresh single-threaded process, so its children start
+    clean, in a fraction of a spawn's time."""
+    method = "forkserver" if sys.platform == "linux" else "spawn"
+    return multiprocessing.get_context(method).Pool(workers, _init_worker, (tokenizer_args, True))
 
 
 def _encoded_chunks(options: PreprocessOptions, files: list[Path], tokenizer: Tokenizer):
@@ -216,8 +210,7 @@ def _encoded_chunks(options: PreprocessOptions, files: list[Path], tokenizer: To
     _worker_tokenizer = tokenizer
     chunks = iter_chunks(files, options.chunk_bytes)
     job = (options.json_keys, options.append_eod)
-    # The first chunk is encoded here, before any fork: its words warm the tokenizer's word cache, which forked
-    # workers inherit, and an input of one chunk never starts a pool at all.
+    # The first chunk is encoded here, before any pool starts: an input of one chunk never starts a pool at all.
     first = next(chunks, None)
     if first is None:
         return
@@ -229,7 +222,7 @@ def _encoded_chunks(options: PreprocessOptions, files: list[Path], tokenizer: To
         for chunk in itertools.chain([second], chunks):
             yield encode_chunk(chunk, *job)
         return
-    with _worker_pool(options.workers, options.tokenizer_args(), tokenizer) as pool:
+    with _worker_pool(options.workers, options.tokenizer_args()) as pool:
         pending: deque = deque()
         for chunk in itertools.chain([second], chunks):
             pending.append(pool.apply_async(encode_chunk, (chunk, *job)))
@@ -254,7 +247,7 @@ def _sigterm_as_error(output_prefix: str):
     main_pid = os.getpid()
 
     def handler(signum, frame):
-        if os.getpid() != main_pid:  # a forked worker inherited the handler: die quietly, the parent cleans up
+        if os.getpid() != main_pid:  # a worker process that got the handler: die quietly, the parent cleans up
             os._exit(128 + signum)
         raise Terminated(
             f"preprocess of --output-prefix '{output_prefix}' stopped by SIGTERM; its partial files were removed "
