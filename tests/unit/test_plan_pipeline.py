@@ -78,3 +78,17 @@ def test_advice_proposes_pipeline_parallelism():
     fixes = [f for f in suggestions(plan) if "--pipeline-model-parallel-size" in f.flags]  # (ZeRO 2/3 fit too)
     assert not plan.fits and fixes and all(f.plan.fits for f in fixes)
     assert fixes[0].plan.dims.pp == 2  # the fastest pipeline that fits (the least bubble; the head is fused)
+
+
+def test_stages_under_tensor_parallelism_hold_their_share():
+    """PP × TP: each stage's parameters, saved activations and step time are split over its tensor-parallel ranks."""
+    flags = {"pipeline_model_parallel_size": 2}
+    cfg, _ = load_config(str(RECIPES / "gpt-6.7B.yaml"), flags)
+    tp_cfg, _ = load_config(str(RECIPES / "gpt-6.7B.yaml"), {**flags, "tensor_model_parallel_size": 2})
+    pp, pp_tp = make_plan(cfg, 8, accelerator("A100-80GB")), make_plan(tp_cfg, 8, accelerator("A100-80GB"))
+    assert pp_tp.dims.tp == 2 and pp_tp.dims.dp == pp.dims.dp // 2
+    for whole, split in zip(pp.stages, pp_tp.stages, strict=True):
+        assert whole.memory.weights / 2 <= split.memory.weights < whole.memory.weights / 2 * 1.01  # norms stay whole
+        assert split.memory.activations < whole.memory.activations
+    # half the data-parallel ranks, each step's compute split two ways: the same time per step
+    assert pp_tp.step_time_s == pytest.approx(pp.step_time_s, rel=0.05)
