@@ -122,6 +122,12 @@ CASES = [
         lambda w: ["train", *TINY, "--vocab-size", "300", "--data-path", "garbage_text_document"],
         "garbage_text_document.idx",
     ),  # fmt: skip
+    ("train-rotary-compat-learned", lambda w: train("--rotary-compat", "megatron-deepspeed-441"), "--rotary-compat"),
+    (
+        "train-rotary-compat-value",
+        lambda w: train("--position-embedding-type", "rope", "--rotary-compat", "neox"),
+        "--rotary-compat 'neox' is not one of",
+    ),  # fmt: skip
     # ---- preprocess
     ("preprocess-missing-input", lambda w: preprocess(w, inputs="missing.jsonl"), "--input 'missing.jsonl'"),
     ("preprocess-wrong-key", lambda w: preprocess(w, "--json-keys", "content"), "for key 'content'"),

@@ -13,6 +13,7 @@ from moetron.errors import UserError
 from moetron.eval.generate import GenerationOptions, generate_batch, load_tokenizer
 from moetron.interchange.hf_export import export_hf
 from moetron.interchange.remote_code import bundled_model_source, module_order
+from moetron.model.rng import STREAMS
 
 transformers = pytest.importorskip("transformers", reason="the export is checked against transformers itself")
 
@@ -74,6 +75,17 @@ def test_shards_are_streamed_and_dtypes_converted(tmp_path):
         torch.testing.assert_close(hf(x).logits, model(x).logits[..., :VOCAB], atol=0.05, rtol=0.05)
 
 
+def eval_logits(model, x: torch.Tensor, seed: int, first_sample: int = 0) -> torch.Tensor:
+    """The logits `moetron eval` computes for a micro-batch `x` whose first dataset sample is `first_sample`."""
+    previous = STREAMS.seed
+    STREAMS.configure(seed)
+    try:
+        with torch.no_grad(), STREAMS.micro_batch("valid", first_sample):
+            return model(x).logits
+    finally:
+        STREAMS.configure(previous)
+
+
 def routes_dropped(model, x: torch.Tensor) -> int:
     with torch.no_grad():
         return sum(int(aux.dropped_routes) for aux in model(x).moe_aux)
@@ -91,7 +103,7 @@ def routes_dropped(model, x: torch.Tensor) -> int:
     ids=["top1-capacity", "pr-moe"],
 )  # fmt: skip
 def test_remote_code_export_equals_moetron_at_eval_capacity(tmp_path, overrides):
-    run, _, model = tiny_checkpoint(tmp_path, "gpt2", init_method_std=0.2, **overrides)
+    run, cfg, model = tiny_checkpoint(tmp_path, "gpt2", init_method_std=0.2, **overrides)
     result = export_hf(str(run), str(tmp_path / "hf"))
     assert result.remote_code and "--normalization 'layernorm' has no" in result.why_remote[0]
     assert {"modeling_moetron.py", "configuration_moetron.py"} <= {p.name for p in (tmp_path / "hf").iterdir()}
@@ -100,10 +112,8 @@ def test_remote_code_export_equals_moetron_at_eval_capacity(tmp_path, overrides)
     x = tokens(2, 16)
     torch.manual_seed(0)
     assert routes_dropped(model, x) > 0  # the capacity really binds: the equality covers dropping
-    with torch.no_grad():
-        torch.manual_seed(7)  # random token selection / second-expert draws: the same stream on both sides
-        ours = model(x).logits[..., :VOCAB]
-        torch.manual_seed(7)
+    with torch.no_grad():  # random token selection / second-expert draws: `moetron eval`'s seeded streams
+        ours = eval_logits(model, x, cfg.train.seed)[..., :VOCAB]
         theirs = hf(x).logits
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
     if overrides["topk"] == 1:  # top-2's second expert is sampled, so greedy decoding is random there
@@ -139,3 +149,44 @@ def test_bundled_model_code_imports_nothing_from_moetron():
     assert "moetron.model.gpt" == module_order()[-1]
     assert not [line for line in source.splitlines() if line.lstrip().startswith(("from moetron", "import moetron"))]
     compile(source, "modeling_moetron.py", "exec")
+
+
+PR_MOE_SAMPLED = dict(num_layers=4, num_experts=[2, 4], expert_interval=2, topk=2, mlp_type="residual",
+                      moe_eval_capacity_factor=1.0, moe_min_capacity=2)  # fmt: skip
+
+
+def test_remote_code_random_routing_draws_moetron_evals_streams(tmp_path):
+    """Random token selection and top-2's sampled second expert draw from the streams `moetron eval` uses, keyed by
+    the run's seed and the batch's first sample index, so the exported logits equal eval's, call after call."""
+    run, cfg, model = tiny_checkpoint(tmp_path, "gpt2", init_method_std=0.2, **PR_MOE_SAMPLED)
+    assert cfg.model.moe_use_rts and cfg.model.moe_top2_2nd_expert_sampling
+    export_hf(str(run), str(tmp_path / "hf"))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["random_seed"] == cfg.train.seed
+    hf = load_hf(tmp_path / "hf", trust_remote_code=True)
+    x = tokens(2, 16)
+    assert routes_dropped(model, x) > 0
+    rng = torch.random.get_rng_state()
+    with torch.no_grad():
+        for first_sample in (0, 5):
+            ours = eval_logits(model, x, cfg.train.seed, first_sample)[..., :VOCAB]
+            for _ in range(2):
+                torch.testing.assert_close(hf(x, sample_index=first_sample).logits, ours, atol=0, rtol=0)
+        assert (eval_logits(model, x, cfg.train.seed, 0)[..., :VOCAB] - ours).abs().max() > 1e-3  # keyed by sample
+        assert torch.equal(torch.random.get_rng_state(), rng)  # the global generator is left alone
+        hf.config.random_seed = None  # an export without the seed: torch's global generator, not eval's draws
+        assert (hf(x, sample_index=5).logits - ours).abs().max() > 1e-3
+
+
+def test_rotary_compat_exports_only_with_remote_code(tmp_path):
+    from moetron.interchange.mds_rotary import MDS_441
+
+    run, _, model = tiny_checkpoint(tmp_path, "llama", rotary_compat=MDS_441)
+    with pytest.raises(UserError, match=r"^--arch llama: --rotary-compat 'megatron-deepspeed-441' has no Llama"):
+        export_hf(str(run), str(tmp_path / "native"), arch="llama")
+    assert not (tmp_path / "native").exists()
+    result = export_hf(str(run), str(tmp_path / "hf"))  # no --arch: no class fits, so remote code, which carries it
+    assert result.remote_code and "--rotary-compat 'megatron-deepspeed-441' has no" in result.why_remote[0]
+    hf = load_hf(tmp_path / "hf", trust_remote_code=True)
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x).logits[..., :VOCAB], atol=1e-5, rtol=0)

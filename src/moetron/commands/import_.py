@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 HELP = "Import a Hugging Face or Megatron-DeepSpeed checkpoint as a moetron run."
 
@@ -33,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-optim", action="store_true", help="Megatron-DeepSpeed: import the weights only")
     parser.add_argument(
+        "--rope-convert",
+        choices=["keep", "standard"],
+        default="keep",
+        help="Megatron-DeepSpeed after PR #441 rotated q/k by cos(m*theta): keep that exactly (rotary_compat, the "
+        "default) or convert to standard RoPE (the model then needs fine-tuning)",
+    )
+    parser.add_argument(
         "--allow-pickle",
         action="store_true",
         help="load .pt files with a full unpickle (runs code; trusted files only) when weights_only refuses them",
@@ -49,12 +57,21 @@ def run(args: argparse.Namespace) -> int:
         from moetron.interchange.megatron_deepspeed import import_megatron_deepspeed
 
         result = import_megatron_deepspeed(
-            args.megatron_deepspeed, args.save, args.qkv_layout, no_optim=args.no_optim, allow_pickle=args.allow_pickle
+            args.megatron_deepspeed,
+            args.save,
+            args.qkv_layout,
+            no_optim=args.no_optim,
+            allow_pickle=args.allow_pickle,
+            rope_convert=args.rope_convert,
         )
         what = "weights and optimizer state" if result.with_optimizer else "weights"
         print(f"imported {result.source} (iteration {result.iteration}, {what}) into {result.path}")
+    warnings = getattr(result, "warnings", [])
     for note in result.notes[1:]:
-        print(f"note: {note}")
+        if note not in warnings:
+            print(f"note: {note}")
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     how = "--finetune" if args.hf or not result.with_optimizer else f"--save {args.save}  (resumes the run)"
     print(f"train with: moetron train --config {args.save}/config.yaml --load {args.save} {how}")
     return 0

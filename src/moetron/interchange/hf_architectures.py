@@ -134,6 +134,7 @@ class LlamaFamily(Architecture):
         p: list[str] = []
         for field, wanted in [("normalization", "rmsnorm"), ("position_embedding_type", "rope"), ("swiglu", True)]:
             self.need(cfg, field, wanted, p)
+        self.need(cfg, "rotary_compat", "none", p)  # transformers' RoPE is the standard one
         self._bias_problems(cfg, p)
         self._qk_norm_problems(cfg, p)
         moe = experts_of(cfg) != 0

@@ -139,7 +139,8 @@ def export_hf(
         _check_coverage(ckpt, rules)
     else:
         rules = _identity_rules(ckpt)
-        config = write_remote_code(out, cfg, {"bos_token_id": tokens.bos, "eos_token_id": tokens.eos})
+        hf_fields = {"bos_token_id": tokens.bos, "eos_token_id": tokens.eos}
+        config = write_remote_code(out, cfg, hf_fields, seed=ckpt.cfg.train.seed)  # random routing: eval's streams
     entries = [
         (name, tuple(t.shape)) for r in rules for name, t in zip(r.hf, r.to_hf(ckpt.meta(r.moetron)), strict=True)
     ]

@@ -20,13 +20,14 @@ import and `--no-optim` says so; pipeline-parallel (GPTModelPipe) checkpoints.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moetron.config import RunConfig
 from moetron.config_cli import apply_values, field_specs
 from moetron.errors import UserError
 from moetron.interchange.mds_optimizer import optimizer_tensors
+from moetron.interchange.mds_rotary import choose_rotary
 from moetron.interchange.mds_tensors import MDSTensors, moetron_tensors
 from moetron.interchange.new_run import Progress, check_new_run_dir, write_run
 from moetron.interchange.safe_load import load_pt
@@ -44,6 +45,7 @@ class MDSImportResult:
     qkv_layout: str
     with_optimizer: bool
     notes: list[str]
+    warnings: list[str] = field(default_factory=list)  # also in notes; the CLI prints them as "warning: …"
 
 
 def find_step_dir(load: str) -> Path:
@@ -109,7 +111,12 @@ def run_config(args: dict, states: dict, where: Path) -> RunConfig:
 
 
 def import_megatron_deepspeed(
-    load: str, save: str, qkv_layout: str = "thirds", no_optim: bool = False, allow_pickle: bool = False
+    load: str,
+    save: str,
+    qkv_layout: str = "thirds",
+    no_optim: bool = False,
+    allow_pickle: bool = False,
+    rope_convert: str = "keep",
 ) -> MDSImportResult:
     check_new_run_dir(save)
     step = find_step_dir(load)
@@ -119,12 +126,15 @@ def import_megatron_deepspeed(
     if layout not in QKV_LAYOUTS:
         raise UserError(f"--qkv-layout {layout!r} is not one of {', '.join(QKV_LAYOUTS)}")
     cfg = run_config(args, states, step)
+    rotary = choose_rotary(args, rope_convert, str(step))  # PR #441's rotary: keep it exactly, or convert
+    cfg.model.rotary_compat = rotary.rotary_compat
     source = MDSTensors.read(step, states, args, allow_pickle)
     tensors = moetron_tensors(source, cfg.model, layout)
     notes = [
         f"imported by `moetron import --megatron-deepspeed {load}` ({step.name}, iteration "
         f"{states.get('iteration', 0)}, query_key_value layout {layout})"
     ]
+    notes += [text for text in (rotary.note, rotary.warning) if text]
     optim = None
     if not no_optim:
         optim, why = optimizer_tensors(step, source, cfg.model, layout, allow_pickle)
@@ -141,4 +151,5 @@ def import_megatron_deepspeed(
     if cfg.data.vocab_file and not Path(cfg.data.vocab_file).is_file():
         notes.append(f"the tokenizer files in args ({cfg.data.vocab_file}) are not here: set --vocab-file/--merge-file")
     path = write_run(save, cfg, tensors, notes, progress, optim, source=f"--megatron-deepspeed {load}")
-    return MDSImportResult(path, step, progress.iteration, layout, optim is not None, notes)
+    warnings = [rotary.warning] if rotary.warning else []
+    return MDSImportResult(path, step, progress.iteration, layout, optim is not None, notes, warnings)

@@ -98,8 +98,9 @@ def bundled_model_source() -> str:
     return "\n".join(parts)
 
 
-def write_remote_code(out: Path, cfg: ModelConfig, hf_fields: dict) -> dict:
-    """Write modeling_moetron.py and configuration_moetron.py into `out`; returns the config.json content."""
+def write_remote_code(out: Path, cfg: ModelConfig, hf_fields: dict, seed: int | None = None) -> dict:
+    """Write modeling_moetron.py and configuration_moetron.py into `out`; returns the config.json content.
+    `seed`: the run's --seed, which seeds the exported model's random routing streams as `moetron eval`'s."""
     import dataclasses
 
     (out / "modeling_moetron.py").write_text(bundled_model_source(), encoding="utf-8")
@@ -113,6 +114,7 @@ def write_remote_code(out: Path, cfg: ModelConfig, hf_fields: dict) -> dict:
         },
         "moetron": json.loads(json.dumps(dataclasses.asdict(cfg))),
         "inference_routing": "eval",
+        "random_seed": seed,
         **hf_fields,
     }
     return config

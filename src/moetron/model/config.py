@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 
 from moetron.model.moe.router_config import RouterConfig
 
+# ModelConfig.rotary_compat's values: standard RoPE, or Megatron-DeepSpeed's since its PR #441 (model/rotary.py).
+ROTARY_COMPAT = ("none", "megatron-deepspeed-441")
+
 
 @dataclass
 class ModelConfig(RouterConfig):
@@ -35,6 +38,10 @@ class ModelConfig(RouterConfig):
     normalization: str = "layernorm"  # layernorm | rmsnorm
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
     rotary_base: float = 10000.0
+    # none: standard RoPE | megatron-deepspeed-441: the rotation Megatron-DeepSpeed computes since its PR #441 (queries
+    # and keys rotated by the angle cos(mθ), not mθ; see model/rotary.py), for checkpoints trained with it. No
+    # transformers class computes it (native export refuses; remote-code export carries it).
+    rotary_compat: str = "none"
     swiglu: bool = False  # SwiGLU MLPs instead of GELU
     add_bias_linear: bool = True  # False: no biases in attention and MLP linears (modern models)
     add_qkv_bias: bool = False  # a bias in the QKV projection even without --add-bias-linear (Qwen2)
@@ -121,6 +128,11 @@ class ModelConfig(RouterConfig):
             )
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             p.append(f"rotary positions need an even head dim, got {self.head_dim}; change --hidden-size")
+        if self.rotary_compat != "none" and self.position_embedding_type != "rope":
+            p.append(
+                f"--rotary-compat {self.rotary_compat} changes rotary embeddings, but --position-embedding-type is "
+                f"{self.position_embedding_type!r}; set it to rope or drop --rotary-compat"
+            )
         if self.expert_interval < 1:
             p.append(f"--expert-interval must be >= 1, got {self.expert_interval}")
         slots = self.num_moe_layer_slots() if self.expert_interval >= 1 else 0
@@ -134,6 +146,7 @@ class ModelConfig(RouterConfig):
         for name, allowed in [
             ("normalization", ("layernorm", "rmsnorm")),
             ("position_embedding_type", ("learned_absolute", "rope")),
+            ("rotary_compat", ROTARY_COMPAT),
             ("mlp_type", ("standard", "residual")),
             ("qk_layernorm_scope", ("head", "all_heads")),
             ("moe_expert_backend", ("auto", "grouped_mm", "batched", "loop")),

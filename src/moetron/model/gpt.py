@@ -168,7 +168,7 @@ class GPTModel(nn.Module):
         stage without the embedding recomputes them from the sequence length."""
         if self.cfg.position_embedding_type == "learned_absolute":
             return None
-        return rotary_angles(positions_T, self.cfg.head_dim, self.cfg.rotary_base)
+        return rotary_angles(positions_T, self.cfg.head_dim, self.cfg.rotary_base, self.cfg.rotary_compat)
 
     def run_layers(
         self,

@@ -5,6 +5,9 @@ attributes are read off it so generic tools (generation, lm-eval's `hf` model) f
 `inference_routing`: "eval" routes as moetron's eval mode does (the eval capacity factor when the model drops
 tokens; forward passes of fewer tokens than --moe-min-capacity route dropless, as `moetron generate` does), or
 "dropless".
+`random_seed`: the run's --seed; random routing in the forward (random token selection, top-2's sampled second
+expert) draws from moetron's streams seeded by it and keyed by the batch's first sample index (the forward's
+`sample_index`, default 0), so the logits equal `moetron eval`'s on the same tokens. None: torch's global generator.
 """
 
 from transformers import PretrainedConfig
@@ -13,9 +16,12 @@ from transformers import PretrainedConfig
 class MoetronConfig(PretrainedConfig):
     model_type = "moetron"
 
-    def __init__(self, moetron: dict | None = None, inference_routing: str = "eval", **kwargs):
+    def __init__(
+        self, moetron: dict | None = None, inference_routing: str = "eval", random_seed: int | None = None, **kwargs
+    ):
         self.moetron = dict(moetron or {})
         self.inference_routing = inference_routing
+        self.random_seed = random_seed
         m = self.moetron
         heads = m.get("num_attention_heads", 1)
         kwargs.setdefault("vocab_size", m.get("vocab_size"))

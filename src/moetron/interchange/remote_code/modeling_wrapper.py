@@ -51,6 +51,26 @@ def _inference_routing(model: GPTModel, num_tokens: int, mode: str):
             router.cfg = old
 
 
+@_contextlib.contextmanager
+def _random_streams(seed, training: bool, sample_index: int, past: int):
+    """The forward's random draws (random token selection, top-2's sampled second expert, dropout) from moetron's
+    seeded streams (`RandomStreams` above), keyed as `moetron eval` / the trainer key them: (run seed, phase, index of
+    the batch's first dataset sample, layer). So a full forward of the same tokens gives `moetron eval`'s logits. A
+    cached decode step (past > 0) gets a phase of its own per position. `seed` None (an export written before the
+    seed was recorded): the global generator, as transformers models draw."""
+    if seed is None:
+        yield
+        return
+    previous = STREAMS.seed
+    STREAMS.configure(int(seed))
+    phase = ("train" if training else "valid") + (f"+{past}" if past else "")
+    try:
+        with STREAMS.micro_batch(phase, sample_index):
+            yield
+    finally:
+        STREAMS.configure(previous)
+
+
 class MoetronForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = MoetronConfig
     base_model_prefix = "model"
@@ -74,7 +94,10 @@ class MoetronForCausalLM(PreTrainedModel, GenerationMixin):
         self.model.word_embeddings = value
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, return_dict=None, cache=None, **kwargs):  # fmt: skip
+                inputs_embeds=None, labels=None, use_cache=None, return_dict=None, cache=None, sample_index=0,
+                **kwargs):  # fmt: skip
+        """`sample_index`: the dataset index of the batch's first sequence (`moetron eval` keys its random routing
+        draws by it; see `_random_streams`)."""
         if input_ids is None:
             raise ValueError("MoetronForCausalLM needs input_ids (inputs_embeds are not supported)")
         if attention_mask is not None and not bool(attention_mask.all()):
@@ -85,7 +108,10 @@ class MoetronForCausalLM(PreTrainedModel, GenerationMixin):
         if use_cache and cache is None:
             cache = DynamicCache()
         adapter = _CacheAdapter(cache) if use_cache else None
-        with _inference_routing(self.model, input_ids.numel(), self.config.inference_routing):
+        past = adapter.length if adapter is not None else 0
+        seed = getattr(self.config, "random_seed", None)
+        routing = _inference_routing(self.model, input_ids.numel(), self.config.inference_routing)
+        with routing, _random_streams(seed, self.training, int(sample_index), past):
             out = self.model(input_ids, kv_cache=adapter)
         logits = out.logits[..., : self.config.vocab_size]
         loss = None
