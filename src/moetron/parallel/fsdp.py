@@ -82,11 +82,11 @@ def expert_reduction(backend: str, edp: int, dp: int) -> ExpertReduction:
     """The expert group's reduction settings on `backend` ("gloo", "nccl", …) for an edp group of `edp` ranks.
 
     edp > 1: FSDP2 divides by dp. NCCL folds the 1/dp into the reduce-scatter (PREMUL_SUM); gloo has no
-    PREMUL_SUM, so there FSDP2 sums, then divides. edp = 1: no collective runs, and FSDP2's copy of the gradient
-    applies a divide factor differently across torch versions (not at all in older ones; in 2.13 once, and with
-    sum-then-divide a second time: gradients / dp², the halved expert gradients of dp = 2). So FSDP2 is left at
-    its default there — a plain copy on a 1-rank group in every version, on every backend — and the division
-    happens after the backward."""
+    PREMUL_SUM, so there FSDP2 sums, then divides. edp = 1: no collective runs, and what FSDP2 does with a divide
+    factor in its place has changed between torch versions (2.13 divides its copy of the gradient by it, and under
+    sum-then-divide once more after: gradients / dp², the halved expert gradients of dp = 2). So FSDP2 is left at
+    its default there — a plain copy on a 1-rank group, on every backend — and the division happens after the
+    backward."""
     if edp == 1:
         return ExpertReduction(divide_factor=None, force_sum=False, divide_after=dp)
     return ExpertReduction(divide_factor=float(dp), force_sum=backend == "gloo", divide_after=1)
