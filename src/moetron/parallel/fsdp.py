@@ -4,8 +4,8 @@ One FSDP2 group per unit, bottom-up (each group is all-gathered and reduce-scatt
 
     experts of a MoE layer   over the expert-data-parallel mesh `edp` (only with ep > 1: with ep = 1 they are
                              ordinary members of their block's group), gradients summed over edp and divided by
-                             the FULL dp (`set_gradient_divide_factor`): the all-to-all already brought every
-                             expert-parallel peer's tokens into them (the same rule as `ExpertGradReducer`)
+                             the FULL dp: the all-to-all already brought every expert-parallel peer's tokens into
+                             them (the same rule as `ExpertGradReducer`; `expert_reduction` says who divides)
     router of a MoE layer    its own group with an fp32 policy under bf16/fp16, so routing never sees rounded
                              weights (the router upcasts its input itself)
     transformer block        over the data-parallel mesh `dp`
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -68,9 +69,31 @@ def expert_placement(parts: int, experts: set[int]) -> Callable:
     return place
 
 
-def _needs_sum_then_divide(group) -> bool:
-    """gloo has no PREMUL_SUM, which FSDP2 uses for a divide factor other than the group size."""
-    return dist.get_backend(group) == "gloo"
+@dataclass(frozen=True)
+class ExpertReduction:
+    """How a MoE layer's expert gradients become the sum over edp divided by dp (see `expert_reduction`)."""
+
+    divide_factor: float | None  # FSDP2's `set_gradient_divide_factor` (None: leave FSDP2's default)
+    force_sum: bool  # FSDP2's `set_force_sum_reduction_for_comms`: sum in the collective, divide after it
+    divide_after: int  # `ShardedDataParallel.finish_gradients` divides the reduced gradients by this (1: no)
+
+
+def expert_reduction(backend: str, edp: int, dp: int) -> ExpertReduction:
+    """The expert group's reduction settings on `backend` ("gloo", "nccl", …) for an edp group of `edp` ranks.
+
+    edp > 1: FSDP2 divides by dp. NCCL folds the 1/dp into the reduce-scatter (PREMUL_SUM); gloo has no
+    PREMUL_SUM, so there FSDP2 sums, then divides. edp = 1: no collective runs, and what FSDP2 does with a divide
+    factor in its place has changed between torch versions (2.13 divides its copy of the gradient by it, and under
+    sum-then-divide once more after: gradients / dp², the halved expert gradients of dp = 2). So FSDP2 is left at
+    its default there — a plain copy on a 1-rank group, on every backend — and the division happens after the
+    backward."""
+    if edp == 1:
+        return ExpertReduction(divide_factor=None, force_sum=False, divide_after=dp)
+    return ExpertReduction(divide_factor=float(dp), force_sum=backend == "gloo", divide_after=1)
+
+
+def mesh_expert_reduction(mesh: ParallelMesh) -> ExpertReduction:
+    return expert_reduction(dist.get_backend(mesh.group("edp")), mesh.size("edp"), mesh.size("dp"))
 
 
 def shard_block(layer: TransformerLayer, mesh: ParallelMesh, spec: ZeroSpec) -> None:
@@ -89,8 +112,11 @@ def shard_block(layer: TransformerLayer, mesh: ParallelMesh, spec: ZeroSpec) -> 
             fully_shard(
                 moe.experts, mesh=edp, reshard_after_forward=reshard, mp_policy=blocks, shard_placement_fn=placement
             )
-            moe.experts.set_gradient_divide_factor(float(mesh.size("dp")))
-            moe.experts.set_force_sum_reduction_for_comms(_needs_sum_then_divide(edp.get_group()))
+            reduction = mesh_expert_reduction(mesh)
+            if reduction.divide_factor is not None:
+                moe.experts.set_gradient_divide_factor(reduction.divide_factor)
+            if reduction.force_sum:
+                moe.experts.set_force_sum_reduction_for_comms(True)
         if spec.compute_dtype != torch.float32:
             fully_shard(moe.router, mesh=mesh.submesh("dp"), reshard_after_forward=reshard, mp_policy=fp32)
     placement = expert_placement(mesh.size("dp"), expert_ids)
@@ -151,13 +177,16 @@ def materialize_sharded(model: GPTModel, mesh: ParallelMesh, spec: ZeroSpec, dev
 
 class ShardedDataParallel(DataParallel):
     """What FSDP2 installed: the forward runs through the model itself; gradients are reduce-scattered by the
-    backward (every micro-batch, into the shards) and waited for at its end, so there is nothing left to do."""
+    backward (every micro-batch, into the shards) and waited for at its end. What is left: dividing the
+    `divided_after` parameters' gradients (experts over a 1-rank edp group, see `expert_reduction`) by their
+    divisor — once, after the last micro-batch, since FSDP2 accumulated the micro-batches into the shards."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, divided_after: tuple[list[nn.Parameter], int] | None = None):
         super().__init__(model, model, None)
         # the sharded DTensors, captured now: after a forward without backward (evaluation) at stage 2 the module
         # holds its gathered weights instead, until the next backward or state_dict() reshards it
         self._sharded = super().optimizer_parameters()
+        self._divided_after = divided_after
 
     def optimizer_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self._sharded)
@@ -166,11 +195,19 @@ class ShardedDataParallel(DataParallel):
         return contextlib.nullcontext()
 
     def finish_gradients(self) -> None:
-        pass
+        if self._divided_after is None:
+            return
+        params, divisor = self._divided_after
+        grads = [p.grad.to_local() for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, float(divisor))
 
 
 def apply_fsdp(model: GPTModel, mesh: ParallelMesh, spec: ZeroSpec) -> ShardedDataParallel:
     """ZeRO stage 2 or 3 (the model may already be sharded by `materialize_sharded`)."""
     if not is_sharded(model):
         fully_shard_model(model, mesh, spec)
-    return ShardedDataParallel(model)
+    divided_after = None
+    if mesh.size("ep") > 1 and (divisor := mesh_expert_reduction(mesh).divide_after) > 1:
+        divided_after = ([p for moe in model.moe_layers() for p in moe.experts.parameters()], divisor)
+    return ShardedDataParallel(model, divided_after)
