@@ -73,9 +73,16 @@ def allowed_globals(path: Path) -> list:
 
 def load_pt(path: Path, allow_pickle: bool = False):
     """A `.pt` file's content: weights_only with the allowances above (or a full unpickle when asked for)."""
-    if allow_pickle:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    with torch.serialization.safe_globals(allowed_globals(path)):
+    try:
+        if allow_pickle:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        allowed = allowed_globals(path)
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a truncated or damaged file: torch's zip reader or pickle fails
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0][:200]
+        raise UserError(f"{path}: cannot be read ({reason}); the file is truncated or damaged, copy it again") from None
+    with torch.serialization.safe_globals(allowed):
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - a type found only while unpickling, or a corrupt file
