@@ -201,6 +201,37 @@ CASES = [
     ),  # fmt: skip
     ("eval-iters", lambda w: ["eval", "--load", "run", "--eval-iters", "0"], "--eval-iters must be >= 1, got 0"),
     ("eval-json-dir", lambda w: ["eval", "--load", "run", "--json", "nodir/e.json"], "--json nodir/e.json"),
+    # ---- export
+    ("export-missing-load", lambda w: ["export", "--load", "no_run", "--output", "hf"], "--load no_run"),
+    ("export-garbage-ckpt", lambda w: ["export", "--load", "garbage_ckpt", "--output", "hf"], "garbage_ckpt"),
+    (
+        "export-output-under-file",
+        lambda w: ["export", "--load", "run", "--output", "a_file/sub"],
+        "--output a_file/sub: 'a_file' exists and is not a directory",
+    ),  # fmt: skip
+    ("export-output-is-file", lambda w: ["export", "--load", "run", "--output", "a_file"], "--output a_file exists"),
+    (
+        "export-shard-size-zero",
+        lambda w: ["export", "--load", "run", "--output", "hf", "--max-shard-size", "0"],
+        "--max-shard-size '0'",
+    ),  # fmt: skip
+    (
+        "export-shard-size-word",
+        lambda w: ["export", "--load", "run", "--output", "hf", "--max-shard-size", "big"],
+        "--max-shard-size 'big'",
+    ),  # fmt: skip
+    # ---- import
+    ("import-hf-not-a-model", lambda w: ["import", "--hf", "garbage_ckpt", "--save", "new"], "--hf garbage_ckpt"),
+    (
+        "import-mds-not-a-checkpoint",
+        lambda w: ["import", "--megatron-deepspeed", "garbage_ckpt", "--save", "new"],
+        "--megatron-deepspeed garbage_ckpt",
+    ),  # fmt: skip
+    (
+        "import-save-under-file",
+        lambda w: ["import", "--hf", "garbage_ckpt", "--save", "a_file/run"],
+        "--save a_file/run: 'a_file' exists and is not a directory",
+    ),  # fmt: skip
     # ---- plan
     ("plan-gpus", lambda w: ["plan", "--config", "quickstart", "--gpus", "0"], "--gpus must be >= 1, got 0"),
     ("plan-mfu", lambda w: ["plan", "--config", "quickstart", "--mfu", "30"], "--mfu is a fraction"),

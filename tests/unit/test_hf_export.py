@@ -144,6 +144,19 @@ def test_missing_tokenizer_files_fail_before_writing(tmp_path):
     assert export_hf(str(run), str(tmp_path / "hf"), tokenizer=False).hf_class == "LlamaForCausalLM"
 
 
+def test_a_tokenizer_larger_than_the_model_is_refused_before_writing(tmp_path):
+    """The tokenizer the config names must fit the model's vocabulary (eval's and generate's check); a model with
+    more rows than the tokenizer's ids (a padded vocabulary) exports."""
+    small, _, _ = tiny_checkpoint(tmp_path, "llama", vocab_size=VOCAB - 44)
+    with pytest.raises(UserError, match=rf"has {VOCAB} tokens but the checkpoint's model only {VOCAB - 44} "):
+        export_hf(str(small), str(tmp_path / "hf"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "run_llama", "tok"]
+    assert export_hf(str(small), str(tmp_path / "hf"), tokenizer=False).hf_class == "LlamaForCausalLM"
+    padded, _, _ = tiny_checkpoint(tmp_path, "gpt2", vocab_size=VOCAB + 20)
+    assert export_hf(str(padded), str(tmp_path / "padded_hf")).hf_class == "GPT2LMHeadModel"
+    assert (tmp_path / "padded_hf" / "tokenizer.json").is_file()
+
+
 def test_bundled_model_code_imports_nothing_from_moetron():
     source = bundled_model_source()
     assert "moetron.model.gpt" == module_order()[-1]

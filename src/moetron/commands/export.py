@@ -20,7 +20,10 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", text.upper())
     if not match:
         raise UserError(f"--max-shard-size {text!r} is not a size like 5GB, 500MB or 1000000")
-    return int(float(match.group(1)) * 1024 ** "BKMGT".index(match.group(2) or "B"))
+    size = int(float(match.group(1)) * 1024 ** "BKMGT".index(match.group(2) or "B"))
+    if size < 1:  # 0 would put every tensor in a shard of its own, which is not what was meant
+        raise UserError(f"--max-shard-size {text!r} is less than one byte; give a size like 5GB, 500MB or 1000000")
+    return size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,19 +8,29 @@ per-expert tensor names, as transformers' `save_pretrained` writes them), `confi
 and the tokenizer files. The checkpoint is read one tensor at a time (DCP's global tensors, whatever layout saved
 them) and every shard is streamed to disk as its tensors are produced: the peak is a few times the largest tensor
 (`benchmarks/export_memory.py`), not the model.
+
+Everything is written into a hidden sibling directory (`.<name>.partial-*`) that is renamed to `output` only when
+complete, so a failure (a truncated checkpoint shard, a full disk, Ctrl-C) leaves no half-written model behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from moetron.data.config import DataConfig
 from moetron.errors import UserError
+from moetron.eval.generate import load_tokenizer
+from moetron.fileio import describe_os_error, publish_mode, writable_dir_problem
 from moetron.interchange.hf_architectures import (
     Architecture,
     Tokens,
@@ -86,8 +96,32 @@ def choose(cfg: ModelConfig, arch: str | None, remote: bool) -> tuple[Architectu
 def _check_output(output: Path) -> None:
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"--output {output} exists and is not an empty directory; give a new directory")
-    if not output.parent.is_dir():
-        raise UserError(f"--output {output}: the directory {output.parent} does not exist; create it first")
+    parent = output.parent
+    if not parent.exists():
+        raise UserError(f"--output {output}: the directory {parent} does not exist; create it first")
+    problem = writable_dir_problem(parent)  # a file in the way, a read-only disk: before any work
+    if problem is not None:
+        raise UserError(f"--output {output}: {problem}; give a directory you can write to")
+
+
+@contextlib.contextmanager
+def _staged(output: Path) -> Iterator[Path]:
+    """A new hidden sibling of `output` to write into; renamed to `output` when the block succeeds, removed when it
+    fails (an OSError — a full disk — becomes one line naming --output)."""
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    except OSError as err:
+        raise UserError(f"cannot write --output {output}: {describe_os_error(err, output.parent)}") from None
+    try:
+        yield staging
+        publish_mode(staging, 0o777)  # mkdtemp makes it 0700; a published directory gets the usual mode
+        os.replace(staging, output)  # onto an empty `output` too: rename(2) replaces an empty directory
+    except OSError as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UserError(f"cannot write --output {output}: {describe_os_error(err, output.parent)}") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _identity_rules(ckpt: MoetronCheckpoint) -> list[Rule]:
@@ -124,15 +158,34 @@ def export_hf(
 ) -> ExportResult:
     """Export checkpoint `load` into the new directory `output` (see the module docstring)."""
     out = Path(output)
+    if max_shard_bytes <= 0:
+        raise UserError(f"--max-shard-size must be more than 0 bytes, got {max_shard_bytes}; e.g. 5GB")
     _check_output(out)
     ckpt = MoetronCheckpoint.open(load)
     cfg = dataclasses.replace(ckpt.cfg.model, moe_token_dropping=False) if dropless else ckpt.cfg.model
     native, why = choose(cfg, arch, remote)
     data = dataclasses.replace(ckpt.cfg.data, **(tokenizer_overrides or {}))
-    if tokenizer:
-        check_tokenizer_files(data)  # before anything is written
-    out.mkdir(parents=True, exist_ok=True)
-    tokens = export_tokenizer(data, out, cfg.max_positions) if tokenizer else Tokens()
+    if tokenizer:  # before anything is written: the files exist, and their ids fit the model (eval's own check)
+        check_tokenizer_files(data)
+        load_tokenizer(dataclasses.replace(ckpt.cfg, data=data))
+    with _staged(out) as staging:
+        written = _write(staging, ckpt, cfg, native, data if tokenizer else None, dtype, max_shard_bytes)
+    hf_class, num_tensors, num_shards = written
+    return ExportResult(out, hf_class, native is None, why, num_tensors, num_shards)
+
+
+def _write(
+    out: Path,
+    ckpt: MoetronCheckpoint,
+    cfg: ModelConfig,
+    native: Architecture | None,
+    data: DataConfig | None,
+    dtype: str,
+    max_shard_bytes: int,
+) -> tuple[str, int, int]:
+    """Every file of the export into `out` (the tokenizer's when `data` is given); returns (HF class, tensors,
+    shards)."""
+    tokens = export_tokenizer(data, out, cfg.max_positions) if data is not None else Tokens()
     torch_dtype = DTYPES[dtype]
     if native is not None:
         rules, config = native.rules(cfg), native.hf_config(cfg, tokens)
@@ -150,4 +203,4 @@ def export_hf(
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {"bos_token_id": tokens.bos, "eos_token_id": tokens.eos})
     hf_class = native.hf_class if native is not None else "MoetronForCausalLM"
-    return ExportResult(out, hf_class, native is None, why, len(entries), len(shards))
+    return hf_class, len(entries), len(shards)

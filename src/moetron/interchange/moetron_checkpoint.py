@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moetron.config import RunConfig
 from moetron.config_cli import load_config
@@ -40,8 +41,11 @@ class MoetronCheckpoint:
         if not (path / "config.yaml").is_file():
             raise UserError(f"{flag} {load}: {path / 'config.yaml'} is missing; the checkpoint is incomplete")
         cfg, _ = load_config(str(path / "config.yaml"), {})
-        with single_process_quiet():
-            metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        try:
+            with single_process_quiet():
+                metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except Exception as err:  # noqa: BLE001 - a truncated or foreign .metadata file
+            raise files.corrupt(path, f".metadata: {_reason(err)}") from None
         shapes, dtypes = {}, {}
         for key, meta in metadata.items():
             if key.startswith("model.") and hasattr(meta, "size"):
@@ -61,6 +65,19 @@ class MoetronCheckpoint:
     def read(self, name: str) -> torch.Tensor:
         """The global tensor `name`, read alone from the checkpoint's files."""
         out = torch.empty(self.shape(name), dtype=self.dtypes[name])
-        with single_process_quiet() as no_dist:
-            dcp.load({f"model.{name}": out}, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=no_dist)
+        try:
+            with single_process_quiet() as no_dist:
+                reader = dcp.FileSystemReader(str(self.path))
+                dcp.load({f"model.{name}": out}, storage_reader=reader, no_dist=no_dist)
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - a truncated shard (DCP wraps it)
+            raise files.corrupt(self.path, f"reading model.{name}: {_reason(err)}") from None
         return out
+
+
+def _reason(err: BaseException) -> str:
+    """The first line of what went wrong (DCP wraps the reader's exception in a CheckpointException per rank)."""
+    if isinstance(err, CheckpointException) and err.failures:
+        first = next(iter(err.failures.values()))
+        err = first[0] if isinstance(first, tuple) else first
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0].split(". ")[0][:200]

@@ -18,6 +18,7 @@ import torch
 from moetron.config import RunConfig
 from moetron.config_cli import to_yaml
 from moetron.errors import ConfigError, UserError
+from moetron.fileio import writable_dir_problem
 from moetron.model.gpt import GPTModel
 from moetron.train.checkpoint.state import write_checkpoint
 
@@ -37,8 +38,11 @@ def check_new_run_dir(save: str, flag: str = "--save") -> Path:
         raise UserError(
             f"{flag} {save} exists and is not an empty directory; give a new directory (nothing is overwritten)"
         )
-    if not path.parent.is_dir():
+    if not path.parent.exists():
         raise UserError(f"{flag} {save}: the directory {path.parent} does not exist; create it first")
+    problem = writable_dir_problem(path.parent)  # a file in the way, a read-only disk
+    if problem is not None:
+        raise UserError(f"{flag} {save}: {problem}; give a directory you can write to")
     return path
 
 

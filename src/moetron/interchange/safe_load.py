@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -73,9 +74,17 @@ def allowed_globals(path: Path) -> list:
 
 def load_pt(path: Path, allow_pickle: bool = False):
     """A `.pt` file's content: weights_only with the allowances above (or a full unpickle when asked for)."""
-    if allow_pickle:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    with torch.serialization.safe_globals(allowed_globals(path)):
+    try:
+        if allow_pickle:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        allowed = allowed_globals(path)
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a truncated or damaged file: torch's zip reader or pickle fails
+        raise UserError(
+            f"{path}: cannot be read ({_damage(path, err)}); the file is truncated or damaged, copy it again"
+        ) from None
+    with torch.serialization.safe_globals(allowed):
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - a type found only while unpickling, or a corrupt file
@@ -85,3 +94,10 @@ def load_pt(path: Path, allow_pickle: bool = False):
                 f"{path}: cannot load with weights_only ({detail.strip()[:200]}); --allow-pickle "
                 f"loads trusted files fully"
             ) from None
+
+
+def _damage(path: Path, err: Exception) -> str:
+    """What is wrong with a file torch cannot open (its reader says only "Invalid argument" for a truncated zip)."""
+    if not zipfile.is_zipfile(path):
+        return "not a complete zip archive, the format torch.save writes"
+    return (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0][:200]

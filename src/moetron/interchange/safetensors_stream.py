@@ -12,6 +12,7 @@ Only the tensor being written (and its converted copy) is in memory; `save_pretr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Iterable, Iterator
@@ -108,14 +109,27 @@ class HFWeights:
             raise UserError(f"--hf {directory}: no *.safetensors or pytorch_model*.bin weights there")
         self._bin_cache: tuple[Path, dict] | None = None
 
-    @staticmethod
-    def _names(path: Path) -> list[str]:
+    def _names(self, path: Path) -> list[str]:
         if path.suffix == ".safetensors":
             from safetensors import safe_open
 
-            with safe_open(str(path), framework="pt") as f:
+            with self._readable(path), safe_open(str(path), framework="pt") as f:
                 return list(f.keys())
         return list(_load_bin(path))
+
+    @contextlib.contextmanager
+    def _readable(self, path: Path) -> Iterator[None]:
+        """A damaged safetensors file (truncated, garbage header) as one line naming it."""
+        try:
+            yield
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 - safetensors' SafetensorError, or an OSError from its mmap
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            raise UserError(
+                f"--hf {self.directory}: {path.name} is not a readable safetensors file ({reason}); it is truncated "
+                f"or damaged, download it again"
+            ) from None
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
@@ -130,7 +144,7 @@ class HFWeights:
         if path.suffix == ".safetensors":
             from safetensors import safe_open
 
-            with safe_open(str(path), framework="pt") as f:
+            with self._readable(path), safe_open(str(path), framework="pt") as f:
                 return f.get_tensor(name)
         if self._bin_cache is None or self._bin_cache[0] != path:
             self._bin_cache = (path, _load_bin(path))
