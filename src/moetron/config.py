@@ -96,12 +96,12 @@ class TrainConfig:
     save: str | None = None  # checkpoint directory (also the run directory)
     save_interval: int | None = None  # iterations between checkpoints (one is always saved at the end)
     load: str | None = None  # a run directory (its latest checkpoint) or an iter_* directory to resume from
-    finetune: bool = False  # load weights only; iteration, optimizer and data position start at 0
+    finetune: bool = False  # load weights only; iteration, optimizer and data position start at 0 (a new --save)
     no_load_optim: bool = False
     no_load_rng: bool = False
     keep_last_n: int = 3
     exit_on_missing_checkpoint: bool = False
-    overwrite: bool = False  # start fresh in a --save directory that holds another run: delete its checkpoints/logs
+    overwrite: bool = False  # start fresh in a --save directory holding another run: delete its checkpoints/logs
     override_opt_param_scheduler: bool = False  # resume with this run's LR flags, not the checkpoint's schedule
 
     # ---- stopping early (Megatron's flags for SLURM time limits): a checkpoint with --save (none without), exit 0 --

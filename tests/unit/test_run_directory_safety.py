@@ -19,7 +19,7 @@ from test_train_guards import TINY, write_dataset
 from moetron.cli import main
 from moetron.config import RUN_TIME_INTENTIONS
 from moetron.errors import UserError
-from moetron.train.run_lock import LOCK_NAME
+from moetron.train.run_lock import LOCK_NAME, RunLock
 from moetron.train.trainer import Trainer
 
 STEPS = ["--train-iters", "4", "--save-interval", "2", "--lr", "1e-3", "--min-lr", "1e-5"]
@@ -207,3 +207,17 @@ def test_a_run_that_fails_before_training_leaves_no_directory_behind(tmp_path, c
     assert main(["train", *TINY, "--data-path", prefix, "--save", str(tmp_path / "new" / "run")]) == 2
     assert "token id 600 is out of range" in one_error_line(capsys)
     assert not (tmp_path / "new").exists()  # the directories made for the lock went with it
+
+
+def test_two_owners_of_one_run_directory_are_kept_apart(tmp_path):
+    first, second = RunLock(tmp_path / "run", "--save"), RunLock(tmp_path / "run", "--save")
+    first.acquire()
+    with pytest.raises(UserError, match=f"is in use by another run: pid {os.getpid()} on host"):
+        second.acquire()
+    first.release()
+    second.acquire()  # free again once the first owner left
+    assert json.loads((tmp_path / "run" / LOCK_NAME).read_text())["token"] == second.owner.token
+    first.release()  # not its lock any more: it stays
+    assert (tmp_path / "run" / LOCK_NAME).exists()
+    second.release()
+    assert not (tmp_path / "run").exists()  # made for the lock, left empty: removed

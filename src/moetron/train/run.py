@@ -1,10 +1,12 @@
 """From a validated `RunConfig` to a finished run: seeds, tokenizer, datasets, model, trainer, resume.
 
 Order matters for exactness and for clear errors: the config was validated before any process group
-existed (`moetron.config.check`); here the mesh gives this rank its coordinates, the tokenizer fixes the
+existed (`moetron.config.check`); here rank 0 first takes the run directory's lock (`run_lock`: one run at a
+time writes there), the mesh gives this rank its coordinates, the tokenizer fixes the
 vocabulary (unless `vocab_size` was given), the datasets are built (rank 0 writes index caches first), this
 rank's part of the model is built from the same seed on every rank (weights are drawn per parameter name and
-global expert id, so they are identical everywhere), and finally a checkpoint is loaded when `--load` names one.
+global expert id, so they are identical everywhere), a checkpoint is loaded when `--load` names one, and only
+then does `--overwrite` delete the previous run's output.
 Dropout and routing draws are keyed by sample and layer (`moetron.model.rng`), not by rank.
 """
 
