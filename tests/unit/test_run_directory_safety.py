@@ -5,6 +5,7 @@ in the logs; a garbage `latest` pointer is one line."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -209,7 +210,14 @@ def test_a_run_that_fails_before_training_leaves_no_directory_behind(tmp_path, c
     assert not (tmp_path / "new").exists()  # the directories made for the lock went with it
 
 
-def test_two_owners_of_one_run_directory_are_kept_apart(tmp_path):
+@pytest.mark.parametrize("links", [True, False], ids=["hard-links", "no-hard-links"])
+def test_two_owners_of_one_run_directory_are_kept_apart(tmp_path, monkeypatch, links):
+    if not links:  # some network filesystems refuse hard links: the lock is then created in place
+
+        def no_link(*_):
+            raise OSError(errno.EPERM, "Operation not permitted")
+
+        monkeypatch.setattr(os, "link", no_link)
     first, second = RunLock(tmp_path / "run", "--save"), RunLock(tmp_path / "run", "--save")
     first.acquire()
     with pytest.raises(UserError, match=f"is in use by another run: pid {os.getpid()} on host"):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import os
 import secrets
@@ -36,6 +37,7 @@ from moetron.errors import UserError
 from moetron.fileio import describe_os_error, publish_mode
 
 LOCK_NAME = ".moetron.lock"
+NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK}  # some network/FUSE filesystems
 
 
 @dataclass(frozen=True)
@@ -116,18 +118,33 @@ class RunLock:
 
     def _create(self) -> bool:
         """Publish our lock file under its name if no lock exists (True), else leave it (False)."""
+        text = json.dumps(asdict(self.owner)) + "\n"
         tmp = self.run_dir / f"{LOCK_NAME}.{self.owner.pid}.{self.owner.token}"
         try:
-            tmp.write_text(json.dumps(asdict(self.owner)) + "\n")
+            tmp.write_text(text)
             publish_mode(tmp)
             os.link(tmp, self.path)  # atomic, and fails when the name exists
             return True
         except FileExistsError:
             return False
         except OSError as err:
-            raise UserError(f"cannot write {self.path}: {describe_os_error(err, self.run_dir)}") from None
+            if err.errno not in NO_HARD_LINKS:
+                raise UserError(f"cannot write {self.path}: {describe_os_error(err, self.run_dir)}") from None
         finally:
             tmp.unlink(missing_ok=True)
+        return self._create_in_place(text)
+
+    def _create_in_place(self, text: str) -> bool:
+        """Filesystems without hard links: create the name exclusively, then write (a reader may see it empty)."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            return False
+        except OSError as err:
+            raise UserError(f"cannot write {self.path}: {describe_os_error(err, self.run_dir)}") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return True
 
     def _take_over_stale(self, holder: Owner) -> None:
         """Remove `holder`'s lock when it is stale, else raise the one-line refusal."""
