@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -229,3 +230,15 @@ def test_two_owners_of_one_run_directory_are_kept_apart(tmp_path, monkeypatch, l
     assert (tmp_path / "run" / LOCK_NAME).exists()
     second.release()
     assert not (tmp_path / "run").exists()  # made for the lock, left empty: removed
+
+
+def test_overwrite_deletes_nothing_before_the_checkpoint_it_loads_was_read(trained, tmp_path, capsys):
+    prefix, run = trained
+    broken = tmp_path / "broken"
+    shutil.copytree(run / "iter_0000004", broken)
+    (broken / "state.json").write_text('{"iteration": 4, "format_ver')  # truncated
+    before = snapshot(run)
+    argv = ["train", *TINY, "--data-path", prefix, *STEPS, "--save", str(run), "--load", str(broken), "--overwrite"]
+    assert main(argv) == 2
+    assert f"checkpoint {broken} is corrupt or truncated" in one_error_line(capsys)
+    assert snapshot(run) == before  # the previous run is still all there
