@@ -104,7 +104,7 @@ class TrainConfig:
     overwrite: bool = False  # start fresh in a --save directory holding another run: delete its checkpoints/logs
     override_opt_param_scheduler: bool = False  # resume with this run's LR flags, not the checkpoint's schedule
 
-    # ---- stopping early (Megatron's flags for SLURM time limits): a checkpoint with --save (none without), exit 0 --
+    # ---- stopping early (Megatron's flags for SLURM time limits): exit 0, with a checkpoint when --save is given ----
     exit_interval: int | None = None  # stop after the first iteration divisible by this
     exit_duration_in_mins: float | None = None  # stop after this many minutes of training (wall clock)
 
@@ -246,7 +246,7 @@ def run_directory_problems(t: TrainConfig) -> list[str]:
         return [
             f"--finetune --load {t.load} with {flag} {run_dir}: --finetune starts a new run at iteration 0, which "
             f"would replace the checkpoints and logs of the run it loads; give a new {flag} (to continue the run "
-            f"itself, drop --finetune)"
+            f"itself drop --finetune, also `finetune: true` from a --config file: older moetron saved it there)"
         ]
     found = None if t.overwrite else previous_run(run_dir)
     if found is None or loads_from_it:  # nothing there, --overwrite, or resuming the run that lives there
