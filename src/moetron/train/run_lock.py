@@ -207,7 +207,7 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signal.SIGTERM)
 
 
-def lock_problems(lock: RunLock | None, recheck) -> str | None:
+def try_to_take(lock: RunLock | None, recheck) -> str | None:
     """(rank 0) Take the lock and check the run directory again under it: the one-line reason not to go on."""
     if lock is None:
         return None
@@ -233,7 +233,7 @@ def run_directory_lock(cfg, env) -> Iterator[None]:
     run_dir = cfg.run_dir()
     flag = "--save" if cfg.train.save else "--output-dir"
     lock = RunLock(Path(run_dir), flag) if run_dir and env.is_main else None
-    refusal = env.broadcast_object(lock_problems(lock, lambda: run_directory_problems(cfg.train)))
+    refusal = env.broadcast_object(try_to_take(lock, lambda: run_directory_problems(cfg.train)))
     if refusal:
         raise UserError(refusal)
     try:
