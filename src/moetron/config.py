@@ -96,17 +96,33 @@ class TrainConfig:
     save: str | None = None  # checkpoint directory (also the run directory)
     save_interval: int | None = None  # iterations between checkpoints (one is always saved at the end)
     load: str | None = None  # a run directory (its latest checkpoint) or an iter_* directory to resume from
-    finetune: bool = False  # load weights only; iteration, optimizer and data position start at 0
+    finetune: bool = False  # load weights only; iteration, optimizer and data position start at 0 (a new --save)
     no_load_optim: bool = False
     no_load_rng: bool = False
     keep_last_n: int = 3
     exit_on_missing_checkpoint: bool = False
-    overwrite: bool = False  # start fresh in a --save directory that holds another run: delete its checkpoints/logs
+    overwrite: bool = False  # start fresh in a --save directory holding another run: delete its checkpoints/logs
     override_opt_param_scheduler: bool = False  # resume with this run's LR flags, not the checkpoint's schedule
 
-    # ---- stopping early (Megatron's flags for SLURM time limits): a checkpoint is saved (with --save), exit 0 ----
+    # ---- stopping early (Megatron's flags for SLURM time limits): exit 0, with a checkpoint when --save is given ----
     exit_interval: int | None = None  # stop after the first iteration divisible by this
     exit_duration_in_mins: float | None = None  # stop after this many minutes of training (wall clock)
+
+
+# What one invocation intends to do with the run directory, not settings of the run: they stay out of the saved
+# config.yaml, so that `--config RUN/config.yaml --load RUN --save RUN` continues the run instead of deleting it
+# (`overwrite`), restarting it at iteration 0 (`finetune`) or stopping it again (`exit_*`).
+RUN_TIME_INTENTIONS = (
+    "load",
+    "finetune",
+    "no_load_optim",
+    "no_load_rng",
+    "exit_on_missing_checkpoint",
+    "overwrite",
+    "override_opt_param_scheduler",
+    "exit_interval",
+    "exit_duration_in_mins",
+)
 
 
 @dataclass
@@ -211,24 +227,43 @@ def output_problems(cfg: RunConfig) -> list[str]:
 
 
 def run_directory_problems(t: TrainConfig) -> list[str]:
-    """A new run (no --load of that same directory) must not write over a previous run's checkpoints or logs."""
-    from pathlib import Path
-
+    """A run must not destroy a previous run's checkpoints or logs: a new run (no --load inside that directory) is
+    refused unless --overwrite says so; --overwrite and --finetune are refused with a --load inside the directory
+    (the one would delete the checkpoint it is about to load, the other restart the run at iteration 0 over it)."""
     from moetron.train.checkpoint.files import previous_run
 
     flag, run_dir = ("--save", t.save) if t.save else ("--output-dir", t.output_dir)
-    if not run_dir or t.overwrite:
+    if not run_dir:
         return []
-    found = previous_run(run_dir)
-    if found is None:
+    loads_from_it = bool(t.load) and _is_inside(t.load, run_dir)
+    if loads_from_it and t.overwrite:
+        return [
+            f"--overwrite would delete the checkpoint --load {t.load} names (it is inside {flag} {run_dir}); to "
+            f"continue the run drop --overwrite (also `overwrite: true` from a --config file: older moetron saved it "
+            f"in config.yaml), or give --load and {flag} different directories"
+        ]
+    if loads_from_it and t.finetune:
+        return [
+            f"--finetune --load {t.load} with {flag} {run_dir}: --finetune starts a new run at iteration 0, which "
+            f"would replace the checkpoints and logs of the run it loads; give a new {flag} (to continue the run "
+            f"itself drop --finetune, also `finetune: true` from a --config file: older moetron saved it there)"
+        ]
+    found = None if t.overwrite else previous_run(run_dir)
+    if found is None or loads_from_it:  # nothing there, --overwrite, or resuming the run that lives there
         return []
-    if t.load and Path(run_dir).resolve() in (Path(t.load).resolve(), Path(t.load).resolve().parent):
-        return []  # resuming the run that lives there
     resume = f"resume it with --load {run_dir}" if flag == "--save" else f"pass --save {run_dir} --load {run_dir}"
     return [
         f"{flag} {run_dir} already holds another run's output ({found}) that this run would overwrite; {resume}, "
         f"give another {flag}, or pass --overwrite to delete it"
     ]
+
+
+def _is_inside(path: str, directory: str) -> bool:
+    """`path` is `directory` or lies below it (symbolic links resolved)."""
+    from pathlib import Path
+
+    path_, directory_ = Path(path).resolve(), Path(directory).resolve()
+    return path_ == directory_ or directory_ in path_.parents
 
 
 def moe_problems(cfg: RunConfig) -> list[str]:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import yaml
 
-from moetron.config import RunConfig
+from moetron.config import RUN_TIME_INTENTIONS, RunConfig
 from moetron.errors import ConfigError, UserError
 from moetron.recipes import list_recipes, resolve_config_path
 
@@ -332,9 +332,16 @@ def with_absolute_paths(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, data=dataclasses.replace(data, **changes))
 
 
-def to_yaml(cfg: RunConfig) -> str:
+def to_yaml(cfg: RunConfig, with_intentions: bool = False) -> str:
     """The resolved config as a sectioned YAML document that `load_config` reads back from any directory
-    (tokenizer files, data prefixes and the cache directory are written as absolute paths)."""
+    (tokenizer files, data prefixes and the cache directory are written as absolute paths).
+
+    The run-time intentions (`RUN_TIME_INTENTIONS`: --load, --finetune, --overwrite, --exit-interval, ...) are
+    left out: this is what a run directory and its checkpoints keep, and continuing the run from it must not
+    repeat them. `with_intentions`: all of them too (--print-config shows what this invocation will do)."""
     cfg = with_absolute_paths(cfg)
     sections = {s: dataclasses.asdict(getattr(cfg, s)) for s in RunConfig.SECTIONS}
+    if not with_intentions:
+        for name in RUN_TIME_INTENTIONS:
+            del sections[field_specs()[name].section][name]
     return yaml.safe_dump(sections, sort_keys=False)

@@ -128,6 +128,13 @@ CASES = [
         lambda w: train("--position-embedding-type", "rope", "--rotary-compat", "neox"),
         "--rotary-compat 'neox' is not one of",
     ),  # fmt: skip
+    ("train-overwrite-own-load", lambda w: train("--save", "run", "--load", "run", "--overwrite"), "--overwrite would"),
+    (
+        "train-overwrite-own-iter",
+        lambda w: train("--save", "run", "--load", "run/iter_0000002", "--overwrite"),
+        "--load run/iter_0000002 names (it is inside --save run)",
+    ),  # fmt: skip
+    ("train-finetune-own-run", lambda w: train("--save", "run", "--load", "run", "--finetune"), "--finetune --load"),
     # ---- preprocess
     ("preprocess-missing-input", lambda w: preprocess(w, inputs="missing.jsonl"), "--input 'missing.jsonl'"),
     ("preprocess-wrong-key", lambda w: preprocess(w, "--json-keys", "content"), "for key 'content'"),

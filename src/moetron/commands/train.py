@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         from moetron.config_cli import to_yaml
 
-        print(to_yaml(cfg), end="")
+        print(to_yaml(cfg, with_intentions=True), end="")
         return 0
     from moetron.train.run import run_training
 

@@ -1,10 +1,12 @@
 """From a validated `RunConfig` to a finished run: seeds, tokenizer, datasets, model, trainer, resume.
 
 Order matters for exactness and for clear errors: the config was validated before any process group
-existed (`moetron.config.check`); here the mesh gives this rank its coordinates, the tokenizer fixes the
+existed (`moetron.config.check`); here rank 0 first takes the run directory's lock (`run_lock`: one run at a
+time writes there), the mesh gives this rank its coordinates, the tokenizer fixes the
 vocabulary (unless `vocab_size` was given), the datasets are built (rank 0 writes index caches first), this
 rank's part of the model is built from the same seed on every rank (weights are drawn per parameter name and
-global expert id, so they are identical everywhere), and finally a checkpoint is loaded when `--load` names one.
+global expert id, so they are identical everywhere), a checkpoint is loaded when `--load` names one, and only
+then does `--overwrite` delete the previous run's output.
 Dropout and routing draws are keyed by sample and layer (`moetron.model.rng`), not by rank.
 """
 
@@ -26,6 +28,7 @@ from moetron.parallel.pipeline_layout import PipelineLayout
 from moetron.parallel.zero import ZeroSpec
 from moetron.train.checkpoint import resolve_checkpoint
 from moetron.train.precision import compute_dtype
+from moetron.train.run_lock import run_directory_lock
 from moetron.train.startup import startup_banner, startup_warnings
 from moetron.train.trainer import Trainer
 
@@ -191,7 +194,11 @@ def load_into(trainer: Trainer, cfg: RunConfig, path) -> None:
 
 
 def discard_if_overwriting(cfg: RunConfig, env: DistEnv) -> None:
-    """--overwrite: rank 0 deletes the previous run's checkpoints and logs in the run directory, then all go on."""
+    """--overwrite: rank 0 deletes the previous run's checkpoints and logs in the run directory, then all go on.
+
+    Called once everything the new run needs has been read and checked (tokenizer, data, model, the checkpoint
+    of a --load elsewhere): a run that fails before it has not deleted anything. A --load inside the run
+    directory is refused with --overwrite (`moetron.config.run_directory_problems`)."""
     from moetron.train.checkpoint.files import discard_previous_run, previous_run
 
     run_dir = cfg.run_dir()
@@ -205,8 +212,12 @@ def discard_if_overwriting(cfg: RunConfig, env: DistEnv) -> None:
 
 def run_training(cfg: RunConfig, explicit: set[str], env: DistEnv) -> int:
     checkpoint = find_checkpoint(cfg)
+    with run_directory_lock(cfg, env):  # before anything in the run directory is written or deleted
+        return _build_and_train(cfg, explicit, env, checkpoint)
+
+
+def _build_and_train(cfg: RunConfig, explicit: set[str], env: DistEnv, checkpoint) -> int:
     mesh = ParallelMesh.build(cfg.dims(env.world_size), env)
-    discard_if_overwriting(cfg, env)
     seed_everything(cfg.train.seed, mesh.coords.dp)
     resolve_vocab_size(cfg, explicit)
     check_token_ids(cfg.data, cfg.model.vocab_size, TRAIN_VOCAB_FIX)
@@ -229,4 +240,5 @@ def run_training(cfg: RunConfig, explicit: set[str], env: DistEnv) -> int:
     )
     trainer = Trainer(cfg, env, model, train_loader, make_valid, config_yaml=to_yaml(cfg), mesh=mesh)
     load_into(trainer, cfg, checkpoint)
+    discard_if_overwriting(cfg, env)
     return trainer.train()

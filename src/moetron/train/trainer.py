@@ -206,8 +206,9 @@ class Trainer:
                 self.save()  # never in the middle of a NaN streak: the last checkpoint stays a good one
             interval_start += time.perf_counter() - paused
             reason = self._stop_reason(stop)
-            if reason:
-                self.logger.print(f" {reason}: saving at iteration {it} and exiting")
+            if reason:  # without --save there is nothing to save to: stop, as Megatron does, and say so
+                action = "saving at iteration" if t.save else "stopping without a checkpoint (no --save) at iteration"
+                self.logger.print(f" {reason}: {action} {it} and exiting")
                 if t.save and self.last_saved_iteration != it:
                     self.save()
                 return 0

@@ -3,6 +3,8 @@
 Layout of a run directory (`--save`):
 
     latest                          text file holding the newest complete checkpoint's name, replaced last
+    .moetron.lock                   host and pid of the run training here (`train/run_lock.py`; not a checkpoint
+                                    or a log: `previous_run` and `discard_previous_run` leave it alone)
     iter_0000010/
         .metadata, __*_*.distcp     the model and optimizer state (torch.distributed.checkpoint; `state.py`)
         state.json                  iteration, consumed samples/tokens, scheduler, loss scaler, data-loader
