@@ -29,6 +29,7 @@ ERRNO_FIXES = {
     errno.EPERM: "permission denied; write somewhere you may write",
     errno.EISDIR: "a directory is in the way; remove it or choose another path",
     errno.ENOTDIR: "a file is in the way of a directory; remove it or choose another path",
+    errno.ENAMETOOLONG: "a name in the path is longer than the filesystem allows (255 bytes on most); shorten it",
 }
 
 
@@ -113,7 +114,10 @@ def output_dir_problem(flag: str, directory: str | None) -> str | None:
     """A config problem naming `flag` when `directory` cannot hold output, else None (nothing is created)."""
     if not directory:
         return None
-    problem = writable_dir_problem(directory)
+    try:
+        problem = writable_dir_problem(directory)
+    except OSError as err:  # a name too long for the filesystem, a symlink loop: the path cannot even be looked at
+        return f"{flag} {directory}: {describe_os_error(err)}"
     if problem is None:
         return None
     return f"{flag} {directory}: {problem}; give a directory you can write to"
