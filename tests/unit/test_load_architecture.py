@@ -47,7 +47,12 @@ def test_every_model_field_is_classified():
         (model(), model(position_embedding_type="rope"), "learned_absolute", "--position-embedding-type rope"),
         (model(), model(normalization="rmsnorm"), "--normalization layernorm", "--normalization rmsnorm"),
         # 4 heads of 8 channels vs 8 heads of 4: every tensor has the same shape
-        (model(hidden_size=32, num_attention_heads=4), model(hidden_size=32, num_attention_heads=8), "4", "8"),
+        (
+            model(hidden_size=32, num_attention_heads=4),
+            model(hidden_size=32, num_attention_heads=8),
+            "heads 4",
+            "heads 8,",
+        ),
     ],
     ids=["fewer-layers", "rope-vs-learned", "rmsnorm-vs-layernorm", "8-vs-4-heads"],
 )
@@ -55,7 +60,7 @@ def test_the_issue_examples_are_refused_with_both_values_and_the_fix(saved, run,
     for finetune in (False, True):
         (line,) = problems(saved, run, finetune)
         trained, this_run = line.split("; this run has ")
-        assert trained.startswith("--load runs/x: the checkpoint was trained with ") and saved_text in trained
+        assert trained.startswith("--load runs/x: the checkpoint was trained with ") and trained.endswith(saved_text)
         assert run_text in this_run and "--config runs/x/iter_0000002/config.yaml" in this_run
         assert "\n" not in line
 
@@ -72,8 +77,10 @@ def test_defaults_compare_as_the_model_uses_them():
     assert problems(model(num_layers=4, num_experts=[2]), model(num_layers=4, num_experts=[2, 2])) == []
     assert problems(model(), model(rotary_base=500000.0)) == []  # learned positions: no rotary base
     assert problems(model(make_vocab_size_divisible_by=128), model(make_vocab_size_divisible_by=192)) == []  # both 384
-    (line,) = problems(model(hidden_size=96), model(hidden_size=96, swiglu=True))  # so does the default ffn size
-    assert "--ffn-hidden-size 384 --no-swiglu; this run has --ffn-hidden-size 256 --swiglu," in line
+    (line,) = problems(model(), model(swiglu=True))  # the default ffn size follows: only the flag given is named
+    assert "trained with --no-swiglu; this run has --swiglu," in line
+    (line,) = problems(model(), model(ffn_hidden_size=48))
+    assert "trained with --ffn-hidden-size 64; this run has --ffn-hidden-size 48," in line
 
 
 def test_learned_positions_fix_the_table_size_rope_does_not():

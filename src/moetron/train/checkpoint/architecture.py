@@ -13,8 +13,9 @@ fields so that a new one has to be:
   FREE       how the same computation is carried out (activation recompute, the expert kernels) or how weights are
              initialised (the checkpoint replaces them): always allowed.
 
-Values are compared as the model uses them, so `--ffn-hidden-size 64` matches a checkpoint saved with the default
-4·hidden = 64, and `--num-experts 2 2` matches `--num-experts 2` over two MoE layers. Learned positions add one rule
+Values given differently are compared as the model uses them, so `--ffn-hidden-size 64` matches a checkpoint saved
+with the default 4·hidden = 64, and `--num-experts 2 2` matches `--num-experts 2` over two MoE layers; a default that
+follows another setting (the ffn size of --swiglu, the head size of --num-attention-heads) is not named beside it. Learned positions add one rule
 of their own: the position table (`--max-position-embeddings`, default `--seq-length`) is part of the function.
 The layout (the parallel section), the batch and the schedule are not model fields: they may always change.
 
@@ -102,8 +103,8 @@ def _experts(m: ModelConfig) -> tuple:
     return values[:1] if len(set(values)) == 1 else values
 
 
-# Values as the model uses them (defaults resolved; None: the field does not apply to that model, so it is not
-# compared); fields not listed compare as given.
+# Values as the model uses them (defaults resolved; None: the field does not apply to that model), compared when
+# the values given differ; fields not listed compare as given.
 EFFECTIVE: dict[str, Callable[[ModelConfig], object]] = {
     "num_key_value_heads": lambda m: m.kv_heads,
     "kv_channels": lambda m: m.head_dim,
@@ -134,8 +135,8 @@ def _value(m: ModelConfig, name: str) -> object:
 
 def _differs(saved: ModelConfig, run: ModelConfig, name: str) -> bool:
     a, b = _value(saved, name), _value(run, name)
-    if name in EFFECTIVE and (a is None or b is None):
-        return False  # the setting does not apply to one of the models (another difference says why)
+    if name in EFFECTIVE and (a is None or b is None or getattr(saved, name) == getattr(run, name)):
+        return False  # not given differently, or not applicable: the difference that causes it is named instead
     return a != b
 
 
