@@ -103,6 +103,10 @@ def test_training_knobs_are_refused_on_resume_and_allowed_with_finetune():
     assert len(bias) == 1 and "--moe-router-bias-update-rate 0.0" in bias[0]  # the bias would start picking experts
 
 
+def test_routing_settings_of_a_dense_model_are_not_compared():
+    assert problems(model(), model(moe_train_capacity_factor=2.0, moe_loss_coeff=0.0, topk=2)) == []
+
+
 def test_implementation_and_initialisation_are_free():
     run = model(checkpoint_activations=True, moe_expert_backend="loop", init_method_std=0.006)
     assert problems(model(), dataclasses.replace(run, moe_identical_expert_init=True)) == []

@@ -15,12 +15,13 @@ fields so that a new one has to be:
 
 Values given differently are compared as the model uses them, so `--ffn-hidden-size 64` matches a checkpoint saved
 with the default 4·hidden = 64, and `--num-experts 2 2` matches `--num-experts 2` over two MoE layers; a default that
-follows another setting (the ffn size of --swiglu, the head size of --num-attention-heads) is not named beside it. Learned positions add one rule
-of their own: the position table (`--max-position-embeddings`, default `--seq-length`) is part of the function.
-The layout (the parallel section), the batch and the schedule are not model fields: they may always change.
+follows another setting (the ffn size of --swiglu, the head size of --num-attention-heads) is not named beside it.
+Learned positions add one rule of their own: the position table (`--max-position-embeddings`, default
+`--seq-length`) is part of the function. The layout (the parallel section), the batch and the schedule are not model
+fields: they may always change.
 
     problems = checkpoint_model_problems(cfg)   # reads the checkpoint's config.yaml; [] without --load
-    problems = load_problems(saved_model, run_model, "runs/moe", finetune=False, config_path="runs/moe/.../config.yaml")
+    problems = load_problems(saved.model, cfg.model, "runs/moe", finetune=False, config_path="runs/moe/.../config.yaml")
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from moetron.errors import UserError
 from moetron.model.config import ModelConfig
+from moetron.model.moe.router_config import RouterConfig
 from moetron.train.checkpoint.files import resolve_checkpoint
 
 if TYPE_CHECKING:
@@ -58,7 +60,7 @@ KINDS: dict[str, str] = {
     "qk_layernorm": FUNCTION,
     "qk_layernorm_scope": FUNCTION,
     "untie_embeddings_and_output_weights": FUNCTION,
-    "seq_length": TRAINING,  # the samples' length; a learned table's size is checked on its own (see above)
+    "seq_length": TRAINING,  # the samples' length; a learned table's size has a rule of its own (FUNCTION_RULES)
     "max_position_embeddings": TRAINING,  # with rope: only the longest input allowed
     "hidden_dropout": TRAINING,
     "attention_dropout": TRAINING,
@@ -129,11 +131,21 @@ FUNCTION_RULES: dict[str, Callable[[ModelConfig], object]] = {
 SHOWN_AS_GIVEN = ("num_experts", "make_vocab_size_divisible_by")
 
 
+# The router's settings mean nothing to a model without MoE layers (and a model with them differs in other fields).
+ROUTING = {f.name for f in dataclasses.fields(RouterConfig)} - {"hidden_size"}
+
+
+def _compared(saved: ModelConfig, run: ModelConfig, name: str) -> bool:
+    return name not in ROUTING or bool(saved.moe_layer_indices() and run.moe_layer_indices())
+
+
 def _value(m: ModelConfig, name: str) -> object:
     return EFFECTIVE[name](m) if name in EFFECTIVE else getattr(m, name)
 
 
 def _differs(saved: ModelConfig, run: ModelConfig, name: str) -> bool:
+    if not _compared(saved, run, name):
+        return False
     a, b = _value(saved, name), _value(run, name)
     if name in EFFECTIVE and (a is None or b is None or getattr(saved, name) == getattr(run, name)):
         return False  # not given differently, or not applicable: the difference that causes it is named instead
@@ -142,7 +154,7 @@ def _differs(saved: ModelConfig, run: ModelConfig, name: str) -> bool:
 
 def _function_rule_differs(saved: ModelConfig, run: ModelConfig, name: str) -> bool:
     rule = FUNCTION_RULES.get(name)
-    if rule is None:
+    if rule is None or not _compared(saved, run, name):
         return False
     a, b = rule(saved), rule(run)
     return a is not None and b is not None and a != b
