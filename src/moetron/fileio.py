@@ -126,7 +126,13 @@ def output_dir_problem(flag: str, directory: str | None) -> str | None:
 def output_file_problem(label: str, path: str | os.PathLike) -> str | None:
     """Why the file `path` cannot be written (its directory must exist), starting with `label` (the flag and the
     value the user gave, e.g. "--output-prefix 'data/corpus'"), or None."""
-    path = Path(path)
+    try:
+        return _output_file_problem(label, Path(path))
+    except OSError as err:  # a name too long for the filesystem, a symlink loop: the path cannot even be looked at
+        return f"{label}: {describe_os_error(err)}"
+
+
+def _output_file_problem(label: str, path: Path) -> str | None:
     parent = path.parent
     if path.is_dir():
         return f"{label}: '{path}' is a directory; remove it or choose another output name"
