@@ -85,7 +85,7 @@ def test_defaults_compare_as_the_model_uses_them():
 
 def test_learned_positions_fix_the_table_size_rope_does_not():
     (function, training) = problems(model(), model(seq_length=16))
-    assert "--max-position-embeddings 8; this run has --max-position-embeddings 16" in function
+    assert "--max-position-embeddings 8 (--seq-length's); this run has --max-position-embeddings 16 (" in function
     assert "--seq-length 8" in training and "--finetune" in training
     assert len(problems(model(), model(seq_length=16), finetune=True)) == 1  # the table still does not fit
     rope = model(position_embedding_type="rope")

@@ -181,6 +181,8 @@ def flag_value(m: ModelConfig, name: str) -> str:
         return flag if value else f"--no-{flag[2:]}"
     if isinstance(value, list | tuple):
         return f"{flag} {' '.join(map(str, value))}"
+    if name == "max_position_embeddings" and m.max_position_embeddings is None:
+        return f"{flag} {value} (--seq-length's)"  # the default the user never typed
     return f"{flag} {value}"
 
 
