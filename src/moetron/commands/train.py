@@ -51,7 +51,7 @@ def startup_problems(cfg: RunConfig, explicit: set[str], world_size: int) -> lis
     from moetron.train.checkpoint.architecture import checkpoint_model_problems
 
     problems = vocab_problems(cfg, explicit)
-    vocab_known = not problems
+    vocab_known = not problems and not cfg.data.tokenizer_file_problems()
     problems += validate(cfg, world_size)
     if vocab_known:  # else the model's vocabulary is not the one the run would have: no comparison
         problems += checkpoint_model_problems(cfg)
