@@ -213,6 +213,11 @@ def train_problems(cfg: RunConfig, dp: int) -> list[str]:
     if t.exit_on_missing_checkpoint and not t.load:
         p.append("--exit-on-missing-checkpoint needs --load")
     _positive(p, t, ("exit_interval", "exit_duration_in_mins"))
+    if t.peak_tflops is not None and not (t.peak_tflops > 0 and math.isfinite(t.peak_tflops)):
+        p.append(
+            f"--peak-tflops {t.peak_tflops:g} must be a positive number of TFLOP/s per device (e.g. 989 for an "
+            f"H100's bf16), or leave it unset to look it up from the device name"
+        )
     return p
 
 
@@ -223,6 +228,9 @@ def output_problems(cfg: RunConfig) -> list[str]:
     flags = [("--save", t.save), ("--output-dir", t.output_dir), ("--tensorboard-dir", t.tensorboard_dir)]
     flags.append(("--data-cache-path", cfg.data.data_cache_path))
     problems = [problem for flag, path in flags if (problem := output_dir_problem(flag, path))]
+    run_dir_flag = "--save " if t.save else "--output-dir "
+    if any(problem.startswith(run_dir_flag) for problem in problems):
+        return problems  # a run directory that cannot be used (or even looked at) holds no previous run to protect
     return problems + run_directory_problems(t)
 
 

@@ -29,6 +29,7 @@ ERRNO_FIXES = {
     errno.EPERM: "permission denied; write somewhere you may write",
     errno.EISDIR: "a directory is in the way; remove it or choose another path",
     errno.ENOTDIR: "a file is in the way of a directory; remove it or choose another path",
+    errno.ENAMETOOLONG: "a name in the path is longer than the filesystem allows (255 bytes on most); shorten it",
 }
 
 
@@ -113,7 +114,10 @@ def output_dir_problem(flag: str, directory: str | None) -> str | None:
     """A config problem naming `flag` when `directory` cannot hold output, else None (nothing is created)."""
     if not directory:
         return None
-    problem = writable_dir_problem(directory)
+    try:
+        problem = writable_dir_problem(directory)
+    except OSError as err:  # a name too long for the filesystem, a symlink loop: the path cannot even be looked at
+        return f"{flag} {directory}: {describe_os_error(err)}"
     if problem is None:
         return None
     return f"{flag} {directory}: {problem}; give a directory you can write to"
@@ -122,7 +126,13 @@ def output_dir_problem(flag: str, directory: str | None) -> str | None:
 def output_file_problem(label: str, path: str | os.PathLike) -> str | None:
     """Why the file `path` cannot be written (its directory must exist), starting with `label` (the flag and the
     value the user gave, e.g. "--output-prefix 'data/corpus'"), or None."""
-    path = Path(path)
+    try:
+        return _output_file_problem(label, Path(path))
+    except OSError as err:  # a name too long for the filesystem, a symlink loop: the path cannot even be looked at
+        return f"{label}: {describe_os_error(err)}"
+
+
+def _output_file_problem(label: str, path: Path) -> str | None:
     parent = path.parent
     if path.is_dir():
         return f"{label}: '{path}' is a directory; remove it or choose another output name"

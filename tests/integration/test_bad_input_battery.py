@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from moetron.cli import main
+from moetron.config_cli import load_config, to_yaml
 from moetron.data.indexed import IndexedDatasetBuilder
 from moetron.data.tokenizer import train_bpe_tokenizer
 
@@ -62,10 +63,21 @@ def world(tmp_path_factory) -> Path:
     (w / "garbage_ckpt").mkdir()
     (w / "garbage_ckpt" / "state.json").write_text("{}")
     (w / "garbage_ckpt" / "config.yaml").write_text("\x00\x01 not yaml: [")
+    write_moe_checkpoint_config(w / "moe_ckpt")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(w)
         assert main(["train", *TINY, "--vocab-size", "300", "--data-path", good, "--save", str(w / "run")]) == 0
     return w
+
+
+def write_moe_checkpoint_config(directory: Path) -> None:
+    """A checkpoint's state.json and config.yaml (no tensors: they are never reached) of TINY with 2 layers, the
+    second MoE: loading it into TINY's 1 layer would drop the MoE layer while every tensor left fits."""
+    cfg, _ = load_config(None, {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 2, "seq_length": 8})
+    cfg.model.vocab_size, cfg.model.num_experts = 300, [2]
+    directory.mkdir()
+    (directory / "state.json").write_text("{}")
+    (directory / "config.yaml").write_text(to_yaml(cfg))
 
 
 def tok(world: Path) -> list[str]:
@@ -135,6 +147,22 @@ CASES = [
         "--load run/iter_0000002 names (it is inside --save run)",
     ),  # fmt: skip
     ("train-finetune-own-run", lambda w: train("--save", "run", "--load", "run", "--finetune"), "--finetune --load"),
+    # --load into another model (the checkpoint's config.yaml against the run's), with any tensor shapes
+    ("train-load-fewer-layers", lambda w: train("--load", "moe_ckpt"), "with --num-layers 2 --num-experts 2;"),
+    ("train-load-rope", lambda w: train("--load", "run", "--position-embedding-type", "rope"), "learned_absolute;"),
+    ("train-load-rmsnorm", lambda w: train("--load", "run", "--normalization", "rmsnorm"), "--normalization layernorm"),
+    ("train-load-heads", lambda w: train("--load", "run", "--num-attention-heads", "4"), "--num-attention-heads 2;"),
+    ("train-load-dropout", lambda w: train("--load", "run", "--hidden-dropout", "0"), "or add --finetune"),
+    ("train-save-name-too-long", lambda w: train("--save", "x" * 300), "File name too long"),
+    ("train-ep-no-moe", lambda w: train("--moe-expert-parallel-size", "2"), "--moe-expert-parallel-size 2 has no"),
+    ("train-etp-no-moe", lambda w: train("--expert-tensor-parallel-size", "2"), "--expert-tensor-parallel-size 2 has"),
+    (
+        "train-distributed-optimizer-zero-3",
+        lambda w: train("--use-distributed-optimizer", "--zero-stage", "3"),
+        "--use-distributed-optimizer is Megatron's sharded optimizer state (ZeRO stage 1) and --zero-stage 3",
+    ),  # fmt: skip
+    ("train-peak-tflops", lambda w: train("--peak-tflops", "-3"), "--peak-tflops -3 must be a positive"),
+    ("train-peak-tflops-nan", lambda w: train("--peak-tflops", "nan"), "--peak-tflops nan must be a positive"),
     # ---- preprocess
     ("preprocess-missing-input", lambda w: preprocess(w, inputs="missing.jsonl"), "--input 'missing.jsonl'"),
     ("preprocess-wrong-key", lambda w: preprocess(w, "--json-keys", "content"), "for key 'content'"),
@@ -288,4 +316,49 @@ def test_bad_input_fails_with_one_clear_line_and_touches_nothing(world, monkeypa
     assert len(error_lines) == 1, err
     assert names in error_lines[0], error_lines[0]
     assert "Traceback" not in err and "Traceback" not in out
+    assert snapshot(world) == before
+
+
+def problem_lines(err: str) -> list[str]:
+    """The problems of a several-problem error (`error: N configuration problem(s):` then `  - ...` lines)."""
+    return [line.removeprefix("  - ") for line in err.splitlines()[1:]]
+
+
+def test_tokenizer_vocabulary_is_validated_with_every_other_problem(world, monkeypatch, capsys):
+    """The tokenizer sizes the vocabulary before validation, so TP's padded-vocabulary rule sees the tokenizer's 300
+    tokens (not the default 50257) and is reported in the same list as the rest, before anything starts."""
+    monkeypatch.chdir(world)
+    monkeypatch.setenv("WORLD_SIZE", "8")  # only read: validation fails before any process group
+    tp8 = ["--tensor-model-parallel-size", "8", "--num-attention-heads", "8", "--make-vocab-size-divisible-by", "1"]
+    before = snapshot(world)
+    argv = ["train", *TINY, "--data-path", "good_text_document", *tok(world), *tp8, "--peak-tflops", "-3"]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2 and err.startswith("error: 2 configuration problem(s):\n"), err
+    vocab, peak = problem_lines(err)
+    assert vocab.startswith("the padded vocabulary 300 (--vocab-size 300 rounded up to a multiple of ")
+    assert "is not divisible by --tensor-model-parallel-size 8" in vocab and peak.startswith("--peak-tflops -3")
+    assert out == "" and snapshot(world) == before  # nothing printed (no banner), nothing written
+
+
+def test_another_model_on_load_is_reported_with_the_config_problems(world, monkeypatch, capsys):
+    monkeypatch.chdir(world)
+    argv = train("--load", "run", "--normalization", "rmsnorm", "--moe-expert-parallel-size", "2")
+    code, _, err = run_cli([*argv, "--save", "x" * 300], capsys)
+    assert code == 2 and err.startswith("error: 3 configuration problem(s):\n"), err
+    ep, save, load = problem_lines(err)
+    assert ep.startswith("--moe-expert-parallel-size 2 has no effect") and "File name too long" in save
+    assert load.startswith("--load run: the checkpoint was trained with --normalization layernorm; this run has ")
+
+
+def test_what_may_change_on_resume_still_resumes(world, monkeypatch, capsys, tmp_path):
+    """Batch, schedule, activation recompute and a default spelled out (--ffn-hidden-size 64 = 4·hidden) load."""
+    monkeypatch.chdir(world)
+    changes = ["--micro-batch-size", "1", "--train-iters", "3", "--lr", "1e-4", "--override-opt-param-scheduler"]
+    changes += ["--checkpoint-activations", "--ffn-hidden-size", "64", "--eval-iters", "0"]
+    where = ["--load", "run", "--save", str(tmp_path / "resumed"), "--data-cache-path", str(tmp_path / "cache")]
+    before = snapshot(world)
+    code, out, err = run_cli(train(*changes, *where), capsys)
+    assert code == 0, err
+    assert "loaded checkpoint" in out and "iteration 2" in out
+    assert (tmp_path / "resumed" / "latest").read_text().strip() == "iter_0000003"
     assert snapshot(world) == before

@@ -3,15 +3,18 @@
     moetron train --config configs/seed-2x4090-moe128.yaml --train-iters 200 --save runs/tiny
     torchrun --nproc-per-node 2 -m moetron train --config configs/seed-2x4090-moe128.yaml   # data parallel
 
-The config is parsed and validated (every problem at once) before any process group or data is touched.
+The config is parsed and validated (every problem at once) before any process group or data is touched: the
+tokenizer's vocabulary first (the tensor-parallel rules need it), then every section, then `--load`'s checkpoint
+against the model (its saved config.yaml).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from moetron.config import check
+from moetron.config import RunConfig, validate
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
+from moetron.errors import ConfigError, UserError
 
 HELP = "Train a GPT / MoE GPT (single process or under torchrun)."
 
@@ -29,13 +32,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
 
 
-def run(args: argparse.Namespace) -> int:
-    from moetron.parallel.env import init_distributed, world_size_from_env
+def vocab_problems(cfg: RunConfig, explicit: set[str]) -> list[str]:
+    """Size the vocabulary from the tokenizer (or check the size given against it); its problem, or []. Missing
+    tokenizer files are the data section's problems."""
     from moetron.train.run import resolve_vocab_size
 
+    if cfg.data.tokenizer_file_problems():
+        return []
+    try:
+        resolve_vocab_size(cfg, explicit)
+    except UserError as err:
+        return [str(err)]
+    return []
+
+
+def startup_problems(cfg: RunConfig, explicit: set[str], world_size: int) -> list[str]:
+    """Every problem of the run, before any process group: the vocabulary, the config, the checkpoint to load."""
+    from moetron.train.checkpoint.architecture import checkpoint_model_problems
+
+    problems = vocab_problems(cfg, explicit)
+    vocab_known = not problems and not cfg.data.tokenizer_file_problems()
+    problems += validate(cfg, world_size)
+    if vocab_known:  # else the model's vocabulary is not the one the run would have: no comparison
+        problems += checkpoint_model_problems(cfg)
+    return problems
+
+
+def run(args: argparse.Namespace) -> int:
+    from moetron.parallel.env import init_distributed, world_size_from_env
+
     cfg, explicit = load_config(args.config, cli_overrides(args))
-    check(cfg, world_size_from_env())
-    resolve_vocab_size(cfg, explicit)  # the tokenizer fixes (or checks) the vocabulary before any process group
+    problems = startup_problems(cfg, explicit, world_size_from_env())
+    if problems:
+        raise ConfigError(problems)
     if args.print_config:
         from moetron.config_cli import to_yaml
 

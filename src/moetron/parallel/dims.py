@@ -75,8 +75,9 @@ class ParallelDims:
         return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "edp": self.edp, "ep": self.ep, "etp": self.etp}
 
     # ---------------------------------------------------------------- validation
-    def problems(self, experts_per_layer: Sequence[int] = ()) -> list[str]:
-        """Every problem with the degrees (and the MoE layers' expert counts), each with its fix."""
+    def problems(self, experts_per_layer: Sequence[int] | None = None) -> list[str]:
+        """Every problem with the degrees (and, given the experts of every layer, with the MoE layers), each with
+        its fix."""
         p: list[str] = []
         flags = {
             "tp": "--tensor-model-parallel-size",
@@ -97,7 +98,19 @@ class ParallelDims:
                 f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {self.tp} × "
                 f"--pipeline-model-parallel-size {self.pp}; change the process count or the degrees"
             )
-        p += self._expert_layout_problems(experts_per_layer)
+        if experts_per_layer is not None and not any(e > 1 for e in experts_per_layer):
+            return p + self._no_moe_problems()
+        return p + self._expert_layout_problems(experts_per_layer or ())
+
+    def _no_moe_problems(self) -> list[str]:
+        """Expert degrees on a model without MoE layers would split nothing: refused rather than ignored."""
+        p = []
+        for flag, value in (("--moe-expert-parallel-size", self.ep), ("--expert-tensor-parallel-size", self.etp)):
+            if value > 1:
+                p.append(
+                    f"{flag} {value} has no effect: no layer is MoE (every layer has 1 expert); drop {flag}, or "
+                    f"make layers MoE with --num-experts N (N >= 2) and --expert-interval"
+                )
         return p
 
     def _expert_layout_problems(self, experts_per_layer: Sequence[int]) -> list[str]:

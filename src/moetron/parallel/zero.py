@@ -62,6 +62,12 @@ def zero_problems(zero_stage: int, use_distributed_optimizer: bool, dims: Parall
             f"--zero-stage {zero_stage} is not one of 0, 1, 2, 3 (DeepSpeed's zero_optimization.stage); "
             f"use 1 to shard the optimizer state, 2 to shard gradients too, 3 to shard the weights too"
         ]
+    if use_distributed_optimizer and zero_stage >= 2:
+        return [
+            f"--use-distributed-optimizer is Megatron's sharded optimizer state (ZeRO stage 1) and --zero-stage "
+            f"{zero_stage} asks for stage {zero_stage}; give one: --zero-stage {zero_stage} alone (it shards the "
+            f"optimizer state too), or --use-distributed-optimizer alone for stage 1"
+        ]
     stage = effective_stage(zero_stage, use_distributed_optimizer)
     flag = f"--zero-stage {stage}" if zero_stage else "--use-distributed-optimizer"
     p = []
