@@ -85,8 +85,10 @@ def _is_rank_zero() -> bool:
 def report_user_error(err: UserError) -> int:
     """Print `error: <message>` once and return the exit status (2, or the error's own `exit_code`).
 
-    Under torchrun every rank hits the same config error, so rank 0 says it; a failure of one rank (`every_rank`,
-    see `train/failures.py`) is said where it happened, and the ranks it stopped (`quiet`) say nothing."""
+    Under torchrun every rank hits the same config error before the process group exists, so rank 0 says it; after
+    that an error may be one rank's alone (rank 1's corrupt RNG file): `train/failures.py` marks those `every_rank`,
+    said by the rank they happened on (`error: rank 1: …`), and `quiet` where another rank said the same message
+    or the ranks a recorded failure stopped."""
     if (_is_rank_zero() or getattr(err, "every_rank", False)) and not getattr(err, "quiet", False):
         print(f"error: {err}", file=sys.stderr)
     return getattr(err, "exit_code", 2)

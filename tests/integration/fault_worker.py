@@ -9,6 +9,7 @@
   renamed   in that save, after the staging directory became iter_*, before `latest` moved
   latest    in that save, after `latest` moved, before old checkpoints are pruned
 <signal> (default KILL) is sent to this process there; with `rank1-` before <where> only global rank 1 does it.
+<signal> RAISE raises a RuntimeError there instead (an internal error of that rank alone).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import sys
 
 def install(spec: str) -> None:
     where, iteration, *rest = spec.split(":")
-    sig = getattr(signal, f"SIG{rest[0]}" if rest else "SIGKILL")
+    raising = rest == ["RAISE"]
+    sig = None if raising else getattr(signal, f"SIG{rest[0]}" if rest else "SIGKILL")
     if where.startswith("rank1-"):
         where = where[len("rank1-") :]
         if os.environ.get("RANK", "0") != "1":
@@ -28,6 +30,8 @@ def install(spec: str) -> None:
     iteration = int(iteration)
 
     def fire():
+        if raising:
+            raise RuntimeError(f"injected fault at {where} {iteration} on rank {os.environ.get('RANK', '0')}")
         os.kill(os.getpid(), sig)
 
     from moetron.train import trainer as trainer_module

@@ -93,6 +93,10 @@ def preprocess(w: Path, *extra: str, inputs: str = "docs.jsonl", prefix: str = "
     return [*base, *tok(w), "--log-interval", "0", *extra]
 
 
+def harness() -> list[str]:
+    return ["eval-harness", "--load", "run", "--tasks", "moetron_tiny"]
+
+
 # (id, argv builder, what the error line must name)
 CASES = [
     # ---- train: flags and values
@@ -267,6 +271,15 @@ CASES = [
         lambda w: ["import", "--hf", "garbage_ckpt", "--save", "a_file/run"],
         "--save a_file/run: 'a_file' exists and is not a directory",
     ),  # fmt: skip
+    # ---- eval-harness
+    ("eval-harness-limit", lambda w: [*harness(), "--limit", "-1"], "--limit -1: give a number of documents"),
+    ("eval-harness-batch-size", lambda w: [*harness(), "--batch-size", "0"], "--batch-size 0: must be 1 or more"),
+    ("eval-harness-fewshot", lambda w: [*harness(), "--num-fewshot", "-2"], "--num-fewshot -2: must be 0 or more"),
+    # ---- launch
+    ("launch-nproc-zero", lambda w: ["launch", "--nproc-per-node", "0", "train"], "--nproc-per-node 0: a node runs"),
+    ("launch-nproc-word", lambda w: ["launch", "--nproc-per-node", "two", "train"], "--nproc-per-node two: not a"),
+    ("launch-no-command", lambda w: ["launch", "--nproc-per-node", "2"], "launch: give torchrun's flags, then a"),
+    ("launch-unknown-flag", lambda w: ["launch", "--nprocs", "2", "train"], "unrecognized arguments: --nprocs"),
     # ---- plan
     ("plan-gpus", lambda w: ["plan", "--config", "quickstart", "--gpus", "0"], "--gpus must be >= 1, got 0"),
     ("plan-mfu", lambda w: ["plan", "--config", "quickstart", "--mfu", "30"], "--mfu is a fraction"),

@@ -116,3 +116,29 @@ def test_a_rank_killed_under_torchrun_leaves_a_checkpoint_the_rerun_resumes_exac
     assert train(prefix, straight, nproc=2).returncode == 0
     saved = kill_then_resume(prefix, tmp_path / "run", "rank1-step:6", curve(straight), nproc=2)
     assert saved == 4
+
+
+def rank_lines(proc: subprocess.CompletedProcess) -> tuple[list[str], str]:
+    """(the `error:` lines of every rank, all the output): torchrun passes each worker's stderr through."""
+    log = proc.stdout + proc.stderr
+    return [line for line in log.splitlines() if line.startswith("error:")], log
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_error_of_rank_1_alone_is_said_once_by_rank_1(tmp_path):
+    """An internal error on rank 1 only keeps its traceback, printed by rank 1 (rank 0, left waiting in the gradient
+    reduction, adds no line); a corrupt RNG file that only rank 1 reads is one `error: rank 1: …` line."""
+    prefix = write_dataset(tmp_path / "corpus_text_document", documents=60)
+    run = tmp_path / "run"
+    crashed = train(prefix, run, "rank1-step:3:RAISE", nproc=2)  # iteration 2 was saved first
+    errors, log = rank_lines(crashed)
+    assert crashed.returncode != 0 and errors == [], log[-3000:]
+    assert log.count("RuntimeError: injected fault at step 3 on rank 1") == 1 and "[rank0]" not in log, log[-3000:]
+    rng = run / "iter_0000002" / "rng" / "rank_00001.safetensors"
+    rng.write_bytes(rng.read_bytes()[:20])  # truncated: the header no longer fits
+    resumed = train(prefix, run, nproc=2)
+    errors, log = rank_lines(resumed)
+    assert resumed.returncode != 0 and len(errors) == 1, log[-3000:]
+    assert errors[0].startswith(f"error: rank 1: checkpoint {run / 'iter_0000002' / 'rng'} is corrupt"), errors
+    assert log.count("rank_00001.safetensors") == 1 and "[rank" not in log, log[-3000:]

@@ -88,3 +88,29 @@ def test_sigterm_to_moetron_launch_saves_on_every_rank_and_exits_zero(tmp_path):
     rng_files = sorted(p.name for p in (checkpoint / "rng").iterdir())  # one per rank: both saved this iteration
     assert rng_files == ["rank_00000.safetensors", "rank_00001.safetensors"]
     assert assert_loadable(run) == iteration
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # the launcher and its workers import torch first (15-25 s on a busy machine)
+def test_sigterm_while_the_workers_start_says_they_were_stopped_by_it(tmp_path):
+    """Before a worker handles SIGTERM (it is still importing torch) the forwarded signal stops it: no 'its error is
+    above' (it printed none), and the launcher exits like a process stopped by SIGTERM."""
+    from moetron.commands.launch import worker_pids
+
+    train = [*TINY, "--data-path", str(tmp_path / "never_read"), "--train-iters", "2"]
+    command = [sys.executable, "-m", "moetron", "launch", "--standalone", "--nproc-per-node", "2", "train", *train]
+    proc = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(worker_pids(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr and "its error is above" not in stderr, stderr[-3000:]
+    assert "was stopped by the SIGTERM passed on to it while it was still starting" in errors[0], errors

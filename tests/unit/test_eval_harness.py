@@ -65,3 +65,63 @@ def test_unknown_task_is_one_line(tmp_path, capsys):
     run, _, _ = tiny_checkpoint(tmp_path, "llama", **LONG)
     assert main(["eval-harness", "--load", str(run), "--tasks", "no_such_task"]) == 2
     assert "error: --tasks: no_such_task not found" in capsys.readouterr().err
+
+
+HUB_TASK = """task: hub_only_task
+dataset_path: EleutherAI/lambada_openai
+dataset_name: default
+output_type: loglikelihood
+test_split: test
+doc_to_text: "{{text}}"
+doc_to_target: " end"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def test_a_task_whose_data_must_be_downloaded_is_one_line_offline(tmp_path, monkeypatch, capsys):
+    """A task of lm-eval's reads its data from the hub (here one like lambada_openai, defined in a local YAML so
+    that lm-eval need not scan its ~10k built-in tasks to find it); offline, that is one line naming the task."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # no network wait, whatever the machine
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run, _, _ = tiny_checkpoint(tmp_path, "gpt2", **LONG)
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "hub_only_task.yaml").write_text(HUB_TASK)
+    argv = ["eval-harness", "--load", str(run), "--tasks", "hub_only_task", "--include-path", str(tmp_path / "tasks")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tasks hub_only_task: its data cannot be read here (") and err.count("\n") == 1
+    assert "EleutherAI/lambada_openai" in err and "needs network" in err and "moetron_tiny" in err
+
+
+def test_the_tokenizer_flags_its_message_suggests_are_accepted(tmp_path, capsys):
+    run, _, _ = tiny_checkpoint(tmp_path, "gpt2", num_experts=[4], topk=1, **LONG)
+    (tmp_path / "tok").rename(tmp_path / "moved")
+    argv = ["eval-harness", "--load", str(run), "--tasks", "moetron_tiny_mc", "--limit", "2"]
+    assert main(argv) == 2
+    assert "does not exist; pass --vocab-file and --merge-file" in capsys.readouterr().err
+    moved = [
+        "--vocab-file",
+        str(tmp_path / "moved" / "vocab.json"),
+        "--merge-file",
+        str(tmp_path / "moved" / "merges.txt"),
+    ]
+    assert main([*argv, *moved]) == 0
+    assert "moetron_tiny_mc" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, names",
+    [
+        (["--limit", "-1"], "--limit -1: give a number of documents"),
+        (["--limit", "2.5"], "--limit 2.5: give a number of documents"),
+        (["--batch-size", "0"], "--batch-size 0: must be 1 or more"),
+        (["--num-fewshot", "-2"], "--num-fewshot -2: must be 0 or more"),
+    ],
+)
+def test_flag_values_are_checked_before_anything_loads(tmp_path, capsys, flags, names):
+    assert main(["eval-harness", "--load", str(tmp_path / "never"), "--tasks", "moetron_tiny", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {names}") and err.count("\n") == 1, err

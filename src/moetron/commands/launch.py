@@ -30,8 +30,15 @@ RAW_ARGUMENTS = True  # the flags are torchrun's: `moetron.cli` hands them over 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
 
+EXAMPLE = "moetron launch --standalone --nproc-per-node 2 train --config my.yaml"
+
+
 def usage() -> str:
     return "usage: moetron launch [torchrun flags] COMMAND [command flags]   (e.g. --nproc-per-node 2 train ...)"
+
+
+def no_command() -> UserError:
+    return UserError(f"moetron launch: give torchrun's flags, then a moetron command and its flags, e.g. `{EXAMPLE}`")
 
 
 def worker_pids(parent: int) -> list[int]:
@@ -89,7 +96,8 @@ def torchrun_args(argv: list[str]):
     """torchrun's parsed flags with `-m moetron COMMAND ...` as the entry point."""
     from moetron.cli import COMMANDS
 
-    args = torchrun_parser().parse_args(argv)  # torchrun's flags, defaults (PET_* variables) and errors
+    args = torchrun_parser().parse_args(argv)  # torchrun's flags and defaults (PET_* variables); errors: one line
+    check_nproc_per_node(args.nproc_per_node)
     if args.module or args.no_python or args.training_script not in COMMANDS or args.training_script == "launch":
         choices = ", ".join(c for c in COMMANDS if c != "launch")
         raise UserError(
@@ -104,16 +112,42 @@ def torchrun_args(argv: list[str]):
     return args
 
 
+def check_nproc_per_node(value: str) -> None:
+    """Checked before torchrun starts: it reads the flag later (a traceback for `abc`, an AssertionError of its
+    agent for 0)."""
+    from torch.distributed.run import determine_local_world_size
+
+    try:
+        count = determine_local_world_size(value)
+    except ValueError as err:  # not a number, or a device kind this machine lacks
+        why = "not a number" if str(err).startswith("Unsupported") else str(err).rstrip(".")
+        raise UserError(
+            f"--nproc-per-node {value}: {why}; give a number of workers per node (1 or more), or cpu, gpu or auto"
+        ) from None
+    if count < 1:
+        raise UserError(f"--nproc-per-node {value}: a node runs at least one worker; give 1 or more (e.g. 2)")
+
+
 def torchrun_parser():
+    """torchrun's own parser, whose errors (a missing command, an unknown flag) are one `error:` line, not its usage."""
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
     parser.prog = "moetron launch"
+    parser.error = _parser_error
     return parser
 
 
+def _parser_error(message: str):
+    if "required: training_script" in message:
+        raise no_command()
+    raise UserError(f"moetron launch: {message} (torchrun's flags come first, then a moetron command: `{EXAMPLE}`)")
+
+
 def run(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        raise no_command()
+    if argv[0] in ("-h", "--help"):
         print(usage() + "\n\n" + __doc__.split("\n\n", 1)[1])
         torchrun_parser().print_help()
         return 0
@@ -131,17 +165,28 @@ def run(argv: list[str]) -> int:
             return 128 + int(err.sigval)
         except ChildFailedError as err:
             rank, failure = err.get_first_failure()
-            raise LaunchFailed(
-                f"moetron launch: worker rank {rank} exited with status {failure.exitcode} (its error is above)"
-                + (f" after {stop.received}" if stop.received else ""),
-                failure.exitcode,
-            ) from None
+            raise worker_failed(rank, failure.exitcode, stop.received) from None
     return 0
 
 
 class LaunchFailed(UserError):
-    """A worker failed; it said why itself. The launcher exits with the worker's status (1 after a signal)."""
+    """A worker failed. The launcher exits with the worker's status (128 + the signal that stopped it)."""
 
-    def __init__(self, message: str, exitcode: int):
+    def __init__(self, message: str, exit_code: int):
         super().__init__(message)
-        self.exit_code = exitcode if 0 < exitcode < 128 else 1
+        self.exit_code = exit_code
+
+
+def worker_failed(rank: int, exitcode: int, received: str | None) -> LaunchFailed:
+    """What became of the first worker that failed: an error of its own (printed by the worker, above), or a
+    signal that stopped it before it could say anything — the one `ForwardStop` passed on while the workers were
+    still starting (before they handle it: nothing to save yet), or one from elsewhere (the OOM killer's SIGKILL)."""
+    if exitcode < 0:
+        name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else f"signal {-exitcode}"
+        why = f"worker rank {rank} was stopped by {name} before it printed an error"
+        if received == name:
+            why = f"worker rank {rank} was stopped by the {name} passed on to it while it was still starting"
+            why += " (no checkpoint to save yet)"
+        return LaunchFailed(f"moetron launch: {why}", 128 - exitcode)
+    after = f" after {received} (an error of its own, if any, is above)" if received else " (its error is above)"
+    return LaunchFailed(f"moetron launch: worker rank {rank} exited with status {exitcode}{after}", exitcode or 1)

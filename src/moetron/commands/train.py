@@ -70,11 +70,13 @@ def run(args: argparse.Namespace) -> int:
 
         print(to_yaml(cfg, with_intentions=True), end="")
         return 0
+    from moetron.train.failures import own_errors
     from moetron.train.run import run_training
 
     env = init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes)
     try:
-        returncode = run_training(cfg, explicit, env)
+        with own_errors():  # from here on an error may be one rank's alone: that rank says it
+            returncode = run_training(cfg, explicit, env)
     except BaseException:
         env.close()
         raise

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from lm_eval import tasks as lm_eval_tasks
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences
@@ -37,8 +38,15 @@ from moetron.model.kv_cache import KVCache
 TASKS_DIR = Path(__file__).parent / "tasks"
 
 
-def load_for_evaluation(load: str, expert_parallel_size: int | None, device: torch.device | None):
-    """(model in eval mode holding this rank's experts, run config, DistEnv, ParallelMesh)."""
+def load_for_evaluation(
+    load: str, expert_parallel_size: int | None, device: torch.device | None, tokenizer_overrides: dict | None = None
+):
+    """(model in eval mode holding this rank's experts, run config, DistEnv, ParallelMesh, tokenizer).
+
+    `tokenizer_overrides` ({field: path} from --vocab-file/--merge-file/--tokenizer-model) replace the tokenizer
+    the checkpoint's config names, checked (files exist, fit the vocabulary) before the process group or weights."""
+    import dataclasses
+
     from moetron.config_cli import load_config
     from moetron.parallel.dims import ParallelDims
     from moetron.parallel.env import init_distributed
@@ -51,6 +59,9 @@ def load_for_evaluation(load: str, expert_parallel_size: int | None, device: tor
     if path is None:
         raise UserError(f"--load {load}: no checkpoint there; give a run directory or an iter_* directory")
     cfg, _ = load_config(str(path / "config.yaml"), {})
+    if tokenizer_overrides:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **tokenizer_overrides))
+    tokenizer = load_tokenizer(cfg)
     env = init_distributed(cfg.parallel.distributed_backend)
     ep = expert_parallel_size or _largest_ep(cfg.model.experts_per_layer(), env.world_size)
     dims = ParallelDims(world_size=env.world_size, dp=env.world_size, ep=ep)
@@ -60,7 +71,7 @@ def load_for_evaluation(load: str, expert_parallel_size: int | None, device: tor
     mesh = ParallelMesh.build(dims, env)
     model = build_model(cfg.model, mesh, device or env.device, cfg.train.seed)
     load_checkpoint(path, GlobalView(model, ParamRegistry.from_model(model), mesh), None, load_rng=False)
-    return model.eval(), cfg, env, mesh
+    return model.eval(), cfg, env, mesh, tokenizer
 
 
 def _largest_ep(experts_per_layer: list[int], world: int) -> int:
@@ -81,13 +92,13 @@ class MoetronLM(TemplateLM):
         expert_parallel_size: int | None = None,
         max_length: int | None = None,
         seed: int = 1234,
+        tokenizer_overrides: dict | None = None,
         **_,
     ):
         super().__init__()
-        self.model, self.cfg, self.env, self.mesh = load_for_evaluation(
-            load, expert_parallel_size and int(expert_parallel_size), None
+        self.model, self.cfg, self.env, self.mesh, self.tokenizer_ = load_for_evaluation(
+            load, expert_parallel_size and int(expert_parallel_size), None, tokenizer_overrides
         )
-        self.tokenizer_ = load_tokenizer(self.cfg)
         self.batch_size_ = int(batch_size)
         self.max_gen_toks = int(max_gen_toks)
         self.capacity_factor = None if capacity_factor in (None, "None") else float(capacity_factor)
@@ -263,6 +274,35 @@ class MoetronLM(TemplateLM):
         return tokens
 
 
+class TaskManager(lm_eval_tasks.TaskManager):
+    """lm-eval's task index, whose tasks' data that cannot be read here is one line naming the task (lm-eval's
+    own tasks download theirs from the hub: a ConnectionError deep in `datasets` on a machine without network)."""
+
+    def load(self, task_list):
+        try:
+            return super().load(task_list)
+        except OSError as err:  # ConnectionError, datasets' DatasetNotFoundError (a FileNotFoundError), …
+            names = [task_list] if isinstance(task_list, str) else list(task_list)
+            task = next((t for t in names if not self._loads(t)), ", ".join(map(str, names)))
+            raise UserError(unreadable_data(task, err)) from None
+
+    def _loads(self, task) -> bool:
+        try:
+            super().load([task])
+        except OSError:
+            return False
+        return True
+
+
+def unreadable_data(task: str, err: OSError) -> str:
+    why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (
+        f"--tasks {task}: its data cannot be read here ({why}); a task of lm-eval's downloads its data, which needs "
+        f"network (run it once on a machine online with HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0: the HF datasets "
+        f"cache keeps it), or run a local task: moetron_tiny, or your YAML + JSONL with --include-path DIR"
+    )
+
+
 @contextlib.contextmanager
 def offline_hub():
     """No hub is reachable from the machines this runs on: tasks read local files (HF_*_OFFLINE=1 unless set)."""
@@ -294,7 +334,6 @@ def evaluate_harness(
 
     The tasks shipped with moetron (`moetron/eval/tasks/`) are always on the include path."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     with offline_hub():
         lm = MoetronLM(load, seed=seed, **model_args)

@@ -17,11 +17,20 @@ rank it happens on: its rank, mesh coordinates, and the collective it was in (`m
     with rank_failures(mesh, rank):        # every multi-process run; stage errors claimed as above when pp > 1
         the trainer's loop
     with collective_failures(mesh, rank):  # only the collective part (loading a checkpoint)
+
+Any other error of one rank after the process group exists is that rank's own (rank 1's corrupt RNG file, a tensor
+only pipeline stage 1 loads): `own_errors` around the command's distributed part has the rank say it itself,
+`error: rank 1: …` (rank 0's without the prefix), each distinct message once over the run however many ranks hit
+it (the store counts them), and records it as the run's first failure so that the ranks it leaves waiting stay
+quiet. An internal error (not a `UserError`) keeps its traceback, printed by its own rank. Errors before the
+process group exists (the config's) are every rank's alike: rank 0 says them (`moetron.cli.report_user_error`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -30,6 +39,7 @@ from moetron.errors import UserError
 from moetron.parallel import diagnosis
 
 KEY = "moetron/first_failure"
+SAID = "moetron/said/"  # + a digest of an error line: how many ranks raised it (the first one says it)
 
 
 class RankFailed(UserError):
@@ -54,6 +64,16 @@ class CollectiveFailed(UserError):
     exit_code = 1
 
 
+class OwnError(UserError):
+    """A rank's own error after startup, said by that rank; `quiet` where another rank already said the same."""
+
+    every_rank = True
+
+    def __init__(self, message: str, exit_code: int, quiet: bool = False):
+        super().__init__(message)
+        self.exit_code, self.quiet = exit_code, quiet
+
+
 def summary(err: BaseException) -> str:
     """The root cause in one line: torch's pipelining wraps stage errors in RuntimeErrors of its own."""
     while err.__cause__ is not None:
@@ -71,6 +91,21 @@ def claim(message: str) -> bool:
         return store.compare_set(KEY, "", message) == message.encode()
     except Exception:  # noqa: BLE001 - the store is gone with the rank hosting it, which failed first
         return False
+
+
+def first_to_say(message: str) -> bool:
+    """Whether no rank raised `message` before (True when the store cannot tell: said twice beats never)."""
+    key = SAID + hashlib.sha256(message.encode()).hexdigest()[:32]
+    try:
+        return dist.distributed_c10d._get_default_store().add(key, 1) == 1
+    except Exception:  # noqa: BLE001 - the store went away with the rank hosting it
+        return True
+
+
+def store_outlives_peers(rank: int) -> bool:
+    """Whether asking the store cannot hit a dead host (which costs a C++ warning): torchrun's agent hosts it, or
+    this rank does (global rank 0, when the ranks were started without torchrun)."""
+    return rank == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def recorded() -> bool:
@@ -92,8 +127,9 @@ def one_failure_line(rank: int, where: str | None, coords=None) -> Iterator[None
         raise
     except Exception as err:
         line = diagnosis.failure_line(err, rank, coords) if coords is not None else None
-        if line is not None:  # only pipeline stages record failures (and a dead store host costs a C++ warning)
-            raise (PeerFailed if where is not None and recorded() else CollectiveFailed)(line) from err
+        if line is not None:  # a peer that recorded its failure said it; asking a dead store host costs a warning
+            peer_said = (where is not None or store_outlives_peers(rank)) and recorded()
+            raise (PeerFailed if peer_said else CollectiveFailed)(line) from err
         if where is None:
             raise
         message = f"{where} (rank {rank}) failed: {summary(err)}"
@@ -115,3 +151,24 @@ def rank_failures(mesh, rank: int) -> contextlib.AbstractContextManager:
     pp = mesh.size("pp")
     where = f"pipeline stage {mesh.coords.pp} of {pp}" if pp > 1 else None
     return one_failure_line(rank, where, mesh.coords)
+
+
+@contextlib.contextmanager
+def own_errors() -> Iterator[None]:
+    """Around the part of a command that runs in the process group (see the module's docstring): a `UserError`
+    becomes `OwnError` (said by this rank unless another rank said the same), an internal error is recorded as
+    the run's first failure and keeps its traceback. Nothing changes in one process or before the group exists."""
+    try:
+        yield
+    except (RankFailed, PeerFailed, CollectiveFailed, OwnError):
+        raise
+    except Exception as err:
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            raise
+        rank = dist.get_rank()
+        if not isinstance(err, UserError):
+            claim(f"rank {rank} failed: {summary(err)}")
+            raise
+        message = str(err) if rank == 0 else f"rank {rank}: {err}"
+        claim(message)
+        raise OwnError(message, getattr(err, "exit_code", 2), quiet=not first_to_say(str(err))) from err
