@@ -68,7 +68,7 @@ def parse_memory(text: str) -> int:
     number, unit = float(match.group(1)), (match.group(2) or "G").upper()
     size = int(number * {"M": 1024**2, "G": GIB, "T": 1024**4}[unit])
     if size <= 0:  # the pattern admits no sign, inf or nan: only zero is left to refuse
-        raise UserError(f"--gpu-memory {text!r} is no memory; give the memory per GPU, e.g. 24GB, 80GiB or 16384MB")
+        raise UserError(f"--gpu-memory {text!r} is 0 bytes; give the memory per GPU, e.g. 24GB, 80GiB or 16384MB")
     return size
 
 
