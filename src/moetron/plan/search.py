@@ -14,9 +14,9 @@ Flags given on the command line (`--tensor-model-parallel-size 1`, `--zero-stage
 the pipeline schedule, uneven first/last stages and --use-distributed-optimizer are never varied: the command
 line's values, else the defaults. Each row's command is `--config FILE`, the command line's other flags, and the
 flags that turn the file's layout into the row's: it runs exactly the config the row planned.
-Each candidate goes through `moetron.config.validate` (the rules `moetron train` applies; the data section and
-output paths aside, as in any plan), then the memory plan (`plan/memory.py`) and the cost model
-(`plan/cost_model.py`); the ones that fit are ranked by predicted step time.
+Each candidate goes through `moetron.config.validate` (the rules and words of `moetron train`; only the checks
+of this machine's files aside, as in any plan: `plan.estimate.on_disk_problems`), then the memory plan
+(`plan/memory.py`) and the cost model (`plan/cost_model.py`); the ones that fit are ranked by predicted step time.
 """
 
 from __future__ import annotations
@@ -265,21 +265,22 @@ def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficie
         per_rank = gbs // dp if gbs % dp == 0 else 0
         sizes = [(ckpt, mbs) for ckpt in (False, True) for mbs in divisors(per_rank) or [max(gbs // max(dp, 1), 1)]]
         sizes = [(c, m) for c, m in sizes if fixed.get("ckpt", c) == c and fixed.get("mbs", m) == m]
-        refused = structure_problems(structure.apply(cfg, gbs), gpus)
-        if refused:  # the degrees alone are refused: so is every micro batch of them
-            result.candidates += len(sizes)
-            result.refusals[refused[0]] += len(sizes)
-            continue
+        degrees = set(structure_problems(structure.apply(cfg, gbs), gpus))  # problems whatever the micro batch
         too_big: set[bool] = set()  # checkpointing settings whose micro batches stopped fitting
-        for ckpt, mbs in sizes:
+        for i, (ckpt, mbs) in enumerate(sizes):
             if ckpt in too_big:
                 continue  # a larger micro batch needs more memory still
             layout = Layout(**{**structure.__dict__, "mbs": mbs, "ckpt": ckpt})
             result.candidates += 1
             candidate = layout.apply(cfg, gbs)
-            problems = layout_problems(candidate, gpus)
+            problems = layout_problems(candidate, gpus)  # what `moetron train` refuses: the only refusals
             if problems:
-                result.refusals[problems[0]] += 1
+                whole = bool(degrees.intersection(problems))  # for the degrees: so is every micro batch of them
+                count = len(sizes) - i if whole else 1
+                result.candidates += count - 1
+                result.refusals[problems[0]] += count
+                if whole:
+                    break
                 continue
             result.valid += 1
             plan = make_plan(candidate, gpus, device)
@@ -296,8 +297,8 @@ def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficie
 
 
 def structure_problems(cfg: RunConfig, gpus: int) -> list[str]:
-    """What `validate` says about the parallel degrees alone (the same rule functions it calls), so that a refused
-    (tp, pp, ep, etp, zero) is not re-validated for every micro batch."""
+    """What the parallel degrees alone would be refused for (rule functions `validate` calls), so that a refused
+    (tp, pp, ep, etp, zero) is not re-validated for every micro batch; only once `validate` says so too."""
     dims = cfg.dims(gpus)
     problems = dims.problems(cfg.model.experts_per_layer()) + tensor_parallel_problems(cfg.model, dims)
     return problems + zero_problems(cfg.parallel.zero_stage, cfg.parallel.use_distributed_optimizer, dims)
