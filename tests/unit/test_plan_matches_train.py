@@ -78,6 +78,10 @@ def test_only_this_machines_files_are_left_to_train(tmp_path, tiny_config, capsy
     cfg, _ = load_config(str(tiny_config), overrides(elsewhere))
     assert len(validate(cfg, 2)) >= 3  # train would refuse all three here
     assert main(["plan", "--config", str(tiny_config), "--gpus", "2", *DEVICE, *elsewhere]) == 0
+    no_data = tmp_path / "no-data.yaml"
+    no_data.write_text(yaml.safe_dump(TINY_MOE))
+    assert any(p.startswith("no data given") for p in validate(load_config(str(no_data), {})[0], 2))
+    assert main(["plan", "--config", str(no_data), "--gpus", "2", *DEVICE]) == 0
     capsys.readouterr()
     corpus = load_config(str(tiny_config), {})[0].data.data_path[0]  # there
     for written_wrong in (["--split", "most,some"], ["--train-data-path", corpus], ["--data-path", "0.5", corpus, "x"]):

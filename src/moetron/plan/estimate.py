@@ -58,8 +58,8 @@ class Plan:
         return self.cfg.num_micro_batches(self.dims.dp)
 
 
-# How `DataConfig.problems()` words the absence of data on this machine (tests/unit/test_plan.py holds the
-# plan's verdict on these next to train's, so a change of wording shows there)
+# How `DataConfig.problems()` words the absence of data on this machine (tests/unit/test_plan_matches_train.py
+# checks the plan's verdict on these next to train's, so a change of wording shows there)
 NO_DATA_GIVEN = "no data given"
 NO_DATASET_AT = ": no dataset at prefix "
 
