@@ -97,6 +97,9 @@ def harness() -> list[str]:
     return ["eval-harness", "--load", "run", "--tasks", "moetron_tiny"]
 
 
+# a pipeline that runs (two micro-batches per step) but with ZeRO, which `moetron train` refuses
+PIPELINED_ZERO = "--gpus 4 --pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 8 --zero-stage 1"
+
 # (id, argv builder, what the error line must name)
 CASES = [
     # ---- train: flags and values
@@ -289,6 +292,15 @@ CASES = [
         lambda w: ["plan", "--config", "quickstart", "--gpus", "1", "--moe-expert-parallel-size", "2"],
         "--moe-expert-parallel-size 2",
     ),  # fmt: skip
+    ("plan-gpu-memory-zero", lambda w: ["plan", "--config", "quickstart", "--gpu-memory", "0GB"], "--gpu-memory '0GB'"),
+    ("plan-peak-negative", lambda w: ["plan", "--config", "quickstart", "--peak-tflops", "-3"], "--peak-tflops -3"),
+    ("plan-peak-nan", lambda w: ["plan", "--config", "quickstart", "--peak-tflops", "nan"], "--peak-tflops nan"),
+    ("plan-peak-inf", lambda w: ["plan", "--config", "quickstart", "--peak-tflops", "inf"], "--peak-tflops inf"),
+    (
+        "plan-zero-with-pipeline",  # train refuses it: so does plan
+        lambda w: ["plan", "--config", "quickstart", *PIPELINED_ZERO.split()],
+        "--zero-stage 1 with --pipeline-model-parallel-size 2",
+    ),
     # ---- quickstart
     ("quickstart-nproc", lambda w: ["quickstart", "--nproc", "3"], "--nproc 3"),
     (

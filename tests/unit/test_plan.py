@@ -224,6 +224,13 @@ def test_memory_sizes_and_devices():
     with pytest.raises(UserError, match="--gpu-type 'TPU'.*--gpu-memory"):
         accelerator("TPU")
     assert accelerator("TPU", "32GB", 100.0).peak_tflops == 100.0
+    for empty in ("0GB", "0", "0.0000000001GB"):  # no memory, however written (signs, inf and nan do not parse)
+        with pytest.raises(UserError, match=f"--gpu-memory '{empty}' is 0 bytes"):
+            parse_memory(empty)
+    for peak in (-3.0, 0.0, float("nan"), float("inf")):  # on every path: a table entry, cpu, a sized or unknown GPU
+        for gpu_type, memory in (("4090", None), ("cpu", "8GB"), (None, "24GB"), ("TPU", "32GB")):
+            with pytest.raises(UserError, match=f"--peak-tflops {peak:g} must be a positive number"):
+                accelerator(gpu_type, memory, peak)
 
 
 def test_cli_table_and_json(capsys):

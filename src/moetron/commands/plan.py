@@ -9,7 +9,12 @@ When the config file's expert-parallel size cannot run on `--gpus` (a recipe's E
 the largest size that divides the GPUs and every expert count, at most the config's, and says so; an explicit
 `--moe-expert-parallel-size` is planned as given.
 
-Exit status (scriptable): 0 the config fits, 1 it does not fit (the changes that would are listed), 2 an error.
+The config is checked as `moetron train` checks it (`validate`, every problem at once, the same words), so a
+layout train refuses — ZeRO with pipelining, say — is an error here too; only the checks of this machine's files
+(datasets, tokenizer files, output directories: plan reads and writes none) are left to train.
+
+Exit status (scriptable): 0 the config fits, 1 it does not fit (the changes that would are listed), 2 an error
+(a config `moetron train` refuses included).
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 1  # errors exit 2, as everywhere
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
-        "Exit status: 0 the config fits, 1 it does not fit (the changes that would fit are listed), 2 an error. "
+        "Exit status: 0 the config fits, 1 it does not fit (the changes that would fit are listed), 2 an error "
+        "(also a config `moetron train` refuses; its data, tokenizer and output paths need not exist here). "
         "A config file's --moe-expert-parallel-size that cannot run on --gpus is lowered to the largest that can "
         "(said on stderr); one given as a flag is planned as given."
     )

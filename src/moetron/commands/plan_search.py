@@ -14,11 +14,11 @@ import json
 import sys
 
 from moetron.config import RunConfig
-from moetron.config_cli import cli_names
+from moetron.config_cli import cli_names, load_config
 from moetron.errors import UserError
 from moetron.plan.cost_model import DEFAULT_EFFICIENCY, INTERCONNECTS, network
 from moetron.plan.hardware import Accelerator
-from moetron.plan.search import fixed_dimensions, nothing_fits, search
+from moetron.plan.search import fixed_dimensions, given_flags, nothing_fits, search
 from moetron.plan.search_report import format_search, search_dict
 
 DEFAULT_TOP = 10
@@ -80,7 +80,10 @@ def run_search(args: argparse.Namespace, cfg: RunConfig, gpus: int, device: Acce
             f"--measure runs the layouts on this machine, but --gpus {gpus} spans {nodes} nodes; measure on one node "
             "(--nodes 1 with the GPUs it has) and plan the cluster without --measure"
         )
-    result = search(cfg, gpus, device, net, args.efficiency, fixed_dimensions(cfg, cli_names(explicit)))
+    flags = cli_names(explicit)
+    file_only, _ = load_config(args.config, {})  # what each printed command's `--config FILE` starts from
+    result = search(cfg, gpus, device, net, args.efficiency, fixed_dimensions(cfg, flags), file_only,
+                    given_flags(cfg, flags))  # fmt: skip
     if not result.rows:
         message = nothing_fits(result, gpus, device)
         if args.json:

@@ -22,7 +22,6 @@ from moetron.plan.pipeline import StagePlan, pipeline_bubble, pipeline_step_time
 from moetron.plan.tensor_parallel import comm_bytes_per_step
 
 DEFAULT_MFU = 0.30
-NOT_SUPPORTED = "is not supported yet"
 
 
 @dataclass
@@ -37,7 +36,6 @@ class Plan:
     flops_per_token: float
     memory: MemoryEstimate
     step_time_s: float
-    warnings: list[str] = field(default_factory=list)
     stages: list[StagePlan] = field(default_factory=list)  # per pipeline rank (pp > 1)
     bubble: float = 0.0  # idle share of a step (pipeline bubble)
     tp_comm_bytes: float = 0.0  # bytes one GPU sends over its tensor-parallel group per step
@@ -60,16 +58,30 @@ class Plan:
         return self.cfg.num_micro_batches(self.dims.dp)
 
 
-def layout_problems(cfg: RunConfig, gpus: int) -> tuple[list[str], list[str]]:
-    """(errors, warnings): errors make a plan meaningless; warnings are layouts moetron cannot run yet.
+# How `DataConfig.problems()` words the absence of data on this machine (tests/unit/test_plan_matches_train.py
+# checks the plan's verdict on these next to train's, so a change of wording shows there)
+NO_DATA_GIVEN = "no data given"
+NO_DATASET_AT = ": no dataset at prefix "
 
-    The data section and the output locations are not checked: a plan needs no dataset and writes nothing (the
-    recipes' example paths are fine here, from any working directory).
+
+def on_disk_problems(cfg: RunConfig) -> set[str]:
+    """`validate()`'s problems about this machine's files rather than about the config: datasets and tokenizer
+    files that are not here, output directories that cannot be written or hold an earlier run.
+
+    A plan reads no data and writes nothing, and is often made away from the training machine (a recipe's example
+    paths, a cluster's mounts), so it leaves these to `moetron train`. Every other problem — the layout, the
+    model, the schedule, and how the data flags are written (a blend, --split) — is refused as train refuses it.
     """
-    ignored = set(cfg.data.problems()) | set(output_problems(cfg))
-    problems = [p for p in validate(cfg, gpus) if p not in ignored]
-    errors = [p for p in problems if NOT_SUPPORTED not in p]
-    return errors, [p for p in problems if NOT_SUPPORTED in p]
+    d = cfg.data
+    missing_data = {p for p in d.problems() if p.startswith(NO_DATA_GIVEN) or NO_DATASET_AT in p}
+    return missing_data | set(d.tokenizer_file_problems()) | set(output_problems(cfg))
+
+
+def layout_problems(cfg: RunConfig, gpus: int) -> list[str]:
+    """What `moetron train` would refuse in `cfg` on `gpus` processes (`validate`, the same rules and messages),
+    apart from the files on this machine (`on_disk_problems`)."""
+    ignored = on_disk_problems(cfg)
+    return [p for p in validate(cfg, gpus) if p not in ignored]
 
 
 def adapted_expert_parallel(cfg: RunConfig, gpus: int) -> int | None:
@@ -97,10 +109,11 @@ def step_time(cfg: RunConfig, dims: ParallelDims, device: Accelerator, mfu: floa
 
 
 def make_plan(cfg: RunConfig, gpus: int, device: Accelerator, mfu: float = DEFAULT_MFU) -> Plan:
-    """The plan of `cfg` on `gpus` devices; raises ConfigError for layouts that cannot exist at all."""
-    errors, warnings = layout_problems(cfg, gpus)
-    if errors:
-        raise ConfigError(errors)
+    """The plan of `cfg` on `gpus` devices; raises ConfigError (every problem) for a config `moetron train`
+    refuses (`layout_problems`)."""
+    problems = layout_problems(cfg, gpus)
+    if problems:  # all at once, as `moetron train` reports them (also the layouts it cannot run yet)
+        raise ConfigError(problems)
     dims = cfg.dims(gpus)
     seconds, per_token = step_time(cfg, dims, device, mfu)
     stages, bubble = [], 0.0
@@ -118,7 +131,6 @@ def make_plan(cfg: RunConfig, gpus: int, device: Accelerator, mfu: float = DEFAU
         flops_per_token=per_token,
         memory=estimate_memory(cfg, dims, device.kind),
         step_time_s=seconds,
-        warnings=warnings,
         stages=stages,
         bubble=bubble,
         tp_comm_bytes=comm_bytes_per_step(

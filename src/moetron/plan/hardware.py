@@ -8,6 +8,7 @@ With only `--gpu-memory`, the device is "a GPU of that size" with the default de
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -65,7 +66,19 @@ def parse_memory(text: str) -> int:
     if not match:
         raise UserError(f"--gpu-memory {text!r} is not a size; write it like 24GB, 80GiB or 16384MB")
     number, unit = float(match.group(1)), (match.group(2) or "G").upper()
-    return int(number * {"M": 1024**2, "G": GIB, "T": 1024**4}[unit])
+    size = int(number * {"M": 1024**2, "G": GIB, "T": 1024**4}[unit])
+    if size <= 0:  # the pattern admits no sign, inf or nan: only zero is left to refuse
+        raise UserError(f"--gpu-memory {text!r} is 0 bytes; give the memory per GPU, e.g. 24GB, 80GiB or 16384MB")
+    return size
+
+
+def check_peak(peak: float | None) -> None:
+    """`--peak-tflops` (a flag of `moetron train` too) sizes the step time: a positive, finite number, or unset."""
+    if peak is not None and not (math.isfinite(peak) and peak > 0):
+        raise UserError(
+            f"--peak-tflops {peak:g} must be a positive number of TFLOP/s per GPU (e.g. 312 for an A100's bf16 "
+            "peak), or left out to use the --gpu-type's"
+        )
 
 
 def sized_gpu(gpu_memory: str, peak: float | None) -> Accelerator:
@@ -81,6 +94,7 @@ def sized_gpu(gpu_memory: str, peak: float | None) -> Accelerator:
 
 def accelerator(gpu_type: str | None, gpu_memory: str | None = None, peak: float | None = None) -> Accelerator:
     """The device to plan for: a table entry, adjusted by `--gpu-memory` / `--peak-tflops`."""
+    check_peak(peak)
     if gpu_type is None and gpu_memory is not None:
         return sized_gpu(gpu_memory, peak)
     name = gpu_type or DEFAULT_GPU

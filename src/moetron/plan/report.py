@@ -132,8 +132,6 @@ def format_plan(plan: Plan, suggestions: list[Suggestion], source: str = "", lar
             f"  TP comm    ~{gib(plan.tp_comm_bytes)} GiB sent per GPU per step to its {plan.dims.tp - 1} "
             "tensor-parallel peer(s) (all-reduces / all-gathers of activations: keep TP within NVLink)"
         )
-    for warning in plan.warnings:
-        lines.append(f"  warning    {warning}")
     if larger is not None:
         lines.append(
             f"  headroom   micro batch {larger.plan.cfg.train.micro_batch_size} still fits "
@@ -198,7 +196,6 @@ def plan_dict(plan: Plan, suggestions: list[Suggestion], source: str = "", large
         "fits": plan.fits,
         "mfu_assumed": plan.mfu,
         "step_time_s": plan.step_time_s,
-        "warnings": plan.warnings,
         "suggestions": [
             {
                 "change": s.change,

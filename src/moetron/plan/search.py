@@ -10,10 +10,13 @@ checkpointing) at the config's global batch; dp = gpus / (tp · pp). Enumerated:
   micro batch   divisors of the global batch per data-parallel rank, smallest first (memory grows with it:
                 the first that does not fit ends that layout's list)
   checkpointing off and on
-Flags given on the command line (`--tensor-model-parallel-size 1`, `--zero-stage 0`, ...) fix that dimension.
-Each candidate goes through `moetron.config.validate` (the rules `moetron train` applies; the data section and
-output paths aside, as in any plan), then the memory plan (`plan/memory.py`) and the cost model
-(`plan/cost_model.py`); the ones that fit are ranked by predicted step time.
+Flags given on the command line (`--tensor-model-parallel-size 1`, `--zero-stage 0`, ...) fix that dimension;
+the pipeline schedule, uneven first/last stages and --use-distributed-optimizer are never varied: the command
+line's values, else the defaults. Each row's command is `--config FILE`, the command line's other flags, and the
+flags that turn the file's layout into the row's: it runs exactly the config the row planned.
+Each candidate goes through `moetron.config.validate` (the rules and words of `moetron train`; only the checks
+of this machine's files aside, as in any plan: `plan.estimate.on_disk_problems`), then the memory plan
+(`plan/memory.py`) and the cost model (`plan/cost_model.py`); the ones that fit are ranked by predicted step time.
 """
 
 from __future__ import annotations
@@ -25,13 +28,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from moetron.config import RunConfig
+from moetron.config_cli import field_specs
 from moetron.parallel.tensor_parallel_layout import tensor_parallel_problems
-from moetron.parallel.zero import zero_problems
+from moetron.parallel.zero import effective_stage, zero_problems
 from moetron.plan.cost_model import DEFAULT_EFFICIENCY, Network, StepCost, step_cost
 from moetron.plan.estimate import Plan, layout_problems, make_plan
 from moetron.plan.hardware import Accelerator
 
 STRUCTURE = ("tp", "sp", "pp", "virtual_layers", "ep", "etp", "zero")  # Layout fields `structures` enumerates
+# Layout fields taken from the command line as given, never varied: {ParallelConfig field: Layout field}
+KEPT = {
+    "pipeline_schedule": "schedule",
+    "decoder_first_pipeline_num_layers": "first_layers",
+    "decoder_last_pipeline_num_layers": "last_layers",
+    "use_distributed_optimizer": "distributed_optimizer",
+}
 MAX_VIRTUAL = 4  # interleaved schedules tried with 2 .. MAX_VIRTUAL virtual stages per pipeline rank
 # the fields a layout sets, in the order their flags are printed
 LAYOUT_FIELDS = (
@@ -40,6 +51,8 @@ LAYOUT_FIELDS = (
     ("parallel", "pipeline_model_parallel_size"),
     ("parallel", "pipeline_schedule"),
     ("parallel", "num_layers_per_virtual_pipeline_stage"),
+    ("parallel", "decoder_first_pipeline_num_layers"),
+    ("parallel", "decoder_last_pipeline_num_layers"),
     ("parallel", "moe_expert_parallel_size"),
     ("parallel", "expert_tensor_parallel_size"),
     ("parallel", "zero_stage"),
@@ -61,6 +74,15 @@ class Layout:
     zero: int = 0
     mbs: int = 1
     ckpt: bool = False
+    schedule: str | None = None  # --pipeline-schedule; None: 1F1B, interleaved with virtual stages
+    first_layers: int | None = None  # --decoder-first-pipeline-num-layers
+    last_layers: int | None = None  # --decoder-last-pipeline-num-layers
+    distributed_optimizer: bool = False  # --use-distributed-optimizer: at least ZeRO stage 1
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage the run uses."""
+        return effective_stage(self.zero, self.distributed_optimizer)
 
     def apply(self, cfg: RunConfig, global_batch: int) -> RunConfig:
         """A copy of `cfg` with this layout at `global_batch` (the sections it does not change are shared)."""
@@ -70,13 +92,13 @@ class Layout:
             sequence_parallel=self.sp,
             pipeline_model_parallel_size=self.pp,
             num_layers_per_virtual_pipeline_stage=self.virtual_layers,
-            pipeline_schedule=None,  # from the virtual stages: 1F1B or interleaved 1F1B
-            decoder_first_pipeline_num_layers=None,
-            decoder_last_pipeline_num_layers=None,
+            pipeline_schedule=self.schedule,
+            decoder_first_pipeline_num_layers=self.first_layers,
+            decoder_last_pipeline_num_layers=self.last_layers,
             moe_expert_parallel_size=self.ep,
             expert_tensor_parallel_size=self.etp,
             zero_stage=self.zero,
-            use_distributed_optimizer=False,
+            use_distributed_optimizer=self.distributed_optimizer,
         )
         train = replace(cfg.train, micro_batch_size=self.mbs, global_batch_size=global_batch)
         model = replace(cfg.model, checkpoint_activations=self.ckpt)
@@ -88,10 +110,11 @@ class Layout:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sp else "") + (f" etp{self.etp}" if self.etp > 1 else ""))
         if self.pp > 1:
             parts.append(f"pp{self.pp}" + (f"×v{self.virtual_layers}L" if self.virtual_layers else ""))
+            parts += [self.schedule] if self.schedule else []
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        if self.zero:
-            parts.append(f"zero{self.zero}")
+        if self.stage:
+            parts.append(f"zero{self.stage}")
         parts.append(f"mbs{self.mbs}")
         if self.ckpt:
             parts.append("ckpt")
@@ -103,7 +126,7 @@ class Row:
     layout: Layout
     plan: Plan
     cost: StepCost
-    flags: list[str]  # what to add to `moetron train --config FILE`
+    flags: list[str]  # what to add to `moetron train --config FILE` to run this layout
     measured: object | None = None  # plan.measure.Measurement, filled by --measure
     predicted_rank: int = 0  # 1 = fastest predicted
 
@@ -146,6 +169,7 @@ def _virtual_options(num_layers: int, pp: int) -> list[int | None]:
 
 def structures(cfg: RunConfig, gpus: int, per_node: int, fixed: dict) -> Iterator[Layout]:
     """Every (tp, sp, pp, virtual, ep, etp, zero) — micro batch and checkpointing are added by `search`."""
+    kept = {field: fixed[field] for field in KEPT.values() if field in fixed}
     moe = [e for e in cfg.model.experts_per_layer() if e > 1]
     expert_sizes = divisors(math.gcd(*moe)) if moe else [1]
     for tp in divisors(gpus):
@@ -157,9 +181,16 @@ def structures(cfg: RunConfig, gpus: int, per_node: int, fixed: dict) -> Iterato
                     for etp in sorted({1, tp}):
                         for ep in expert_sizes:
                             for zero in (0, 1, 2, 3) if gpus > 1 else (0,):
-                                layout = Layout(tp, sp, pp, virtual, ep, etp, zero)
+                                layout = Layout(tp, sp, pp, virtual, ep, etp, zero, **kept)
                                 if all(getattr(layout, k) == v for k, v in fixed.items() if k in STRUCTURE):
-                                    yield layout
+                                    if not _same_stage_twice(layout, fixed):
+                                        yield layout
+
+
+def _same_stage_twice(layout: Layout, fixed: dict) -> bool:
+    """--use-distributed-optimizer makes --zero-stage 0 and 1 the same run: offer it once (at the stage the
+    flag alone means), unless --zero-stage is fixed too."""
+    return layout.distributed_optimizer and layout.zero == 1 and "zero" not in fixed
 
 
 def fixed_dimensions(cfg: RunConfig, names: set[str]) -> dict:
@@ -173,6 +204,7 @@ def fixed_dimensions(cfg: RunConfig, names: set[str]) -> dict:
         ("moe_expert_parallel_size", "ep"),
         ("expert_tensor_parallel_size", "etp"),
         ("zero_stage", "zero"),
+        *KEPT.items(),
     ):
         if name in names:
             out[key] = getattr(p, name)
@@ -183,25 +215,49 @@ def fixed_dimensions(cfg: RunConfig, names: set[str]) -> dict:
     return out
 
 
+def field_flags(name: str, value) -> list[str]:
+    """`name = value` as `moetron train` reads it from the command line (config_cli: switches with a --no- form,
+    lists as several values, None as `none`)."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag if value else "--no-" + flag[2:]]
+    if isinstance(value, list):
+        return [flag, *map(str, value)]
+    return [flag, "none" if value is None else str(value)]
+
+
 def layout_flags(base: RunConfig, cfg: RunConfig) -> list[str]:
-    """The flags that turn `base` (the config file) into `cfg`: only fields that differ."""
+    """The flags that turn `base` (the config file) into `cfg`: only layout fields that differ."""
     flags = []
     for section, name in LAYOUT_FIELDS:
         old, new = getattr(getattr(base, section), name), getattr(getattr(cfg, section), name)
-        if old == new:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(new, bool):
-            flags.append(flag if new else "--no-" + flag[2:])
-        else:
-            flags += [flag, "none" if new is None else str(new)]
+        if old != new:
+            flags += field_flags(name, new)
     return flags
 
 
+def given_flags(cfg: RunConfig, names: set[str]) -> list[str]:
+    """The command line's flags other than the layout's (`--bf16`, `--seq-length 2048`, ...), with `cfg`'s values:
+    every printed command repeats them, since the rows were planned with them."""
+    layout = {name for _, name in LAYOUT_FIELDS}
+    specs = field_specs()
+    return [
+        flag
+        for name, spec in specs.items()
+        if name in names and name not in layout
+        for flag in field_flags(name, getattr(getattr(cfg, spec.section), name))
+    ]
+
+
 def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficiency: float = DEFAULT_EFFICIENCY,
-           fixed: dict | None = None) -> SearchResult:  # fmt: skip
-    """Every layout of `cfg` on `gpus` GPUs that fits `device`, fastest first (see the module docstring)."""
-    fixed = fixed or {}
+           fixed: dict | None = None, base: RunConfig | None = None, given: list[str] | None = None
+           ) -> SearchResult:  # fmt: skip
+    """Every layout of `cfg` on `gpus` GPUs that fits `device`, fastest first (see the module docstring).
+
+    Each row's flags are `given` (the command line's non-layout flags, `given_flags`) and the layout flags that
+    turn `base` (the config file alone, as `moetron train --config` reads it; default `cfg`) into the row's config.
+    """
+    fixed, base, given = fixed or {}, base or cfg, given or []
     gbs = search_global_batch(cfg, gpus)
     result = SearchResult([], 0, 0, 0)
     for structure in structures(cfg, gpus, net.gpus_per_node, fixed):
@@ -209,21 +265,22 @@ def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficie
         per_rank = gbs // dp if gbs % dp == 0 else 0
         sizes = [(ckpt, mbs) for ckpt in (False, True) for mbs in divisors(per_rank) or [max(gbs // max(dp, 1), 1)]]
         sizes = [(c, m) for c, m in sizes if fixed.get("ckpt", c) == c and fixed.get("mbs", m) == m]
-        refused = structure_problems(structure.apply(cfg, gbs), gpus)
-        if refused:  # the degrees alone are refused: so is every micro batch of them
-            result.candidates += len(sizes)
-            result.refusals[refused[0]] += len(sizes)
-            continue
+        degrees = set(structure_problems(structure.apply(cfg, gbs), gpus))  # problems whatever the micro batch
         too_big: set[bool] = set()  # checkpointing settings whose micro batches stopped fitting
-        for ckpt, mbs in sizes:
+        for i, (ckpt, mbs) in enumerate(sizes):
             if ckpt in too_big:
                 continue  # a larger micro batch needs more memory still
             layout = Layout(**{**structure.__dict__, "mbs": mbs, "ckpt": ckpt})
             result.candidates += 1
             candidate = layout.apply(cfg, gbs)
-            errors, warnings = layout_problems(candidate, gpus)
-            if errors or warnings:
-                result.refusals[(errors + warnings)[0]] += 1
+            problems = layout_problems(candidate, gpus)  # what `moetron train` refuses: the only refusals
+            if problems:
+                whole = bool(degrees.intersection(problems))  # for the degrees: so is every micro batch of them
+                count = len(sizes) - i if whole else 1
+                result.candidates += count - 1
+                result.refusals[problems[0]] += count
+                if whole:
+                    break
                 continue
             result.valid += 1
             plan = make_plan(candidate, gpus, device)
@@ -231,7 +288,8 @@ def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficie
                 result.too_big += 1
                 too_big.add(ckpt)
                 continue
-            result.rows.append(Row(layout, plan, step_cost(plan, net, efficiency), layout_flags(cfg, candidate)))
+            flags = [*given, *layout_flags(base, candidate)]
+            result.rows.append(Row(layout, plan, step_cost(plan, net, efficiency), flags))
     result.rows.sort(key=rank_key)
     for i, row in enumerate(result.rows, 1):
         row.predicted_rank = i
@@ -239,8 +297,8 @@ def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficie
 
 
 def structure_problems(cfg: RunConfig, gpus: int) -> list[str]:
-    """What `validate` says about the parallel degrees alone (the same rule functions it calls), so that a refused
-    (tp, pp, ep, etp, zero) is not re-validated for every micro batch."""
+    """What the parallel degrees alone would be refused for (rule functions `validate` calls), so that a refused
+    (tp, pp, ep, etp, zero) is not re-validated for every micro batch; only once `validate` says so too."""
     dims = cfg.dims(gpus)
     problems = dims.problems(cfg.model.experts_per_layer()) + tensor_parallel_problems(cfg.model, dims)
     return problems + zero_problems(cfg.parallel.zero_stage, cfg.parallel.use_distributed_optimizer, dims)
@@ -251,7 +309,7 @@ def rank_key(row: Row) -> tuple:
     ranks), then the larger micro batch (larger matmuls than the model's fixed efficiency credits), then the one
     with more memory to spare."""
     layout = row.layout
-    return (round(row.cost.total, 9), layout.zero, layout.pp, layout.tp, -layout.mbs, row.plan.needed_bytes)
+    return (round(row.cost.total, 9), layout.stage, layout.pp, layout.tp, -layout.mbs, row.plan.needed_bytes)
 
 
 def nothing_fits(result: SearchResult, gpus: int, device: Accelerator) -> str:

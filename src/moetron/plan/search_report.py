@@ -85,6 +85,7 @@ def row_dict(row: Row, config: str, gpus: int, nodes: int) -> dict:
         "words": row.words,
         "flags": row.flags,
         "command": train_command(row, config, gpus, nodes),
+        "global_batch_size": plan.cfg.global_batch(d.dp),
         "needed_bytes": plan.needed_bytes,
         "peak_bytes": plan.memory.peak,
         "memory": plan.memory.to_dict(),
