@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_plan_search import TINY_MOE as SEARCH_TINY_MOE
 
 from moetron.cli import main
 from moetron.commands import train
@@ -20,20 +21,8 @@ from moetron.plan.estimate import make_plan
 from moetron.plan.hardware import accelerator
 from moetron.plan.measure import random_corpus
 
-TINY_MOE = {
-    "num_layers": 4,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "seq_length": 64,
-    "vocab_size": 512,
-    "num_experts": 4,
-    "expert_interval": 2,
-    "topk": 2,
-    "micro_batch_size": 2,
-    "global_batch_size": 16,
-    "train_iters": 10,
-    "zero_stage": 1,  # the file's layout differs from the defaults: a row at ZeRO 0 must say so
-}
+# the file's layout differs from the defaults: a row at ZeRO 0 must say so
+TINY_MOE = {**SEARCH_TINY_MOE, "zero_stage": 1}
 DEVICE = ["--gpu-type", "cpu", "--gpu-memory", "4GB"]
 
 
