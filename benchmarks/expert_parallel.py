@@ -22,8 +22,8 @@ import torch
 
 from moetron.config import RunConfig
 from moetron.data.synthetic import RandomTokenLoader
-from moetron.parallel import expert_parallel
 from moetron.parallel.env import init_distributed
+from moetron.parallel.ep import all_to_all as expert_parallel
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build_model
 from moetron.train.trainer import Trainer

@@ -23,11 +23,11 @@ from memory_peak import peak_cpu_bytes
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
 from interchange_support import ARCHITECTURES, run_config, save_model  # noqa: E402
 
+from moetron.checkpoint import load_weights, resolve_checkpoint  # noqa: E402
 from moetron.data.tokenizer import train_bpe_tokenizer  # noqa: E402
 from moetron.interchange.hf_architectures import MIXTRAL  # noqa: E402
 from moetron.interchange.hf_export import export_hf  # noqa: E402
 from moetron.model.gpt import GPTModel, create_model  # noqa: E402
-from moetron.train.checkpoint import load_weights, resolve_checkpoint  # noqa: E402
 
 
 def whole_model_conversion(run: Path, cfg, out: Path) -> None:

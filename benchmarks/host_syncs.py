@@ -69,7 +69,7 @@ def local_reads(mode: str, backend: str = "grouped_mm") -> HostReadCounter:
 
 
 def _ep_worker(rank: int, world: int, port: int, backend: str, results) -> None:
-    from moetron.parallel.expert_parallel import AllToAllDispatcher, shard_layer_experts
+    from moetron.parallel.ep.all_to_all import AllToAllDispatcher, shard_layer_experts
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -37,7 +37,7 @@ from moetron.data.synthetic import RandomTokenLoader
 from moetron.parallel.env import init_distributed
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build_model
-from moetron.parallel.pipeline_layout import PipelineLayout
+from moetron.parallel.pp.stage_layout import PipelineLayout
 from moetron.train.trainer import Trainer
 
 MICRO_BATCHES = (4, 8, 16)
@@ -80,7 +80,7 @@ def measure(rank: int, world: int, cfg: RunConfig, args: argparse.Namespace) -> 
     clock = BusyClock()
     pipelined = cfg.parallel.pipeline_model_parallel_size > 1
     if pipelined:
-        from moetron.parallel.pipeline_stage import MoetronStage
+        from moetron.parallel.pp.schedules import MoetronStage
         from moetron.train.pipeline_executor import PipelineExecutor
 
         for owner, name in ((MoetronStage, "forward_one_chunk"), (MoetronStage, "backward_one_chunk"),

@@ -29,11 +29,11 @@ import torch
 
 from moetron.config import RunConfig
 from moetron.data.synthetic import RandomTokenLoader
-from moetron.parallel import sharded_optimizer
+from moetron.parallel.dp import sharded_optimizer
+from moetron.parallel.dp.zero_spec import ZeroSpec
 from moetron.parallel.env import init_distributed
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build_model
-from moetron.parallel.zero import ZeroSpec
 from moetron.plan.memory import estimate_memory
 from moetron.train.trainer import Trainer
 

@@ -20,9 +20,9 @@ from moetron.errors import ConfigError
 from moetron.fileio import output_dir_problem
 from moetron.model.config import ModelConfig
 from moetron.parallel.dims import ParallelDims
-from moetron.parallel.pipeline_layout import pipeline_problems
-from moetron.parallel.tensor_parallel_layout import tensor_parallel_problems
-from moetron.parallel.zero import zero_problems
+from moetron.parallel.dp.zero_spec import zero_problems
+from moetron.parallel.pp.stage_layout import pipeline_problems
+from moetron.parallel.tp.sizes import tensor_parallel_problems
 from moetron.train.schedule import DECAY_STYLES
 
 
@@ -238,7 +238,7 @@ def run_directory_problems(t: TrainConfig) -> list[str]:
     """A run must not destroy a previous run's checkpoints or logs: a new run (no --load inside that directory) is
     refused unless --overwrite says so; --overwrite and --finetune are refused with a --load inside the directory
     (the one would delete the checkpoint it is about to load, the other restart the run at iteration 0 over it)."""
-    from moetron.train.checkpoint.files import previous_run
+    from moetron.checkpoint.files import previous_run
 
     flag, run_dir = ("--save", t.save) if t.save else ("--output-dir", t.output_dir)
     if not run_dir:

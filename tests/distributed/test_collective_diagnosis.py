@@ -42,7 +42,7 @@ def install(spec: str) -> None:
     iteration = int(iteration)
     import torch
 
-    from moetron.parallel import expert_parallel
+    from moetron.parallel.ep import all_to_all as expert_parallel
     from moetron.train import trainer as trainer_module
 
     current = [0]

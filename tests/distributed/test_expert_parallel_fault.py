@@ -28,8 +28,8 @@ def worker(run_dir: str) -> int:
     import torch
     from test_expert_parallel_train import ep_config, ep_trainer
 
+    from moetron.checkpoint import resolve_checkpoint
     from moetron.parallel.env import init_distributed
-    from moetron.train.checkpoint import resolve_checkpoint
 
     torch.set_num_threads(1)
     env = init_distributed(backend="gloo", timeout_minutes=1)

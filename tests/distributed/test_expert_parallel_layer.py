@@ -26,7 +26,7 @@ from moetron.model.config import ModelConfig  # noqa: E402
 from moetron.model.moe.layer import MoELayer  # noqa: E402
 from moetron.parallel.dims import ParallelDims  # noqa: E402
 from moetron.parallel.env import DistEnv  # noqa: E402
-from moetron.parallel.expert_parallel import (  # noqa: E402
+from moetron.parallel.ep.all_to_all import (  # noqa: E402
     AllToAllDispatcher,
     regroup_by_local_expert,
     shard_layer_experts,

@@ -27,8 +27,8 @@ from launch import run_distributed  # noqa: E402
 from trainer_support import parallel_trainer as ep_trainer  # noqa: E402
 from trainer_support import random_samples, run_losses, tiny_config  # noqa: E402
 
+from moetron.checkpoint import resolve_checkpoint  # noqa: E402
 from moetron.parallel.env import DistEnv, init_distributed  # noqa: E402
-from moetron.train.checkpoint import resolve_checkpoint  # noqa: E402
 from moetron.train.trainer import Trainer  # noqa: E402
 
 STEPS, MBS = 20, 2

@@ -22,12 +22,12 @@ SEED = 7
 
 def save_and_evaluate_at_ep2(rank: int, world_size: int, root: str) -> dict | None:
     """Every rank: build its half of the experts, save the checkpoint together, then run the harness at EP = 2."""
+    from moetron.checkpoint import GlobalView, save_checkpoint
     from moetron.config_cli import to_yaml
     from moetron.parallel.env import init_distributed
     from moetron.parallel.mesh import ParallelMesh
     from moetron.parallel.parallelize import build_model
     from moetron.parallel.params import ParamRegistry
-    from moetron.train.checkpoint import GlobalView, save_checkpoint
 
     env = init_distributed()
     cfg = run_config(Path(root) / "tok", **MODEL)

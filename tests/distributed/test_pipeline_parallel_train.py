@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from launch import run_distributed  # noqa: E402
 from trainer_support import MemoryLoader, parallel_model, random_samples, tiny_config  # noqa: E402
 
+from moetron.checkpoint import resolve_checkpoint  # noqa: E402
 from moetron.parallel.env import DistEnv, init_distributed  # noqa: E402
-from moetron.train.checkpoint import resolve_checkpoint  # noqa: E402
 from moetron.train.trainer import Trainer  # noqa: E402
 
 STEPS, SAVE_AT, MBS, GBS = 12, 6, 2, 8

@@ -39,12 +39,12 @@ from trainer_support import (  # noqa: E402
     tiny_config,
 )
 
+from moetron.checkpoint import resolve_checkpoint  # noqa: E402
 from moetron.model.rng import STREAMS  # noqa: E402
 from moetron.parallel.env import DistEnv, init_distributed  # noqa: E402
 from moetron.parallel.mesh import ParallelMesh  # noqa: E402
 from moetron.parallel.parallelize import build_model  # noqa: E402
 from moetron.plan.memory import local_parameters  # noqa: E402
-from moetron.train.checkpoint import resolve_checkpoint  # noqa: E402
 from moetron.train.trainer import Trainer  # noqa: E402
 
 STEPS, HALF, MBS, GLOBAL_BATCH = 12, 6, 2, 4

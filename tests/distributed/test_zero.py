@@ -31,8 +31,8 @@ from launch import run_distributed  # noqa: E402
 from test_expert_parallel_train import ep_trainer, global_losses, validation_loss  # noqa: E402
 from trainer_support import tiny_config  # noqa: E402
 
+from moetron.checkpoint import resolve_checkpoint  # noqa: E402
 from moetron.parallel.env import init_distributed  # noqa: E402
-from moetron.train.checkpoint import resolve_checkpoint  # noqa: E402
 from moetron.train.trainer import Trainer  # noqa: E402
 
 STEPS, HALF, MBS, GBS = 12, 6, 2, 16

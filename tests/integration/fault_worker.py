@@ -34,8 +34,8 @@ def install(spec: str) -> None:
             raise RuntimeError(f"injected fault at {where} {iteration} on rank {os.environ.get('RANK', '0')}")
         os.kill(os.getpid(), sig)
 
+    from moetron.checkpoint import files
     from moetron.train import trainer as trainer_module
-    from moetron.train.checkpoint import files
 
     if where == "step":
         original_step = trainer_module.Trainer.train_step

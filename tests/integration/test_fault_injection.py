@@ -52,9 +52,9 @@ def curve(run: Path) -> dict[int, float]:
 
 def assert_loadable(run: Path) -> int:
     """The iteration of `latest`, after loading its weights into a fresh model."""
+    from moetron.checkpoint import load_weights, resolve_checkpoint
     from moetron.config_cli import load_config
     from moetron.model.gpt import create_model
-    from moetron.train.checkpoint import load_weights, resolve_checkpoint
 
     path = resolve_checkpoint(str(run))
     assert path is not None and path.is_dir(), f"no loadable checkpoint in {run}"

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 from data_helpers import make_tiny_tokenizer
 
+from moetron.checkpoint.state import write_checkpoint
 from moetron.config import RunConfig
 from moetron.config_cli import to_yaml
 from moetron.model.gpt import GPTModel, create_model
-from moetron.train.checkpoint.state import write_checkpoint
 
 VOCAB = 300  # the tiny tokenizer's vocabulary (data_helpers.make_tiny_tokenizer)
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=VOCAB)

@@ -8,9 +8,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from trainer_support import build_trainer, run_losses, tiny_config
 
+from moetron.checkpoint import files as ckpt
+from moetron.checkpoint import load_weights
 from moetron.errors import UserError
-from moetron.train.checkpoint import files as ckpt
-from moetron.train.checkpoint import load_weights
 
 
 def trained(tmp_path, steps=2, **kw):

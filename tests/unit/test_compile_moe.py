@@ -8,7 +8,7 @@ import pytest
 import torch
 from trainer_support import MemoryLoader, random_samples, run_losses, tiny_config
 
-from moetron.model.moe.experts import GroupedExperts
+from moetron.model.moe.experts.grouped import GroupedExperts
 from moetron.parallel import compile as compile_module
 from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh

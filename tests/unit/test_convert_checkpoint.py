@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from moetron.checkpoint import load_weights, resolve_checkpoint
+from moetron.checkpoint.legacy import convert
 from moetron.cli import main
 from moetron.config_cli import load_config
 from moetron.errors import UserError
 from moetron.model.gpt import create_model
-from moetron.train.checkpoint import load_weights, resolve_checkpoint
-from moetron.train.checkpoint.legacy import convert
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "v1_checkpoints"
 EXPECTED = load_file(str(FIXTURES / "expected.safetensors"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetron.model.moe.expert_backends import grouped_mm_supported
-from moetron.model.moe.experts import GroupedExperts, init_expert_weights
+from moetron.model.moe.experts.backends import grouped_mm_supported
+from moetron.model.moe.experts.grouped import GroupedExperts, init_expert_weights
 
 D, F = 16, 32
 BACKENDS = ["grouped_mm", "batched", "loop"]

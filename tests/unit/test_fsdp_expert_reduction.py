@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetron.parallel.fsdp import ExpertReduction, expert_reduction, policies
-from moetron.parallel.zero import ZeroSpec
+from moetron.parallel.dp.fsdp import ExpertReduction, expert_reduction, policies
+from moetron.parallel.dp.zero_spec import ZeroSpec
 
 DP = 4
 

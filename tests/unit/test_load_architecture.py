@@ -7,10 +7,7 @@ import dataclasses
 
 import pytest
 
-from moetron.config import RunConfig
-from moetron.config_cli import load_config, to_yaml
-from moetron.model.config import ModelConfig
-from moetron.train.checkpoint.architecture import (
+from moetron.checkpoint.architecture import (
     EFFECTIVE,
     FREE,
     FUNCTION,
@@ -20,6 +17,9 @@ from moetron.train.checkpoint.architecture import (
     checkpoint_model_problems,
     load_problems,
 )
+from moetron.config import RunConfig
+from moetron.config_cli import load_config, to_yaml
+from moetron.model.config import ModelConfig
 
 TINY = {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 2, "seq_length": 8, "vocab_size": 300}
 

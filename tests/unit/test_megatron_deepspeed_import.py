@@ -15,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from moetron.checkpoint import resolve_checkpoint
+from moetron.checkpoint.state import single_process_quiet
 from moetron.errors import UserError
 from moetron.eval.generate import load_model
 from moetron.interchange.mds_optimizer import read_moments
 from moetron.interchange.mds_tensors import MDSTensors
 from moetron.interchange.megatron_deepspeed import _args, find_step_dir, import_megatron_deepspeed, run_config
 from moetron.interchange.safe_load import Opaque, load_pt
-from moetron.train.checkpoint import resolve_checkpoint
-from moetron.train.checkpoint.state import single_process_quiet
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_deepspeed"
 RUNS = ["moe_top1_ep2", "prmoe_top2"]

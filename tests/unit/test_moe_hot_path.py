@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-import moetron.model.moe.experts as experts_module
+import moetron.model.moe.experts.grouped as experts_module
 from moetron.model.config import ModelConfig
-from moetron.model.moe.capacity_and_dropping import capacity_from_factor
-from moetron.model.moe.deepspeed_gating import gumbel_rsample, multiplicative_jitter, uniform_rsample
-from moetron.model.moe.expert_backends import auto_backend, cuda_grouped_mm_is_a_grouped_kernel, grouped_mm_supported
+from moetron.model.moe.experts.backends import auto_backend, cuda_grouped_mm_is_a_grouped_kernel, grouped_mm_supported
 from moetron.model.moe.host_reads import cuda_code_path
 from moetron.model.moe.layer import MoELayer
+from moetron.model.moe.routing.capacity_and_dropping import capacity_from_factor
+from moetron.model.moe.routing.deepspeed_gating import gumbel_rsample, multiplicative_jitter, uniform_rsample
 
 D, F, E = 16, 32, 8
 needs_grouped_mm = pytest.mark.skipif(
@@ -245,7 +245,7 @@ def test_cuda_grouped_kernel_rule(dtype, capability, rocm, expected):
 
 
 def test_auto_backend_on_cuda_picks_grouped_mm_only_for_the_grouped_kernel(monkeypatch):
-    import moetron.model.moe.expert_backends as backends
+    import moetron.model.moe.experts.backends as backends
 
     monkeypatch.setattr(backends, "_grouped_mm_runs", lambda device_type, dtype: True)
     monkeypatch.setattr(torch.version, "hip", None)

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moetron.model.config import ModelConfig
 from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
 from moetron.model.moe.dispatch import permute, unpermute
-from moetron.model.moe.expert_backends import grouped_mm_supported
+from moetron.model.moe.experts.backends import grouped_mm_supported
 from moetron.model.moe.layer import MoEAux, MoELayer
 
 B, T, D, F = 2, 16, 16, 32

@@ -6,15 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetron.model.moe.balancing_losses import z_loss, z_loss_from_route
-from moetron.model.moe.capacity_and_dropping import (
+from moetron.model.moe.routing.balancing_losses import z_loss, z_loss_from_route
+from moetron.model.moe.routing.capacity_and_dropping import (
     keep_top_keys,
     keep_top_keys_top1,
     keep_top_random_keys_top1,
     slots_in_token_order,
 )
-from moetron.model.moe.deepspeed_gating import first_argmax
-from moetron.model.moe.routing_decision import Routing, buffer_slots, route_counts, route_fraction
+from moetron.model.moe.routing.decision import Routing, buffer_slots, route_counts, route_fraction
+from moetron.model.moe.routing.deepspeed_gating import first_argmax
 
 
 def _reference_top1_keep(ids_T: torch.Tensor, keys_TE: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -106,7 +106,7 @@ def test_z_loss_from_the_first_route_and_lazy_routing_fields():
 
 # ---------------------------------------------------------------- experts
 def _swiglu_experts(backend: str):
-    from moetron.model.moe.experts import GroupedExperts
+    from moetron.model.moe.experts.grouped import GroupedExperts
 
     torch.manual_seed(0)
     experts = GroupedExperts(4, 16, 32, swiglu=True, bias=False, backend=backend)
@@ -146,7 +146,7 @@ def test_expert_by_expert_swiglu_expanded_gradient_and_bf16_autocast():
 
 
 def test_empty_for_gradient_is_empty_like_large_or_small():
-    from moetron.model.moe.experts_cpu import empty_for_gradient
+    from moetron.model.moe.experts.cpu_kernels import empty_for_gradient
 
     for like in (torch.zeros(3, 4), torch.zeros(9, 1024, 1024)):  # below and above the 32 MiB threshold
         out = empty_for_gradient(like)

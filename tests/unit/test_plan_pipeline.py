@@ -10,7 +10,7 @@ import pytest
 from moetron.cli import main
 from moetron.config_cli import load_config
 from moetron.model.flops import count_parameters
-from moetron.parallel.pipeline_layout import PipelineLayout
+from moetron.parallel.pp.stage_layout import PipelineLayout
 from moetron.plan.advice import suggestions
 from moetron.plan.estimate import make_plan
 from moetron.plan.hardware import accelerator

@@ -13,8 +13,8 @@ from torch import nn
 
 from moetron.errors import ConfigError, UserError
 from moetron.model.config import ModelConfig
-from moetron.model.moe.capacity_and_dropping import capacity_from_factor
-from moetron.model.moe.router import Router
+from moetron.model.moe.routing.capacity_and_dropping import capacity_from_factor
+from moetron.model.moe.routing.router import Router
 
 
 def identity_router(num_experts: int, **cfg_fields) -> Router:

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import moetron.model.config as model_config
-import moetron.model.moe.router_config as router_config
+import moetron.model.moe.routing.router_config as router_config
 from moetron.config_cli import add_config_arguments, field_specs
 from moetron.errors import ConfigError
 from moetron.model.config import ModelConfig
-from moetron.model.moe.router import Router
-from moetron.model.moe.router_config import RouterConfig
+from moetron.model.moe.routing.router import Router
+from moetron.model.moe.routing.router_config import RouterConfig
 
 ROUTING_FIELDS = {f.name for f in dataclasses.fields(RouterConfig)}
 
@@ -34,7 +34,7 @@ def _imported_modules(module) -> set[str]:
 
 
 def test_no_config_router_import_cycle():
-    assert "moetron.model.moe.router" not in _imported_modules(model_config)
+    assert "moetron.model.moe.routing.router" not in _imported_modules(model_config)
     assert not any(name.startswith(("moetron", "torch")) for name in _imported_modules(router_config))
 
 

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch.distributions import Gumbel, Uniform
 
 from moetron.model.config import ModelConfig
-from moetron.model.moe.deepspeed_gating import gumbel_rsample, uniform_rsample
-from moetron.model.moe.router import Router, Routing
+from moetron.model.moe.routing.deepspeed_gating import gumbel_rsample, uniform_rsample
+from moetron.model.moe.routing.router import Router, Routing
 
 HIDDEN = 12
 # DeepSpeed's choices (topk ties, RNG streams) are device-specific: compare on every device present.

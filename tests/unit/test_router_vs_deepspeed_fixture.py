@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from moetron.model.config import ModelConfig
-from moetron.model.moe.router import Router  # the one import of the routing code (its modules may be renamed)
+from moetron.model.moe.routing.router import Router  # the one import of the routing code (its modules may be renamed)
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_gating.safetensors"
 RANDOM_MODES = ("rts", "rsample", "jitter", "sampling")

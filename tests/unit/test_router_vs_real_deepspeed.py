@@ -12,7 +12,7 @@ import torch
 from test_router_deepspeed import HIDDEN, MODES, dense_from_routing
 
 from moetron.model.config import ModelConfig
-from moetron.model.moe.router import Router
+from moetron.model.moe.routing.router import Router
 
 sharded_moe = pytest.importorskip("deepspeed.moe.sharded_moe", reason="deepspeed is not installed")
 

@@ -10,9 +10,9 @@ from test_plan import small
 from moetron.config import RunConfig, validate
 from moetron.config_cli import load_config
 from moetron.model.gpt import GPTModel, create_model
-from moetron.parallel.fsdp import materialize_in_units
-from moetron.parallel.sharded_optimizer import row_slice, shard_dim
-from moetron.parallel.zero import ZeroSpec, effective_stage
+from moetron.parallel.dp.fsdp import materialize_in_units
+from moetron.parallel.dp.sharded_optimizer import row_slice, shard_dim
+from moetron.parallel.dp.zero_spec import ZeroSpec, effective_stage
 from moetron.plan.advice import suggestions
 from moetron.plan.estimate import make_plan
 from moetron.plan.hardware import accelerator

@@ -91,10 +91,10 @@ def run_losses(trainer: Trainer, steps: int) -> list[float]:
 
 def parallel_model(cfg: RunConfig, env: DistEnv):
     """(mesh, this rank's model) as `moetron train` builds them: meta device, local experts, then initialised."""
+    from moetron.parallel.dp.zero_spec import ZeroSpec
     from moetron.parallel.mesh import ParallelMesh
     from moetron.parallel.parallelize import build_model
-    from moetron.parallel.pipeline_layout import PipelineLayout
-    from moetron.parallel.zero import ZeroSpec
+    from moetron.parallel.pp.stage_layout import PipelineLayout
 
     mesh = ParallelMesh.build(cfg.dims(env.world_size), env)
     pipeline = PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)

@@ -4,7 +4,7 @@
     moetron train --config runs/old/config.yaml --load runs/old-v2 --save runs/old-v2   # continues exactly
 
 Weights, optimizer state, RNG files, the trainer state (iteration, data position, schedule) and the config
-are carried over; the fused attention and SwiGLU tensors are re-laid out (see moetron/train/checkpoint/legacy.py).
+are carried over; the fused attention and SwiGLU tensors are re-laid out (see moetron/checkpoint/legacy.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moetron.train.checkpoint.legacy import convert
+    from moetron.checkpoint.legacy import convert
 
     path = convert(args.load, args.save)
     print(f"wrote {path} (format 2); continue with --load {args.save}")

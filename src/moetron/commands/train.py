@@ -48,7 +48,7 @@ def vocab_problems(cfg: RunConfig, explicit: set[str]) -> list[str]:
 
 def startup_problems(cfg: RunConfig, explicit: set[str], world_size: int) -> list[str]:
     """Every problem of the run, before any process group: the vocabulary, the config, the checkpoint to load."""
-    from moetron.train.checkpoint.architecture import checkpoint_model_problems
+    from moetron.checkpoint.architecture import checkpoint_model_problems
 
     problems = vocab_problems(cfg, explicit)
     vocab_known = not problems and not cfg.data.tokenizer_file_problems()

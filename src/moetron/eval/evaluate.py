@@ -58,11 +58,11 @@ def _valid_dataset(cfg, dp: int):
 def evaluate_checkpoint(load: str, data_path: str | None = None, eval_iters: int | None = None,
                         dropless: bool = False, tokenizer_overrides: dict | None = None) -> dict:  # fmt: skip
     """{"checkpoint", "iteration", "valid_loss", "valid_ppl", "micro_batches", "routing": [LayerReport dicts]}."""
+    from moetron.checkpoint import read_json
     from moetron.data.loader import DistributedBatchLoader
     from moetron.eval.generate import load_model
     from moetron.eval.routing_report import RoutingRecorder
     from moetron.model.rng import STREAMS
-    from moetron.train.checkpoint import read_json
     from moetron.train.precision import autocast_context
     from moetron.train.run import check_token_ids
 

@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
+from moetron.checkpoint import load_weights, resolve_checkpoint
 from moetron.config import RunConfig
 from moetron.config_cli import load_config
 from moetron.errors import UserError
 from moetron.model.gpt import GPTModel, create_model
 from moetron.model.kv_cache import KVCache
-from moetron.train.checkpoint import load_weights, resolve_checkpoint
 
 
 @dataclass

@@ -47,13 +47,13 @@ def load_for_evaluation(
     the checkpoint's config names, checked (files exist, fit the vocabulary) before the process group or weights."""
     import dataclasses
 
+    from moetron.checkpoint import GlobalView, load_checkpoint, resolve_checkpoint
     from moetron.config_cli import load_config
     from moetron.parallel.dims import ParallelDims
     from moetron.parallel.env import init_distributed
     from moetron.parallel.mesh import ParallelMesh
     from moetron.parallel.parallelize import build_model
     from moetron.parallel.params import ParamRegistry
-    from moetron.train.checkpoint import GlobalView, load_checkpoint, resolve_checkpoint
 
     path = resolve_checkpoint(load)
     if path is None:

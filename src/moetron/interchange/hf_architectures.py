@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from moetron.interchange.hf_tensor_rules import Rule, per_expert, qkv, same, single_expert, vocab_rows
 from moetron.model.config import ModelConfig
-from moetron.model.moe.generic_gating import renormalises
+from moetron.model.moe.routing.generic_gating import renormalises
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from moetron.checkpoint import files
+from moetron.checkpoint.state import check_format, single_process_quiet
 from moetron.config import RunConfig
 from moetron.config_cli import load_config
 from moetron.errors import UserError
-from moetron.train.checkpoint import files
-from moetron.train.checkpoint.state import check_format, single_process_quiet
 
 
 @dataclass

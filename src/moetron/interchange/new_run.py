@@ -3,7 +3,7 @@
     check_new_run_dir(save)                               # before any work: --save must be new or empty
     path = write_run(save, cfg, tensors, notes=[...], progress=Progress(iteration=3, consumed_samples=12, ...))
 
-The checkpoint is the trainer's own format (`train/checkpoint/state.write_checkpoint`), so
+The checkpoint is the trainer's own format (`checkpoint/state.write_checkpoint`), so
 `moetron train --config SAVE/config.yaml --load SAVE --finetune` trains from it, and with optimizer state and
 progress (a Megatron-DeepSpeed import) `--load SAVE` resumes the run where it stopped.
 """
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
+from moetron.checkpoint.state import write_checkpoint
 from moetron.config import RunConfig
 from moetron.config_cli import to_yaml
 from moetron.errors import ConfigError, UserError
 from moetron.fileio import writable_dir_problem
 from moetron.model.gpt import GPTModel
-from moetron.train.checkpoint.state import write_checkpoint
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from moetron.model.moe.router_config import RouterConfig
+from moetron.model.moe.routing.router_config import RouterConfig
 
 # ModelConfig.rotary_compat's values: standard RoPE, or Megatron-DeepSpeed's since its PR #441 (model/rotary.py).
 ROTARY_COMPAT = ("none", "megatron-deepspeed-441")

@@ -21,8 +21,8 @@ import torch
 
 from moetron.model.gpt import GPTModel
 from moetron.model.moe.dispatch import LocalDispatcher
-from moetron.model.moe.expert_backends import cuda_grouped_mm_is_a_grouped_kernel, grouped_mm_supported
-from moetron.model.moe.experts import GroupedExperts
+from moetron.model.moe.experts.backends import cuda_grouped_mm_is_a_grouped_kernel, grouped_mm_supported
+from moetron.model.moe.experts.grouped import GroupedExperts
 
 
 def experts_are_traceable(experts: GroupedExperts, device: torch.device, compute_dtype: torch.dtype) -> bool:

@@ -47,17 +47,17 @@ from moetron.model.gpt import GPTModel
 from moetron.model.loss import LossFunction
 from moetron.parallel.activation_checkpoint import apply_ac
 from moetron.parallel.compile import apply_compile
-from moetron.parallel.data_parallel import DataParallel, apply_dp
-from moetron.parallel.expert_parallel import apply_ep
+from moetron.parallel.dp.replicate import DataParallel, apply_dp
+from moetron.parallel.dp.zero_spec import REPLICATED, ZeroSpec
+from moetron.parallel.ep.all_to_all import apply_ep
 from moetron.parallel.grad_norm import global_grad_norm_sq
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
-from moetron.parallel.pipeline import PipelineParts, apply_pp, split_for_pipeline
-from moetron.parallel.pipeline_layout import PipelineLayout
-from moetron.parallel.tensor_parallel import apply_tp, loss_parallel_scope, record_tp_layouts
-from moetron.parallel.tensor_parallel_layout import tensor_parallel_problems
-from moetron.parallel.tensor_parallel_moe import apply_moe_tp
-from moetron.parallel.zero import REPLICATED, ZeroSpec
+from moetron.parallel.pp.split import PipelineParts, apply_pp, split_for_pipeline
+from moetron.parallel.pp.stage_layout import PipelineLayout
+from moetron.parallel.tp.apply_tp import apply_tp, loss_parallel_scope, record_tp_layouts
+from moetron.parallel.tp.moe import apply_moe_tp
+from moetron.parallel.tp.sizes import tensor_parallel_problems
 
 
 @dataclass
@@ -133,7 +133,7 @@ def build_model(
     apply_ac(model, cfg.checkpoint_activations if checkpoint_activations is None else checkpoint_activations)
     apply_compile(model, compile_blocks, device, compute_dtype)
     if zero.uses_fsdp and mesh.distributed:
-        from moetron.parallel.fsdp import materialize_sharded
+        from moetron.parallel.dp.fsdp import materialize_sharded
 
         materialize_sharded(model, mesh, zero, device, seed)
         return model

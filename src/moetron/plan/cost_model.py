@@ -36,9 +36,9 @@ inter-node one (a ring is as slow as its slowest hop).
 
     DP, ZeRO 0   all-reduce of the fp32 gradients: dense over dp, each rank's experts over edp (DDP: bucketed,
                  during the last micro-batch's backward)
-    ZeRO 1       + all-gather of the updated fp32 parameters after the step (parallel/sharded_optimizer.py)
+    ZeRO 1       + all-gather of the updated fp32 parameters after the step (parallel/dp/sharded_optimizer.py)
     ZeRO 2       reduce-scatter of the fp32 gradients after every micro-batch + one all-gather of the weights in
-                 the compute dtype per step (parallel/fsdp.py)
+                 the compute dtype per step (parallel/dp/fsdp.py)
     ZeRO 3       reduce-scatter per micro-batch + all-gathers per micro-batch forward and backward
     The DP term overlaps the backward (2/3 of the compute) of the last micro-batch (ZeRO 0–2) or of every
     micro-batch (ZeRO 3, FSDP2 prefetches the next unit's gather); only the rest is exposed.
@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass
 
 from moetron.errors import UserError
 from moetron.model.flops import flops_per_token
-from moetron.parallel.pipeline_layout import MULTI_STAGE, PipelineLayout
+from moetron.parallel.pp.stage_layout import MULTI_STAGE, PipelineLayout
 from moetron.plan.memory import compute_bytes, routed_rows
 from moetron.plan.pipeline import stage_parameters
 from moetron.plan.tensor_parallel import activation_split

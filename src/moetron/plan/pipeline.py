@@ -20,7 +20,7 @@ from moetron.config import RunConfig
 from moetron.model.config import ModelConfig
 from moetron.model.flops import attention_params, mlp_params, moe_layer_params, norm_params
 from moetron.parallel.dims import ParallelDims
-from moetron.parallel.pipeline_layout import MULTI_STAGE, PipelineLayout
+from moetron.parallel.pp.stage_layout import MULTI_STAGE, PipelineLayout
 from moetron.plan import memory as mem
 from moetron.plan.tensor_parallel import activation_split, shard_parameters
 

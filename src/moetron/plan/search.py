@@ -29,8 +29,8 @@ from dataclasses import dataclass, field, replace
 
 from moetron.config import RunConfig
 from moetron.config_cli import field_specs
-from moetron.parallel.tensor_parallel_layout import tensor_parallel_problems
-from moetron.parallel.zero import effective_stage, zero_problems
+from moetron.parallel.dp.zero_spec import effective_stage, zero_problems
+from moetron.parallel.tp.sizes import tensor_parallel_problems
 from moetron.plan.cost_model import DEFAULT_EFFICIENCY, Network, StepCost, step_cost
 from moetron.plan.estimate import Plan, layout_problems, make_plan
 from moetron.plan.hardware import Accelerator

@@ -1,6 +1,6 @@
 """Tensor and sequence parallelism in the plan: what one rank holds and saves, and what it sends per step.
 
-Parameters (the split of parallel/tensor_parallel.py): attention's `query_key_value` (weight and bias) and `dense`
+Parameters (the split of parallel/tp/apply_tp.py): attention's `query_key_value` (weight and bias) and `dense`
 weight, the dense MLPs' first projections (weights and biases) and second weight, and the vocabulary rows of the
 word embeddings (and of an untied output layer) hold 1 / tp on every rank; row-parallel biases, norms, routers,
 position embeddings, shared experts and PR-MoE's MLP are whole. Experts: whole with --expert-tensor-parallel-size

@@ -1,12 +1,12 @@
 """ZeRO in the memory plan: what each stage keeps per rank (`plan/memory.py` asks this module for the weights,
 gradients, optimizer state and buffers; everything else — activations, logits, all-to-all — is unchanged).
 
-Sharded = dense parameters / dp + this rank's routed experts / edp (`parallel/zero.py`), all fp32.
+Sharded = dense parameters / dp + this rank's routed experts / edp (`parallel/dp/zero_spec.py`), all fp32.
 
     stage 0   weights 4·P, gradients 4·P (+ DDP buckets), Adam 8·P                        (P: this rank's parameters)
-    stage 1   Adam 8·sharded; after the step the all-gather bucket (parallel/sharded_optimizer.py)
+    stage 1   Adam 8·sharded; after the step the all-gather bucket (parallel/dp/sharded_optimizer.py)
     stage 2   weights, gradients and Adam 4/4/8·sharded; during the step every block and the experts gathered
-              whole in the compute dtype, the root (embeddings, final norm, head) in fp32 (parallel/fsdp.py)
+              whole in the compute dtype, the root (embeddings, final norm, head) in fp32 (parallel/dp/fsdp.py)
     stage 3   as stage 2, but at the start of the backward only the root and two blocks are whole (the block
               being differentiated and the one FSDP2 prefetches)
 At stages 2–3 autocast no longer casts the blocks' weights (they are gathered in the compute dtype); only the
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 from moetron.config import RunConfig
 from moetron.model.flops import attention_params, embedding_params, mlp_params, moe_layer_params, norm_params
 from moetron.parallel.dims import ParallelDims
-from moetron.parallel.sharded_optimizer import BUCKET_ELEMENTS
-from moetron.parallel.zero import effective_stage
+from moetron.parallel.dp.sharded_optimizer import BUCKET_ELEMENTS
+from moetron.parallel.dp.zero_spec import effective_stage
 
 if TYPE_CHECKING:
     from moetron.plan.memory import LocalParams

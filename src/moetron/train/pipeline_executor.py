@@ -30,8 +30,8 @@ from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
 from moetron.model.rng import STREAMS
 from moetron.parallel.diagnosis import Site
 from moetron.parallel.parallelize import ParallelModel
-from moetron.parallel.pipeline_stage import build_schedule, pipeline_stages
-from moetron.parallel.tensor_parallel import loss_parallel_scope
+from moetron.parallel.pp.schedules import build_schedule, pipeline_stages
+from moetron.parallel.tp.apply_tp import loss_parallel_scope
 from moetron.train.executor import MicroBatch
 from moetron.train.metrics import moe_step_stats
 

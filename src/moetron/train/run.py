@@ -17,16 +17,16 @@ import random
 import numpy as np
 import torch
 
+from moetron.checkpoint import resolve_checkpoint
 from moetron.config import RunConfig
 from moetron.config_cli import to_yaml
 from moetron.data.config import DataConfig, parse_blend
 from moetron.errors import UserError
+from moetron.parallel.dp.zero_spec import ZeroSpec
 from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build_model
-from moetron.parallel.pipeline_layout import PipelineLayout
-from moetron.parallel.zero import ZeroSpec
-from moetron.train.checkpoint import resolve_checkpoint
+from moetron.parallel.pp.stage_layout import PipelineLayout
 from moetron.train.precision import compute_dtype
 from moetron.train.run_lock import run_directory_lock
 from moetron.train.startup import startup_banner, startup_warnings
@@ -199,7 +199,7 @@ def discard_if_overwriting(cfg: RunConfig, env: DistEnv) -> None:
     Called once everything the new run needs has been read and checked (tokenizer, data, model, the checkpoint
     of a --load elsewhere): a run that fails before it has not deleted anything. A --load inside the run
     directory is refused with --overwrite (`moetron.config.run_directory_problems`)."""
-    from moetron.train.checkpoint.files import discard_previous_run, previous_run
+    from moetron.checkpoint.files import discard_previous_run, previous_run
 
     run_dir = cfg.run_dir()
     if not (cfg.train.overwrite and run_dir):

@@ -26,17 +26,17 @@ from pathlib import Path
 
 import torch
 
+from moetron.checkpoint import GlobalView, load_checkpoint, save_checkpoint
 from moetron.config import RunConfig
 from moetron.errors import UserError
 from moetron.model.flops import flops_per_token, megatron_tflops, mfu, peak_tflops
 from moetron.model.rng import STREAMS
-from moetron.parallel.data_parallel import sync_router_loads
+from moetron.parallel.dp.replicate import sync_router_loads
+from moetron.parallel.dp.zero_spec import ZeroSpec
 from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import parallelize
-from moetron.parallel.pipeline_layout import PipelineLayout
-from moetron.parallel.zero import ZeroSpec
-from moetron.train.checkpoint import GlobalView, load_checkpoint, save_checkpoint
+from moetron.parallel.pp.stage_layout import PipelineLayout
 from moetron.train.executor import MicroBatch, build_executor
 from moetron.train.failures import collective_failures, rank_failures
 from moetron.train.metrics import IntervalMetrics, RunLogger, StepSums

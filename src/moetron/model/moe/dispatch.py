@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from moetron.model.moe.routing_decision import Routing, route_counts
+from moetron.model.moe.routing.decision import Routing, route_counts
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,9 @@ from moetron.model.config import ModelConfig
 from moetron.model.init import stable_seed
 from moetron.model.moe.aux_loss import attach_aux_loss
 from moetron.model.moe.dispatch import LocalDispatcher, TokenDispatcher
-from moetron.model.moe.experts import GroupedExperts
-from moetron.model.moe.router import Router
-from moetron.model.moe.routing_decision import Routing
+from moetron.model.moe.experts.grouped import GroupedExperts
+from moetron.model.moe.routing.decision import Routing
+from moetron.model.moe.routing.router import Router
 
 
 @dataclass

@@ -3,9 +3,9 @@
 `--zero-stage` takes DeepSpeed's `zero_optimization.stage`; Megatron's `--use-distributed-optimizer` is stage 1.
 
     stage 0   everything replicated over data parallelism (DDP; experts reduced over edp)
-    stage 1   + Adam state sharded           (parallel/sharded_optimizer.py: DDP's gradients, sharded optimizer)
-    stage 2   + gradients reduce-scattered   (parallel/fsdp.py: FSDP2, weights gathered once per step)
-    stage 3   + weights sharded              (parallel/fsdp.py: FSDP2, weights gathered per layer, freed after)
+    stage 1   + Adam state sharded           (parallel/dp/sharded_optimizer.py: DDP's gradients, sharded optimizer)
+    stage 2   + gradients reduce-scattered   (parallel/dp/fsdp.py: FSDP2, weights gathered once per step)
+    stage 3   + weights sharded              (parallel/dp/fsdp.py: FSDP2, weights gathered per layer, freed after)
 
 Dense tensors are sharded over the data-parallel group, routed experts over their expert-data-parallel group
 (the ranks holding the same experts), so at EP = ep each expert's state is split edp ways. The optimizer always

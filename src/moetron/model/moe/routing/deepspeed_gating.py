@@ -13,15 +13,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moetron.model.moe.capacity_and_dropping import (
+from moetron.model.moe.host_reads import host_reads_are_free
+from moetron.model.moe.routing.capacity_and_dropping import (
     capacity_from_factor,
     dropless_capacity,
     keep_top_keys,
     keep_top_keys_top1,
     keep_top_random_keys_top1,
 )
-from moetron.model.moe.host_reads import host_reads_are_free
-from moetron.model.moe.routing_decision import Routing, RoutingInputError, buffer_slots, route_counts, route_fraction
+from moetron.model.moe.routing.decision import Routing, RoutingInputError, buffer_slots, route_counts, route_fraction
 
 
 # ---------------------------------------------------------------- noise (torch.distributions' formulas)

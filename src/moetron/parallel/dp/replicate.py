@@ -30,10 +30,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from moetron.parallel.diagnosis import Site
+from moetron.parallel.dp.sharded_optimizer import OptimizerShards
+from moetron.parallel.dp.zero_spec import REPLICATED, ZeroSpec
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
-from moetron.parallel.sharded_optimizer import OptimizerShards
-from moetron.parallel.zero import REPLICATED, ZeroSpec
 
 
 class ExpertGradReducer:
@@ -144,7 +144,7 @@ def apply_dp(
     if not mesh.distributed:
         return DataParallel(model, model, None)
     if zero.uses_fsdp:
-        from moetron.parallel.fsdp import apply_fsdp
+        from moetron.parallel.dp.fsdp import apply_fsdp
 
         return apply_fsdp(model, mesh, zero)
     replicated = _replicate(model, registry, mesh, ddp)

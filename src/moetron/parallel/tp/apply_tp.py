@@ -47,7 +47,7 @@ from moetron.model.gpt import GPTModel, TransformerLayer
 from moetron.model.loss import language_model_loss, masked_mean
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
-from moetron.parallel.tensor_parallel_params import ShardViews, localize_parameters, sharded_modules
+from moetron.parallel.tp.shard_views import ShardViews, localize_parameters, sharded_modules
 
 LAYOUT_OF_PLACEMENT = {0: "column", 1: "row"}  # a Linear weight [out, in] split on dim 0 / 1
 

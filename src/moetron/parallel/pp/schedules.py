@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 from torch.distributed import pipelining
 
-from moetron.parallel.data_parallel import DataParallel
-from moetron.parallel.pipeline import PipelineParts
+from moetron.parallel.dp.replicate import DataParallel
+from moetron.parallel.pp.split import PipelineParts
 
 ForwardContext = Callable[[int], contextlib.AbstractContextManager]  # micro-batch index → its context
 

@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetron.errors import ConfigError
-from moetron.model.moe.balancing_losses import sequence_aux_loss, z_loss, z_loss_from_route
-from moetron.model.moe.deepspeed_gating import multiplicative_jitter, top1_gating, top2_gating, topk_gating
-from moetron.model.moe.generic_gating import generic_topk_gating
-from moetron.model.moe.router_config import RouterConfig
-from moetron.model.moe.routing_decision import Routing
+from moetron.model.moe.routing.balancing_losses import sequence_aux_loss, z_loss, z_loss_from_route
+from moetron.model.moe.routing.decision import Routing
+from moetron.model.moe.routing.deepspeed_gating import multiplicative_jitter, top1_gating, top2_gating, topk_gating
+from moetron.model.moe.routing.generic_gating import generic_topk_gating
+from moetron.model.moe.routing.router_config import RouterConfig
 
 __all__ = ["Router", "RouterConfig", "Routing"]
 

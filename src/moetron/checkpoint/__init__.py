@@ -10,7 +10,7 @@ are and how DCP writes and reads them; `rng_files.py`: per-rank generator states
 format, read only by `moetron convert-checkpoint`.
 """
 
-from moetron.train.checkpoint.files import read_json, resolve_checkpoint
-from moetron.train.checkpoint.state import GlobalView, load_checkpoint, load_weights, save_checkpoint
+from moetron.checkpoint.files import read_json, resolve_checkpoint
+from moetron.checkpoint.state import GlobalView, load_checkpoint, load_weights, save_checkpoint
 
 __all__ = ["GlobalView", "load_checkpoint", "load_weights", "read_json", "resolve_checkpoint", "save_checkpoint"]

@@ -33,10 +33,10 @@ import torch.distributed as dist
 from torch import nn
 
 from moetron.model.gpt import GPTModel
-from moetron.parallel.data_parallel import DataParallel, apply_dp
+from moetron.parallel.dp.replicate import DataParallel, apply_dp
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
-from moetron.parallel.pipeline_layout import PipelineLayout
+from moetron.parallel.pp.stage_layout import PipelineLayout
 
 
 def split_for_pipeline(model: GPTModel, mesh: ParallelMesh, layout: PipelineLayout | None) -> None:

@@ -40,9 +40,9 @@ from torch import nn
 
 from moetron.model.gpt import GPTModel, TransformerLayer
 from moetron.model.init import init_tree, output_std
-from moetron.parallel.data_parallel import DataParallel
+from moetron.parallel.dp.replicate import DataParallel
+from moetron.parallel.dp.zero_spec import ZeroSpec
 from moetron.parallel.mesh import ParallelMesh
-from moetron.parallel.zero import ZeroSpec
 
 
 def policies(spec: ZeroSpec):

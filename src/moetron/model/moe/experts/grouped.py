@@ -34,7 +34,7 @@ from moetron.model.autocast_dtype import autocast_dtype
 from moetron.model.init import param_slice, stable_seed
 from moetron.model.mlp import gelu
 from moetron.model.moe.dispatch import ExpertCounts, gather_rows
-from moetron.model.moe.expert_backends import (
+from moetron.model.moe.experts.backends import (
     BACKENDS,
     PaddedLayout,
     auto_backend,
@@ -43,7 +43,7 @@ from moetron.model.moe.expert_backends import (
     loop_matmul,
     padded_matmul,
 )
-from moetron.model.moe.experts_cpu import expert_by_expert_swiglu
+from moetron.model.moe.experts.cpu_kernels import expert_by_expert_swiglu
 from moetron.model.moe.host_reads import host_reads_are_free
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moetron.model.moe.routing_decision import RoutingInputError
+from moetron.model.moe.routing.decision import RoutingInputError
 
 
 def balance_loss(probs_XE: torch.Tensor, route_fraction_XE: torch.Tensor, k: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from moetron.model.init import TensorSlice
-from moetron.parallel.tensor_parallel_layout import shard_range
+from moetron.parallel.tp.sizes import shard_range
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from moetron.checkpoint import files
+from moetron.checkpoint.state import single_process_quiet
 from moetron.config_cli import load_config
 from moetron.errors import UserError
 from moetron.model.attention import fuse_qkv
 from moetron.model.gpt import GPTModel
-from moetron.train.checkpoint import files
-from moetron.train.checkpoint.state import single_process_quiet
 
 EXPERT_SEP = "/expert_"
 OPTIM_SEP = "/"

@@ -30,10 +30,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from moetron.checkpoint.files import resolve_checkpoint
 from moetron.errors import UserError
 from moetron.model.config import ModelConfig
-from moetron.model.moe.router_config import RouterConfig
-from moetron.train.checkpoint.files import resolve_checkpoint
+from moetron.model.moe.routing.router_config import RouterConfig
 
 if TYPE_CHECKING:
     from moetron.config import RunConfig

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moetron.train.checkpoint import files
+from moetron.checkpoint import files
 
 
 def rng_tensors() -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -24,7 +24,7 @@ What DTensor cannot express here: the grouped expert GEMMs (`torch._grouped_mm`,
 expert-by-expert kernel) take raw row groups, not DTensors, so the expert weights stay plain local shards; every
 collective is still DTensor's, applied to the activations around them.
 
-Gradient reduction of the experts (parallel/data_parallel.py) is unchanged: under folding the expert-data-
+Gradient reduction of the experts (parallel/dp/replicate.py) is unchanged: under folding the expert-data-
 parallel group contains the TP peers, whose token shares are disjoint, so its sum over edp divided by dp is the
 one-process gradient; under expert TP each rank's channel slice sees all its tokens, replicated over edp = dp / ep.
 """
@@ -39,10 +39,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from moetron.model.gpt import GPTModel
 from moetron.model.init import TensorSlice
 from moetron.model.moe.dispatch import TokenDispatcher
-from moetron.model.moe.experts import GroupedExperts
-from moetron.model.moe.routing_decision import Routing
+from moetron.model.moe.experts.grouped import GroupedExperts
+from moetron.model.moe.routing.decision import Routing
 from moetron.parallel.mesh import ParallelMesh
-from moetron.parallel.tensor_parallel_layout import shard_range
+from moetron.parallel.tp.sizes import shard_range
 
 
 # ---------------------------------------------------------------- DTensor conversions of activations

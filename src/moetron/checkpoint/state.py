@@ -33,13 +33,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from moetron.checkpoint import files
+from moetron.checkpoint.rng_files import load_rng, save_rng
 from moetron.errors import UserError
 from moetron.fileio import describe_os_error
 from moetron.parallel.diagnosis import Site, failure_kind
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamInfo, ParamRegistry
-from moetron.train.checkpoint import files
-from moetron.train.checkpoint.rng_files import load_rng, save_rng
 
 
 # ---------------------------------------------------------------------------- layout-free views

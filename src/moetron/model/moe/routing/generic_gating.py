@@ -18,15 +18,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetron.model.moe.balancing_losses import balance_loss
-from moetron.model.moe.capacity_and_dropping import (
+from moetron.model.moe.routing.balancing_losses import balance_loss
+from moetron.model.moe.routing.capacity_and_dropping import (
     capacity_from_factor,
     dropless_capacity,
     keep_by_position,
     keep_top_keys,
 )
-from moetron.model.moe.router_config import RouterConfig
-from moetron.model.moe.routing_decision import Routing, route_counts, route_fraction
+from moetron.model.moe.routing.decision import Routing, route_counts, route_fraction
+from moetron.model.moe.routing.router_config import RouterConfig
 
 
 def routing_probs(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from moetron.model.moe.routing_decision import route_counts
+from moetron.model.moe.routing.decision import route_counts
 
 
 @functools.lru_cache(maxsize=1024)  # pure function of a few numbers; called every forward

@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 from moetron.model.gpt import GPTModel
 from moetron.model.moe.dispatch import LocalDispatcher, permute, unpermute
-from moetron.model.moe.experts import GroupedExperts
+from moetron.model.moe.experts.grouped import GroupedExperts
 from moetron.model.moe.layer import MoELayer
-from moetron.model.moe.routing_decision import Routing
+from moetron.model.moe.routing.decision import Routing
 from moetron.parallel.diagnosis import NO_SITE, Site
 from moetron.parallel.mesh import ParallelMesh
 

@@ -1,0 +1,1 @@
+"""Expert computation: grouped GEMMs and their kernels."""

@@ -1,0 +1,1 @@
+"""Routing: which experts each token goes to, with what weight."""

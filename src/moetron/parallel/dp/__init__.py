@@ -1,0 +1,1 @@
+"""Data parallelism and ZeRO."""
