@@ -14,7 +14,7 @@ from moetron.parallel.pp.stage_layout import PipelineLayout
 from moetron.plan.advice import suggestions
 from moetron.plan.estimate import make_plan
 from moetron.plan.hardware import accelerator
-from moetron.plan.pipeline import bubble_fraction, in_flight, plan_stages, stage_parameters
+from moetron.plan.pipeline_parallel import bubble_fraction, in_flight, plan_stages, stage_parameters
 
 RECIPES = Path(__file__).resolve().parents[2] / "src" / "moetron" / "recipes"
 MOE = str(RECIPES / "gpt-1.3B-moe128.yaml")

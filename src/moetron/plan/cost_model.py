@@ -3,7 +3,7 @@
 One optimizer step on one GPU (the slowest pipeline stage's) costs, in seconds,
 
     compute     training FLOPs of this GPU's share / (peak × efficiency)
-    bubble      compute × b / (1 − b),  b = the schedule's bubble fraction (plan/pipeline.py: 1F1B (p−1)/(m+p−1),
+    bubble      compute × b / (1 − b),  b = the schedule's bubble fraction (plan/pipeline_parallel.py: 1F1B (p−1)/(m+p−1),
                 interleaved (p−1)/(v·m+p−1); Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
                 on GPU Clusters Using Megatron-LM", §2.2)
     tp          the tensor-/sequence-parallel collectives of this stage's layers (bytes: plan/tensor_parallel.py)
@@ -61,7 +61,7 @@ from moetron.errors import UserError
 from moetron.model.flops import flops_per_token
 from moetron.parallel.pp.stage_layout import MULTI_STAGE, PipelineLayout
 from moetron.plan.memory import compute_bytes, routed_rows
-from moetron.plan.pipeline import stage_parameters
+from moetron.plan.pipeline_parallel import stage_parameters
 from moetron.plan.tensor_parallel import activation_split
 
 DEFAULT_EFFICIENCY = 0.5  # of the peak, for the matmuls (Narayanan et al. 2021: 52 % on A100s)

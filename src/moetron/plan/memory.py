@@ -21,7 +21,7 @@ The peak is the larger of "start of backward" (everything above; gradients only 
 the LM head's, or all of them when accumulating micro-batches) and "after backward" (weights, gradients,
 optimizer). Layouts: data parallel, expert parallel (experts / EP per rank), tensor and sequence parallel
 (`plan/tensor_parallel.py`: what each rank holds and saves, as a `Split` of the terms below) and pipeline
-parallel (per stage, `plan/pipeline.py`). ZeRO stages shard weights, gradients and optimizer state and add
+parallel (per stage, `plan/pipeline_parallel.py`). ZeRO stages shard weights, gradients and optimizer state and add
 gathered weights (`plan/zero.py`).
 
 Shape legend: T tokens per micro-batch per rank (mbs · seq), h hidden, f ffn, a heads, s seq, V vocab.
@@ -189,9 +189,9 @@ def all_to_all_bytes(cfg: RunConfig, dims: ParallelDims) -> int:
 
 def estimate_memory(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda") -> MemoryEstimate:
     """Peak bytes per rank for `cfg` under the layout `dims` on a `device_kind` ("cuda" or "cpu") device
-    (with pipeline parallelism: of the heaviest pipeline rank, see `plan/pipeline.py`)."""
+    (with pipeline parallelism: of the heaviest pipeline rank, see `plan/pipeline_parallel.py`)."""
     if dims.pp > 1:
-        from moetron.plan.pipeline import plan_stages
+        from moetron.plan.pipeline_parallel import plan_stages
 
         return max((s.memory for s in plan_stages(cfg, dims, device_kind)), key=lambda m: m.peak)
     activations = activation_bytes(cfg, dims, device_kind)

@@ -6,7 +6,7 @@ from moetron.plan import lm_head
 from moetron.plan.advice import Suggestion
 from moetron.plan.estimate import Plan
 from moetron.plan.hardware import GIB, with_article
-from moetron.plan.pipeline import pipeline_dict, pipeline_words, stage_lines
+from moetron.plan.pipeline_parallel import pipeline_dict, pipeline_words, stage_lines
 from moetron.plan.zero import describe
 
 MEMORY_ROWS = [  # (MemoryEstimate field, label)
