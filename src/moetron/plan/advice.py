@@ -9,7 +9,7 @@ Candidates, each a change a user can make with flags (the whole memory model is 
   bf16                       when training in fp32 (fp16 costs the same memory in moetron)
   ZeRO                       each stage above the current one (plan/zero.py)
   more GPUs                  ×2, ×4, ×8 with EP grown to match (data parallelism alone replicates everything)
-  pipeline parallelism       every PP that divides the GPUs and the layers (global batch kept; plan/pipeline_parallel.py)
+  pipeline parallelism       every PP that divides the GPUs and the layers (batch kept; plan/pipeline_parallel.py)
 If no single change fits, the strongest change of each kind is stacked in that order, and the first stack
 that fits is offered.
 """

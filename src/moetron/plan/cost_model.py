@@ -3,7 +3,7 @@
 One optimizer step on one GPU (the slowest pipeline stage's) costs, in seconds,
 
     compute     training FLOPs of this GPU's share / (peak × efficiency)
-    bubble      compute × b / (1 − b),  b = the schedule's bubble fraction (plan/pipeline_parallel.py: 1F1B (p−1)/(m+p−1),
+    bubble      compute × b / (1 − b),  b = the bubble fraction (plan/pipeline_parallel.py: 1F1B (p−1)/(m+p−1),
                 interleaved (p−1)/(v·m+p−1); Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
                 on GPU Clusters Using Megatron-LM", §2.2)
     tp          the tensor-/sequence-parallel collectives of this stage's layers (bytes: plan/tensor_parallel.py)
