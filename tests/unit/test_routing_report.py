@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from moetron.data.synthetic import RandomTokenLoader
-from moetron.eval.perplexity import evaluate
 from moetron.eval.plots import expert_load_heatmap, loss_curves, matplotlib_missing, read_jsonl
 from moetron.eval.routing_report import RoutingRecorder, _LayerSums, format_table
 from moetron.model.config import ModelConfig
 from moetron.model.gpt import create_model
+from moetron.train.validation import evaluate
 
 MBS, SEQ = 2, 16
 

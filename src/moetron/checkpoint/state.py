@@ -187,9 +187,16 @@ def save_checkpoint(
 def _write_shards(tmp: Path, view: GlobalView, optimizer, state: dict, config_yaml: str, env) -> None:
     save_rng(tmp / "rng" / f"rank_{env.rank:05d}.safetensors")
     tensors = {**view.model_state(), **view.optimizer_state(optimizer)}
+    write_files(tmp, tensors, state, config_yaml, shared_files=env.is_main)
+
+
+def write_files(tmp: Path, tensors: dict[str, torch.Tensor], state: dict, config_yaml: str, shared_files: bool) -> None:
+    """Into the staging directory `tmp`: DCP's files of `tensors` (this process's part) and, when `shared_files`
+    (one process of the save), state.json and config.yaml. The trainer's save and `write_checkpoint` both write
+    through here, so a converter's checkpoint has exactly the trainer's files."""
     with single_process_quiet() as no_dist:
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=no_dist)
-    if env.is_main:
+    if shared_files:
         files.write_json(tmp / "state.json", {"format_version": files.FORMAT_VERSION, **state})
         (tmp / "config.yaml").write_text(config_yaml)
         files._fsync_file(tmp / "config.yaml")
@@ -328,10 +335,10 @@ def load_rng_file(path: Path, rank: int) -> None:
         print(f"warning: {rng_file} not found (different process count?); RNG continues from the seed")
 
 
-def load_weights(path: Path, model: nn.Module) -> dict:
-    """Only the weights, into a whole model in this process (eval, generate, export): every expert, whatever
-    layout saved them. Returns the trainer state of state.json."""
-    return load_checkpoint(path, GlobalView(model, ParamRegistry.from_model(model), None), None, load_rng=False)
+def load_weights(path: Path, model: nn.Module, mesh: ParallelMesh | None = None) -> dict:
+    """Only the weights: into a whole model in this process (every expert, whatever layout saved them), or into
+    this rank's part of one at `mesh`'s layout. Returns the trainer state of state.json."""
+    return load_checkpoint(path, GlobalView(model, ParamRegistry.from_model(model), mesh), None, load_rng=False)
 
 
 def write_checkpoint(
@@ -352,9 +359,5 @@ def write_checkpoint(
     tmp = files.staging_dir(run_dir, iteration)
     tensors = {f"model.{name}": t.detach().contiguous() for name, t in model_tensors.items()}
     tensors.update({f"optim.{name}": t.detach().contiguous() for name, t in (optim_tensors or {}).items()})
-    with single_process_quiet() as no_dist:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=no_dist)
-    files.write_json(tmp / "state.json", {"format_version": files.FORMAT_VERSION, **state})
-    (tmp / "config.yaml").write_text(config_yaml)
-    files._fsync_file(tmp / "config.yaml")
+    write_files(tmp, tensors, state, config_yaml, shared_files=True)
     return files.publish(run_dir, iteration, keep_last_n=1)

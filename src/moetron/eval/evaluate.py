@@ -17,7 +17,7 @@ import functools
 from pathlib import Path
 
 from moetron.errors import UserError
-from moetron.eval.perplexity import evaluate, perplexity
+from moetron.train.validation import evaluate, perplexity
 
 EVAL_VOCAB_FIX = (
     "evaluate data preprocessed with the tokenizer of the checkpoint's run (the tokenizer flags in its config.yaml)"
@@ -58,16 +58,15 @@ def _valid_dataset(cfg, dp: int):
 def evaluate_checkpoint(load: str, data_path: str | None = None, eval_iters: int | None = None,
                         dropless: bool = False, tokenizer_overrides: dict | None = None) -> dict:  # fmt: skip
     """{"checkpoint", "iteration", "valid_loss", "valid_ppl", "micro_batches", "routing": [LayerReport dicts]}."""
-    from moetron.checkpoint import read_json
+    from moetron.checkpoint.open import open_run
     from moetron.data.loader import DistributedBatchLoader
-    from moetron.eval.generate import load_model
     from moetron.eval.routing_report import RoutingRecorder
     from moetron.model.rng import STREAMS
     from moetron.train.precision import autocast_context
     from moetron.train.run import check_token_ids
 
-    model, cfg, path = load_model(load, tokenizer_overrides=tokenizer_overrides)
-    state = read_json(path / "state.json")
+    run = open_run(load, tokenizer_overrides=tokenizer_overrides)
+    model, cfg, path, state = run.model(), run.cfg, run.path, run.state
     cfg = _eval_config(cfg, data_path, eval_iters)
     check_token_ids(cfg.data, cfg.model.vocab_size, EVAL_VOCAB_FIX)
     dp = cfg.dims(int(state.get("world_size", 1))).dp

@@ -24,15 +24,15 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from moetron.checkpoint import load_weights, resolve_checkpoint
-from moetron.config import RunConfig
-from moetron.config_cli import load_config
+# `load_model` and `load_tokenizer` are where generation starts; a checkpoint is opened the one way every command
+# opens one (`moetron.checkpoint.open`).
+from moetron.checkpoint.open import load_model as load_model
+from moetron.checkpoint.open import load_tokenizer as load_tokenizer
 from moetron.errors import UserError
-from moetron.model.gpt import GPTModel, create_model
+from moetron.model.gpt import GPTModel
 from moetron.model.kv_cache import KVCache
 
 
@@ -58,74 +58,6 @@ class GenerationOptions:
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             p.append(f"--capacity-factor must be > 0, got {self.capacity_factor}")
         return p
-
-
-# ---------------------------------------------------------------------------- loading
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
-
-
-def load_model(load: str, device: torch.device | str | None = None,
-               tokenizer_overrides: dict | None = None) -> tuple[GPTModel, RunConfig, Path]:  # fmt: skip
-    """(model in eval mode with the checkpoint's weights, the run config it was saved with, the iter_* path).
-
-    `load` is a run directory (its `latest` checkpoint) or one `iter_*` directory. The model holds every expert
-    whatever expert-parallel size saved it (checkpoint keys are layout-free). `tokenizer_overrides` ({field:
-    path} of `TOKENIZER_FIELDS`, from `--vocab-file`/`--merge-file`/`--tokenizer-model`) replace the tokenizer
-    the config names (its files moved, or were given relative to another directory); they are checked against
-    the model's vocabulary here.
-    """
-    path = resolve_checkpoint(load)
-    if path is None:
-        raise UserError(
-            f"--load {load}: no checkpoint there (expected a run directory with a 'latest' file or an iter_* "
-            f"directory); give the --save directory of a training run"
-        )
-    config_file = path / "config.yaml"
-    if not config_file.is_file():
-        raise UserError(f"--load {load}: {config_file} is missing; the checkpoint is incomplete, --load another")
-    try:
-        cfg, _ = load_config(str(config_file), {})
-    except UserError as err:  # ConfigError included: a damaged or foreign config.yaml
-        why = str(err).splitlines()[-1].strip(" -")
-        raise UserError(f"--load {load}: {config_file} cannot be used ({why}); --load another checkpoint") from None
-    overrides = {k: v for k, v in (tokenizer_overrides or {}).items() if v is not None}
-    if overrides:
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **overrides))
-        load_tokenizer(cfg)  # the files exist and fit the model, before the weights are read
-    model = create_model(cfg.model, device or default_device(), cfg.train.seed)
-    load_weights(path, model)
-    model.eval()
-    return model, cfg, path
-
-
-def load_tokenizer(cfg: RunConfig):
-    """The tokenizer named in the run config, checked against the model's vocabulary."""
-    from moetron.data.tokenizer import build_tokenizer
-
-    d = cfg.data
-    for flag, file in (("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)):
-        if d.tokenizer_type == "GPT2BPETokenizer" and file and not Path(file).exists():
-            raise UserError(
-                f"{flag} {file} (the tokenizer file the checkpoint's config.yaml names) does not exist; pass "
-                f"--vocab-file and --merge-file with the tokenizer the run was trained with"
-            )
-    if d.tokenizer_type == "HFTokenizer" and d.tokenizer_model and not Path(d.tokenizer_model).exists():
-        raise UserError(
-            f"--tokenizer-model {d.tokenizer_model} (the tokenizer the checkpoint's config.yaml names) does not "
-            f"exist; pass --tokenizer-model with the tokenizer the run was trained with"
-        )
-    tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise UserError(
-            f"the tokenizer ({d.vocab_file or d.tokenizer_model}) has {tokenizer.vocab_size} tokens but the "
-            f"checkpoint's model only {cfg.model.vocab_size} (vocab_size in its config.yaml); pass the tokenizer "
-            f"the run was trained with (--vocab-file/--merge-file or --tokenizer-model)"
-        )
-    return tokenizer
 
 
 # ---------------------------------------------------------------------------- routing

@@ -32,7 +32,7 @@ from lm_eval.models.utils import handle_stop_sequences
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from moetron.errors import UserError
-from moetron.eval.generate import filter_logits, inference_routing, load_tokenizer
+from moetron.eval.generate import filter_logits, inference_routing
 from moetron.model.kv_cache import KVCache
 
 TASKS_DIR = Path(__file__).parent / "tasks"
@@ -45,23 +45,13 @@ def load_for_evaluation(
 
     `tokenizer_overrides` ({field: path} from --vocab-file/--merge-file/--tokenizer-model) replace the tokenizer
     the checkpoint's config names, checked (files exist, fit the vocabulary) before the process group or weights."""
-    import dataclasses
-
-    from moetron.checkpoint import GlobalView, load_checkpoint, resolve_checkpoint
-    from moetron.config_cli import load_config
+    from moetron.checkpoint.open import open_run
     from moetron.parallel.dims import ParallelDims
     from moetron.parallel.env import init_distributed
     from moetron.parallel.mesh import ParallelMesh
-    from moetron.parallel.parallelize import build_model
-    from moetron.parallel.params import ParamRegistry
 
-    path = resolve_checkpoint(load)
-    if path is None:
-        raise UserError(f"--load {load}: no checkpoint there; give a run directory or an iter_* directory")
-    cfg, _ = load_config(str(path / "config.yaml"), {})
-    if tokenizer_overrides:
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **tokenizer_overrides))
-    tokenizer = load_tokenizer(cfg)
+    run = open_run(load, tokenizer_overrides=tokenizer_overrides)
+    cfg, tokenizer = run.cfg, run.tokenizer
     env = init_distributed(cfg.parallel.distributed_backend)
     ep = expert_parallel_size or _largest_ep(cfg.model.experts_per_layer(), env.world_size)
     dims = ParallelDims(world_size=env.world_size, dp=env.world_size, ep=ep)
@@ -69,9 +59,7 @@ def load_for_evaluation(
     if problems:
         raise UserError("; ".join(problems))
     mesh = ParallelMesh.build(dims, env)
-    model = build_model(cfg.model, mesh, device or env.device, cfg.train.seed)
-    load_checkpoint(path, GlobalView(model, ParamRegistry.from_model(model), mesh), None, load_rng=False)
-    return model.eval(), cfg, env, mesh, tokenizer
+    return run.model(device or env.device, mesh), cfg, env, mesh, tokenizer
 
 
 def _largest_ep(experts_per_layer: list[int], world: int) -> int:

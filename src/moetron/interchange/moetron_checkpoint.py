@@ -3,7 +3,9 @@
     ckpt = MoetronCheckpoint.open("runs/moe")        # a run directory (its `latest`) or one iter_* directory
     ckpt.cfg.model, ckpt.shape("layers.1.mlp.experts.w1_EDF"), ckpt.read("word_embeddings.weight")
 
-The tensors are DCP's global tensors (`model.<name>`), so any layout that saved the checkpoint reads the same.
+Opening it is `moetron.checkpoint.open_run` (the directory, config.yaml and state.json, with the same errors as
+every other command), then DCP's metadata. The tensors are DCP's global tensors (`model.<name>`), so any layout
+that saved the checkpoint reads the same.
 """
 
 from __future__ import annotations
@@ -16,10 +18,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moetron.checkpoint import files
-from moetron.checkpoint.state import check_format, single_process_quiet
+from moetron.checkpoint.open import open_run
+from moetron.checkpoint.state import single_process_quiet
 from moetron.config import RunConfig
-from moetron.config_cli import load_config
-from moetron.errors import UserError
 
 
 @dataclass
@@ -32,15 +33,8 @@ class MoetronCheckpoint:
 
     @classmethod
     def open(cls, load: str, flag: str = "--load") -> MoetronCheckpoint:
-        path = files.resolve_checkpoint(load)
-        if path is None:
-            raise UserError(
-                f"{flag} {load}: no checkpoint there; give a run directory (with 'latest') or an iter_* dir"
-            )
-        state = check_format(path)
-        if not (path / "config.yaml").is_file():
-            raise UserError(f"{flag} {load}: {path / 'config.yaml'} is missing; the checkpoint is incomplete")
-        cfg, _ = load_config(str(path / "config.yaml"), {})
+        run = open_run(load, flag)
+        path = run.path
         try:
             with single_process_quiet():
                 metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -51,7 +45,7 @@ class MoetronCheckpoint:
             if key.startswith("model.") and hasattr(meta, "size"):
                 shapes[key[len("model.") :]] = tuple(meta.size)
                 dtypes[key[len("model.") :]] = meta.properties.dtype
-        return cls(path, cfg, state, shapes, dtypes)
+        return cls(path, run.cfg, run.state, shapes, dtypes)
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self.shapes:

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from moetron.config import RunConfig
-from moetron.eval.perplexity import evaluate
 from moetron.model.loss import HeadLoss, head_loss, language_model_loss
 from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
 from moetron.model.rng import STREAMS
 from moetron.parallel.parallelize import ParallelModel
 from moetron.train.metrics import moe_step_stats
 from moetron.train.precision import compute_dtype
+from moetron.train.validation import evaluate
 
 
 @dataclass

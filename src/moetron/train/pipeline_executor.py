@@ -144,7 +144,7 @@ class PipelineExecutor:
     @torch.no_grad()
     def evaluate(self, loader, micro_batches: int, all_reduce_mean: Callable[[torch.Tensor], torch.Tensor]) -> dict:
         """`eval.perplexity.evaluate` over the pipeline: the schedule forward-only, the loss on every rank."""
-        from moetron.eval.perplexity import perplexity
+        from moetron.train.validation import perplexity
 
         was_training = self.model.training
         self.model.eval()
