@@ -108,9 +108,9 @@ def split_bounds(prefix: str, split: str) -> list[int]:
 # ---------------------------------------------------------------------------- config and training
 def write_run_config(options: QuickstartOptions, run_dir: Path, prefix: str, tokenizer_dir: Path) -> Path:
     """configs/quickstart.yaml + this run's paths and overrides, validated, written as run_dir/config.yaml."""
-    from moetron.config import check
     from moetron.config_cli import load_config, to_yaml
     from moetron.data.tokenizer import build_tokenizer
+    from moetron.validate import check
 
     vocab, merges = str(tokenizer_dir / "vocab.json"), str(tokenizer_dir / "merges.txt")
     overrides = {
