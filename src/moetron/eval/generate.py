@@ -31,6 +31,7 @@ import torch
 from moetron.checkpoint import load_weights, resolve_checkpoint
 from moetron.config import RunConfig
 from moetron.config_cli import load_config
+from moetron.data.tokenizer import load_tokenizer
 from moetron.errors import UserError
 from moetron.model.gpt import GPTModel, create_model
 from moetron.model.kv_cache import KVCache
@@ -102,33 +103,6 @@ def load_model(load: str, device: torch.device | str | None = None,
     return model, cfg, path
 
 
-def load_tokenizer(cfg: RunConfig):
-    """The tokenizer named in the run config, checked against the model's vocabulary."""
-    from moetron.data.tokenizer import build_tokenizer
-
-    d = cfg.data
-    for flag, file in (("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)):
-        if d.tokenizer_type == "GPT2BPETokenizer" and file and not Path(file).exists():
-            raise UserError(
-                f"{flag} {file} (the tokenizer file the checkpoint's config.yaml names) does not exist; pass "
-                f"--vocab-file and --merge-file with the tokenizer the run was trained with"
-            )
-    if d.tokenizer_type == "HFTokenizer" and d.tokenizer_model and not Path(d.tokenizer_model).exists():
-        raise UserError(
-            f"--tokenizer-model {d.tokenizer_model} (the tokenizer the checkpoint's config.yaml names) does not "
-            f"exist; pass --tokenizer-model with the tokenizer the run was trained with"
-        )
-    tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise UserError(
-            f"the tokenizer ({d.vocab_file or d.tokenizer_model}) has {tokenizer.vocab_size} tokens but the "
-            f"checkpoint's model only {cfg.model.vocab_size} (vocab_size in its config.yaml); pass the tokenizer "
-            f"the run was trained with (--vocab-file/--merge-file or --tokenizer-model)"
-        )
-    return tokenizer
-
-
-# ---------------------------------------------------------------------------- routing
 def _router_configs(model: GPTModel, num_tokens: int, capacity_factor: float | None):
     base = model.cfg
     if capacity_factor is None or num_tokens < base.moe_min_capacity:

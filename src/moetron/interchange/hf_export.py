@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from moetron.data.config import DataConfig
+from moetron.data.tokenizer import load_tokenizer
 from moetron.errors import UserError
-from moetron.eval.generate import load_tokenizer
 from moetron.fileio import describe_os_error, publish_mode, writable_dir_problem
 from moetron.interchange.hf_architectures import (
     Architecture,

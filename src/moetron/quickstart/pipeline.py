@@ -183,8 +183,8 @@ def unigram_perplexity(prefix: str, split: str) -> float:
 
 # ---------------------------------------------------------------------------- report
 def evaluate_run(run_dir: Path, prefix: str, split: str) -> dict:
-    from moetron.commands.eval import print_result, write_json_atomic
     from moetron.eval.evaluate import evaluate_checkpoint
+    from moetron.eval.result import print_result, write_json_atomic
 
     result = evaluate_checkpoint(str(run_dir))
     print_result(result)
