@@ -54,9 +54,9 @@ FIXED += ["--moe-expert-parallel-size", "1"]
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="VmHWM and MALLOC_MMAP_THRESHOLD_ are Linux/glibc's")
 def test_search_measure_top3_on_four_gloo_processes(tmp_path):
-    from moetron.config import validate
     from moetron.config_cli import load_config
     from moetron.plan.measure import random_corpus
+    from moetron.validate import validate
 
     config = tmp_path / "tiny-moe.yaml"
     config.write_text(yaml.safe_dump({**TINY_MOE, "data_path": [random_corpus(tmp_path, 8192, 1 << 16)]}))

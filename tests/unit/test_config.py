@@ -5,9 +5,10 @@ import argparse
 import pytest
 import yaml
 
-from moetron.config import RunConfig, check, validate
+from moetron.config import RunConfig
 from moetron.config_cli import add_config_arguments, cli_overrides, field_specs, load_config, to_yaml
 from moetron.errors import ConfigError, UserError
+from moetron.validate import check, validate
 
 
 def parse(argv):

@@ -12,9 +12,9 @@ import yaml
 from data_helpers import make_tiny_tokenizer, tiny_tokenizer_flags
 
 from moetron.cli import main
-from moetron.config import validate
 from moetron.config_cli import load_config, to_yaml
 from moetron.train.startup import startup_banner, startup_warnings
+from moetron.validate import validate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fs_faults import read_only_dir  # noqa: E402

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from moetron.config import RunConfig, validate
+from moetron.config import RunConfig
 from moetron.parallel import diagnosis
 from moetron.parallel.diagnosis import Site, failure_kind, failure_line
 from moetron.parallel.dims import Coordinates
 from moetron.train.failures import CollectiveFailed, PeerFailed, one_failure_line
+from moetron.validate import validate
 
 GLOO_TIMEOUT = "[../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 6000ms for send operation to complete"
 GLOO_CLOSED = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:27274. This is typically …"

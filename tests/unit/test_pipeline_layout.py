@@ -7,13 +7,14 @@ import argparse
 import pytest
 import torch
 
-from moetron.config import RunConfig, validate
+from moetron.config import RunConfig
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
 from moetron.model.config import ModelConfig
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.pp.split import StageModule, split_for_pipeline
 from moetron.parallel.pp.stage_layout import PipelineLayout
+from moetron.validate import validate
 
 
 def test_even_interleaved_and_uneven_layouts():

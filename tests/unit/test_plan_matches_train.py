@@ -15,11 +15,11 @@ from test_plan_search import TINY_MOE as SEARCH_TINY_MOE
 
 from moetron.cli import main
 from moetron.commands import train
-from moetron.config import validate
 from moetron.config_cli import cli_overrides, load_config
 from moetron.plan.estimate import make_plan
 from moetron.plan.hardware import accelerator
 from moetron.plan.measure import random_corpus
+from moetron.validate import validate
 
 # the file's layout differs from the defaults: a row at ZeRO 0 must say so
 TINY_MOE = {**SEARCH_TINY_MOE, "zero_stage": 1}

@@ -10,13 +10,13 @@ import pytest
 import yaml
 
 from moetron.cli import main
-from moetron.config import output_problems, validate
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
 from moetron.plan import cost_model
 from moetron.plan.estimate import make_plan
 from moetron.plan.hardware import accelerator
 from moetron.plan.measure import random_corpus
 from moetron.plan.search import search
+from moetron.validate import output_problems, validate
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MOE = {

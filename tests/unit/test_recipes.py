@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from moetron.config import validate
 from moetron.config_cli import load_config
 from moetron.data.indexed import IndexedDatasetBuilder
 from moetron.model.gpt import GPTModel
 from moetron.model.moe.layer import MoELayer
+from moetron.validate import validate
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_plan import small
 
-from moetron.config import RunConfig, validate
+from moetron.config import RunConfig
 from moetron.config_cli import load_config
 from moetron.model.gpt import GPTModel, create_model
 from moetron.parallel.dp.fsdp import materialize_in_units
@@ -17,6 +17,7 @@ from moetron.plan.advice import suggestions
 from moetron.plan.estimate import make_plan
 from moetron.plan.hardware import accelerator
 from moetron.plan.memory import estimate_memory, local_parameters
+from moetron.validate import validate
 
 
 def test_flags_and_deepspeeds_stage_numbers(tmp_path):

@@ -22,6 +22,7 @@ import torch
 from moetron.checkpoint.files import resolve_checkpoint
 from moetron.checkpoint.state import check_format, load_weights
 from moetron.config import RunConfig
+from moetron.data.tokenizer import load_tokenizer
 from moetron.errors import UserError
 
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
@@ -97,29 +98,3 @@ def load_model(load: str, device: torch.device | str | None = None,
     `open_run(load, tokenizer_overrides=...)` then `.model(device)`."""
     run = open_run(load, tokenizer_overrides=tokenizer_overrides)
     return run.model(device), run.cfg, run.path
-
-
-def load_tokenizer(cfg: RunConfig):
-    """The tokenizer named in the run config, checked against the model's vocabulary."""
-    from moetron.data.tokenizer import build_tokenizer
-
-    d = cfg.data
-    for flag, file in (("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)):
-        if d.tokenizer_type == "GPT2BPETokenizer" and file and not Path(file).exists():
-            raise UserError(
-                f"{flag} {file} (the tokenizer file the checkpoint's config.yaml names) does not exist; pass "
-                f"--vocab-file and --merge-file with the tokenizer the run was trained with"
-            )
-    if d.tokenizer_type == "HFTokenizer" and d.tokenizer_model and not Path(d.tokenizer_model).exists():
-        raise UserError(
-            f"--tokenizer-model {d.tokenizer_model} (the tokenizer the checkpoint's config.yaml names) does not "
-            f"exist; pass --tokenizer-model with the tokenizer the run was trained with"
-        )
-    tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise UserError(
-            f"the tokenizer ({d.vocab_file or d.tokenizer_model}) has {tokenizer.vocab_size} tokens but the "
-            f"checkpoint's model only {cfg.model.vocab_size} (vocab_size in its config.yaml); pass the tokenizer "
-            f"the run was trained with (--vocab-file/--merge-file or --tokenizer-model)"
-        )
-    return tokenizer

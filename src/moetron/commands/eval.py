@@ -9,10 +9,10 @@ Arguments and printing only; the evaluation itself is `moetron.eval.evaluate.eva
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from moetron.errors import UserError
+from moetron.eval.result import print_result, write_json_atomic
 
 HELP = "Validation loss, perplexity and the routing report of a checkpoint."
 
@@ -31,28 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tokenizer_arguments(parser)
 
 
-def print_result(result: dict) -> None:
-    from moetron.eval.routing_report import LayerReport, format_table
-
-    print(
-        f"checkpoint {result['checkpoint']} (iteration {result['iteration']}): validation lm loss "
-        f"{result['valid_loss']:.4f} | perplexity {result['valid_ppl']:.2f} | {result['micro_batches']} micro-batches"
-    )
-    print(format_table([LayerReport(**r) for r in result["routing"]]))
-
-
 def _check_outputs(args: argparse.Namespace) -> None:
     """Fail before the (slow) evaluation when an output cannot be written."""
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise UserError(f"--json {args.json}: the directory {Path(args.json).parent} does not exist; create it first")
     if args.plots_dir and Path(args.plots_dir).exists() and not Path(args.plots_dir).is_dir():
         raise UserError(f"--plots-dir {args.plots_dir} exists and is not a directory; give a directory")
-
-
-def write_json_atomic(path: str, obj: dict) -> None:
-    tmp = Path(path).with_name(Path(path).name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
 
 
 def run(args: argparse.Namespace) -> int:

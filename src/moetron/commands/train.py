@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 
-from moetron.config import RunConfig, validate
+from moetron.config import RunConfig
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
 from moetron.errors import ConfigError, UserError
+from moetron.validate import validate
 
 HELP = "Train a GPT / MoE GPT (single process or under torchrun)."
 

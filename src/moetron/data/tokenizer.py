@@ -21,6 +21,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizerCore
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from moetron.config import RunConfig
 from moetron.errors import UserError
 from moetron.fileio import output_dir_problem, write_errors_named
 
@@ -206,6 +207,30 @@ def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, token
     if tokenizer_type == "HFTokenizer":
         return _hf_tokenizer(tokenizer_model)
     raise UserError(f"--tokenizer-type '{tokenizer_type}' is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")
+
+
+def load_tokenizer(cfg: RunConfig):
+    """The tokenizer named in the run config, checked against the model's vocabulary."""
+    d = cfg.data
+    for flag, file in (("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)):
+        if d.tokenizer_type == "GPT2BPETokenizer" and file and not Path(file).exists():
+            raise UserError(
+                f"{flag} {file} (the tokenizer file the checkpoint's config.yaml names) does not exist; pass "
+                f"--vocab-file and --merge-file with the tokenizer the run was trained with"
+            )
+    if d.tokenizer_type == "HFTokenizer" and d.tokenizer_model and not Path(d.tokenizer_model).exists():
+        raise UserError(
+            f"--tokenizer-model {d.tokenizer_model} (the tokenizer the checkpoint's config.yaml names) does not "
+            f"exist; pass --tokenizer-model with the tokenizer the run was trained with"
+        )
+    tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise UserError(
+            f"the tokenizer ({d.vocab_file or d.tokenizer_model}) has {tokenizer.vocab_size} tokens but the "
+            f"checkpoint's model only {cfg.model.vocab_size} (vocab_size in its config.yaml); pass the tokenizer "
+            f"the run was trained with (--vocab-file/--merge-file or --tokenizer-model)"
+        )
+    return tokenizer
 
 
 def _training_texts(files: list[Path], seen: list[int]) -> Iterator[str]:

@@ -30,7 +30,7 @@ import torch
 # `load_model` and `load_tokenizer` are where generation starts; a checkpoint is opened the one way every command
 # opens one (`moetron.checkpoint.open`).
 from moetron.checkpoint.open import load_model as load_model
-from moetron.checkpoint.open import load_tokenizer as load_tokenizer
+from moetron.data.tokenizer import load_tokenizer as load_tokenizer
 from moetron.errors import UserError
 from moetron.model.gpt import GPTModel
 from moetron.model.kv_cache import KVCache

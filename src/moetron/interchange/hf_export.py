@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from moetron.checkpoint.open import load_tokenizer
 from moetron.data.config import DataConfig
+from moetron.data.tokenizer import load_tokenizer
 from moetron.errors import UserError
 from moetron.fileio import describe_os_error, publish_mode, writable_dir_problem
 from moetron.interchange.hf_architectures import (

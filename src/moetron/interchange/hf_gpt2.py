@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moetron.interchange.hf_architectures import Architecture, Tokens, experts_of
+from moetron.interchange.hf_architecture_base import Architecture, Tokens, experts_of
 from moetron.interchange.hf_tensor_rules import Rule, gpt2_qkv, same, transposed, vocab_rows
 from moetron.model.config import ModelConfig
 

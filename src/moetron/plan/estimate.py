@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from moetron.config import RunConfig, output_problems, validate
+from moetron.config import RunConfig
 from moetron.errors import ConfigError
 from moetron.model.flops import ParamCounts, count_parameters, flops_per_token
 from moetron.parallel.dims import ParallelDims
@@ -20,6 +20,7 @@ from moetron.plan.hardware import Accelerator
 from moetron.plan.memory import LocalParams, MemoryEstimate, compute_bytes, estimate_memory, local_parameters
 from moetron.plan.pipeline_parallel import StagePlan, pipeline_bubble, pipeline_step_time, plan_stages
 from moetron.plan.tensor_parallel import comm_bytes_per_step
+from moetron.validate import output_problems, validate
 
 DEFAULT_MFU = 0.30
 

@@ -5,7 +5,7 @@ Bubble fraction — the idle share of a step with equal stage times, p stages, m
   interleaved-1f1b   (p − 1) / (v·m + p − 1)       (Narayanan et al. 2021: the bubble shrinks v-fold)
   zero-bubble        (p − 1) / (3·v·m + p − 1)     (ZB-H1 with equal F, B and W times: a third of 1F1B's bubble)
 
-Memory of pipeline rank r (the rest as in `memory.py`): its layers' parameters, plus the embedding on the first
+Memory of pipeline rank r (the rest as in `memory_terms.py`): its layers' parameters, plus the embedding on the first
 stage and the final norm and head on the last (tied embeddings: both ends hold the matrix), with their gradients,
 Adam state, DDP buckets and casts; the activations of the micro-batches in flight at the peak — 1F1B holds
 min(m, p − r) micro-batches (the first stage p of them), GPipe all m, the interleaved schedules torch's warm-up
@@ -21,7 +21,7 @@ from moetron.model.config import ModelConfig
 from moetron.model.flops import attention_params, mlp_params, moe_layer_params, norm_params
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.pp.stage_layout import MULTI_STAGE, PipelineLayout
-from moetron.plan import memory as mem
+from moetron.plan import memory_terms as mem
 from moetron.plan.tensor_parallel import activation_split, shard_parameters
 
 

@@ -14,7 +14,7 @@ Flags given on the command line (`--tensor-model-parallel-size 1`, `--zero-stage
 the pipeline schedule, uneven first/last stages and --use-distributed-optimizer are never varied: the command
 line's values, else the defaults. Each row's command is `--config FILE`, the command line's other flags, and the
 flags that turn the file's layout into the row's: it runs exactly the config the row planned.
-Each candidate goes through `moetron.config.validate` (the rules and words of `moetron train`; only the checks
+Each candidate goes through `moetron.validate.validate` (the rules and words of `moetron train`; only the checks
 of this machine's files aside, as in any plan: `plan.estimate.on_disk_problems`), then the memory plan
 (`plan/memory.py`) and the cost model (`plan/cost_model.py`); the ones that fit are ranked by predicted step time.
 """

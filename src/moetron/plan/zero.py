@@ -1,4 +1,4 @@
-"""ZeRO in the memory plan: what each stage keeps per rank (`plan/memory.py` asks this module for the weights,
+"""ZeRO in the memory plan: what each stage keeps per rank (`plan/memory_terms.py` asks this module for the weights,
 gradients, optimizer state and buffers; everything else — activations, logits, all-to-all — is unchanged).
 
 Sharded = dense parameters / dp + this rank's routed experts / edp (`parallel/dp/zero_spec.py`), all fp32.
@@ -26,7 +26,7 @@ from moetron.parallel.dp.sharded_optimizer import BUCKET_ELEMENTS
 from moetron.parallel.dp.zero_spec import effective_stage
 
 if TYPE_CHECKING:
-    from moetron.plan.memory import LocalParams
+    from moetron.plan.memory_terms import LocalParams
 
 
 @dataclass(frozen=True)

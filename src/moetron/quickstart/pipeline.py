@@ -108,9 +108,9 @@ def split_bounds(prefix: str, split: str) -> list[int]:
 # ---------------------------------------------------------------------------- config and training
 def write_run_config(options: QuickstartOptions, run_dir: Path, prefix: str, tokenizer_dir: Path) -> Path:
     """configs/quickstart.yaml + this run's paths and overrides, validated, written as run_dir/config.yaml."""
-    from moetron.config import check
     from moetron.config_cli import load_config, to_yaml
     from moetron.data.tokenizer import build_tokenizer
+    from moetron.validate import check
 
     vocab, merges = str(tokenizer_dir / "vocab.json"), str(tokenizer_dir / "merges.txt")
     overrides = {
@@ -183,8 +183,8 @@ def unigram_perplexity(prefix: str, split: str) -> float:
 
 # ---------------------------------------------------------------------------- report
 def evaluate_run(run_dir: Path, prefix: str, split: str) -> dict:
-    from moetron.commands.eval import print_result, write_json_atomic
     from moetron.eval.evaluate import evaluate_checkpoint
+    from moetron.eval.result import print_result, write_json_atomic
 
     result = evaluate_checkpoint(str(run_dir))
     print_result(result)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -32,22 +31,11 @@ from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
 from moetron.model.rng import STREAMS
 from moetron.parallel.parallelize import ParallelModel
 from moetron.train.metrics import moe_step_stats
+from moetron.train.micro_batch import MicroBatch
 from moetron.train.precision import compute_dtype
 from moetron.train.validation import evaluate
 
-
-@dataclass
-class MicroBatch:
-    tokens_BT: torch.Tensor
-    labels_BT: torch.Tensor
-    first_sample: int  # dataset index of the batch's first sample: keys the layers' random streams
-
-    @classmethod
-    def from_loader(cls, loader, device: torch.device) -> MicroBatch:
-        """The loader's next `[mbs, seq + 1]` batch, split into inputs and next-token labels."""
-        first = loader.next_first_sample
-        batch = loader.next_micro_batch().to(device, non_blocking=True)
-        return cls(batch[:, :-1], batch[:, 1:], first)
+__all__ = ["LocalExecutor", "MicroBatch", "build_executor"]
 
 
 class LocalExecutor:

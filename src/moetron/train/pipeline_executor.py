@@ -32,8 +32,8 @@ from moetron.parallel.diagnosis import Site
 from moetron.parallel.parallelize import ParallelModel
 from moetron.parallel.pp.schedules import build_schedule, pipeline_stages
 from moetron.parallel.tp.apply_tp import loss_parallel_scope
-from moetron.train.executor import MicroBatch
 from moetron.train.metrics import moe_step_stats
+from moetron.train.micro_batch import MicroBatch
 
 
 class PipelineExecutor:

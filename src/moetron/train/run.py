@@ -1,7 +1,7 @@
 """From a validated `RunConfig` to a finished run: seeds, tokenizer, datasets, model, trainer, resume.
 
 Order matters for exactness and for clear errors: the config was validated before any process group
-existed (`moetron.config.check`); here rank 0 first takes the run directory's lock (`run_lock`: one run at a
+existed (`moetron.validate.check`); here rank 0 first takes the run directory's lock (`run_lock`: one run at a
 time writes there), the mesh gives this rank its coordinates, the tokenizer fixes the
 vocabulary (unless `vocab_size` was given), the datasets are built (rank 0 writes index caches first), this
 rank's part of the model is built from the same seed on every rank (weights are drawn per parameter name and
@@ -198,7 +198,7 @@ def discard_if_overwriting(cfg: RunConfig, env: DistEnv) -> None:
 
     Called once everything the new run needs has been read and checked (tokenizer, data, model, the checkpoint
     of a --load elsewhere): a run that fails before it has not deleted anything. A --load inside the run
-    directory is refused with --overwrite (`moetron.config.run_directory_problems`)."""
+    directory is refused with --overwrite (`moetron.checkpoint.run_directory.run_directory_problems`)."""
     from moetron.checkpoint.files import discard_previous_run, previous_run
 
     run_dir = cfg.run_dir()

@@ -228,7 +228,7 @@ def try_to_take(lock: RunLock | None, recheck) -> str | None:
 def run_directory_lock(cfg, env) -> Iterator[None]:
     """Hold the lock of `cfg`'s run directory (if it has one) for the duration of the block, on every rank: rank 0
     takes it and says why not, the others learn the outcome, and every rank raises the same error."""
-    from moetron.config import run_directory_problems
+    from moetron.checkpoint.run_directory import run_directory_problems
 
     run_dir = cfg.run_dir()
     flag = "--save" if cfg.train.save else "--output-dir"

@@ -40,7 +40,7 @@ from torch import nn
 
 from moetron.model.gpt import GPTModel, TransformerLayer
 from moetron.model.init import init_tree, output_std
-from moetron.parallel.dp.replicate import DataParallel
+from moetron.parallel.dp.base import DataParallel
 from moetron.parallel.dp.zero_spec import ZeroSpec
 from moetron.parallel.mesh import ParallelMesh
 

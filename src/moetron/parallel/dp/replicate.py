@@ -16,12 +16,11 @@ at the end is zero-filled and reduced in that order too), so ranks can never pai
 
 ZeRO (`zero.py`): stage 1 keeps this reduction and shards only the optimizer state (`sharded_optimizer.py`);
 stages 2–3 replace both reductions by FSDP2's reduce-scatters (`fsdp.py`). Whatever the stage, `DataParallel`
-tells the trainer which tensors the optimizer steps (`optimizer_parameters`).
+(`base.py`, below both) tells the trainer which tensors the optimizer steps (`optimizer_parameters`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
@@ -30,6 +29,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from moetron.parallel.diagnosis import Site
+from moetron.parallel.dp.base import DataParallel
+from moetron.parallel.dp.fsdp import apply_fsdp
 from moetron.parallel.dp.sharded_optimizer import OptimizerShards
 from moetron.parallel.dp.zero_spec import REPLICATED, ZeroSpec
 from moetron.parallel.mesh import ParallelMesh
@@ -82,39 +83,6 @@ class ExpertGradReducer:
         self.enabled = False
 
 
-class DataParallel:
-    """What `apply_dp` installed: the module forward runs through, and the hooks of one optimizer step."""
-
-    def __init__(self, model: nn.Module, module: nn.Module, expert_reducer: ExpertGradReducer | None):
-        self.model = model  # unwrapped: parameters by their layout-free names
-        self.module = module
-        self.expert_reducer = expert_reducer
-        # DDP's all-reduce runs inside the last micro-batch's backward: its label for the failure diagnosis
-        self.reduction_site = None
-        if isinstance(module, DistributedDataParallel):
-            self.reduction_site = Site("the gradient reduction (DDP)", module.process_group, "data-parallel")
-
-    def micro_batch(self, last: bool):
-        """Context for one micro-batch's forward and backward: gradients are reduced in the last one only."""
-        if self.expert_reducer is not None:
-            self.expert_reducer.start(last)
-        if isinstance(self.module, DistributedDataParallel) and not last:
-            return self.module.no_sync()
-        return self.reduction_site or contextlib.nullcontext()
-
-    def finish_gradients(self) -> None:
-        if self.expert_reducer is not None:
-            self.expert_reducer.finish()
-
-    def optimizer_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """(name, tensor) of what the optimizer steps and the trainer unscales and clips: the trainable
-        parameters themselves (DTensor shards under FSDP2), or their shards at ZeRO stage 1."""
-        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Install what must follow each optimizer step (nothing when the optimizer updates the weights)."""
-
-
 class ShardedOptimizerDataParallel(DataParallel):
     """ZeRO stage 1: stage 0's reductions, then the optimizer steps this rank's shards (`OptimizerShards`)."""
 
@@ -144,8 +112,6 @@ def apply_dp(
     if not mesh.distributed:
         return DataParallel(model, model, None)
     if zero.uses_fsdp:
-        from moetron.parallel.dp.fsdp import apply_fsdp
-
         return apply_fsdp(model, mesh, zero)
     replicated = _replicate(model, registry, mesh, ddp)
     if not zero.shards_optimizer:

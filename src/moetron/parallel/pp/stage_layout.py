@@ -12,7 +12,7 @@ layers are split evenly, or unevenly with Megatron-Core's `--decoder-first-pipel
 giving them fewer layers balances the stages); the middle stages share the rest evenly. The first and last stage
 may hold 0 layers (embedding or head only); a middle stage holds at least one.
 
-Everything here is checked in `pipeline_problems` before any process group exists (config.validate).
+Everything here is checked in `pipeline_problems` before any process group exists (moetron.validate).
 """
 
 from __future__ import annotations

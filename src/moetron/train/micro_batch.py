@@ -1,0 +1,22 @@
+"""One micro-batch as both executors (`executor.py`, `pipeline_executor.py`) receive it; a module of its own so that
+the pipeline executor does not import the module that builds it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MicroBatch:
+    tokens_BT: torch.Tensor
+    labels_BT: torch.Tensor
+    first_sample: int  # dataset index of the batch's first sample: keys the layers' random streams
+
+    @classmethod
+    def from_loader(cls, loader, device: torch.device) -> MicroBatch:
+        """The loader's next `[mbs, seq + 1]` batch, split into inputs and next-token labels."""
+        first = loader.next_first_sample
+        batch = loader.next_micro_batch().to(device, non_blocking=True)
+        return cls(batch[:, :-1], batch[:, 1:], first)
