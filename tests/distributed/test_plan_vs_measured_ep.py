@@ -14,15 +14,10 @@ integration test's docstring for why).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-
-from launch import run_distributed  # noqa: E402
-from test_plan_vs_measured import (  # noqa: E402
+from launch import run_distributed
+from test_plan_vs_measured import (
     BASELINE,
     QUICKSTART,
     TOLERANCE,
