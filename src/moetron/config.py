@@ -11,7 +11,6 @@ naming the flag, the value(s) and the fix; `check()` raises them together as one
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -133,12 +132,6 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     SECTIONS = ("model", "data", "parallel", "train")
-
-    def to_flat_dict(self) -> dict:
-        out = {}
-        for section in self.SECTIONS:
-            out.update(dataclasses.asdict(getattr(self, section)))
-        return out
 
     # ---------------------------------------------------------------- derived sizes
     def dims(self, world_size: int) -> ParallelDims:

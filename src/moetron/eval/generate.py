@@ -65,18 +65,15 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
-
-
 def load_model(load: str, device: torch.device | str | None = None,
                tokenizer_overrides: dict | None = None) -> tuple[GPTModel, RunConfig, Path]:  # fmt: skip
     """(model in eval mode with the checkpoint's weights, the run config it was saved with, the iter_* path).
 
     `load` is a run directory (its `latest` checkpoint) or one `iter_*` directory. The model holds every expert
     whatever expert-parallel size saved it (checkpoint keys are layout-free). `tokenizer_overrides` ({field:
-    path} of `TOKENIZER_FIELDS`, from `--vocab-file`/`--merge-file`/`--tokenizer-model`) replace the tokenizer
-    the config names (its files moved, or were given relative to another directory); they are checked against
-    the model's vocabulary here.
+    path} of the data config's tokenizer files, from `--vocab-file`/`--merge-file`/`--tokenizer-model`) replace
+    the tokenizer the config names (its files moved, or were given relative to another directory); they are
+    checked against the model's vocabulary here.
     """
     path = resolve_checkpoint(load)
     if path is None:

@@ -154,7 +154,7 @@ def split_expert_ffn(old: GroupedExperts, mesh, tp_rank: int, tp_size: int) -> F
             continue
         index = tuple(channels if d == dim else every for d in range(full.dim()))
         new.param_slices[name] = TensorSlice(tuple(full.shape), index)
-        new.tp_shard_dims[name] = ("row" if name == "w2_EFD" else "column", dim)
+        new.tp_shard_dims[name] = dim
     device = old.w1_EDF.device
     if device.type != "meta":
         new.to_empty(device=device)
