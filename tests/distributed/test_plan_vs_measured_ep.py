@@ -32,9 +32,9 @@ EP_BASELINE = (BASELINE[0], {**BASELINE[1], "moe_expert_parallel_size": EP, "glo
 
 def measure_rank(rank: int, world_size: int, config: str, overrides: dict) -> int:
     """Peak RSS (bytes) of this rank after one steady-state training step of its EP shard."""
+    from random_tokens import RandomTokenLoader
     from trainer_support import parallel_model
 
-    from moetron.data.synthetic import RandomTokenLoader
     from moetron.parallel.env import init_distributed
     from moetron.train.trainer import Trainer
 
