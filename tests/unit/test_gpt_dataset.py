@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from data_helpers import FakeIndexed
 
+from moetron.data import gpt_dataset
 from moetron.data.config import DataConfig
 from moetron.data.gpt_dataset import GPTDataset, build_gpt_datasets, megatron_num_samples
 from moetron.data.sample_index import (
@@ -150,12 +151,21 @@ def test_index_dtypes():
     assert shuffle_dtype(2**32 - 3) == np.uint32 and shuffle_dtype(2**32 - 2) == np.int64
 
 
-def test_cache_reused_and_keyed_by_description(tmp_path):
-    docs = random_docs(30, 5)
+def counted_index_builds(monkeypatch) -> list:
+    """The index mappings the GPT dataset builds (rather than loads from its cache), one entry per build."""
+    builds = []
+    monkeypatch.setattr(gpt_dataset, "build_index_mappings", lambda *a: builds.append(a) or build_index_mappings(*a))
+    return builds
+
+
+def test_cache_reused_and_keyed_by_description(tmp_path, monkeypatch):
+    docs, builds = random_docs(30, 5), counted_index_builds(monkeypatch)
     first = _ds_for(docs, 40, 8, tmp_path)
+    assert len(builds) == 1
     again = _ds_for(docs, 40, 8, tmp_path)
-    other_seed = _ds_for(docs, 40, 8, tmp_path, seed=6)
-    assert first.built_index and not again.built_index and other_seed.built_index
+    assert len(builds) == 1
+    _ds_for(docs, 40, 8, tmp_path, seed=6)
+    assert len(builds) == 2
     assert isinstance(again.shuffle_idx, np.memmap)
     for i in range(len(first)):
         np.testing.assert_array_equal(first[i], again[i])
@@ -163,14 +173,14 @@ def test_cache_reused_and_keyed_by_description(tmp_path):
     assert len([n for n in names if n.endswith(".dsc")]) == 2 and not any(n.endswith(".tmp") for n in names)
 
 
-def test_barrier_lets_other_ranks_load_what_rank0_built(tmp_path):
-    docs, calls = random_docs(30, 6), []
+def test_barrier_lets_other_ranks_load_what_rank0_built(tmp_path, monkeypatch):
+    docs, calls, builds = random_docs(30, 6), [], counted_index_builds(monkeypatch)
     args = ("train", "p", np.arange(30, dtype=np.int32), FakeIndexed(docs), "1", 40, 8, 3, [str(tmp_path)])
     with pytest.raises(UserError, match="index cache"):
         GPTDataset(*args, is_builder=False, cache_barrier=lambda: calls.append("wait"))
     built = GPTDataset(*args, is_builder=True, cache_barrier=lambda: calls.append("built"))
     follower = GPTDataset(*args, is_builder=False, cache_barrier=lambda: calls.append("wait"))
-    assert calls == ["wait", "built", "wait"] and not follower.built_index
+    assert calls == ["wait", "built", "wait"] and len(builds) == 1  # the follower loaded the builder's index
     np.testing.assert_array_equal(built.sample_idx, follower.sample_idx)
 
 

@@ -48,10 +48,10 @@ class GPTDataset:
         self.desc = describe_gpt_dataset(prefix, name, num_samples, self.plan.num_epochs, seq_length, seed, split)
         if cache_dirs:
             cache = IndexCache(self.desc, ["doc_idx", "sample_idx", "shuffle_idx"], cache_dirs)
-            arrays, self.built_index = build_or_load(cache, lambda: self._build(sizes), is_builder, cache_barrier)
+            arrays = build_or_load(cache, lambda: self._build(sizes), is_builder, cache_barrier)
             self.cache_dir = cache.directory
         else:  # no cache: every rank builds in memory (tests, tiny data)
-            arrays, self.built_index, self.cache_dir = self._build(sizes), True, None
+            arrays, self.cache_dir = self._build(sizes), None
         self.doc_idx, self.sample_idx, self.shuffle_idx = arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"]
 
     def _build(self, sizes: np.ndarray) -> dict[str, np.ndarray]:
