@@ -19,7 +19,7 @@ Hidden dropout on a sequence shard draws the one-process mask of the whole seque
 (`SequenceShardDropout`), so SP reproduces the one-process run with dropout on; attention dropout draws on head
 shards from per-rank streams (`SelfAttention.stream_shard`) — independent masks, not the one-process ones.
 
-Parameters stay plain local shards read through DTensor views (`tensor_parallel_params.py`: why), each drawn at
+Parameters stay plain local shards read through DTensor views (`shard_views.py`: why), each drawn at
 its full shape and sliced, so every layout holds exactly the one-process weights. `record_tp_layouts` writes each
 parameter's layout into the registry, where the gradient norm and the checkpoint read it.
 """

@@ -1,7 +1,7 @@
 """MoE layers under tensor parallelism: each token reaches its experts once, and routing is the one-process routing.
 
 Tensor-parallel peers hold the same tokens (the MoE layer's input is replicated over TP; under sequence
-parallelism it is gathered first, see tensor_parallel.py) and route them identically: the router runs in fp32
+parallelism it is gathered first, see apply_tp.py) and route them identically: the router runs in fp32
 on all T tokens with the same weights and the same random streams (keyed by sample and layer), so capacity, the
 aux loss and random token selection are computed over exactly the tokens of the one-process run. Two layouts:
 
