@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from data_helpers import FakeIndexed
 
+from moetron.config import RunConfig
 from moetron.data import gpt_dataset
 from moetron.data.config import DataConfig
-from moetron.data.gpt_dataset import GPTDataset, build_gpt_datasets, megatron_num_samples
+from moetron.data.gpt_dataset import GPTDataset, build_gpt_datasets
 from moetron.data.sample_index import (
     IndexPlan,
     build_doc_idx,
@@ -20,6 +21,7 @@ from moetron.data.sample_index import (
     shuffle_dtype,
 )
 from moetron.errors import UserError
+from moetron.train.run import sample_counts
 
 
 def random_docs(n: int, seed: int, max_len: int = 40, empty_every: int = 0) -> list[list[int]]:
@@ -228,9 +230,17 @@ def test_too_few_tokens_is_a_user_error():
         GPTDataset("valid", "p", np.arange(1, 2, dtype=np.int32), FakeIndexed([[5, 6], [7]]), "1", 3, 4, 1)
 
 
-def test_megatron_num_samples():
-    assert megatron_num_samples(None, 1000, 8, 100, 10) == (8000, 880, 80)
-    assert megatron_num_samples(4000, None, 8, 100, 10) == (4000, (500 // 100 + 1) * 10 * 8, 80)
+def test_sample_counts_cover_the_run_and_the_fixed_validation_batches():
+    """The samples each split indexes: every iteration of the run (its first stopping criterion), and `eval_iters`
+    global batches for validation and test (every evaluation reads the same fixed batches)."""
+    cfg = RunConfig()
+    t = cfg.train
+    t.micro_batch_size, t.global_batch_size, t.train_iters, t.eval_iters = 2, 8, 1000, 10
+    assert sample_counts(cfg, dp=2) == (8000, 80, 80)
+    t.train_iters, t.train_samples = None, 4001  # ceil(4001 / 8) = 501 iterations
+    assert sample_counts(cfg, dp=2) == (4008, 80, 80)
+    t.global_batch_size = None  # one micro-batch per data-parallel rank: 2 · 4 = 8
+    assert sample_counts(cfg, dp=4) == (4008, 80, 80)
 
 
 def test_data_config_problems(tmp_path):

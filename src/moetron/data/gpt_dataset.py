@@ -79,23 +79,6 @@ class GPTDataset:
         return np.concatenate(pieces).astype(np.int64)
 
 
-def megatron_num_samples(train_samples: int | None, train_iters: int | None, global_batch: int, eval_interval: int,
-                         eval_iters: int) -> tuple[int, int, int]:  # fmt: skip
-    """Samples each split must supply, by Megatron's formulas.
-
-    train = `train_samples` or `train_iters·GBS`; valid = `(train_iters // eval_interval + 1)·eval_iters·GBS`
-    (every evaluation during training plus the final one); test = `eval_iters·GBS`. With only `train_samples`
-    given, `train_iters` is `train_samples // GBS` as in Megatron.
-    """
-    if train_samples is None and train_iters is None:
-        raise ValueError("give train_samples or train_iters")
-    if train_iters is None:
-        train_iters = train_samples // global_batch
-    train = train_samples if train_samples is not None else train_iters * global_batch
-    valid = (train_iters // eval_interval + 1) * eval_iters * global_batch
-    return train, valid, eval_iters * global_batch
-
-
 def open_indexed_dataset(prefix: str):
     """`moetron.data.indexed.IndexedDataset(prefix)`, with a clear error when the files are missing."""
     if not prefix_exists(prefix):
