@@ -11,7 +11,7 @@ from moetron.train.trainer import Trainer
 
 def test_worker_notes_one_cpu_time_per_step_without_patching_the_trainer(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_module, "STEP_CPU_TIME_OBSERVERS", [])
-    monkeypatch.setattr(trainer_module.Trainer, "train_step", Trainer.train_step)  # restored, should it be patched
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", Trainer.train_step)  # undone if time_steps patches it
     monkeypatch.setattr(measure_worker, "CPU_STEP_S", [])
     original_step = Trainer.__dict__["train_step"]
     measure_worker.time_steps()
