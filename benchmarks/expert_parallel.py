@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 import torch
 
-from moetron.config import RunConfig
-from moetron.data.synthetic import RandomTokenLoader
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # test instruments live there
+from random_tokens import RandomTokenLoader  # noqa: E402
+
+from moetron.config import RunConfig  # noqa: E402
 from moetron.parallel.env import init_distributed
 from moetron.parallel.ep import all_to_all as expert_parallel
 from moetron.parallel.mesh import ParallelMesh

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from memory_peak import peak_cpu_bytes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from interchange_support import ARCHITECTURES, run_config, save_model  # noqa: E402
 
 from moetron.checkpoint import load_weights, resolve_checkpoint  # noqa: E402

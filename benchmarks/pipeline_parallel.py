@@ -8,7 +8,7 @@ script, one layout after the other (it spawns each process group itself).
 Model: 8 layers, hidden 256, 4 heads, 8 experts on every 2nd layer (4 MoE layers), top-2, vocabulary 4096, dropout
 off; micro batch 2; AdamW. PP = 2 runs 1F1B (and interleaved 1F1B with 2 virtual stages per rank at m = 8) on 2
 processes; the baseline runs the same global batch (micro batch × m) on 1 process, and DP = 2 the same global batch
-on 2 processes. One thread per process (`tests/distributed/launch.py` spawns each group).
+on 2 processes. One thread per process (`tests/support/launch.py` spawns each group).
 
 Bubble: each rank's busy time is the time inside its stages' forward and backward of a micro-batch and the loss;
 the bubble is 1 − busy / (the schedule's step time), the mean over ranks and measured steps. (p − 1)/(m + p − 1)
@@ -29,11 +29,11 @@ from pathlib import Path
 
 from memory_peak import peak_cpu_bytes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from launch import run_distributed  # noqa: E402 - spawns a gloo group (torchrun's environment, 1 thread each)
+from moetron.data.synthetic import RandomTokenLoader
 
 from moetron.config import RunConfig
-from moetron.data.synthetic import RandomTokenLoader
 from moetron.parallel.env import init_distributed
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build_model

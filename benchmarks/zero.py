@@ -23,12 +23,16 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from moetron.config import RunConfig
-from moetron.data.synthetic import RandomTokenLoader
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # test instruments live there
+from random_tokens import RandomTokenLoader  # noqa: E402
+
+from moetron.config import RunConfig  # noqa: E402
 from moetron.parallel.dp import sharded_optimizer
 from moetron.parallel.dp.zero_spec import ZeroSpec
 from moetron.parallel.env import init_distributed

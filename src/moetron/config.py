@@ -12,7 +12,6 @@ A leaf: dataclasses and the sizes derived from them, importing only the other se
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -128,12 +127,6 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     SECTIONS = ("model", "data", "parallel", "train")
-
-    def to_flat_dict(self) -> dict:
-        out = {}
-        for section in self.SECTIONS:
-            out.update(dataclasses.asdict(getattr(self, section)))
-        return out
 
     # ---------------------------------------------------------------- derived sizes
     def dims(self, world_size: int) -> ParallelDims:

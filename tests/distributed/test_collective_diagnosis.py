@@ -126,7 +126,6 @@ def launch(args: list[str], stall: str, log_dir: Path) -> tuple[list[subprocess.
 
 @pytest.fixture(scope="module")
 def data_flags(tmp_path_factory) -> list[str]:
-    sys.path.insert(0, str(HERE.parent / "unit"))
     from test_train_guards import TINY, write_dataset
 
     prefix = write_dataset(tmp_path_factory.mktemp("diag") / "corpus_text_document", documents=60)
@@ -165,7 +164,6 @@ def group_timeouts(rank: int, world_size: int) -> dict[str, float]:
 def test_every_mesh_group_waits_as_long_as_the_flag_says():
     """DeviceMesh gives the groups it creates torch's default (30 min on gloo), not the world's timeout; the size-1
     groups here (pp, tp, edp, etp) are such groups, as every group smaller than the world is."""
-    sys.path.insert(0, str(HERE))
     from launch import run_distributed
 
     for timeouts in run_distributed(group_timeouts, world_size=2):

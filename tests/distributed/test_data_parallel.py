@@ -13,19 +13,12 @@ One spawned group runs every check (spawning is the expensive part):
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from launch import run_distributed
+from trainer_support import build_trainer, run_losses, tiny_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-
-from launch import run_distributed  # noqa: E402
-from trainer_support import build_trainer, run_losses, tiny_config  # noqa: E402
-
-from moetron.parallel.env import DistEnv, init_distributed  # noqa: E402
+from moetron.parallel.env import DistEnv, init_distributed
 
 N = 2
 

@@ -8,14 +8,10 @@ clear error before anything is written.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_support import ENV, moetron_train, shakespeare_corpus_flags  # noqa: E402
+from cli_support import ENV, moetron_train, shakespeare_corpus_flags
 
 TINY = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "

@@ -12,26 +12,21 @@ several layouts of 4 ranks give exactly the groups `ParallelDims` computes.
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from launch import run_distributed
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from launch import run_distributed  # noqa: E402
-
-from moetron.model.config import ModelConfig  # noqa: E402
-from moetron.model.moe.layer import MoELayer  # noqa: E402
-from moetron.parallel.dims import ParallelDims  # noqa: E402
-from moetron.parallel.env import DistEnv  # noqa: E402
-from moetron.parallel.ep.all_to_all import (  # noqa: E402
+from moetron.model.config import ModelConfig
+from moetron.model.moe.layer import MoELayer
+from moetron.parallel.dims import ParallelDims
+from moetron.parallel.env import DistEnv
+from moetron.parallel.ep.all_to_all import (
     AllToAllDispatcher,
     regroup_by_local_expert,
     shard_layer_experts,
 )
-from moetron.parallel.mesh import ParallelMesh  # noqa: E402
+from moetron.parallel.mesh import ParallelMesh
 
 HIDDEN, EXPERTS = 16, 8
 EXPERT_PARAMS = ("w1_EDF", "w2_EFD", "b1_EF", "b2_ED")

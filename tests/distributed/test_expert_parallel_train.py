@@ -13,23 +13,18 @@ Between and after the groups, this process loads EP = 2 â†’ EP = 1 and EP = 4 â†
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from launch import run_distributed
+from trainer_support import parallel_trainer as ep_trainer
+from trainer_support import random_samples, run_losses, tiny_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-
-from launch import run_distributed  # noqa: E402
-from trainer_support import parallel_trainer as ep_trainer  # noqa: E402
-from trainer_support import random_samples, run_losses, tiny_config  # noqa: E402
-
-from moetron.checkpoint import resolve_checkpoint  # noqa: E402
-from moetron.parallel.env import DistEnv, init_distributed  # noqa: E402
-from moetron.train.trainer import Trainer  # noqa: E402
+from moetron.checkpoint import resolve_checkpoint
+from moetron.parallel.env import DistEnv, init_distributed
+from moetron.train.trainer import Trainer
 
 STEPS, MBS = 20, 2
 EXPERTS = 8

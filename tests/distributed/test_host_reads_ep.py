@@ -1,17 +1,11 @@
 """Host reads of one MoE layer step with the all-to-all dispatcher (EP = 2, two gloo processes), on the CUDA
-code path: at most one per rank, the `.tolist()` of the exchanged split sizes. benchmarks/host_syncs.py spawns
-the group and measures; this test asserts what it prints."""
+code path: at most one per rank, the `.tolist()` of the exchanged split sizes. tests/support/host_sync_steps.py spawns
+the group and measures (benchmarks/host_syncs.py prints it); this test asserts the counts."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from host_syncs import ep_reads  # noqa: E402
+from host_sync_steps import ep_reads
 
 
 @pytest.mark.distributed

@@ -5,15 +5,12 @@ every request as the one-process harness does."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from interchange_support import ARCHITECTURES, VOCAB, run_config, tokens  # noqa: E402
-from launch import run_distributed  # noqa: E402
+from interchange_support import ARCHITECTURES, VOCAB, run_config, tokens
+from launch import run_distributed
 
 pytestmark = pytest.mark.distributed
 MODEL = dict(ARCHITECTURES["mixtral"], seq_length=64, max_position_embeddings=64, init_method_std=0.2)

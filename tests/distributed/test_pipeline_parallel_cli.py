@@ -17,11 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import test_expert_parallel_cli as ep_cli
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import test_expert_parallel_cli as ep_cli  # noqa: E402
 
 ENV, moetron_train = ep_cli.ENV, ep_cli.moetron_train  # `moetron train`, under torchrun when nproc > 1
 corpus_flags = ep_cli.corpus_flags  # the same tiny-corpus fixture (a 40 kB tinyshakespeare dataset)

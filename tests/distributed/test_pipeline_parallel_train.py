@@ -26,22 +26,16 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from launch import run_distributed
+from trainer_support import MemoryLoader, parallel_model, random_samples, tiny_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-
-from launch import run_distributed  # noqa: E402
-from trainer_support import MemoryLoader, parallel_model, random_samples, tiny_config  # noqa: E402
-
-from moetron.checkpoint import resolve_checkpoint  # noqa: E402
-from moetron.parallel.env import DistEnv, init_distributed  # noqa: E402
-from moetron.train.trainer import Trainer  # noqa: E402
+from moetron.checkpoint import resolve_checkpoint
+from moetron.parallel.env import DistEnv, init_distributed
+from moetron.train.trainer import Trainer
 
 STEPS, SAVE_AT, MBS, GBS = 12, 6, 2, 8
 SCHEDULES = {"1f1b": None, "interleaved-1f1b": 1, "gpipe": None, "zero-bubble": 1}  # → layers per virtual stage

@@ -20,13 +20,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_support import ENV  # noqa: E402
+from cli_support import ENV
 
 TOLERANCE = 0.25
 TINY_MOE = {

@@ -14,15 +14,10 @@ integration test's docstring for why).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-
-from launch import run_distributed  # noqa: E402
-from test_plan_vs_measured import (  # noqa: E402
+from launch import run_distributed
+from test_plan_vs_measured import (
     BASELINE,
     QUICKSTART,
     TOLERANCE,
@@ -37,9 +32,9 @@ EP_BASELINE = (BASELINE[0], {**BASELINE[1], "moe_expert_parallel_size": EP, "glo
 
 def measure_rank(rank: int, world_size: int, config: str, overrides: dict) -> int:
     """Peak RSS (bytes) of this rank after one steady-state training step of its EP shard."""
+    from random_tokens import RandomTokenLoader
     from trainer_support import parallel_model
 
-    from moetron.data.synthetic import RandomTokenLoader
     from moetron.parallel.env import init_distributed
     from moetron.train.trainer import Trainer
 

@@ -9,13 +9,9 @@ resumes it at TP = 1. TP problems are reported together, before anything starts.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_support import ENV, moetron_train, shakespeare_corpus_flags  # noqa: E402
+from cli_support import ENV, moetron_train, shakespeare_corpus_flags
 
 from moetron.cli import main
 

@@ -20,17 +20,10 @@ Between and after the groups this process loads the TP = 2 checkpoint at TP = 1 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-
-from launch import run_distributed  # noqa: E402
-from trainer_support import (  # noqa: E402
+from launch import run_distributed
+from trainer_support import (
     MemoryLoader,
     build_trainer,
     parallel_trainer,
@@ -39,13 +32,13 @@ from trainer_support import (  # noqa: E402
     tiny_config,
 )
 
-from moetron.checkpoint import resolve_checkpoint  # noqa: E402
-from moetron.model.rng import STREAMS  # noqa: E402
-from moetron.parallel.env import DistEnv, init_distributed  # noqa: E402
-from moetron.parallel.mesh import ParallelMesh  # noqa: E402
-from moetron.parallel.parallelize import build_model  # noqa: E402
-from moetron.plan.memory import local_parameters  # noqa: E402
-from moetron.train.trainer import Trainer  # noqa: E402
+from moetron.checkpoint import resolve_checkpoint
+from moetron.model.rng import STREAMS
+from moetron.parallel.env import DistEnv, init_distributed
+from moetron.parallel.mesh import ParallelMesh
+from moetron.parallel.parallelize import build_model
+from moetron.plan.memory import local_parameters
+from moetron.train.trainer import Trainer
 
 STEPS, HALF, MBS, GLOBAL_BATCH = 12, 6, 2, 4
 ROUTERS = {

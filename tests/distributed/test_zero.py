@@ -18,22 +18,15 @@ layers (activation checkpointing).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from launch import run_distributed
+from test_expert_parallel_train import ep_trainer, global_losses, validation_loss
+from trainer_support import tiny_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-
-from launch import run_distributed  # noqa: E402
-from test_expert_parallel_train import ep_trainer, global_losses, validation_loss  # noqa: E402
-from trainer_support import tiny_config  # noqa: E402
-
-from moetron.checkpoint import resolve_checkpoint  # noqa: E402
-from moetron.parallel.env import init_distributed  # noqa: E402
-from moetron.train.trainer import Trainer  # noqa: E402
+from moetron.checkpoint import resolve_checkpoint
+from moetron.parallel.env import init_distributed
+from moetron.train.trainer import Trainer
 
 STEPS, HALF, MBS, GBS = 12, 6, 2, 16
 RTOL = 1e-5

@@ -4,15 +4,10 @@ Megatron's `--use-distributed-optimizer`, and an impossible stage as one clear e
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from test_expert_parallel_cli import ENV, TINY, corpus_flags, moetron_train  # noqa: E402, F401 (a fixture)
+from test_expert_parallel_cli import ENV, TINY, corpus_flags, moetron_train  # noqa: F401 (a fixture)
 
 
 @pytest.mark.distributed

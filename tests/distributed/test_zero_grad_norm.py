@@ -13,22 +13,15 @@ state and continues the single process's curve.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from launch import run_distributed
+from test_expert_parallel_train import ep_trainer, global_losses
+from test_zero import assert_same_state, global_optimizer_state, run, zero_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-
-from launch import run_distributed  # noqa: E402
-from test_expert_parallel_train import ep_trainer, global_losses  # noqa: E402
-from test_zero import assert_same_state, global_optimizer_state, run, zero_config  # noqa: E402
-
-from moetron.checkpoint import resolve_checkpoint  # noqa: E402
-from moetron.parallel.dp.zero_spec import STAGES  # noqa: E402
-from moetron.parallel.env import init_distributed  # noqa: E402
+from moetron.checkpoint import resolve_checkpoint
+from moetron.parallel.dp.zero_spec import STAGES
+from moetron.parallel.env import init_distributed
 
 STEPS = 2  # in the 4-process group; the single process runs one more (the resumed checkpoint's next step)
 EXPERT_PARALLEL = (4, 2, 1)  # edp = 1, 2, 4 on 4 ranks

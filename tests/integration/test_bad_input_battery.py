@@ -8,19 +8,16 @@ directory (snapshotted before and after). Commands run in-process through `moetr
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from fs_faults import snapshot
 
 from moetron.cli import main
 from moetron.config_cli import load_config, to_yaml
 from moetron.data.indexed import IndexedDatasetBuilder
 from moetron.data.tokenizer import train_bpe_tokenizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fs_faults import snapshot  # noqa: E402
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -16,10 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_train_guards import TINY, write_dataset
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "unit"))
-from test_train_guards import TINY, write_dataset  # noqa: E402
 
 ITERS, SAVE_EVERY = 8, 2
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

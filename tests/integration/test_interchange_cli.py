@@ -12,12 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from interchange_support import tiny_checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from interchange_support import tiny_checkpoint  # noqa: E402
-
-from moetron.data.indexed import IndexedDatasetBuilder  # noqa: E402
-from moetron.data.tokenizer import build_tokenizer  # noqa: E402
+from moetron.data.indexed import IndexedDatasetBuilder
+from moetron.data.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.slow
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

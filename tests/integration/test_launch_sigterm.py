@@ -14,11 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_fault_injection import assert_loadable
+from test_train_guards import TINY, write_dataset
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "unit"))
-from test_fault_injection import assert_loadable  # noqa: E402
-from test_train_guards import TINY, write_dataset  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+SUPPORT = REPO / "tests" / "support"  # random_tokens, for the measured subprocess
 TOLERANCE = 0.25
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 # the brief's stand-in when the quickstart's own config is absent: a small MoE with a ~8k vocabulary
@@ -84,8 +85,8 @@ def load(config: str, overrides: dict):
 def measure_in_this_process(config: str, overrides: dict) -> int:
     """Peak RSS (bytes) after one steady-state training step of the config."""
     import torch
+    from random_tokens import RandomTokenLoader
 
-    from moetron.data.synthetic import RandomTokenLoader
     from moetron.model.gpt import create_model
     from moetron.parallel.env import DistEnv
     from moetron.train.trainer import Trainer
@@ -122,6 +123,7 @@ def peak_rss() -> int:
 
 def measure(config: str, overrides: dict) -> int:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "2"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SUPPORT), env.get("PYTHONPATH", "")])  # a script: no pytest pythonpath
     out = subprocess.run(
         [sys.executable, __file__, json.dumps([config, overrides])],
         capture_output=True,

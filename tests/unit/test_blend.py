@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from data_helpers import FakeIndexed
 
+from moetron.data import blend
 from moetron.data.blend import BlendableDataset, blend_num_samples, build_blending_indices
 from moetron.data.config import DataConfig
 from moetron.data.gpt_dataset import build_gpt_datasets
@@ -88,20 +89,25 @@ def test_blended_split_datasets(tmp_path):
     assert len(cached) == 4 * 4 and not any(n.endswith("_sample_index.npy") for n in cached)
 
 
-def test_blend_cache_only_with_data_cache_path(tmp_path):
+def test_blend_cache_only_with_data_cache_path(tmp_path, monkeypatch):
     prefixes, opener = _fakes(tmp_path)
     a, b = prefixes
     cache = tmp_path / "cache"
+    builds = []  # the blend's index is built (not loaded from the cache) once per description
+    monkeypatch.setattr(
+        blend, "build_blending_indices", lambda *args: builds.append(args) or build_blending_indices(*args)
+    )
     cfg = DataConfig(train_data_path=["1", a, "2", b], data_cache_path=str(cache))
     first = build_gpt_datasets(cfg, 8, 3, (60, 0, 0), open_dataset=opener)[0]
+    assert len(builds) == 1
     again = build_gpt_datasets(cfg, 8, 3, (60, 0, 0), open_dataset=opener)[0]
-    assert isinstance(first, BlendableDataset) and first.built_index and not again.built_index
+    assert isinstance(first, BlendableDataset) and len(builds) == 1
     assert len([n for n in os.listdir(cache) if n.endswith("_sample_index.npy")]) == 1
     np.testing.assert_array_equal(first.dataset_sample_index, again.dataset_sample_index)
     # components' caches: data_cache_path given, so built there (the last directory searched)
     assert len([n for n in os.listdir(cache) if n.endswith("_doc_idx.npy")]) == 2
     other = build_gpt_datasets(cfg, 8, 4, (60, 0, 0), open_dataset=opener)[0]
-    assert other.built_index and other.desc != first.desc
+    assert len(builds) == 2 and other.desc != first.desc
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)

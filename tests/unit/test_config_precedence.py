@@ -4,20 +4,17 @@ configs — all seen from the command line (`moetron train --print-config`) wher
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from data_helpers import make_tiny_tokenizer, tiny_tokenizer_flags
+from fs_faults import read_only_dir
 
 from moetron.cli import main
 from moetron.config_cli import load_config, to_yaml
 from moetron.train.startup import startup_banner, startup_warnings
 from moetron.validate import validate
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fs_faults import read_only_dir  # noqa: E402
 
 SCALED_DOWN = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from data_helpers import CORPUS, make_tiny_tokenizer, megatron_reference, tiny_tokenizer_flags, write_jsonl
+from fs_faults import FailingFile, enospc, full_disk, read_only_dir, snapshot
 
 import moetron.data.indexed as indexed_module
 from moetron.cli import main
@@ -22,9 +23,6 @@ from moetron.data.gpt_dataset import build_gpt_datasets
 from moetron.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from moetron.errors import UserError
 from moetron.fileio import current_umask, publish_mode
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fs_faults import FailingFile, enospc, full_disk, read_only_dir, snapshot  # noqa: E402
 
 VOCAB = 96
 TINY = (

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moetron.model.moe.experts.backends import grouped_mm_supported
-from moetron.model.moe.experts.grouped import GroupedExperts, init_expert_weights
+from moetron.model.moe.experts.grouped import GroupedExperts
 
 D, F = 16, 32
 BACKENDS = ["grouped_mm", "batched", "loop"]
@@ -96,15 +96,15 @@ def test_unknown_backend_is_a_clear_error() -> None:
 
 def test_slice_of_experts_gets_the_full_layers_weights() -> None:
     full = GroupedExperts(8, D, F, swiglu=True, bias=True)
-    init_expert_weights(full, std=0.02, out_std=0.01, seed=7, layer_index=3)
+    full.reset_parameters(0.02, 0.01, 7, 3)  # std, out_std, seed, the layer index as the key
     part = GroupedExperts(4, D, F, swiglu=True, bias=True, expert_offset=4, num_global_experts=8)
-    init_expert_weights(part, std=0.02, out_std=0.01, seed=7, layer_index=3)
+    part.reset_parameters(0.02, 0.01, 7, 3)  # std, out_std, seed, the layer index as the key
     for name in ("w1_EDF", "w3_EDF", "w2_EFD"):
         torch.testing.assert_close(getattr(part, name), getattr(full, name)[4:], rtol=0, atol=0)
     assert not torch.equal(full.w1_EDF[0], full.w1_EDF[1])
     assert torch.all(full.b1_EF == 0) and torch.all(full.b2_ED == 0)
     other_layer = GroupedExperts(8, D, F, swiglu=True, bias=True)
-    init_expert_weights(other_layer, std=0.02, out_std=0.01, seed=7, layer_index=4)
+    other_layer.reset_parameters(0.02, 0.01, 7, 4)  # std, out_std, seed, the layer index as the key
     assert not torch.equal(other_layer.w1_EDF, full.w1_EDF)
 
 

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 from data_helpers import FakeIndexed
 
+from moetron.config import RunConfig
+from moetron.data import gpt_dataset
 from moetron.data.config import DataConfig
-from moetron.data.gpt_dataset import GPTDataset, build_gpt_datasets, megatron_num_samples
+from moetron.data.gpt_dataset import GPTDataset, build_gpt_datasets
 from moetron.data.sample_index import (
     IndexPlan,
     build_doc_idx,
@@ -19,6 +21,7 @@ from moetron.data.sample_index import (
     shuffle_dtype,
 )
 from moetron.errors import UserError
+from moetron.train.run import sample_counts
 
 
 def random_docs(n: int, seed: int, max_len: int = 40, empty_every: int = 0) -> list[list[int]]:
@@ -150,12 +153,21 @@ def test_index_dtypes():
     assert shuffle_dtype(2**32 - 3) == np.uint32 and shuffle_dtype(2**32 - 2) == np.int64
 
 
-def test_cache_reused_and_keyed_by_description(tmp_path):
-    docs = random_docs(30, 5)
+def counted_index_builds(monkeypatch) -> list:
+    """The index mappings the GPT dataset builds (rather than loads from its cache), one entry per build."""
+    builds = []
+    monkeypatch.setattr(gpt_dataset, "build_index_mappings", lambda *a: builds.append(a) or build_index_mappings(*a))
+    return builds
+
+
+def test_cache_reused_and_keyed_by_description(tmp_path, monkeypatch):
+    docs, builds = random_docs(30, 5), counted_index_builds(monkeypatch)
     first = _ds_for(docs, 40, 8, tmp_path)
+    assert len(builds) == 1
     again = _ds_for(docs, 40, 8, tmp_path)
-    other_seed = _ds_for(docs, 40, 8, tmp_path, seed=6)
-    assert first.built_index and not again.built_index and other_seed.built_index
+    assert len(builds) == 1
+    _ds_for(docs, 40, 8, tmp_path, seed=6)
+    assert len(builds) == 2
     assert isinstance(again.shuffle_idx, np.memmap)
     for i in range(len(first)):
         np.testing.assert_array_equal(first[i], again[i])
@@ -163,14 +175,14 @@ def test_cache_reused_and_keyed_by_description(tmp_path):
     assert len([n for n in names if n.endswith(".dsc")]) == 2 and not any(n.endswith(".tmp") for n in names)
 
 
-def test_barrier_lets_other_ranks_load_what_rank0_built(tmp_path):
-    docs, calls = random_docs(30, 6), []
+def test_barrier_lets_other_ranks_load_what_rank0_built(tmp_path, monkeypatch):
+    docs, calls, builds = random_docs(30, 6), [], counted_index_builds(monkeypatch)
     args = ("train", "p", np.arange(30, dtype=np.int32), FakeIndexed(docs), "1", 40, 8, 3, [str(tmp_path)])
     with pytest.raises(UserError, match="index cache"):
         GPTDataset(*args, is_builder=False, cache_barrier=lambda: calls.append("wait"))
     built = GPTDataset(*args, is_builder=True, cache_barrier=lambda: calls.append("built"))
     follower = GPTDataset(*args, is_builder=False, cache_barrier=lambda: calls.append("wait"))
-    assert calls == ["wait", "built", "wait"] and not follower.built_index
+    assert calls == ["wait", "built", "wait"] and len(builds) == 1  # the follower loaded the builder's index
     np.testing.assert_array_equal(built.sample_idx, follower.sample_idx)
 
 
@@ -218,9 +230,17 @@ def test_too_few_tokens_is_a_user_error():
         GPTDataset("valid", "p", np.arange(1, 2, dtype=np.int32), FakeIndexed([[5, 6], [7]]), "1", 3, 4, 1)
 
 
-def test_megatron_num_samples():
-    assert megatron_num_samples(None, 1000, 8, 100, 10) == (8000, 880, 80)
-    assert megatron_num_samples(4000, None, 8, 100, 10) == (4000, (500 // 100 + 1) * 10 * 8, 80)
+def test_sample_counts_cover_the_run_and_the_fixed_validation_batches():
+    """The samples each split indexes: every iteration of the run (its first stopping criterion), and `eval_iters`
+    global batches for validation and test (every evaluation reads the same fixed batches)."""
+    cfg = RunConfig()
+    t = cfg.train
+    t.micro_batch_size, t.global_batch_size, t.train_iters, t.eval_iters = 2, 8, 1000, 10
+    assert sample_counts(cfg, dp=2) == (8000, 80, 80)
+    t.train_iters, t.train_samples = None, 4001  # ceil(4001 / 8) = 501 iterations
+    assert sample_counts(cfg, dp=2) == (4008, 80, 80)
+    t.global_batch_size = None  # one micro-batch per data-parallel rank: 2 · 4 = 8
+    assert sample_counts(cfg, dp=4) == (4008, 80, 80)
 
 
 def test_data_config_problems(tmp_path):

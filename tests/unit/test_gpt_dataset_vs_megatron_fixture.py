@@ -12,11 +12,11 @@ compiled `build_blending_indices` for the recorded weights.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import record_megatron_indices as recorder  # the corpus recipe lives with the recording script
 
 from moetron.data.blend import build_blending_indices
 from moetron.data.config import DataConfig
@@ -25,8 +25,6 @@ from moetron.data.indexed import IndexedDatasetBuilder
 from moetron.data.sample_index import get_train_valid_test_split
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-sys.path.insert(0, str(FIXTURES))
-import record_megatron_indices as recorder  # noqa: E402 - the corpus recipe lives with the recording script
 
 RECORDED = dict(np.load(FIXTURES / "megatron_indices.npz"))
 META = json.loads(str(RECORDED.pop("meta")))

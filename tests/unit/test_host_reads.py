@@ -1,22 +1,20 @@
 """Host reads (host syncs on a GPU) of one MoE layer step on the CUDA code path: counted, never timed.
 
-The modes and the measured step are benchmarks/host_syncs.py's, so the test asserts what the benchmark prints.
+The modes and the measured step are tests/support/host_sync_steps.py's, which benchmarks/host_syncs.py prints, so
+the test asserts what the benchmark prints.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from host_read_counter import HostReadCounter, cuda_code_path
+from host_sync_steps import EXPERTS, LOCAL_MODES, layer_config, local_reads
 
-from moetron.model.moe.host_reads import HostReadCounter, cuda_code_path, host_reads_are_free
+from moetron.model.moe.experts import grouped
+from moetron.model.moe.host_reads import host_reads_are_free
 from moetron.model.moe.layer import MoELayer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from host_syncs import EXPERTS, LOCAL_MODES, layer_config, local_reads  # noqa: E402
+from moetron.model.moe.routing import deepspeed_gating
 
 
 @pytest.mark.parametrize("mode", list(LOCAL_MODES))
@@ -39,10 +37,11 @@ def test_the_cpu_path_reads_where_reads_are_free():
     with HostReadCounter() as reads:
         layer(torch.randn(2, 64, 64))
     assert dict(reads.by_kind) == {"__bool__": 1}
-    assert host_reads_are_free(torch.device("cpu"))
-    with cuda_code_path():
-        assert not host_reads_are_free(torch.device("cpu"))
-    assert not host_reads_are_free(torch.device("meta"))
+    cpu = torch.device("cpu")
+    assert host_reads_are_free(cpu) and not host_reads_are_free(torch.device("meta"))
+    with cuda_code_path():  # every module that chooses a CPU-only kernel sees the CUDA answer
+        assert not grouped.host_reads_are_free(cpu) and not deepspeed_gating.host_reads_are_free(cpu)
+    assert grouped.host_reads_are_free is deepspeed_gating.host_reads_are_free is host_reads_are_free  # restored
 
 
 def test_dropless_capacity_is_read_on_demand_only():

@@ -4,16 +4,13 @@ nothing half-written left behind (export writes into a hidden sibling directory 
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from fs_faults import full_disk, read_only_dir, snapshot
 from interchange_support import tiny_checkpoint
 
 from moetron.cli import main
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fs_faults import full_disk, read_only_dir, snapshot  # noqa: E402
 
 MDS = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_deepspeed" / "moe_top1_ep2" / "checkpoint"
 

@@ -7,7 +7,6 @@ import argparse
 import pytest
 import torch
 
-from moetron.config import RunConfig
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
 from moetron.model.config import ModelConfig
 from moetron.parallel.dims import ParallelDims
@@ -93,8 +92,17 @@ def test_split_keeps_global_names_and_the_ends():
     assert "final_layernorm.weight" in names[1] and "final_layernorm.weight" not in names[0]
 
 
-def test_run_config_has_the_megatron_flag_names():
-    p = RunConfig().parallel
-    for name in ("pipeline_model_parallel_size", "pipeline_schedule", "num_layers_per_virtual_pipeline_stage",
-                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):  # fmt: skip
-        assert hasattr(p, name)
+def test_megatron_pipeline_flags_reach_the_layout():
+    """Megatron's flag names parse into the config, and the layout is built from them."""
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    flags = ["--num-layers", "6", "--pipeline-model-parallel-size", "3", "--pipeline-schedule", "gpipe"]
+    flags += ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "2"]
+    cfg, _ = load_config(None, cli_overrides(parser.parse_args(flags)))
+    p = cfg.parallel
+    assert (p.pipeline_model_parallel_size, p.pipeline_schedule) == (3, "gpipe")
+    assert (p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers) == (1, 2)
+    layout = PipelineLayout.from_config(cfg.model.num_layers, p)
+    assert layout.stage_layers == ((0,), (1, 2, 3), (4, 5)) and layout.schedule == "gpipe"
+    cfg, _ = load_config(None, cli_overrides(parser.parse_args(["--num-layers-per-virtual-pipeline-stage", "1"])))
+    assert cfg.parallel.num_layers_per_virtual_pipeline_stage == 1

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
+from random_tokens import RandomTokenLoader
 
-from moetron.data.synthetic import RandomTokenLoader
 from moetron.eval.plots import expert_load_heatmap, loss_curves, matplotlib_missing, read_jsonl
 from moetron.eval.routing_report import RoutingRecorder, _LayerSums, format_table
 from moetron.model.config import ModelConfig

@@ -25,8 +25,6 @@ from moetron.config import RunConfig
 from moetron.data.tokenizer import load_tokenizer
 from moetron.errors import UserError
 
-TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
-
 
 @dataclass
 class OpenRun:
@@ -64,9 +62,9 @@ def default_device() -> torch.device:
 def open_run(load: str, flag: str = "--load", tokenizer_overrides: dict | None = None) -> OpenRun:
     """The checkpoint `load` names (a run directory, its `latest`, or one iter_* directory), checked.
 
-    `tokenizer_overrides` ({field: path} of `TOKENIZER_FIELDS`, from --vocab-file/--merge-file/--tokenizer-model)
-    replace the tokenizer the config names (its files moved, or were given relative to another directory); they
-    are checked against the model's vocabulary here, before any weight is read."""
+    `tokenizer_overrides` ({field: path} of the data config's tokenizer files, from --vocab-file/--merge-file/
+    --tokenizer-model) replace the tokenizer the config names (its files moved, or were given relative to another
+    directory); they are checked against the model's vocabulary here, before any weight is read."""
     from moetron.config_cli import load_config
 
     path = resolve_checkpoint(load)

@@ -133,9 +133,9 @@ class BlendableDataset:
 
         if data_cache_path:
             cache = IndexCache(self.desc, ["index", "sample_index"], [data_cache_path])
-            arrays, self.built_index = build_or_load(cache, build, is_builder, cache_barrier)
+            arrays = build_or_load(cache, build, is_builder, cache_barrier)
         else:
-            arrays, self.built_index = build(), True
+            arrays = build()
         self.dataset_index, self.dataset_sample_index = arrays["index"], arrays["sample_index"]
         self._check_components()
 

@@ -48,10 +48,10 @@ class GPTDataset:
         self.desc = describe_gpt_dataset(prefix, name, num_samples, self.plan.num_epochs, seq_length, seed, split)
         if cache_dirs:
             cache = IndexCache(self.desc, ["doc_idx", "sample_idx", "shuffle_idx"], cache_dirs)
-            arrays, self.built_index = build_or_load(cache, lambda: self._build(sizes), is_builder, cache_barrier)
+            arrays = build_or_load(cache, lambda: self._build(sizes), is_builder, cache_barrier)
             self.cache_dir = cache.directory
         else:  # no cache: every rank builds in memory (tests, tiny data)
-            arrays, self.built_index, self.cache_dir = self._build(sizes), True, None
+            arrays, self.cache_dir = self._build(sizes), None
         self.doc_idx, self.sample_idx, self.shuffle_idx = arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"]
 
     def _build(self, sizes: np.ndarray) -> dict[str, np.ndarray]:
@@ -77,23 +77,6 @@ class GPTDataset:
         pieces += [get(int(doc_idx[d])) for d in range(doc_first + 1, doc_last)]
         pieces.append(get(int(doc_idx[doc_last]), offset=0, length=int(offset_last + 1)))
         return np.concatenate(pieces).astype(np.int64)
-
-
-def megatron_num_samples(train_samples: int | None, train_iters: int | None, global_batch: int, eval_interval: int,
-                         eval_iters: int) -> tuple[int, int, int]:  # fmt: skip
-    """Samples each split must supply, by Megatron's formulas.
-
-    train = `train_samples` or `train_iters·GBS`; valid = `(train_iters // eval_interval + 1)·eval_iters·GBS`
-    (every evaluation during training plus the final one); test = `eval_iters·GBS`. With only `train_samples`
-    given, `train_iters` is `train_samples // GBS` as in Megatron.
-    """
-    if train_samples is None and train_iters is None:
-        raise ValueError("give train_samples or train_iters")
-    if train_iters is None:
-        train_iters = train_samples // global_batch
-    train = train_samples if train_samples is not None else train_iters * global_batch
-    valid = (train_iters // eval_interval + 1) * eval_iters * global_batch
-    return train, valid, eval_iters * global_batch
 
 
 def open_indexed_dataset(prefix: str):

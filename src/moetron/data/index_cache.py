@@ -115,24 +115,23 @@ def _load_array(path: str) -> np.ndarray:
 
 
 def build_or_load(cache: IndexCache, build: Callable[[], dict[str, np.ndarray]], is_builder: bool,
-                  barrier: Callable[[], None] | None) -> tuple[dict[str, np.ndarray], bool]:  # fmt: skip
-    """Build+save on the builder when missing, wait at `barrier`, then load everywhere: (arrays, built_now).
+                  barrier: Callable[[], None] | None) -> dict[str, np.ndarray]:  # fmt: skip
+    """Build+save on the builder when missing, wait at `barrier`, then load everywhere: the arrays.
 
     The barrier is reached on every rank even when the builder fails, so the others do not hang; they then
     report the missing cache and the builder re-raises its own error.
     """
-    built_now, failure = False, None
+    failure = None
     if is_builder and not _usable(cache):
         try:
             cache.save(build())
-            built_now = True
         except UserError as err:
             failure = err
     if barrier is not None:
         barrier()
     if failure is not None:
         raise failure
-    return cache.load(), built_now
+    return cache.load()
 
 
 def _usable(cache: IndexCache) -> bool:

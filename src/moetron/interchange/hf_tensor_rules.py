@@ -87,9 +87,3 @@ def per_expert(moetron: str, hf_pattern: str, num_experts: int) -> Rule:
 def single_expert(moetron: str, hf: str) -> Rule:
     """A one-expert stack `[1, A, B]` (shared experts) ↔ one `[B, A]` nn.Linear weight."""
     return Rule(moetron, (hf,), lambda t: [t[0].t()], lambda ts: ts[0].t()[None])
-
-
-def stacked_bias(moetron: str, hf_pattern: str, num_experts: int) -> Rule:
-    """`[E, A]` expert biases ↔ E `[A]` biases."""
-    names = tuple(hf_pattern.format(e=e) for e in range(num_experts))
-    return Rule(moetron, names, lambda t: [t[e] for e in range(t.shape[0])], lambda ts: torch.stack(ts))

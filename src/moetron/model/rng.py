@@ -16,7 +16,7 @@ Use:
 
     STREAMS.configure(seed)                         # once per run (the trainer does it)
     with STREAMS.micro_batch("train", sample):      # around one micro-batch's forward (the executor does it)
-        with STREAMS.fork("layers.7"):               # around one layer's forward (GPTModel does it)
+        with STREAMS.fork("layers", "7"):            # around one layer's forward (GPTModel does it)
             ...dropout, torch.rand...
 
 Outside `micro_batch` (a model called directly, generation, tests) `fork` is a no-op and the global generator is

@@ -13,7 +13,7 @@ Experts are laid out over the same ranks of each pipeline stage as the expert me
              the tensor-parallel ranks (`(dp · tp) % ep == 0`), so two GPUs can run TP = 2 for attention while the
              experts run EP = 2 (EP [0, 1] = the TP group).
 With tp = 1 both are the same layout. `ParallelDims` is pure arithmetic (`groups`, `coordinates` need no
-process group); `DeviceMeshes.build` turns it into DeviceMeshes, and is the only source of a rank's
+process group); `ParallelMesh.build` (parallel/mesh.py) turns it into DeviceMeshes, and is the only source of a rank's
 coordinates and groups: the loader's data-parallel rank, metric reductions, expert placement and the
 checkpoint all read them from there, never from the global rank.
 """
@@ -25,9 +25,6 @@ from dataclasses import dataclass
 
 DENSE_DIMS = ("pp", "dp", "tp")
 EXPERT_DIMS = ("pp", "edp", "ep", "etp")
-# The largest degree a dimension supports today, for a dimension whose implementation is partial (none now:
-# tp, pp, dp and ep are all unbounded; combinations not supported yet are refused by their own `*_problems`).
-SUPPORTED: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -63,14 +60,6 @@ class ParallelDims:
         return (self.dp * self.tp) // (self.ep * self.etp) if self.ep * self.etp else 0
 
     @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
-    def ep_enabled(self) -> bool:
-        return self.ep > 1
-
-    @property
     def sizes(self) -> dict[str, int]:
         return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "edp": self.edp, "ep": self.ep, "etp": self.etp}
 
@@ -89,8 +78,6 @@ class ParallelDims:
             value = getattr(self, name)
             if value < 1:
                 p.append(f"{flag} must be >= 1, got {value}")
-            elif value > SUPPORTED.get(name, value):
-                p.append(f"{flag} {value} is not supported yet (at most {SUPPORTED[name]}); use {SUPPORTED[name]}")
         if min(self.tp, self.pp, self.ep, self.etp) < 1:
             return p
         if self.world_size % (self.tp * self.pp):

@@ -11,8 +11,8 @@ Kinds:
           PR-MoE's residual MLP)
   expert  routed experts `[E_local, …]` of a MoE layer: dim 0 is the local expert, global id = offset + index;
           sharded over the expert-parallel group, replicated over the expert-data-parallel group
-Layouts along tensor parallelism (`tp_layout`, and `tp_dim`, the dimension split over the TP ranks) are recorded
-by `tensor_parallel.record_tp_layouts`: "replicated" until then. A split parameter holds 1 / tp of its tensor.
+The layout along tensor parallelism (`tp_dim`, the dimension split over the TP ranks) is recorded by
+`parallel.tp.apply_tp.record_tp_layouts`: None (replicated) until then. A split parameter holds 1 / tp of its tensor.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ class ParamInfo:
     expert_offset: int = 0  # expert kind: global id of local expert 0
     num_local_experts: int = 0
     num_global_experts: int = 0
-    tp_layout: str = "replicated"  # "replicated" | "column" | "row" | "vocab" (set by apply_tp)
     tp_dim: int | None = None  # the dimension split over the tensor-parallel ranks (None: replicated over them)
 
     @property
@@ -101,5 +100,5 @@ class ParamRegistry:
             (n, p) for n, p in model.named_parameters() if n in self.infos and (kind is None or self[n].kind == kind)
         ]
 
-    def set_tp_layout(self, name: str, layout: str, dim: int | None = None) -> None:
-        self.infos[name] = replace(self.infos[name], tp_layout=layout, tp_dim=dim)
+    def set_tp_dim(self, name: str, dim: int) -> None:
+        self.infos[name] = replace(self.infos[name], tp_dim=dim)

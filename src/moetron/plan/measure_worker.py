@@ -5,8 +5,9 @@
   vmhwm_bytes   the process's resident-set high-water mark (/proc/self/status VmHWM: its own peak, not the
                 parent's — `ru_maxrss` inherits the launcher's), what a CPU run's tensors cost
   cuda_bytes    torch.cuda.max_memory_allocated() on a GPU run (the tensors; not the CUDA context)
-  cpu_step_s    the CPU time (all of the process's threads) of each `Trainer.train_step`: on a CPU shared with other
-                work, what a step costs this rank regardless of how long it waited for a core
+  cpu_step_s    the CPU time (all of the process's threads) of each training step, as the trainer reports it to
+                `STEP_CPU_TIME_OBSERVERS`: on a CPU shared with other work, what a step costs this rank regardless of
+                how long it waited for a core
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import atexit
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 OUT_ENV = "MOETRON_MEASURE_DIR"
@@ -46,18 +46,10 @@ def record() -> None:
 
 
 def time_steps() -> None:
-    """Wrap `Trainer.train_step` to note each step's CPU time (the trainer itself logs only wall-clock rates)."""
-    from moetron.train.trainer import Trainer
+    """Note each training step's CPU time in CPU_STEP_S (the trainer reports it; it logs only wall-clock rates)."""
+    from moetron.train.trainer import STEP_CPU_TIME_OBSERVERS
 
-    step = Trainer.train_step
-
-    def timed(self):
-        start = time.process_time()
-        result = step(self)
-        CPU_STEP_S.append(time.process_time() - start)
-        return result
-
-    Trainer.train_step = timed
+    STEP_CPU_TIME_OBSERVERS.append(CPU_STEP_S.append)
 
 
 def main() -> int:

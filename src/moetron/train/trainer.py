@@ -63,6 +63,12 @@ class StepResult:
     sums: StepSums
 
 
+# Called after every optimizer step of `Trainer.train()` with that step's CPU time (all threads,
+# `time.process_time`): `plan --measure`'s worker (plan/measure_worker.py) registers one, since the trainer itself
+# logs only wall-clock rates. Empty in an ordinary run.
+STEP_CPU_TIME_OBSERVERS: list[Callable[[float], None]] = []
+
+
 class Trainer:
     """Drives one run. `train_loader` yields `[mbs, seq+1]` micro-batches; `make_valid_loader()` a fresh one.
 
@@ -189,7 +195,10 @@ class Trainer:
         started = interval_start = time.perf_counter()
         interval_iters = 0
         while not self.done():
+            cpu_start = time.process_time()
             result = self.train_step()
+            for observe in STEP_CPU_TIME_OBSERVERS:
+                observe(time.process_time() - cpu_start)
             self._account(result)
             interval_iters += 1
             it = self.progress.iteration

@@ -59,9 +59,6 @@ class MoEAux:
         return cfg.moe_loss_coeff * self.aux_loss.float() + cfg.moe_z_loss_coeff * self.z_loss.float()
 
 
-STAT_NAMES = ("load_max_over_mean", "dropped_fraction", "aux_loss", "z_loss")
-
-
 def step_stats(aux: MoEAux) -> torch.Tensor:
     """fp32 [4] on device: expert load max/mean (routes before dropping), dropped fraction of all routes, the
     aux loss and the z-loss (without their coefficients)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# --pipeline-schedule → the torch.distributed.pipelining schedule that runs it (moetron.parallel.pp.split)
+# --pipeline-schedule → the torch.distributed.pipelining schedule that runs it (moetron.parallel.pp.schedules)
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
 MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")  # schedules that can run several stages per rank
 

@@ -19,7 +19,7 @@ Hidden dropout on a sequence shard draws the one-process mask of the whole seque
 (`SequenceShardDropout`), so SP reproduces the one-process run with dropout on; attention dropout draws on head
 shards from per-rank streams (`SelfAttention.stream_shard`) — independent masks, not the one-process ones.
 
-Parameters stay plain local shards read through DTensor views (`tensor_parallel_params.py`: why), each drawn at
+Parameters stay plain local shards read through DTensor views (`shard_views.py`: why), each drawn at
 its full shape and sliced, so every layout holds exactly the one-process weights. `record_tp_layouts` writes each
 parameter's layout into the registry, where the gradient norm and the checkpoint read it.
 """
@@ -48,8 +48,6 @@ from moetron.model.loss import language_model_loss, masked_mean
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
 from moetron.parallel.tp.shard_views import ShardViews, localize_parameters, sharded_modules
-
-LAYOUT_OF_PLACEMENT = {0: "column", 1: "row"}  # a Linear weight [out, in] split on dim 0 / 1
 
 
 # ---------------------------------------------------------------- the plans
@@ -147,17 +145,15 @@ def apply_tp(model: GPTModel, mesh: ParallelMesh) -> None:
 
 
 def record_tp_layouts(model: nn.Module, registry: ParamRegistry) -> None:
-    """Write each tensor-parallel parameter's layout ("vocab", "column", "row" and the split dimension) into the
-    registry; replicated ones keep "replicated". Experts split by expert TP record theirs (`shard_dims`)."""
+    """Write each tensor-parallel parameter's split dimension into the registry; replicated ones keep None.
+    Experts split by expert TP record theirs (`tp_shard_dims`)."""
     for prefix, module in model.named_modules():
         if isinstance(module, ShardViews):
             for name, spec in module.shard_specs.items():
                 if spec.shard_dim is not None:
-                    kind = "vocab" if isinstance(module, nn.Embedding) or prefix == "output_layer" else None
-                    layout = kind or LAYOUT_OF_PLACEMENT[spec.shard_dim if name == "weight" else 0]
-                    registry.set_tp_layout(f"{prefix}.{name}", layout, spec.shard_dim)
-        for name, (layout, dim) in getattr(module, "tp_shard_dims", {}).items():
-            registry.set_tp_layout(f"{prefix}.{name}", layout, dim)
+                    registry.set_tp_dim(f"{prefix}.{name}", spec.shard_dim)
+        for name, dim in getattr(module, "tp_shard_dims", {}).items():
+            registry.set_tp_dim(f"{prefix}.{name}", dim)
 
 
 # ---------------------------------------------------------------- the vocab-parallel loss

@@ -1,7 +1,7 @@
 """MoE layers under tensor parallelism: each token reaches its experts once, and routing is the one-process routing.
 
 Tensor-parallel peers hold the same tokens (the MoE layer's input is replicated over TP; under sequence
-parallelism it is gathered first, see tensor_parallel.py) and route them identically: the router runs in fp32
+parallelism it is gathered first, see apply_tp.py) and route them identically: the router runs in fp32
 on all T tokens with the same weights and the same random streams (keyed by sample and layer), so capacity, the
 aux loss and random token selection are computed over exactly the tokens of the one-process run. Two layouts:
 
@@ -154,7 +154,7 @@ def split_expert_ffn(old: GroupedExperts, mesh, tp_rank: int, tp_size: int) -> F
             continue
         index = tuple(channels if d == dim else every for d in range(full.dim()))
         new.param_slices[name] = TensorSlice(tuple(full.shape), index)
-        new.tp_shard_dims[name] = ("row" if name == "w2_EFD" else "column", dim)
+        new.tp_shard_dims[name] = dim
     device = old.w1_EDF.device
     if device.type != "meta":
         new.to_empty(device=device)

@@ -194,8 +194,3 @@ def _add_single_bias(h_TA: torch.Tensor, b_1A: torch.Tensor) -> torch.Tensor:
 
 def _single_matmul(x_TA: torch.Tensor, w_1AB: torch.Tensor) -> torch.Tensor:
     return x_TA @ w_1AB[0]
-
-
-def init_expert_weights(experts: GroupedExperts, std: float, out_std: float, seed: int, layer_index: int) -> None:
-    """Initialise a layer's experts by GLOBAL expert id from (seed, layer_index, id) — layout-free."""
-    experts.reset_parameters(std, out_std, seed, layer_index)

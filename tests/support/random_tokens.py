@@ -1,5 +1,5 @@
-"""A loader of random tokens with the trainer's loader interface, for benchmarks and measuring runs (where the
-data path is not what is measured).
+"""A loader of random tokens with the trainer's loader interface, for tests and benchmarks (where the data path is
+not what is measured). Benchmarks reach it by putting tests/support on their path.
 
 The loader interface every consumer relies on: `next_micro_batch()` → int64 `[mbs, seq + 1]`;
 `next_first_sample` → the dataset index of that batch's first sample (keys the model's random streams);

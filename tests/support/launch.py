@@ -8,6 +8,7 @@
 variables, one CPU thread, and a gloo process group (initialised by `moetron.parallel.env.init_distributed`,
 so the code under test sees exactly what it sees under torchrun). A failure in any rank raises here with that
 rank's traceback; a hang raises after `timeout` seconds. Keep groups few: put several checks in one `fn`.
+`fn`'s module resolves in the children because spawn hands them the parent's `sys.path` (pytest's `pythonpath`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
-import sys
 import traceback
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-UNIT_TESTS = HERE.parent / "unit"  # trainer_support lives there
 
 
 def free_port() -> int:
@@ -57,9 +53,6 @@ def _worker(fn, rank: int, world_size: int, port: int, args: tuple, results) -> 
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
     )
-    for path in (str(HERE), str(UNIT_TESTS)):
-        if path not in sys.path:
-            sys.path.insert(0, path)
     import torch
 
     from moetron.parallel.env import init_distributed
