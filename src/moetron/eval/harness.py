@@ -52,7 +52,7 @@ def load_for_evaluation(
     from moetron.parallel.dims import ParallelDims
     from moetron.parallel.env import init_distributed
     from moetron.parallel.mesh import ParallelMesh
-    from moetron.parallel.parallelize import build_model
+    from moetron.parallel.parallelize import build_local_model
     from moetron.parallel.params import ParamRegistry
 
     path = resolve_checkpoint(load)
@@ -69,7 +69,7 @@ def load_for_evaluation(
     if problems:
         raise UserError("; ".join(problems))
     mesh = ParallelMesh.build(dims, env)
-    model = build_model(cfg.model, mesh, device or env.device, cfg.train.seed)
+    model = build_local_model(cfg.model, mesh, device or env.device, cfg.train.seed)
     load_checkpoint(path, GlobalView(model, ParamRegistry.from_model(model), mesh), None, load_rng=False)
     return model.eval(), cfg, env, mesh, tokenizer
 
