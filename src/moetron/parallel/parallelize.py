@@ -50,6 +50,7 @@ from moetron.model.gpt import GPTModel
 from moetron.model.loss import HeadLoss, fuses_head, head_loss, language_model_loss
 from moetron.parallel.activation_checkpoint import apply_ac
 from moetron.parallel.compile import apply_compile
+from moetron.parallel.dims import ParallelDims
 from moetron.parallel.dp.replicate import DataParallel, apply_dp
 from moetron.parallel.dp.zero_spec import REPLICATED, ZeroSpec
 from moetron.parallel.ep.all_to_all import apply_ep
@@ -119,10 +120,10 @@ def check_dims(cfg: ModelConfig, mesh: ParallelMesh) -> None:
         raise ConfigError(problems)
 
 
-def layout_head_loss(fused_flag: bool, mesh: ParallelMesh, layout: PipelineLayout) -> HeadLoss:
+def layout_head_loss(fused_flag: bool, dims: ParallelDims, layout: PipelineLayout) -> HeadLoss:
     """The LM head + loss for this layout: `fuses_head`'s choice; unfused, under tensor parallelism the
     vocab-parallel cross-entropy on the logits' vocabulary shards."""
-    vocab_parallel = mesh.size("tp") > 1
+    vocab_parallel = dims.tp > 1
     fused = fuses_head(fused_flag, vocab_parallel, layout.splits_backward)
     return head_loss(fused, vocab_parallel_loss if vocab_parallel else language_model_loss)
 
@@ -136,7 +137,7 @@ def build(cfg: RunConfig, mesh: ParallelMesh, device: torch.device | str) -> Par
     )
     registry = ParamRegistry.from_model(model)
     record_tp_layouts(model, registry)
-    head = layout_head_loss(cfg.train.fused_cross_entropy, mesh, layout)
+    head = layout_head_loss(cfg.train.fused_cross_entropy, mesh.dims, layout)
     if layout.pp == 1:
         data_parallel = apply_dp(model, registry, mesh, zero)
         norm_sq = global_grad_norm_sq(model, registry, mesh, data_parallel.optimizer_parameters())
