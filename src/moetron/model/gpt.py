@@ -16,12 +16,11 @@ The LM loss lives outside the model (`moetron.model.loss`); `forward(labels_BT=.
 `Σ(CE · loss_mask) / Σ loss_mask` in fp32 for convenience: with the caller's `head_loss` when given (the parallel
 model's, e.g. the vocab-parallel cross-entropy under tensor parallelism), else the plain loss on the logits, or —
 `return_logits=False` — the head `fuses_head` picks for a plain model: the fused head + cross-entropy, which never
-builds the logits. `GPTOutput.hidden` is the last
-layer's output, what a `HeadLoss` starts from. Each MoE layer attaches its weighted aux loss to its own output
-(`moe/aux_loss.py`), so `lm_loss.backward()` alone trains the routers too; `GPTOutput.moe_loss` is the value
-`moe_loss_coeff · Σ aux + moe_z_loss_coeff · Σ z` over the MoE layers (reference §4.5), for reports.
-Parameter names follow Megatron (`query_key_value`, `dense_h_to_4h`, `input_layernorm`, …) so
-converters stay simple. Nothing here is distributed; parallelism wraps this model from outside.
+builds the logits. `GPTOutput.hidden` is the last layer's output, what a `HeadLoss` starts from. Each MoE layer
+attaches its weighted aux loss to its own output (`moe/aux_loss.py`), so `lm_loss.backward()` alone trains the
+routers too; `GPTOutput.moe_loss` is the value `moe_loss_coeff · Σ aux + moe_z_loss_coeff · Σ z` over the MoE
+layers (reference §4.5), for reports. Parameter names follow Megatron (`query_key_value`, `dense_h_to_4h`,
+`input_layernorm`, …) so converters stay simple. Nothing here is distributed; parallelism wraps this model from outside.
 """
 
 from __future__ import annotations
