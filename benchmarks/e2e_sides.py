@@ -146,7 +146,7 @@ def peer_initial_weights(comparison: str, cfg, args) -> dict[str, torch.Tensor] 
 def moetron_side(comparison: str, batches: list[torch.Tensor], args, extra_flags: str = "") -> Side:
     from moetron.parallel.env import DistEnv
     from moetron.parallel.mesh import ParallelMesh
-    from moetron.parallel.parallelize import build_model
+    from moetron.parallel.parallelize import build
     from moetron.train.trainer import Trainer
 
     parser = argparse.ArgumentParser()
@@ -158,13 +158,14 @@ def moetron_side(comparison: str, batches: list[torch.Tensor], args, extra_flags
     weights = peer_initial_weights(comparison, cfg, args) if cfg.model == base.model else None
     env = DistEnv()
     mesh = ParallelMesh.build(cfg.dims(1), env)
-    model = build_model(cfg.model, mesh, env.device, cfg.train.seed, compile_blocks=cfg.train.compile)
+    parallel = build(cfg, mesh, env.device)
+    model = parallel.model
     notes = [f"moetron train {' '.join(flags)}"]
     if weights is not None:
         load_weights(model, weights)
         notes.append(f"moetron starts from {PEERS[comparison]}'s initial weights (identical models)")
     loader = ListLoader(batches)
-    trainer = Trainer(cfg, env, model, loader, mesh=mesh)
+    trainer = Trainer(cfg, env, parallel, loader)
     trainer.model.train()
 
     def step(batch: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from moetron.config import RunConfig  # noqa: E402
 from moetron.parallel.env import init_distributed
 from moetron.parallel.ep import all_to_all as expert_parallel
 from moetron.parallel.mesh import ParallelMesh
-from moetron.parallel.parallelize import build_model
+from moetron.parallel.parallelize import build
 from moetron.train.trainer import Trainer
 from process_group import spawn_group, timed_steps
 
@@ -68,9 +68,10 @@ def measure(rank: int, world: int, port: int, args: argparse.Namespace, ep: int,
     cfg = seed_config(args, world, ep)
     torch.manual_seed(rank)
     mesh = ParallelMesh.build(cfg.dims(world), env)
-    model = build_model(cfg.model, mesh, env.device, cfg.train.seed)
+    parallel = build(cfg, mesh, env.device)
+    model = parallel.model
     loader = RandomTokenLoader(args.micro_batch, args.seq, cfg.model.vocab_size, seed=rank)
-    trainer = Trainer(cfg, env, model, loader, mesh=mesh)
+    trainer = Trainer(cfg, env, parallel, loader)
     counter = CountingAllToAll()
     for _ in range(args.warmup):
         trainer.train_step()

@@ -32,8 +32,7 @@ from moetron.config_cli import add_config_arguments, cli_overrides, load_config
 from moetron.model.flops import count_parameters, flops_per_token, peak_tflops
 from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
-from moetron.parallel.parallelize import build_model
-from moetron.train.precision import compute_dtype
+from moetron.parallel.parallelize import build
 from moetron.train.trainer import Trainer
 
 SLICE_FLAGS = "--config gpt-1.3B-moe128 --no-checkpoint-activations --micro-batch-size {mbs} --global-batch-size {mbs}"
@@ -81,10 +80,9 @@ def run_config(args: argparse.Namespace, device: torch.device, precise: bool):
 def build_trainer(cfg, device: torch.device) -> Trainer:
     env = DistEnv(device=device)
     mesh = ParallelMesh.build(cfg.dims(1), env)
-    dtype = compute_dtype(cfg.train.fp16, cfg.train.bf16)
-    model = build_model(cfg.model, mesh, device, cfg.train.seed, compile_blocks=cfg.train.compile, compute_dtype=dtype)
+    parallel = build(cfg, mesh, device)  # compiled per --compile, experts in the autocast dtype
     loader = RandomLoader(cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
-    trainer = Trainer(cfg, env, model, loader, mesh=mesh)
+    trainer = Trainer(cfg, env, parallel, loader)
     trainer.model.train()
     return trainer
 

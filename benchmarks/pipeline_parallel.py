@@ -36,8 +36,7 @@ from moetron.data.synthetic import RandomTokenLoader
 from moetron.config import RunConfig
 from moetron.parallel.env import init_distributed
 from moetron.parallel.mesh import ParallelMesh
-from moetron.parallel.parallelize import build_model
-from moetron.parallel.pp.stage_layout import PipelineLayout
+from moetron.parallel.parallelize import build
 from moetron.train.trainer import Trainer
 
 MICRO_BATCHES = (4, 8, 16)
@@ -87,10 +86,10 @@ def measure(rank: int, world: int, cfg: RunConfig, args: argparse.Namespace) -> 
                             (PipelineExecutor, "_scaled_loss")):  # fmt: skip
             clock.wrap(owner, name)
     mesh = ParallelMesh.build(cfg.dims(world), env)
-    layout = PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
-    model = build_model(cfg.model, mesh, env.device, cfg.train.seed, pipeline=layout)
+    parallel = build(cfg, mesh, env.device)
+    model = parallel.model
     loader = RandomTokenLoader(cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size, seed=rank)
-    trainer = Trainer(cfg, env, model, loader, mesh=mesh)
+    trainer = Trainer(cfg, env, parallel, loader)
     step_clock = BusyClock()
     if pipelined:
         step_clock.wrap(trainer.executor.schedule, "step")

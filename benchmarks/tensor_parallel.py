@@ -26,13 +26,13 @@ import argparse
 import os
 
 import torch
+from moetron.data.synthetic import RandomTokenLoader
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetron.config import RunConfig
-from moetron.data.synthetic import RandomTokenLoader
 from moetron.parallel.env import init_distributed
 from moetron.parallel.mesh import ParallelMesh
-from moetron.parallel.parallelize import build_model
+from moetron.parallel.parallelize import build
 from moetron.plan.estimate import make_plan
 from moetron.plan.hardware import accelerator
 from moetron.train.executor import MicroBatch
@@ -114,7 +114,7 @@ def saved_activation_bytes(trainer: Trainer) -> int:
     with trainer.parallel.micro_batch(last=True):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logits = trainer.parallel.module(batch.tokens_BT).logits
-            loss = trainer.parallel.loss_fn(logits, batch.labels_BT)
+            loss = trainer.parallel.head_loss.loss_fn(logits, batch.labels_BT)
         loss.backward()  # the vocab-parallel loss's backward needs the micro-batch scope
     trainer.parallel.finish_gradients()
     trainer.optimizer.zero_grad(set_to_none=True)
@@ -129,10 +129,11 @@ def measure(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
     _, _, tp, sp, ep = layout
     cfg = bench_config(args, world, tp, sp, ep)
     mesh = ParallelMesh.build(cfg.dims(world), env)
-    model = build_model(cfg.model, mesh, env.device, cfg.train.seed)
+    parallel = build(cfg, mesh, env.device)
+    model = parallel.model
     dp, dp_rank = mesh.size("dp"), mesh.coords.dp  # TP peers read the same tokens
     loader = RandomTokenLoader(cfg.train.micro_batch_size, args.seq, cfg.model.vocab_size, dp_rank, dp_rank, dp)
-    trainer = Trainer(cfg, env, model, loader, mesh=mesh)
+    trainer = Trainer(cfg, env, parallel, loader)
     params = sum(p.numel() for p in model.parameters())
     dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
     activations = saved_activation_bytes(trainer)

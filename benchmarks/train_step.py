@@ -29,8 +29,9 @@ import torch
 
 from memory_peak import peak_cpu_bytes
 from moetron.config import RunConfig
-from moetron.model.gpt import create_model
 from moetron.parallel.env import DistEnv
+from moetron.parallel.mesh import ParallelMesh
+from moetron.parallel.parallelize import build as build_parallel
 from moetron.train.trainer import Trainer
 
 
@@ -75,8 +76,9 @@ def make_batches(cfg: RunConfig, n: int = 8) -> list[torch.Tensor]:
 
 def build(cfg: RunConfig, run_dir: str) -> Trainer:
     cfg.train.output_dir = run_dir
-    model = create_model(cfg.model, "cpu", 0)
-    trainer = Trainer(cfg, DistEnv(), model, ListLoader(make_batches(cfg)), None, "")
+    env = DistEnv()
+    parallel = build_parallel(cfg, ParallelMesh.build(cfg.dims(1), env), "cpu")
+    trainer = Trainer(cfg, env, parallel, ListLoader(make_batches(cfg)))
     from moetron.train.metrics import RunLogger
 
     trainer.logger = RunLogger(run_dir, None, True, cfg.train.train_iters)

@@ -34,10 +34,9 @@ from random_tokens import RandomTokenLoader  # noqa: E402
 
 from moetron.config import RunConfig  # noqa: E402
 from moetron.parallel.dp import sharded_optimizer
-from moetron.parallel.dp.zero_spec import ZeroSpec
 from moetron.parallel.env import init_distributed
 from moetron.parallel.mesh import ParallelMesh
-from moetron.parallel.parallelize import build_model
+from moetron.parallel.parallelize import build
 from moetron.plan.memory import estimate_memory
 from moetron.train.trainer import Trainer
 
@@ -170,9 +169,9 @@ def measure(rank: int, port: int, args: argparse.Namespace, results) -> None:
     for stage in STAGES:
         cfg = bench_config(args, stage)
         mesh = ParallelMesh.build(cfg.dims(WORLD), env)
-        model = build_model(cfg.model, mesh, env.device, cfg.train.seed, zero=ZeroSpec.from_config(cfg))
+        parallel = build(cfg, mesh, env.device)
         loader = RandomTokenLoader(args.micro_batch, args.seq, cfg.model.vocab_size, seed=rank)
-        trainers[stage] = Trainer(cfg, env, model, loader, mesh=mesh)
+        trainers[stage] = Trainer(cfg, env, parallel, loader)
         timed(trainers[stage], args.warmup, env)
     rounds = [{stage: timed(trainers[stage], args.steps, env) for stage in STAGES} for _ in range(args.rounds)]
     for stage in STAGES:

@@ -23,16 +23,16 @@ def save_and_evaluate_at_ep2(rank: int, world_size: int, root: str) -> dict | No
     from moetron.config_cli import to_yaml
     from moetron.parallel.env import init_distributed
     from moetron.parallel.mesh import ParallelMesh
-    from moetron.parallel.parallelize import build_model
-    from moetron.parallel.params import ParamRegistry
+    from moetron.parallel.parallelize import build
 
     env = init_distributed()
     cfg = run_config(Path(root) / "tok", **MODEL)
     cfg.train.seed, cfg.parallel.moe_expert_parallel_size = SEED, 2
     mesh = ParallelMesh.build(cfg.dims(world_size), env)
-    model = build_model(cfg.model, mesh, env.device, SEED)
+    parallel = build(cfg, mesh, env.device)
+    model = parallel.model
     assert model.moe_layers()[0].experts.num_experts == 2  # this rank holds half of the 4 experts
-    view = GlobalView(model, ParamRegistry.from_model(model), mesh)
+    view = GlobalView(model, parallel.registry, mesh)
     optimizer = torch.optim.AdamW(model.parameters())
     save_checkpoint(Path(root) / "ep2", 0, view, optimizer, {"iteration": 0}, to_yaml(cfg), env, keep_last_n=1)
     if importlib_find("lm_eval") is None:

@@ -80,11 +80,12 @@ def worker(run_dir: str) -> int:
     env = init_distributed(backend="gloo", timeout_minutes=2)
     cfg = tiny_config(micro_batch_size=2, global_batch_size=8, train_iters=6, log_interval=1, save=run_dir)
     cfg.parallel.pipeline_model_parallel_size = 2
-    mesh, model = parallel_model(cfg, env)
+    parallel = parallel_model(cfg, env)
+    mesh = parallel.mesh
     samples = random_samples(512)
     samples[2 * 8 + 3, -1] = VOCAB + 200  # iteration 3 reads samples 16 … 23
     loader = MemoryLoader(samples, cfg.train.micro_batch_size, mesh.coords.dp, mesh.size("dp"))
-    trainer = Trainer(cfg, env, model, loader, None, config_yaml="# test\n", mesh=mesh)
+    trainer = Trainer(cfg, env, parallel, loader, None, config_yaml="# test\n")
     try:
         returncode = trainer.train()
     except UserError as err:

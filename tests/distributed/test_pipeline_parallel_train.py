@@ -57,14 +57,15 @@ def pp_config(pp: int, schedule: str | None = None, virtual: int | None = None, 
 def pp_trainer(cfg, env: DistEnv | None = None) -> Trainer:
     """The model from the meta-device recipe (this rank's stages and experts), an in-memory loader."""
     env = env or DistEnv()
-    mesh, model = parallel_model(cfg, env)
+    parallel = parallel_model(cfg, env)
+    mesh = parallel.mesh
     mbs, dp_rank, dp = cfg.train.micro_batch_size, mesh.coords.dp, mesh.size("dp")
     loader = MemoryLoader(random_samples(512), mbs, dp_rank, dp)
 
     def valid():
         return MemoryLoader(random_samples(64, seed=1), mbs, dp_rank, dp)
 
-    return Trainer(cfg, env, model, loader, valid, config_yaml="# test\n", mesh=mesh)
+    return Trainer(cfg, env, parallel, loader, valid, config_yaml="# test\n")
 
 
 def curve(trainer: Trainer, steps: int, save_at: int | None = None) -> dict[str, list[float]]:

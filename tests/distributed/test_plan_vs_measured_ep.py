@@ -40,10 +40,10 @@ def measure_rank(rank: int, world_size: int, config: str, overrides: dict) -> in
 
     env = init_distributed()
     cfg = load(config, overrides)
-    mesh, model = parallel_model(cfg, env)
+    parallel = parallel_model(cfg, env)
     loader = RandomTokenLoader(cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
-    trainer = Trainer(cfg, env, model, loader, None, config_yaml="# test\n", mesh=mesh)
-    return peak_after_steady_step(trainer, model)
+    trainer = Trainer(cfg, env, parallel, loader, None, config_yaml="# test\n")
+    return peak_after_steady_step(trainer, parallel.model)
 
 
 def measure_group(config: str, overrides: dict) -> list[int]:

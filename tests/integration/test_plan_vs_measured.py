@@ -87,17 +87,18 @@ def measure_in_this_process(config: str, overrides: dict) -> int:
     import torch
     from random_tokens import RandomTokenLoader
 
-    from moetron.model.gpt import create_model
     from moetron.parallel.env import DistEnv
+    from moetron.parallel.mesh import ParallelMesh
+    from moetron.parallel.parallelize import build
     from moetron.train.trainer import Trainer
 
     torch.set_num_threads(2)
     cfg = load(config, overrides)
     env = DistEnv()
-    model = create_model(cfg.model, env.device, cfg.train.seed)
+    parallel = build(cfg, ParallelMesh.build(cfg.dims(1), env), env.device)
     loader = RandomTokenLoader(cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size)
-    trainer = Trainer(cfg, env, model, loader)
-    return peak_after_steady_step(trainer, model)
+    trainer = Trainer(cfg, env, parallel, loader)
+    return peak_after_steady_step(trainer, parallel.model)
 
 
 def peak_after_steady_step(trainer, model) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from moetron.config import RunConfig
-from moetron.model.gpt import create_model
 from moetron.parallel.env import DistEnv
 from moetron.train.trainer import Trainer
 
@@ -67,7 +66,7 @@ def build_trainer(cfg: RunConfig, env: DistEnv | None = None, samples: torch.Ten
     env = env or DistEnv()
     dims = cfg.dims(env.world_size)
     torch.manual_seed(cfg.train.seed + env.rank)
-    model = create_model(cfg.model, env.device, cfg.train.seed)
+    parallel = parallel_model(cfg, env)
     samples = random_samples(512) if samples is None else samples
     dp_rank = dims.coordinates(env.rank).dp  # tensor-parallel peers read the same samples
     loader = MemoryLoader(samples, cfg.train.micro_batch_size, dp_rank, dims.dp)
@@ -75,7 +74,7 @@ def build_trainer(cfg: RunConfig, env: DistEnv | None = None, samples: torch.Ten
     def valid():
         return MemoryLoader(random_samples(64, seed=1), cfg.train.micro_batch_size, dp_rank, dims.dp)
 
-    return Trainer(cfg, env, model, loader, valid, config_yaml="# test\n")
+    return Trainer(cfg, env, parallel, loader, valid, config_yaml="# test\n")
 
 
 def run_losses(trainer: Trainer, steps: int) -> list[float]:
@@ -90,22 +89,19 @@ def run_losses(trainer: Trainer, steps: int) -> list[float]:
 
 
 def parallel_model(cfg: RunConfig, env: DistEnv):
-    """(mesh, this rank's model) as `moetron train` builds them: meta device, local experts, then initialised."""
-    from moetron.parallel.dp.zero_spec import ZeroSpec
+    """This rank's `ParallelModel` as `moetron train` builds it (`parallelize.build`: meta device, this rank's
+    stages and shards, initialised, wrapped)."""
     from moetron.parallel.mesh import ParallelMesh
-    from moetron.parallel.parallelize import build_model
-    from moetron.parallel.pp.stage_layout import PipelineLayout
+    from moetron.parallel.parallelize import build
 
-    mesh = ParallelMesh.build(cfg.dims(env.world_size), env)
-    pipeline = PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
-    zero = ZeroSpec.from_config(cfg)
-    return mesh, build_model(cfg.model, mesh, env.device, cfg.train.seed, zero=zero, pipeline=pipeline)
+    return build(cfg, ParallelMesh.build(cfg.dims(env.world_size), env), env.device)
 
 
 def parallel_trainer(cfg: RunConfig, env: DistEnv | None = None) -> Trainer:
     """`build_trainer`, but the model comes from the meta-device recipe (`parallel_model`: this rank's shards only)
     and the loader reads this rank's data-parallel slice."""
     env = env or DistEnv()
-    mesh, model = parallel_model(cfg, env)
+    parallel = parallel_model(cfg, env)
+    mesh = parallel.mesh
     loader = MemoryLoader(random_samples(512), cfg.train.micro_batch_size, mesh.coords.dp, mesh.size("dp"))
-    return Trainer(cfg, env, model, loader, None, config_yaml="# test\n", mesh=mesh)
+    return Trainer(cfg, env, parallel, loader, None, config_yaml="# test\n")

@@ -9,7 +9,7 @@ from trainer_support import MemoryLoader, random_samples, run_losses, tiny_confi
 
 from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
-from moetron.parallel.parallelize import build_model
+from moetron.parallel.parallelize import build
 from moetron.train.trainer import Trainer
 
 STEPS = 10
@@ -19,10 +19,9 @@ def losses(compile_blocks: bool) -> list[float]:
     cfg = tiny_config(train_iters=STEPS)  # dropout 0.1, top-2 with the sampled second expert
     cfg.train.compile = compile_blocks
     env = DistEnv()
-    mesh = ParallelMesh.build(cfg.dims(1), env)
-    model = build_model(cfg.model, mesh, env.device, cfg.train.seed, compile_blocks=compile_blocks)
+    parallel = build(cfg, ParallelMesh.build(cfg.dims(1), env), env.device)
     loader = MemoryLoader(random_samples(512), cfg.train.micro_batch_size)
-    return run_losses(Trainer(cfg, env, model, loader, mesh=mesh), STEPS)
+    return run_losses(Trainer(cfg, env, parallel, loader), STEPS)
 
 
 @pytest.mark.slow

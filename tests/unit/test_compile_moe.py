@@ -12,7 +12,7 @@ from moetron.model.moe.experts.grouped import GroupedExperts
 from moetron.parallel import compile as compile_module
 from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
-from moetron.parallel.parallelize import build_model
+from moetron.parallel.parallelize import build
 from moetron.train.trainer import Trainer
 
 
@@ -46,14 +46,11 @@ def bf16_losses(compiled: bool, steps: int = 4) -> list[float]:
     cfg = tiny_config(train_iters=steps, bf16=True, hidden_dropout=0.0, attention_dropout=0.0)
     cfg.train.compile = compiled
     env = DistEnv()
-    mesh = ParallelMesh.build(cfg.dims(1), env)
-    model = build_model(
-        cfg.model, mesh, env.device, cfg.train.seed, compile_blocks=compiled, compute_dtype=torch.bfloat16
-    )
+    parallel = build(cfg, ParallelMesh.build(cfg.dims(1), env), env.device)  # bf16: the experts' compute dtype
     if compiled:
-        assert all(moe.experts.backend == "grouped_mm" for moe in model.moe_layers())
+        assert all(moe.experts.backend == "grouped_mm" for moe in parallel.model.moe_layers())
     loader = MemoryLoader(random_samples(512), cfg.train.micro_batch_size)
-    return run_losses(Trainer(cfg, env, model, loader, mesh=mesh), steps)
+    return run_losses(Trainer(cfg, env, parallel, loader), steps)
 
 
 @pytest.mark.slow

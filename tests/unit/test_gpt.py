@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from moetron.errors import ConfigError, UserError
 from moetron.model import GPTModel, KVCache, ModelConfig, create_model
 from moetron.model.attention import fuse_qkv, split_qkv_weight
+from moetron.model.loss import LogitsHeadLoss
 
 VOCAB = 50  # padded to 64 below
 
@@ -182,6 +183,24 @@ def test_loss_is_masked_mean_of_fp32_cross_entropy():
     zero = model(x, labels_BT=labels, loss_mask_BT=torch.zeros_like(mask))
     assert zero.lm_loss.item() == 0.0
     assert model(x, labels_BT=labels, return_logits=False).logits is None
+
+
+def test_forward_computes_the_callers_head_loss():
+    """The model decides nothing for a caller that names its head loss (the parallel model's, e.g. vocab-parallel):
+    its loss function reads the logits the forward built, once."""
+    model = create_model(tiny_cfg(), "cpu", seed=0)
+    x, labels = tokens(seed=1), tokens(seed=2)
+    seen = []
+
+    def loss_fn(logits_BTV, labels_BT, loss_mask_BT=None):
+        seen.append(logits_BTV)
+        return logits_BTV.float().mean()
+
+    out = model(x, labels_BT=labels, head_loss=LogitsHeadLoss(loss_fn))
+    assert len(seen) == 1 and seen[0] is out.logits
+    assert out.lm_loss == out.logits.float().mean()
+    fused = model(x, labels_BT=labels, return_logits=False)  # a plain model's own choice: the fused head
+    torch.testing.assert_close(fused.lm_loss, model(x, labels_BT=labels).lm_loss, atol=1e-6, rtol=0)
 
 
 def test_autocast_bf16_keeps_fp32_loss():

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetron.model.config import ModelConfig
-from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
+from moetron.model.gradient_scale import LOSS_GRADIENT_SCALE
 from moetron.model.moe.dispatch import permute, unpermute
 from moetron.model.moe.experts.backends import grouped_mm_supported
 from moetron.model.moe.layer import MoEAux, MoELayer
@@ -181,13 +181,13 @@ def test_attached_aux_loss_gives_the_summed_losses_gradient_times_the_scale() ->
 
     def router_grad(aux_scale: float, lm_scale: float, explicit_aux: bool = False) -> torch.Tensor:
         try:
-            AUX_LOSS_SCALE.set(aux_scale)
+            LOSS_GRADIENT_SCALE.set(aux_scale)
             torch.manual_seed(0)
             y, aux = layer(x)
             loss = lm_scale * (y * g).sum() + (aux.loss(cfg) if explicit_aux else 0.0)
             return torch.autograd.grad(loss, layer.router.weight)[0]
         finally:
-            AUX_LOSS_SCALE.set(1.0)
+            LOSS_GRADIENT_SCALE.set(1.0)
 
     lm_part = router_grad(0.0, 1.0)  # the attached gradient switched off
     summed = router_grad(0.0, 1.0, explicit_aux=True)  # lm + aux.loss, summed by hand

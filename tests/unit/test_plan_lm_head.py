@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from moetron.config import RunConfig
+from moetron.model.loss import language_model_loss
+from moetron.parallel.parallelize import layout_head_loss
+from moetron.parallel.pp.stage_layout import PipelineLayout
+from moetron.parallel.tp.apply_tp import vocab_parallel_loss
 from moetron.plan import lm_head
 from moetron.plan.memory import estimate_memory
 
@@ -35,3 +41,28 @@ def test_fused_loss_is_a_fraction_of_the_logits_and_accumulation_keeps_none():
     assert fused.peak < plain.peak
     accumulating = config(True, global_batch_size=24)
     assert estimate_memory(accumulating, accumulating.dims(1), "cpu").logits == fused.logits
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "schedule", "expected"),
+    [
+        (1, 1, None, True),
+        (2, 1, None, False),  # vocabulary-sharded logits: the vocab-parallel cross-entropy reads them
+        (1, 2, None, True),  # 1F1B (the resolved default): the last stage fuses
+        (1, 2, "zero-bubble", False),  # the split backward cannot hand out the fused gradients twice
+        (2, 2, "zero-bubble", False),
+        (1, 2, "gpipe", True),
+    ],
+)
+def test_plan_and_recipe_make_the_same_head_loss_decision(tp, pp, schedule, expected):
+    """The planner counts the head the recipe builds (and both executors run: `ParallelModel.head_loss`)."""
+    for flag in (True, False):
+        cfg = config(flag)
+        cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
+        cfg.parallel.pipeline_schedule = schedule
+        dims = cfg.dims(2 * tp * pp)
+        layout = PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
+        head = layout_head_loss(flag, dims, layout)
+        assert lm_head.fused(cfg, dims) == head.fused == (flag and expected)
+        if not head.fused:  # the logits path: under TP the vocab-parallel loss, else the plain one
+            assert head.loss_fn is (vocab_parallel_loss if tp > 1 else language_model_loss)

@@ -1,5 +1,6 @@
 """One optimizer step done right: accumulation, parameter groups, clipping, fp16 skips, NaN stop, metrics."""
 
+import argparse
 import json
 import math
 import os
@@ -11,8 +12,10 @@ import pytest
 import torch
 from trainer_support import SEQ, build_trainer, run_losses, tiny_config
 
+from moetron.config_cli import add_config_arguments, cli_overrides, load_config
 from moetron.errors import UserError
 from moetron.model.gpt import create_model
+from moetron.model.loss import FusedHeadLoss, LogitsHeadLoss
 from moetron.train.metrics import EVAL_KEYS, METRIC_KEYS, RunLogger, open_tensorboard
 from moetron.train.optim import clip_gradients, param_groups
 
@@ -190,6 +193,32 @@ def test_evaluation_repeats_itself_and_leaves_the_training_rng_alone():
     assert torch.equal(torch.get_rng_state(), before)  # training's dropout/routing stream is untouched
     torch.rand(5)  # whatever the RNG state, the evaluation draws the same numbers
     assert trainer.run_evaluation()["valid_loss"] == first["valid_loss"]
+
+
+def test_evaluation_runs_the_head_loss_the_flag_chose(monkeypatch):
+    """`--no-fused-cross-entropy` reaches evaluation: validation runs the logits path then (it used to fuse always),
+    and the default fuses; both give the same loss up to rounding."""
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    flag_cfg, _ = load_config(None, cli_overrides(parser.parse_args(["--no-fused-cross-entropy"])))
+    calls = []
+    for cls, path in ((FusedHeadLoss, "fused"), (LogitsHeadLoss, "logits")):
+        original = cls.__call__
+
+        def spy(self, *args, _original=original, _path=path, **kwargs):
+            calls.append(_path)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "__call__", spy)
+    losses = {}
+    for fused in (True, flag_cfg.train.fused_cross_entropy):
+        trainer = build_trainer(tiny_config(eval_iters=2, fused_cross_entropy=fused))
+        trainer.logger = RunLogger(None, None, True, trainer.cfg.train.train_iters)
+        calls.clear()
+        losses[fused] = trainer.run_evaluation()["valid_loss"]
+        assert calls == ["fused" if fused else "logits"] * 2 * trainer.num_micro
+    assert set(losses) == {True, False}
+    assert losses[False] == pytest.approx(losses[True], rel=1e-6)
 
 
 class RecordingWriter:

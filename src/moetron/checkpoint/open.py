@@ -48,9 +48,9 @@ class OpenRun:
         if mesh is None:
             model = create_model(self.cfg.model, device, self.cfg.train.seed)
         else:
-            from moetron.parallel.parallelize import build_model
+            from moetron.parallel.parallelize import build_local_model
 
-            model = build_model(self.cfg.model, mesh, device, self.cfg.train.seed)
+            model = build_local_model(self.cfg.model, mesh, device, self.cfg.train.seed)
         load_weights(self.path, model, mesh)
         return model.eval()
 

@@ -13,14 +13,14 @@ the layout. The three parts — `embed`, `run_layers`, `logits` — are callable
 embedding or head was removed (set to None) skips that part.
 
 The LM loss lives outside the model (`moetron.model.loss`); `forward(labels_BT=...)` computes Megatron's
-`Σ(CE · loss_mask) / Σ loss_mask` in fp32 for convenience, with `self.loss_fn` (tensor parallelism swaps in
-its vocab-parallel cross-entropy there, because its logits are vocabulary shards), or — `return_logits=False` with
-the plain loss — by the fused head + cross-entropy, which never builds the logits. `GPTOutput.hidden` is the last
-layer's output, what a `HeadLoss` starts from. Each MoE layer attaches its weighted aux loss to its own output
-(`moe/aux_loss.py`), so `lm_loss.backward()` alone trains the routers too; `GPTOutput.moe_loss` is the value
-`moe_loss_coeff · Σ aux + moe_z_loss_coeff · Σ z` over the MoE layers (reference §4.5), for reports.
-Parameter names follow Megatron (`query_key_value`, `dense_h_to_4h`, `input_layernorm`, …) so
-converters stay simple. Nothing here is distributed; parallelism wraps this model from outside.
+`Σ(CE · loss_mask) / Σ loss_mask` in fp32 for convenience: with the caller's `head_loss` when given (the parallel
+model's, e.g. the vocab-parallel cross-entropy under tensor parallelism), else the plain loss on the logits, or —
+`return_logits=False` — the head `fuses_head` picks for a plain model: the fused head + cross-entropy, which never
+builds the logits. `GPTOutput.hidden` is the last layer's output, what a `HeadLoss` starts from. Each MoE layer
+attaches its weighted aux loss to its own output (`moe/aux_loss.py`), so `lm_loss.backward()` alone trains the
+routers too; `GPTOutput.moe_loss` is the value `moe_loss_coeff · Σ aux + moe_z_loss_coeff · Σ z` over the MoE
+layers (reference §4.5), for reports. Parameter names follow Megatron (`query_key_value`, `dense_h_to_4h`,
+`input_layernorm`, …) so converters stay simple. Nothing here is distributed; parallelism wraps this model from outside.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from moetron.model.attention import SelfAttention
 from moetron.model.config import ModelConfig
 from moetron.model.init import init_tree, output_std
 from moetron.model.kv_cache import KVCache
-from moetron.model.loss import FusedHeadLoss, LossFunction, language_model_loss
+from moetron.model.loss import HeadLoss, fuses_head
+from moetron.model.loss import head_loss as _head_loss
 from moetron.model.mlp import MLP
 from moetron.model.moe.layer import MoEAux, MoELayer
 from moetron.model.norm import build_norm
@@ -101,7 +102,6 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i) for i in range(cfg.num_layers)})
         self.final_layernorm = build_norm(cfg)
         self.recompute_layers = cfg.checkpoint_activations  # activation checkpointing (parallel.apply_ac sets it)
-        self.loss_fn: LossFunction = language_model_loss  # what forward(labels_BT=...) computes
         self.output_layer = None
         if cfg.untie_embeddings_and_output_weights:
             self.output_layer = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size(), bias=False)
@@ -114,6 +114,7 @@ class GPTModel(nn.Module):
         loss_mask_BT: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         return_logits: bool = True,
+        head_loss: HeadLoss | None = None,
     ) -> GPTOutput:
         B, T = tokens_BT.shape
         past = 0
@@ -125,13 +126,15 @@ class GPTModel(nn.Module):
         x_BTC = self.run_layers(x_BTC, rope, kv_cache, moe_aux)
         if kv_cache is not None:
             kv_cache.advance(T)
-        fused = labels_BT is not None and not return_logits and self.loss_fn is language_model_loss
-        logits_BTV = None if fused or not (return_logits or labels_BT is not None) else self.logits(x_BTC)
+        logits_BTV = self.logits(x_BTC) if return_logits else None
         lm_loss = None
-        if fused:  # the logits are not wanted: never build them
-            lm_loss = FusedHeadLoss()(self, x_BTC, labels_BT, loss_mask_BT)
-        elif labels_BT is not None:
-            lm_loss = self.loss_fn(logits_BTV, labels_BT, loss_mask_BT)
+        if labels_BT is not None:  # a plain model fuses its head when the logits are not wanted (never builds them)
+            plain = fuses_head(not return_logits, vocab_parallel=False, splits_backward=False)
+            head_loss = head_loss or _head_loss(plain)
+            if logits_BTV is not None and not head_loss.fused:  # the logits are there: no second head
+                lm_loss = head_loss.loss_fn(logits_BTV, labels_BT, loss_mask_BT)
+            else:
+                lm_loss = head_loss(self, x_BTC, labels_BT, loss_mask_BT)
         return GPTOutput(
             logits=logits_BTV,
             lm_loss=lm_loss,

@@ -11,19 +11,21 @@ when the mask is all zero). Two seams:
     (`model.logits`, or `model.final_layernorm` + `model.head_weight()`), so it may never build the logits:
     `FusedHeadLoss` (the trainer's default, `--fused-cross-entropy`) runs head and cross-entropy chunk by chunk
     (`fused_cross_entropy.py`); `LogitsHeadLoss(loss_fn)` materialises the logits and calls any `LossFunction`.
-The trainer's executors call a `HeadLoss` on the last pipeline stage's output.
+The trainer's executors call a `HeadLoss` on the last pipeline stage's output. Which one is one rule,
+`fuses_head(fused flag, vocab-parallel, schedule splits the backward)`, read by the model's own `forward`, the
+parallel recipe (which builds the `HeadLoss` every executor and evaluation then uses) and the memory planner.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moetron.model.fused_cross_entropy import fused_linear_cross_entropy
-from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
+from moetron.model.gradient_scale import LOSS_GRADIENT_SCALE
 
 
 class LossFunction(Protocol):
@@ -56,7 +58,17 @@ def token_weights(loss_mask_BT: torch.Tensor | None, num_tokens: int, device: to
     return mask_N / mask_N.sum().clamp(min=1.0)
 
 
+def fuses_head(fused_flag: bool, vocab_parallel: bool, splits_backward: bool) -> bool:
+    """Whether the LM head runs fused with the cross-entropy: `--fused-cross-entropy`, unless the logits are
+    vocabulary shards (tensor parallelism: the vocab-parallel loss reads them) or the pipeline schedule splits each
+    backward in two (zero bubble: the fused kernel's gradients, computed once in its forward, cannot be handed out
+    twice)."""
+    return fused_flag and not vocab_parallel and not splits_backward
+
+
 class HeadLoss(Protocol):
+    fused: ClassVar[bool]  # reads the last layer's hidden states (True), or the logits through `loss_fn` (False)
+
     def __call__(
         self,
         model: nn.Module,
@@ -69,6 +81,8 @@ class HeadLoss(Protocol):
 class LogitsHeadLoss:
     """`loss_fn(model.logits(hidden), labels, mask)`: the head as the model applies it, then any `LossFunction`."""
 
+    fused: ClassVar[bool] = False
+
     def __init__(self, loss_fn: LossFunction = language_model_loss):
         self.loss_fn = loss_fn
 
@@ -79,16 +93,20 @@ class LogitsHeadLoss:
 class FusedHeadLoss:
     """Final norm, then head + cross-entropy fused over token chunks: the [B, T, V] logits never exist. The
     gradients are computed in the forward, for the factor the executor will multiply the loss by
-    (`AUX_LOSS_SCALE.value`, the same announcement the MoE aux losses use): fp16 scales them before their cast."""
+    (`LOSS_GRADIENT_SCALE.value`, the same announcement the MoE aux losses use): fp16 scales them before their
+    cast."""
+
+    fused: ClassVar[bool] = True
 
     def __call__(self, model, hidden_BTC, labels_BT, loss_mask_BT=None) -> torch.Tensor:
         x_NC = model.final_layernorm(hidden_BTC).flatten(0, 1)
         weight_N = token_weights(loss_mask_BT, x_NC.shape[0], x_NC.device)
         return fused_linear_cross_entropy(
-            x_NC, model.head_weight(), labels_BT.flatten(), weight_N, grad_scale=AUX_LOSS_SCALE.value
+            x_NC, model.head_weight(), labels_BT.flatten(), weight_N, grad_scale=LOSS_GRADIENT_SCALE.value
         )
 
 
 def head_loss(fused: bool, loss_fn: LossFunction = language_model_loss) -> HeadLoss:
-    """The trainer's LM head + loss: fused (chunked, the plain cross-entropy) or `loss_fn` on materialised logits."""
+    """The LM head + loss `fuses_head` chose: fused (chunked, the plain cross-entropy) or `loss_fn` on materialised
+    logits."""
     return FusedHeadLoss() if fused else LogitsHeadLoss(loss_fn)

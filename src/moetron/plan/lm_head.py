@@ -6,10 +6,10 @@ compute dtype, their fp32 log-softmax (and, in bf16/fp16, the fp32 copy of the l
 `[T, h]` in the compute dtype; dW `[V, h]` fp32 becomes the head's gradient, which the plan already counts as the
 gradient present at the start of backward. Nothing of size T·V is ever alive, so accumulation holds no previous
 micro-batch's logits either. Plain: logits, fp32 log-softmax and both gradients, 16 B per token and vocabulary
-entry, plus (accumulating) the previous micro-batch's logits. The trainer fuses without tensor parallelism
-(`train/executor.py: build_executor`; under PP on the last stage, except with the zero-bubble schedule, whose split
-backward needs the logits): under TP the logits are vocabulary shards (V / tp per rank, vocab-parallel
-cross-entropy).
+entry, plus (accumulating) the previous micro-batch's logits. Whether the trainer fuses is the one rule the
+recipe applies too (`model.loss.fuses_head`): not under tensor parallelism, whose logits are vocabulary shards
+(V / tp per rank, vocab-parallel cross-entropy), nor under a pipeline schedule that splits the backward (zero
+bubble, resolved as the trainer resolves `--pipeline-schedule`); under PP it runs on the last stage.
 
 Shape legend: T tokens per micro-batch (mbs · seq), h hidden, V padded vocabulary, M rows per chunk.
 """
@@ -20,16 +20,20 @@ import torch
 
 from moetron.config import RunConfig
 from moetron.model.fused_cross_entropy import chunk_tokens
+from moetron.model.loss import fuses_head
 from moetron.parallel.dims import ParallelDims
+from moetron.parallel.pp.stage_layout import schedule_name, splits_backward
 
 LOGITS_BYTES_PER_ENTRY = 16  # logits + fp32 log-softmax + grad of the log-softmax + grad of the logits
 
 
 def fused(cfg: RunConfig, dims: ParallelDims | None = None) -> bool:
     """Whether the trainer runs the fused head + loss for this layout (see the module docstring)."""
-    if dims is not None and (dims.tp > 1 or (dims.pp > 1 and cfg.parallel.pipeline_schedule == "zero-bubble")):
-        return False
-    return cfg.train.fused_cross_entropy
+    if dims is None:
+        return cfg.train.fused_cross_entropy
+    p = cfg.parallel
+    schedule = schedule_name(p.pipeline_schedule, p.num_layers_per_virtual_pipeline_stage)
+    return fuses_head(cfg.train.fused_cross_entropy, dims.tp > 1, dims.pp > 1 and splits_backward(schedule))
 
 
 def loss_rows(cfg: RunConfig, device_kind: str, dims: ParallelDims | None = None) -> int:

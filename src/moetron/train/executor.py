@@ -1,6 +1,6 @@
 """Executors: who runs one optimizer step's micro-batches forward and backward.
 
-    executor = build_executor(parallel, autocast, cfg)   # LocalExecutor(parallel, head_loss, autocast), or PP's
+    executor = build_executor(parallel, autocast, cfg)   # LocalExecutor(parallel, autocast), or PP's
     lm_loss_sum = executor.forward_backward(next_micro_batch, num_micro, loss_scale)
     executor.moe_step_stats(), executor.evaluate(valid_loader, micro_batches, all_reduce_mean)
 
@@ -8,12 +8,13 @@ The trainer owns everything around it (gradient unscaling, clipping, the optimiz
 owns the micro-batch loop. `LocalExecutor` runs every micro-batch through the whole model on this rank;
 `PipelineExecutor` (pipeline_executor.py) runs the same contract as a schedule over pipeline stages. Contract:
   - each micro-batch's LM loss is multiplied by `loss_scale / num_micro` before its backward, and the MoE aux
-    losses' attached gradients by the same factor (`AUX_LOSS_SCALE`), so the gradients are those of the mean
+    losses' attached gradients by the same factor (`LOSS_GRADIENT_SCALE`), so the gradients are those of the mean
     over micro-batches of (lm_loss + moe_loss), times the fp16 loss scale;
   - gradients are reduced across data parallelism in the last micro-batch only (`parallel.micro_batch`);
   - every micro-batch runs inside `STREAMS.micro_batch("train", first sample index)` (layout-free randomness);
-  - the LM loss is `head_loss(model, hidden, labels)` on the last layer's output: the head loss applies the LM
-    head itself (fused with the cross-entropy by default, so the logits are never materialised);
+  - the LM loss is `parallel.head_loss(model, hidden, labels)` on the last layer's output: the head loss applies
+    the LM head itself (fused with the cross-entropy by default, so the logits are never materialised); evaluation
+    uses the same head loss;
   - the return value is Σ lm_loss / num_micro (fp64, on device: no host sync), the same on every rank;
   - `moe_step_stats()` then gives every MoE layer's statistics of the step (all layers, on every rank).
 """
@@ -26,8 +27,7 @@ from collections.abc import Callable
 import torch
 
 from moetron.config import RunConfig
-from moetron.model.loss import HeadLoss, head_loss, language_model_loss
-from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
+from moetron.model.gradient_scale import LOSS_GRADIENT_SCALE
 from moetron.model.rng import STREAMS
 from moetron.parallel.parallelize import ParallelModel
 from moetron.train.metrics import moe_step_stats
@@ -41,27 +41,22 @@ __all__ = ["LocalExecutor", "MicroBatch", "build_executor"]
 class LocalExecutor:
     """Forward and backward of every micro-batch through the whole model held by this rank."""
 
-    def __init__(
-        self,
-        parallel: ParallelModel,
-        head_loss: HeadLoss,
-        autocast: Callable[[], contextlib.AbstractContextManager],
-    ):
-        self.parallel, self.head_loss, self.autocast = parallel, head_loss, autocast
+    def __init__(self, parallel: ParallelModel, autocast: Callable[[], contextlib.AbstractContextManager]):
+        self.parallel, self.autocast = parallel, autocast
 
     def forward_backward(
         self, next_micro_batch: Callable[[], MicroBatch], num_micro: int, loss_scale: float
     ) -> torch.Tensor:
         factor = loss_scale / num_micro
         total = None
-        with AUX_LOSS_SCALE.scaled(factor):
+        with LOSS_GRADIENT_SCALE.scaled(factor):
             for i in range(num_micro):
                 mb = next_micro_batch()
                 last = i == num_micro - 1
                 with self.parallel.micro_batch(last), STREAMS.micro_batch("train", mb.first_sample):
                     with self.autocast():
                         hidden = self.parallel.module(mb.tokens_BT, return_logits=False).hidden
-                        lm_loss = self.head_loss(self.parallel.model, hidden, mb.labels_BT)
+                        lm_loss = self.parallel.head_loss(self.parallel.model, hidden, mb.labels_BT)
                     (lm_loss * factor).backward()
                 value = lm_loss.detach().double() / num_micro
                 total = value if total is None else total + value
@@ -72,27 +67,19 @@ class LocalExecutor:
         return moe_step_stats(self.parallel.model)
 
     def evaluate(self, loader, micro_batches: int, all_reduce_mean: Callable[[torch.Tensor], torch.Tensor]) -> dict:
-        """Validation loss over `micro_batches` micro-batches (`eval.perplexity.evaluate`)."""
-        return evaluate(self.parallel.model, loader, micro_batches, self.autocast, all_reduce_mean)
+        """Validation loss over `micro_batches` micro-batches (`eval.perplexity.evaluate`), the training head loss."""
+        model, head_loss = self.parallel.model, self.parallel.head_loss
+        return evaluate(model, loader, micro_batches, self.autocast, all_reduce_mean, head_loss=head_loss)
 
 
 def build_executor(parallel: ParallelModel, autocast: Callable[[], contextlib.AbstractContextManager], cfg: RunConfig):
-    """`LocalExecutor`, or the `PipelineExecutor` when the model is split into pipeline stages. The loss is the
-    model's (`parallel.loss_fn`: vocab-parallel cross-entropy under tensor parallelism); the local executor fuses
-    the head with the plain cross-entropy when `--fused-cross-entropy` is on (under pipelining the last stage then
-    emits its hidden states and the schedule's loss function applies the fused head; not with zero bubble)."""
-    t, loss_fn = cfg.train, parallel.loss_fn
-    fused = t.fused_cross_entropy and loss_fn is language_model_loss
+    """`LocalExecutor`, or the `PipelineExecutor` when the model is split into pipeline stages. Both run
+    `parallel.head_loss`, the LM head + loss `build` chose for the layout (`model.loss.fuses_head`)."""
     if parallel.pipeline is None:
-        return LocalExecutor(parallel, head_loss(fused, loss_fn), autocast)
+        return LocalExecutor(parallel, autocast)
     from moetron.train.pipeline_executor import PipelineExecutor  # torch's pipelining: imported only when used
 
+    t = cfg.train
     num_micro = cfg.num_micro_batches(parallel.mesh.size("dp"))
     dtype = compute_dtype(t.fp16, t.bf16)
-    # zero bubble splits each backward in two (inputs, then weights): the fused kernel's gradients, computed once
-    # in its forward, cannot be handed out twice, so that schedule keeps the logits
-    split_backward = parallel.pipeline.layout.schedule == "zero-bubble"
-    fused_head = head_loss(True) if fused and not split_backward else None
-    return PipelineExecutor(
-        parallel, loss_fn, autocast, t.micro_batch_size, cfg.model.seq_length, num_micro, dtype, fused_head
-    )
+    return PipelineExecutor(parallel, autocast, t.micro_batch_size, cfg.model.seq_length, num_micro, dtype)

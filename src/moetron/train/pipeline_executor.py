@@ -1,6 +1,6 @@
 """The pipeline executor: `LocalExecutor.forward_backward`'s contract, run by a torch.distributed.pipelining schedule.
 
-    executor = PipelineExecutor(parallel, language_model_loss, autocast, micro_batch_size, seq, num_micro, dtype)
+    executor = PipelineExecutor(parallel, autocast, micro_batch_size, seq, num_micro, dtype)
     lm_loss = executor.forward_backward(next_micro_batch, num_micro, loss_scale)   # the same value on every rank
     stats = executor.moe_step_stats()          # [L_moe, 4] of EVERY MoE layer, whichever stage holds it
 
@@ -8,9 +8,10 @@ Every rank reads all of the step's micro-batches from its loader (cheap memmap r
 keeps the same position for the checkpoint); the first stage feeds the tokens, the last the labels. Around each
 micro-batch's forward, on every stage, the random streams are keyed by that micro-batch's first sample
 (`STREAMS.micro_batch`), so dropout and random token selection draw exactly what the one-process run draws in
-whatever order the schedule runs the micro-batches. The loss function (last stage) multiplies each LM loss by
+whatever order the schedule runs the micro-batches. The loss function (last stage: `parallel.head_loss`, on the
+hidden states the last stage then emits when it is the fused head, else on its logits) multiplies each LM loss by
 loss_scale / num_micro, and the MoE aux losses' gradients are scaled by the same factor in their layers
-(AUX_LOSS_SCALE): the gradients are the one-process executor's, and the schedule rescales nothing.
+(LOSS_GRADIENT_SCALE): the gradients are the one-process executor's, and the schedule rescales nothing.
 
 After the schedule one all-reduce over the pipeline group carries the LM loss (computed on the last stage) and
 every MoE layer's statistics (each computed on its own stage, placed at its global MoE-layer row) to every rank,
@@ -25,13 +26,11 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from moetron.model.loss import HeadLoss, LossFunction
-from moetron.model.moe.aux_loss import AUX_LOSS_SCALE
+from moetron.model.gradient_scale import LOSS_GRADIENT_SCALE
 from moetron.model.rng import STREAMS
 from moetron.parallel.diagnosis import Site
 from moetron.parallel.parallelize import ParallelModel
 from moetron.parallel.pp.schedules import build_schedule, pipeline_stages
-from moetron.parallel.tp.apply_tp import loss_parallel_scope
 from moetron.train.metrics import moe_step_stats
 from moetron.train.micro_batch import MicroBatch
 
@@ -42,20 +41,14 @@ class PipelineExecutor:
     def __init__(
         self,
         parallel: ParallelModel,
-        loss_fn: LossFunction,
         autocast: Callable[[], contextlib.AbstractContextManager],
         micro_batch_size: int,
         seq_length: int,
         num_micro: int,
         logits_dtype: torch.dtype = torch.float32,
-        head_loss: HeadLoss | None = None,
     ):
-        """`head_loss`: the last stage emits its hidden states and this applies the LM head and the loss (the fused
-        head + cross-entropy: no [B, T, V] logits); None: the last stage emits logits and `loss_fn` reads them."""
-        self.parallel, self.loss_fn, self.autocast, self.head_loss = parallel, loss_fn, autocast, head_loss
+        self.parallel, self.autocast, self.head_loss = parallel, autocast, parallel.head_loss
         self.parts, self.model = parallel.pipeline, parallel.model
-        for module in self.parts.modules:
-            module.emit_hidden = module.last and head_loss is not None
         self.num_micro = num_micro
         self.device = next(self.model.parameters()).device
         self._phase, self._first_samples = "train", []
@@ -79,12 +72,13 @@ class PipelineExecutor:
             yield
 
     def _scaled_loss(self, output: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-        """The last stage's output (logits, or hidden states for the head loss) → the LM loss × the step's factor."""
+        """The last stage's output (hidden states for the fused head, else logits) → the LM loss × the step's
+        factor."""
         with self.autocast():
-            if self.head_loss is not None:
+            if self.head_loss.fused:
                 lm_loss = self.head_loss(self.model, output, labels_BT)
             else:
-                lm_loss = self.loss_fn(output, labels_BT)
+                lm_loss = self.head_loss.loss_fn(output, labels_BT)
         self._losses.append(lm_loss.detach())
         return lm_loss * self._factor
 
@@ -110,15 +104,10 @@ class PipelineExecutor:
             raise ValueError(f"the schedule was built for {self.num_micro} micro-batches, not {num_micro}")
         args, target = self._feed([next_micro_batch() for _ in range(num_micro)], "train")
         self._factor = loss_scale / num_micro
-        with AUX_LOSS_SCALE.scaled(self._factor), self._loss_scope(), self._send_recv_site:
+        with LOSS_GRADIENT_SCALE.scaled(self._factor), self.parallel.loss_scope(), self._send_recv_site:
             self.schedule.step(*args, target=target, return_outputs=False)
         lm_loss, self._moe_stats = self._over_stages(self._loss_sum(num_micro), moe_step_stats(self.model))
         return lm_loss
-
-    def _loss_scope(self) -> contextlib.AbstractContextManager:
-        """Under tensor parallelism the last stage's logits are vocabulary shards: the loss and its backward (both
-        inside the schedule's step) run in `loss_parallel`."""
-        return loss_parallel_scope() if self.parts.mesh.size("tp") > 1 else contextlib.nullcontext()
 
     def moe_step_stats(self) -> torch.Tensor | None:
         """[L_moe, 4] of the last step, every MoE layer of the model (see `train.metrics.moe_step_stats`)."""
@@ -153,7 +142,7 @@ class PipelineExecutor:
             for _ in range(micro_batches // self.num_micro):
                 batches = [MicroBatch.from_loader(loader, self.device) for _ in range(self.num_micro)]
                 args, target = self._feed(batches, "valid")
-                with self._loss_scope(), self._send_recv_site:
+                with self.parallel.loss_scope(), self._send_recv_site:
                     self.schedule.eval(*args, target=target, return_outputs=False)
                 total = total + self._loss_sum(1)
         finally:

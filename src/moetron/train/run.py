@@ -22,12 +22,9 @@ from moetron.config import RunConfig
 from moetron.config_cli import to_yaml
 from moetron.data.config import DataConfig, parse_blend
 from moetron.errors import UserError
-from moetron.parallel.dp.zero_spec import ZeroSpec
 from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
-from moetron.parallel.parallelize import build_model
-from moetron.parallel.pp.stage_layout import PipelineLayout
-from moetron.train.precision import compute_dtype
+from moetron.parallel.parallelize import build
 from moetron.train.run_lock import run_directory_lock
 from moetron.train.startup import startup_banner, startup_warnings
 from moetron.train.trainer import Trainer
@@ -226,19 +223,8 @@ def _build_and_train(cfg: RunConfig, explicit: set[str], env: DistEnv, checkpoin
                      env.device.type, explicit)]:  # fmt: skip
             print(line, flush=True)
     train_loader, make_valid = build_loaders(cfg, env, mesh)
-    zero, pipeline = ZeroSpec.from_config(cfg), PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
-    dtype = compute_dtype(cfg.train.fp16, cfg.train.bf16)
-    model = build_model(
-        cfg.model,
-        mesh,
-        env.device,
-        cfg.train.seed,
-        compile_blocks=cfg.train.compile,
-        zero=zero,
-        pipeline=pipeline,
-        compute_dtype=dtype,
-    )
-    trainer = Trainer(cfg, env, model, train_loader, make_valid, config_yaml=to_yaml(cfg), mesh=mesh)
+    parallel = build(cfg, mesh, env.device)  # the one recipe: this rank's part, initialised and wrapped
+    trainer = Trainer(cfg, env, parallel, train_loader, make_valid, config_yaml=to_yaml(cfg))
     load_into(trainer, cfg, checkpoint)
     discard_if_overwriting(cfg, env)
     return trainer.train()

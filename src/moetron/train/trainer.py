@@ -32,11 +32,8 @@ from moetron.errors import UserError
 from moetron.model.flops import flops_per_token, megatron_tflops, mfu, peak_tflops
 from moetron.model.rng import STREAMS
 from moetron.parallel.dp.replicate import sync_router_loads
-from moetron.parallel.dp.zero_spec import ZeroSpec
 from moetron.parallel.env import DistEnv
-from moetron.parallel.mesh import ParallelMesh
-from moetron.parallel.parallelize import parallelize
-from moetron.parallel.pp.stage_layout import PipelineLayout
+from moetron.parallel.parallelize import ParallelModel
 from moetron.train.executor import MicroBatch, build_executor
 from moetron.train.failures import collective_failures, rank_failures
 from moetron.train.metrics import IntervalMetrics, RunLogger, StepSums
@@ -72,22 +69,21 @@ STEP_CPU_TIME_OBSERVERS: list[Callable[[float], None]] = []
 class Trainer:
     """Drives one run. `train_loader` yields `[mbs, seq+1]` micro-batches; `make_valid_loader()` a fresh one.
 
-    `model` comes from `parallel.parallelize.build_model` (or `create_model`: every expert, sharded here when
-    ep > 1); `mesh` is built from the config and the process environment when not given."""
+    `parallel` is this rank's model in its parallel form, from `parallel.parallelize.build(cfg, mesh, device)`: the
+    trainer reads its mesh, pipeline layout and LM head + loss from it."""
 
     def __init__(
         self,
         cfg: RunConfig,
         env: DistEnv,
-        model: torch.nn.Module,
+        parallel: ParallelModel,
         train_loader,
         make_valid_loader: Callable[[], object] | None = None,
         config_yaml: str = "",
-        mesh: ParallelMesh | None = None,
     ):
         self.cfg, self.env = cfg, env
         self.dims = cfg.dims(env.world_size)
-        self.mesh = mesh or ParallelMesh.build(self.dims, env)
+        self.mesh = parallel.mesh
         self.gbs = cfg.global_batch(self.dims.dp)
         self.num_micro = cfg.num_micro_batches(self.dims.dp)
         self.seq = cfg.model.seq_length
@@ -95,9 +91,7 @@ class Trainer:
         self.train_loader, self.make_valid_loader = train_loader, make_valid_loader
         self.config_yaml = config_yaml
         STREAMS.configure(cfg.train.seed)
-        self.pipeline = PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
-        # PP stages, EP experts; DDP and the expert reducer, or ZeRO (sharded optimizer, FSDP2)
-        self.parallel = parallelize(model, self.mesh, ZeroSpec.from_config(cfg), self.pipeline)
+        self.parallel = parallel
         self.model = self.parallel.model
         self.executor = build_executor(self.parallel, self.autocast, cfg)  # the pipeline's when split into stages
         stepped = self.parallel.optimizer_parameters()  # the weights, or at ZeRO-1 this rank's shards of them

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from moetron.model.loss import HeadLoss
 from moetron.model.rng import STREAMS
 
 
@@ -32,10 +33,12 @@ def evaluate(
     iters: int,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     all_reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    head_loss: HeadLoss | None = None,
 ) -> dict:
     """Mean LM loss over `iters` micro-batches from `loader.next_micro_batch()` (tokens [B, T+1]).
 
     The model is put in eval mode (dropout off, eval capacity factor) and restored to its previous mode.
+    `head_loss`: the LM head + loss the run trains with (`ParallelModel.head_loss`); None: the model's fused head.
     Returns {"valid_loss", "valid_ppl", "micro_batches"}.
     """
     was_training = model.training
@@ -47,7 +50,7 @@ def evaluate(
             first_sample = loader.next_first_sample
             batch = loader.next_micro_batch().to(device, non_blocking=True)
             with STREAMS.micro_batch("valid", first_sample), autocast():
-                out = model(batch[:, :-1], labels_BT=batch[:, 1:], return_logits=False)  # fused head + CE: no logits
+                out = model(batch[:, :-1], labels_BT=batch[:, 1:], return_logits=False, head_loss=head_loss)
             loss = out.lm_loss.detach().double()
             total = loss if total is None else total + loss
     finally:

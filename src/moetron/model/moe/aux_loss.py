@@ -2,44 +2,21 @@
 
 A MoE layer's weighted aux loss (`moe_loss_coeff · aux + moe_z_loss_coeff · z`) is attached to the layer's
 output by `attach_aux_loss`: the forward returns the output unchanged, and the backward hands the aux loss
-the gradient `AUX_LOSS_SCALE.value` while passing the output's gradient through. So the trainer back-propagates
+the gradient `LOSS_GRADIENT_SCALE.value` while passing the output's gradient through. So the trainer back-propagates
 the LM loss alone, and the router still receives d(lm_loss + moe_loss)/d(router) — exactly the gradient of
 the summed loss. Nothing has to travel from the layer to the loss: a pipeline stage stays tensor-in /
 tensor-out and no scalar crosses a stage boundary (Megatron-Core's `MoEAuxLossAutoScaler`).
 
-`AUX_LOSS_SCALE.value` is what the LM loss is multiplied by before its backward (1.0 by default: calling
+`LOSS_GRADIENT_SCALE.value` is what the LM loss is multiplied by before its backward (1.0 by default: calling
 `lm_loss.backward()` on a plain forward gives the gradient of lm_loss + moe_loss). The executors set it to
 `loss_scale / num_micro_batches`, the factor they multiply the LM loss by, for the step (`scaled`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
-
-class AuxLossScale:
-    """The factor the aux losses' gradient is multiplied by: what the caller scales its LM loss by."""
-
-    def __init__(self) -> None:
-        self.value = 1.0
-
-    def set(self, value: float) -> None:
-        self.value = float(value)
-
-    @contextlib.contextmanager
-    def scaled(self, value: float) -> Iterator[None]:
-        """`value` within the block (around a step's backward passes), the previous value after it."""
-        previous, self.value = self.value, float(value)
-        try:
-            yield
-        finally:
-            self.value = previous
-
-
-AUX_LOSS_SCALE = AuxLossScale()
+from moetron.model.gradient_scale import LOSS_GRADIENT_SCALE
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -51,7 +28,7 @@ class _AttachAuxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (aux_loss,) = ctx.saved_tensors
-        return grad_output, torch.full_like(aux_loss, AUX_LOSS_SCALE.value)
+        return grad_output, torch.full_like(aux_loss, LOSS_GRADIENT_SCALE.value)
 
 
 def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from moetron.model.gpt import GPTModel
-from moetron.model.moe.dispatch import LocalDispatcher, permute, unpermute
+from moetron.model.moe.dispatch import permute, unpermute
 from moetron.model.moe.experts.grouped import GroupedExperts
 from moetron.model.moe.layer import MoELayer
 from moetron.model.moe.routing.decision import Routing
@@ -178,7 +178,6 @@ def apply_ep(model: GPTModel, mesh: ParallelMesh) -> None:
         return
     ep_rank, group = mesh.coords.ep, mesh.group("ep")
     for moe in model.moe_layers():
-        if moe.experts.num_experts == moe.experts.num_global_experts:
-            shard_layer_experts(moe, ep_rank, ep_size)
-        if group is not None and isinstance(moe.dispatcher, LocalDispatcher):  # not twice (parallelize after build)
+        shard_layer_experts(moe, ep_rank, ep_size)
+        if group is not None:
             moe.dispatcher = AllToAllDispatcher(moe.num_experts, group, ep_size, ep_rank, moe.layer_index)

@@ -63,10 +63,10 @@ def split_for_pipeline(model: GPTModel, mesh: ParallelMesh, layout: PipelineLayo
 class StageModule(nn.Module):
     """One pipeline stage of a GPT: tokens or hidden states in, hidden states or logits out."""
 
-    def __init__(self, model: GPTModel, layers: tuple[int, ...], first: bool, last: bool):
+    def __init__(self, model: GPTModel, layers: tuple[int, ...], first: bool, last: bool, emit_hidden: bool = False):
         super().__init__()
         self.first, self.last = first, last
-        self.emit_hidden = False  # last stage: return the last layer's output (a head loss applies the head)
+        self.emit_hidden = last and emit_hidden  # last stage: the last layer's output (the fused head applies the head)
         self._model = [model]  # a list, so it is no submodule: DDP must see this stage's parameters only
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
         if first:
@@ -150,15 +150,18 @@ class PipelineParts:
             dist.all_reduce(grad, group=self.embedding_group)
 
 
-def apply_pp(model: GPTModel, registry: ParamRegistry, mesh: ParallelMesh, layout: PipelineLayout) -> PipelineParts:
-    """This rank's stage modules (on a model `split_for_pipeline` cut), each wrapped by data parallelism."""
+def apply_pp(
+    model: GPTModel, registry: ParamRegistry, mesh: ParallelMesh, layout: PipelineLayout, emit_hidden: bool = False
+) -> PipelineParts:
+    """This rank's stage modules (on a model `split_for_pipeline` cut), each wrapped by data parallelism.
+    `emit_hidden`: the last stage returns its hidden states, for the fused head + loss (`ParallelModel.head_loss`)."""
     rank = mesh.coords.pp
     indices = layout.stages_of(rank)
     last = layout.num_stages - 1
-    modules = [StageModule(model, layout.stage_layers[s], s == 0, s == last) for s in indices]
+    modules = [StageModule(model, layout.stage_layers[s], s == 0, s == last, emit_hidden) for s in indices]
     # zero-bubble computes weight gradients with autograd.grad and adds them to .grad itself: DDP's hooks would
     # never fire, so the dense gradients are averaged after the schedule instead (experts: the reducer's finish)
-    split_backward = layout.schedule == "zero-bubble" and mesh.size("dp") > 1
+    split_backward = layout.splits_backward and mesh.size("dp") > 1
     data_parallel = [apply_dp(m, registry, mesh, ddp=not split_backward) for m in modules]
     parts = PipelineParts(layout, mesh, indices, modules, data_parallel)
     if split_backward:

@@ -32,6 +32,11 @@ def schedule_name(schedule: str | None, virtual_layers: int | None) -> str:
     return "interleaved-1f1b" if virtual_layers else "1f1b"
 
 
+def splits_backward(schedule: str) -> bool:
+    """Whether the schedule splits each backward in two (inputs, then weights): zero bubble."""
+    return schedule == "zero-bubble"
+
+
 @dataclass(frozen=True)
 class PipelineLayout:
     pp: int
@@ -55,6 +60,11 @@ class PipelineLayout:
         starts = [sum(sizes[:s]) for s in range(len(sizes))]
         layers = tuple(tuple(range(start, start + n)) for start, n in zip(starts, sizes, strict=True))
         return cls(pp, layers, schedule_name(schedule, virtual_layers))
+
+    @property
+    def splits_backward(self) -> bool:
+        """A pipeline whose schedule splits each backward in two (`splits_backward`)."""
+        return self.pp > 1 and splits_backward(self.schedule)
 
     @classmethod
     def from_config(cls, num_layers: int, parallel) -> PipelineLayout:

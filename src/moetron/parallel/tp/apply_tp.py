@@ -47,7 +47,7 @@ from moetron.model.gpt import GPTModel, TransformerLayer
 from moetron.model.loss import language_model_loss, masked_mean
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
-from moetron.parallel.tp.shard_views import ShardViews, localize_parameters, sharded_modules
+from moetron.parallel.tp.shard_views import ShardViews, localize_parameters
 
 
 # ---------------------------------------------------------------- the plans
@@ -119,9 +119,9 @@ class SequenceShardDropout(nn.Dropout):
 # ---------------------------------------------------------------- applying it
 def apply_tp(model: GPTModel, mesh: ParallelMesh) -> None:
     """Split the dense parts of `model` over the tensor-parallel ranks (see the module docstring). Call on the meta
-    device (a built model works too: its full tensors are sliced). No-op when tp == 1 or already applied."""
+    device (a built model works too: its full tensors are sliced). No-op when tp == 1."""
     tp = mesh.size("tp")
-    if tp == 1 or any(True for _ in sharded_modules(model)):
+    if tp == 1:
         return
     tp_mesh, rank, sp = mesh.submesh("tp"), mesh.coords.tp, mesh.dims.sp
     if sp:  # torch 2.13: with --compile, a warm AOTAutograd cache replays sequence-parallel blocks with different
@@ -141,7 +141,6 @@ def apply_tp(model: GPTModel, mesh: ParallelMesh) -> None:
             layer.hidden_dropout = SequenceShardDropout(layer.hidden_dropout.p, rank, tp)
     for module in model.modules():
         localize_parameters(module, rank, tp)
-    model.loss_fn = vocab_parallel_loss
 
 
 def record_tp_layouts(model: nn.Module, registry: ParamRegistry) -> None:

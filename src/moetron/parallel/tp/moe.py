@@ -167,14 +167,12 @@ def split_expert_ffn(old: GroupedExperts, mesh, tp_rank: int, tp_size: int) -> F
 
 def apply_moe_tp(model: GPTModel, mesh: ParallelMesh) -> None:
     """After expert parallelism: wrap every MoE layer's dispatcher for TP and, with expert TP, split its experts'
-    ffn channels. No-op when tp == 1 or already applied."""
+    ffn channels. No-op when tp == 1."""
     tp = mesh.size("tp")
     if tp == 1:
         return
     tp_mesh, rank = mesh.submesh("tp"), mesh.coords.tp
     for moe in model.moe_layers():
-        if isinstance(moe.dispatcher, (TokenShareDispatcher, ExpertTensorParallelDispatcher)):
-            continue
         if mesh.size("etp") == 1:
             moe.dispatcher = TokenShareDispatcher(moe.dispatcher, tp_mesh, rank, tp)
             continue
