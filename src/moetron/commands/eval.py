@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from moetron.errors import UserError
+from moetron.fileio import write_atomic
 
 HELP = "Validation loss, perplexity and the routing report of a checkpoint."
 
@@ -50,9 +51,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def write_json_atomic(path: str, obj: dict) -> None:
-    tmp = Path(path).with_name(Path(path).name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(obj, indent=1))
 
 
 def run(args: argparse.Namespace) -> int:
