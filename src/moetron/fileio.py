@@ -1,7 +1,11 @@
-"""Small file helpers shared by every writer: output-location checks, file modes, one-line write errors.
+"""Small file helpers shared by every writer: the atomic write, output-location checks, file modes, one-line
+write errors.
 
+    write_atomic(run_dir / "latest", "iter_0000010\n", durable=True)  # all or nothing, even after a power cut
+    with atomic_writer(path, "wb") as f:                      # stream into a temporary, renamed into place at the end
+        np.save(f, array)
     problem = output_dir_problem("--save", cfg.train.save)   # None, or the one-line reason and fix
-    publish_mode(tmp_path)                                    # before os.replace(tmp_path, final_path)
+    publish_mode(tmp_path)                                    # a directory staged under a temporary name
     with write_errors_named("--output-prefix data/corpus"):   # ENOSPC etc. -> UserError
         ...
 
@@ -15,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 from moetron.errors import UserError
 
@@ -47,6 +53,55 @@ def publish_mode(path: str | os.PathLike, mode: int = 0o666) -> None:
     final name; directories pass `mode=0o777`.
     """
     os.chmod(path, mode & ~current_umask())
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike, mode: str = "w", *, durable: bool = False) -> Iterator[IO]:
+    """A file object writing to a temporary name beside `path` (`.NAME.XXXX.tmp`, unique per writer), renamed
+    onto `path` when the block ends: a reader, or a crash at any moment, sees the old file or the whole new one.
+
+    The published file gets the mode `open()` would give it (`publish_mode`). `durable=True` also fsyncs the
+    file before the rename and the directory after it, so the new name survives a power cut (what a checkpoint's
+    `latest` needs; a log that is rewritten can do without). An exception inside removes the temporary and leaves
+    `path` as it was. `mode` is "w" (UTF-8 text) or "wb".
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        publish_mode(tmp)  # mkstemp made it 0600
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes, *, durable: bool = False) -> None:
+    """Publish `data` (text is written as UTF-8) as the file `path` all at once; see `atomic_writer`."""
+    with atomic_writer(path, "wb" if isinstance(data, bytes) else "w", durable=durable) as f:
+        f.write(data)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a written file's data to the disk."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a directory's entries (a rename or a new name in it) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def describe_os_error(err: OSError, directory: str | os.PathLike | None = None) -> str:

@@ -13,6 +13,7 @@ from moetron.errors import ConfigError, UserError
 from moetron.model import GPTModel, KVCache, ModelConfig, create_model
 from moetron.model.attention import fuse_qkv, split_qkv_weight
 from moetron.model.loss import LogitsHeadLoss
+from moetron.parallel.expert_bias import update_expert_biases
 
 VOCAB = 50  # padded to 64 below
 
@@ -338,9 +339,19 @@ def test_moe_kv_cache_decode_equals_uncached_with_dropless_routing():
 def test_update_expert_biases_moves_every_router():
     model = create_model(tiny_cfg(**MOE, moe_router_bias_update_rate=0.1), "cpu", seed=0)
     model(tokens(4, 12))
-    model.update_expert_biases()
+    update_expert_biases(model, step_applied=True)
     for moe in model.moe_layers():
         assert moe.router.expert_bias.abs().sum() > 0
+        assert moe.router.load_since_update_E.sum() == 0
+
+
+def test_a_skipped_step_forgets_its_router_loads_without_moving_the_biases():
+    model = create_model(tiny_cfg(**MOE, moe_router_bias_update_rate=0.1), "cpu", seed=0)
+    model(tokens(4, 12))
+    assert all(moe.router.load_since_update_E.sum() > 0 for moe in model.moe_layers())
+    update_expert_biases(model, step_applied=False)
+    for moe in model.moe_layers():
+        assert moe.router.expert_bias.abs().sum() == 0
         assert moe.router.load_since_update_E.sum() == 0
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from moetron.model import GPTModel, ModelConfig, create_model
-from moetron.model.init import init_tree, normal_, stable_seed
+from moetron.model.init import TensorSlice, init_tree, normal_, seeded_draw, seeded_generator, stable_seed
 
 
 def cfg(**overrides) -> ModelConfig:
@@ -108,3 +108,14 @@ def test_unknown_parameter_types_are_refused():
     root.scale = nn.Parameter(torch.ones(3))
     with pytest.raises(TypeError, match="no initialisation rule for parameter scale"):
         init_tree(root, seed=0, std=0.02, out_std=0.01)
+
+
+def test_seeded_draw_of_a_part_is_that_part_of_the_whole_draw():
+    whole = seeded_draw((6, 4), seeded_generator(3, "w"), std=0.5)
+    part = TensorSlice((6, 4), (slice(2, 4), slice(None)))
+    torch.testing.assert_close(seeded_draw((2, 4), seeded_generator(3, "w"), std=0.5, part=part), whole[2:4])
+    uniform = seeded_draw((1000,), seeded_generator(3, "u"), low=0.1)
+    assert uniform.abs().max() <= 0.1 and uniform.std() < 0.1  # uniform(-0.1, 0.1), not N(0, ·)
+    param = torch.empty(2, 4, dtype=torch.float64)  # the copying path of normal_ gives the same values
+    normal_(param, 0.5, 3, "w", part)
+    torch.testing.assert_close(param, whole[2:4].double())

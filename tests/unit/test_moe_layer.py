@@ -13,6 +13,7 @@ from moetron.model.gradient_scale import LOSS_GRADIENT_SCALE
 from moetron.model.moe.dispatch import permute, unpermute
 from moetron.model.moe.experts.backends import grouped_mm_supported
 from moetron.model.moe.layer import MoEAux, MoELayer
+from moetron.model.moe.stats import MoEStats
 
 B, T, D, F = 2, 16, 16, 32
 
@@ -201,6 +202,33 @@ def test_aux_loss_is_uncoefficiented_and_loss_applies_coefficients() -> None:
     _, aux = _layer(cfg)(torch.randn(B, T, D))
     torch.testing.assert_close(aux.aux_loss, aux.routing.aux_loss)
     torch.testing.assert_close(aux.loss(cfg), 0.1 * aux.aux_loss + 0.01 * aux.z_loss)
+
+
+def test_take_stats_gives_the_mean_of_the_named_statistics_over_training_forwards() -> None:
+    layer = _layer(_cfg(topk=2, moe_train_capacity_factor=0.5, moe_min_capacity=1))
+    auxes = [layer(torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed)))[1] for seed in (1, 2)]
+    layer.eval()
+    layer(torch.randn(B, T, D))  # evaluation forwards are not counted
+    total, count = layer.take_stats()
+    assert isinstance(total, MoEStats) and count == 2 and total.values.shape == (4,)
+    mean = total / count
+    loads = [a.tokens_per_expert_E.float() for a in auxes]
+    torch.testing.assert_close(mean.load_max_over_mean, sum(x.max() / x.mean() for x in loads) / 2)
+    torch.testing.assert_close(mean.dropped_fraction, sum(a.dropped_routes / (B * T * 2) for a in auxes).float() / 2)
+    torch.testing.assert_close(mean.aux_loss, sum(a.aux_loss.detach() for a in auxes) / 2)
+    torch.testing.assert_close(mean.z_loss, sum(a.z_loss.detach() for a in auxes) / 2)
+    assert layer.take_stats() == (None, 0)  # reset
+
+
+def test_stacked_stats_read_by_name_and_price_the_moe_loss() -> None:
+    a = MoEStats(torch.tensor([1.5, 0.25, 2.0, 4.0]))
+    b = MoEStats(torch.tensor([1.0, 0.0, 1.0, 8.0]))
+    stack = MoEStats.stack([a, b])
+    assert stack.load_max_over_mean.tolist() == [1.5, 1.0] and stack.dropped_fraction.tolist() == [0.25, 0.0]
+    assert MoEStats.from_flat(stack.values.flatten()).z_loss.tolist() == [4.0, 8.0]
+    assert stack.moe_loss(0.5, 0.25).item() == 0.5 * 3.0 + 0.25 * 12.0
+    with pytest.raises(ValueError, match="4 values per layer"):
+        MoEStats(torch.zeros(2, 3))
 
 
 def test_no_dense_expert_capacity_tensor_is_built() -> None:

@@ -32,7 +32,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moetron.errors import UserError
-from moetron.fileio import publish_mode
+from moetron.fileio import fsync_dir as _fsync_dir
+from moetron.fileio import fsync_file as _fsync_file
+from moetron.fileio import publish_mode, write_atomic
 
 FORMAT_VERSION = 2  # 1: moetron 0.1's safetensors files (convert with `moetron convert-checkpoint`)
 LATEST = "latest"
@@ -43,19 +45,6 @@ def iteration_dir_name(iteration: int) -> str:
 
 
 # ---------------------------------------------------------------------------- writing
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=1, sort_keys=True))
     _fsync_file(path)
@@ -68,12 +57,7 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    publish_mode(tmp)
-    _fsync_file(tmp)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    write_atomic(path, text, durable=True)
 
 
 def staging_dir(run_dir: Path, iteration: int) -> Path:

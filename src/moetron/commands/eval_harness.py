@@ -17,6 +17,7 @@ from pathlib import Path
 
 from moetron.commands.generate import add_tokenizer_arguments, tokenizer_overrides
 from moetron.errors import ConfigError, UserError
+from moetron.fileio import write_atomic
 
 HELP = "Run lm-evaluation-harness tasks on a checkpoint (also under torchrun with experts spread)."
 
@@ -90,6 +91,6 @@ def run(args: argparse.Namespace) -> int:
     if results is not None:  # global rank 0
         print(make_table(results))
         if args.output:
-            Path(args.output).write_text(json.dumps(results, indent=1, default=str))
+            write_atomic(args.output, json.dumps(results, indent=1, default=str))
             print(f"wrote {args.output}")
     return lm.env.finish(0)

@@ -18,13 +18,12 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-import tempfile
 from collections.abc import Callable
 
 import numpy as np
 
 from moetron.errors import UserError
-from moetron.fileio import describe_os_error, publish_mode
+from moetron.fileio import atomic_writer, describe_os_error, write_atomic
 
 
 def describe_gpt_dataset(prefix: str, name: str, num_samples: int, num_epochs: int, seq_length: int, seed: int,
@@ -76,8 +75,9 @@ class IndexCache:
             os.makedirs(self.directory, exist_ok=True)
             paths = self.paths(self.directory)
             for name in self.array_names:
-                _atomic_write(paths[name], lambda f, a=arrays[name]: np.save(f, a, allow_pickle=False))
-            _atomic_write(paths["desc"], lambda f: f.write(self.description.encode("utf-8")))
+                with atomic_writer(paths[name], "wb") as f:
+                    np.save(f, arrays[name], allow_pickle=False)
+            write_atomic(paths["desc"], self.description.encode("utf-8"))
         except OSError as err:
             reason = describe_os_error(err, self.directory)
             raise UserError(
@@ -146,17 +146,3 @@ def _usable(cache: IndexCache) -> bool:
         cache.directory = cache._find() or cache.directory
         return False
     return True
-
-
-def _atomic_write(path: str, write: Callable) -> None:
-    directory, base = os.path.split(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        publish_mode(tmp)  # mkstemp made it 0600
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise

@@ -4,7 +4,8 @@ file (here, below both, so that the quickstart does not import a command)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
+
+from moetron.fileio import write_atomic
 
 
 def print_result(result: dict) -> None:
@@ -18,6 +19,4 @@ def print_result(result: dict) -> None:
 
 
 def write_json_atomic(path: str, obj: dict) -> None:
-    tmp = Path(path).with_name(Path(path).name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(obj, indent=1))

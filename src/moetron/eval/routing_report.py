@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from moetron.model.moe.stats import load_max_over_mean
+
 
 @dataclass
 class LayerReport:
@@ -79,7 +81,7 @@ class _LayerSums:
             tokens=self.tokens,
             tokens_per_expert=self.routes_E.tolist(),
             kept_per_expert=self.kept_E.tolist(),
-            load_max_over_mean=float(load_E.max()) / mean if mean else 0.0,
+            load_max_over_mean=float(load_max_over_mean(load_E)),
             load_cv=float(load_E.std(unbiased=False)) / mean if mean else 0.0,
             dropped_fraction=1.0 - float(self.kept_E.sum()) / routes,
             entropy=self.entropy_sum / max(self.tokens, 1),

@@ -19,7 +19,7 @@ from moetron.checkpoint.state import write_checkpoint
 from moetron.config import RunConfig
 from moetron.config_cli import to_yaml
 from moetron.errors import ConfigError, UserError
-from moetron.fileio import writable_dir_problem
+from moetron.fileio import writable_dir_problem, write_atomic
 from moetron.model.gpt import GPTModel
 
 
@@ -115,5 +115,5 @@ def write_run(
     path = write_checkpoint(
         save, progress.iteration, tensors, trainer_state(cfg, progress), header + to_yaml(cfg), optim
     )
-    (Path(save) / "config.yaml").write_text(header + to_yaml(cfg))
+    write_atomic(Path(save) / "config.yaml", header + to_yaml(cfg))
     return path

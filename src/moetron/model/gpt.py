@@ -231,11 +231,6 @@ class GPTModel(nn.Module):
         """The MoE layers, in layer order."""
         return [layer.mlp for layer in self.layers.values() if layer.is_moe]
 
-    def update_expert_biases(self) -> None:
-        """Aux-loss-free balancing: nudge every router's expert bias (call once per optimizer step)."""
-        for moe in self.moe_layers():
-            moe.router.update_expert_bias()
-
     def set_inference_routing(self, dropless: bool) -> None:
         """dropless=True: every MoE router keeps all tokens (capacity = the largest expert load), so that
         generation never silently drops a token; False: back to the config's `moe_token_dropping`.

@@ -49,17 +49,39 @@ def param_slice(module: nn.Module, name: str) -> TensorSlice | None:
     return getattr(module, "param_slices", {}).get(name)
 
 
+def seeded_generator(seed: int, name: str) -> torch.Generator:
+    """The CPU generator of (seed, name): every parameter's own random stream."""
+    return torch.Generator(device="cpu").manual_seed(stable_seed(seed, name))
+
+
+def seeded_draw(
+    shape: tuple[int, ...] | torch.Size,
+    generator: torch.Generator,
+    *,
+    std: float | None = None,
+    low: float | None = None,
+    part: TensorSlice | None = None,
+) -> torch.Tensor:
+    """fp32 CPU values N(0, std) (or uniform(-low, low)) of `shape`, or of a `part` of a larger tensor: drawn at the
+    full shape from `generator` and sliced, so the part holds exactly the values the whole tensor has there."""
+    values = torch.empty(part.full_shape if part else shape, dtype=torch.float32)
+    values = (
+        values.normal_(0.0, std, generator=generator)
+        if low is None
+        else values.uniform_(-low, low, generator=generator)
+    )
+    return values[part.index] if part else values
+
+
 @torch.no_grad()
 def normal_(param: torch.Tensor, std: float, seed: int, name: str, part: TensorSlice | None = None) -> None:
     """Fill `param` with N(0, std) drawn on CPU from the generator of (seed, name); a `part` of a larger tensor
     is drawn at the full shape and sliced."""
-    generator = torch.Generator(device="cpu").manual_seed(stable_seed(seed, name))
+    generator = seeded_generator(seed, name)
     if part is None and param.device.type == "cpu" and param.dtype == torch.float32 and param.is_contiguous():
         param.normal_(0.0, std, generator=generator)  # the same draw as below, without a temporary
         return
-    values = torch.empty(part.full_shape if part else param.shape, dtype=torch.float32)
-    values.normal_(0.0, std, generator=generator)
-    param.copy_(values[part.index] if part else values)
+    param.copy_(seeded_draw(param.shape, generator, std=std, part=part))
 
 
 def output_std(std: float, num_layers: int) -> float:

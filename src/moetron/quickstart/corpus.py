@@ -18,6 +18,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from moetron.fileio import atomic_writer
+
 # Standard-library folders that are tests, demos, vendored code or installed packages, not documentation.
 SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "turtledemo", "lib2to3", "ensurepip"}
 MIN_DOCSTRING_CHARS = 40  # one-liners such as "Return self." teach nothing
@@ -74,9 +76,7 @@ def write_corpus(path: Path, max_bytes: int | None = None, seed: int = 1234) -> 
     documents = corpus_documents(max_bytes)
     random.Random(seed).shuffle(documents)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_writer(path) as f:  # never leave a half-written corpus behind
         for text in documents:
             f.write(json.dumps({"text": text}) + "\n")
-    tmp.replace(path)  # never leave a half-written corpus behind
     return len(documents), sum(len(text.encode("utf-8")) for text in documents)

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from moetron.errors import UserError
+from moetron.fileio import write_atomic
 from moetron.recipes import RECIPES_DIR
 
 SAMPLE_PROMPTS = ("Return the", "The module")
@@ -130,7 +131,7 @@ def write_run_config(options: QuickstartOptions, run_dir: Path, prefix: str, tok
     cfg, _ = load_config(str(options.config or default_config_path()), overrides)
     check(cfg, options.nproc)
     path = run_dir / "config.yaml"
-    path.write_text(to_yaml(cfg))
+    write_atomic(path, to_yaml(cfg))
     return path
 
 

@@ -28,6 +28,7 @@ import torch
 
 from moetron.config import RunConfig
 from moetron.model.gradient_scale import LOSS_GRADIENT_SCALE
+from moetron.model.moe.stats import MoEStats
 from moetron.model.rng import STREAMS
 from moetron.parallel.parallelize import ParallelModel
 from moetron.train.metrics import moe_step_stats
@@ -62,8 +63,8 @@ class LocalExecutor:
                 total = value if total is None else total + value
         return total
 
-    def moe_step_stats(self) -> torch.Tensor | None:
-        """[L_moe, 4] of the last step's MoE layers (`train.metrics.moe_step_stats`)."""
+    def moe_step_stats(self) -> MoEStats | None:
+        """[L_moe] of the last step's MoE layers (`train.metrics.moe_step_stats`)."""
         return moe_step_stats(self.parallel.model)
 
     def evaluate(self, loader, micro_batches: int, all_reduce_mean: Callable[[torch.Tensor], torch.Tensor]) -> dict:

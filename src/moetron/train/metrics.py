@@ -19,6 +19,9 @@ from pathlib import Path
 
 import torch
 
+from moetron.fileio import write_atomic
+from moetron.model.moe.stats import MoEStats
+
 METRIC_KEYS = (
     "iteration",
     "consumed_tokens",
@@ -42,25 +45,25 @@ def mfu_text(value: float | None) -> str:
     return "MFU n/a (--peak-tflops)" if value is None else f"MFU {100 * value:.2f}%"
 
 
-def moe_step_stats(model) -> torch.Tensor | None:
-    """[L_moe, 4] means over this step's training forwards of each MoE layer's (load max/mean, dropped fraction,
-    aux loss, z-loss), still on device; None for a dense model. Resets the layers' sums."""
+def moe_step_stats(model) -> MoEStats | None:
+    """[L_moe] means over this step's training forwards of each MoE layer's `MoEStats`, still on device; None for
+    a dense model. Resets the layers' sums."""
     rows = []
     for moe in model.moe_layers():
         total, count = moe.take_stats()
-        rows.append(total / count if count else torch.zeros(4, device=moe.router.weight.device))
-    return torch.stack(rows) if rows else None
+        rows.append(total / count if count else MoEStats.zeros(moe.router.weight.device))
+    return MoEStats.stack(rows) if rows else None
 
 
 class StepSums:
     """One optimizer step's mean losses and routing stats over its micro-batches, on device (no host sync)."""
 
-    def __init__(self, lm_loss: torch.Tensor, moe_stats: torch.Tensor | None, moe_loss_coeff: float, z_coeff: float):
+    def __init__(self, lm_loss: torch.Tensor, moe_stats: MoEStats | None, moe_loss_coeff: float, z_coeff: float):
         moe_loss = torch.zeros((), dtype=torch.float64, device=lm_loss.device)
         if moe_stats is not None:
-            moe_loss = (moe_loss_coeff * moe_stats[:, 2] + z_coeff * moe_stats[:, 3]).double().sum()
+            moe_loss = moe_stats.moe_loss(moe_loss_coeff, z_coeff)
         self.losses = torch.stack([lm_loss.double(), moe_loss])  # lm loss, moe loss (means over micro-batches)
-        self.routing = None if moe_stats is None else moe_stats[:, :2]  # [L_moe, 2] load max/mean, dropped
+        self.moe_stats = moe_stats  # [L_moe]
 
 
 class IntervalMetrics:
@@ -72,7 +75,7 @@ class IntervalMetrics:
 
     def reset(self) -> None:
         self.sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # lm loss, moe loss
-        self.routing = None  # [L_moe, 2] means per step, summed
+        self.moe_stats: MoEStats | None = None  # [L_moe] means per step, summed
         self.steps = 0  # successful steps (a skipped step's NaN would poison the mean)
         self.grad_norm_sum = 0.0
 
@@ -80,15 +83,15 @@ class IntervalMetrics:
         self.steps += 1
         self.sums += step.losses
         self.grad_norm_sum += grad_norm
-        if step.routing is not None:
-            self.routing = step.routing if self.routing is None else self.routing + step.routing
+        if step.moe_stats is not None:
+            self.moe_stats = step.moe_stats if self.moe_stats is None else self.moe_stats + step.moe_stats
 
     def reduce(self, all_reduce_mean) -> dict:
         """Interval means over steps and data-parallel ranks (one collective, one host transfer)."""
-        n_layers = 0 if self.routing is None else self.routing.shape[0]
+        n_layers = 0 if self.moe_stats is None else self.moe_stats.values.shape[0]
         packed = [self.sums]
         if n_layers:
-            packed.append(self.routing.double().flatten())
+            packed.append(self.moe_stats.values.double().flatten())
         flat = all_reduce_mean(torch.cat(packed)).cpu()
         steps = self.steps or float("nan")
         flat = flat / steps
@@ -100,9 +103,9 @@ class IntervalMetrics:
             "dropped_fraction": [],
         }
         if n_layers:
-            routing = flat[2:].view(n_layers, 2)
-            out["expert_load_max_over_mean"] = [round(float(v), 4) for v in routing[:, 0]]
-            out["dropped_fraction"] = [round(float(v), 4) for v in routing[:, 1]]
+            stats = MoEStats.from_flat(flat[2:])
+            out["expert_load_max_over_mean"] = [round(float(v), 4) for v in stats.load_max_over_mean]
+            out["dropped_fraction"] = [round(float(v), 4) for v in stats.dropped_fraction]
         self.reset()
         return out
 
@@ -166,9 +169,7 @@ class RunLogger:
             lines = path.read_text().splitlines()
             kept = [line for line in lines if _iteration_of(line) <= iteration]
             if len(kept) != len(lines):
-                tmp = path.with_name(name + ".tmp")
-                tmp.write_text("".join(line + "\n" for line in kept))
-                tmp.replace(path)
+                write_atomic(path, "".join(line + "\n" for line in kept))
 
     def _append(self, name: str, record: dict) -> None:
         if self.run_dir:

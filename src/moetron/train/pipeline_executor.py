@@ -2,7 +2,7 @@
 
     executor = PipelineExecutor(parallel, autocast, micro_batch_size, seq, num_micro, dtype)
     lm_loss = executor.forward_backward(next_micro_batch, num_micro, loss_scale)   # the same value on every rank
-    stats = executor.moe_step_stats()          # [L_moe, 4] of EVERY MoE layer, whichever stage holds it
+    stats = executor.moe_step_stats()          # MoEStats [L_moe] of EVERY MoE layer, whichever stage holds it
 
 Every rank reads all of the step's micro-batches from its loader (cheap memmap reads, and every stage's loader
 keeps the same position for the checkpoint); the first stage feeds the tokens, the last the labels. Around each
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from moetron.model.gradient_scale import LOSS_GRADIENT_SCALE
+from moetron.model.moe.stats import MoEStats
 from moetron.model.rng import STREAMS
 from moetron.parallel.diagnosis import Site
 from moetron.parallel.parallelize import ParallelModel
@@ -54,7 +55,7 @@ class PipelineExecutor:
         self._phase, self._first_samples = "train", []
         self._losses: list[torch.Tensor] = []  # this step's unscaled LM losses (last stage), in micro-batch order
         self._factor = 1.0
-        self._moe_stats: torch.Tensor | None = None
+        self._moe_stats: MoEStats | None = None
         moe_indices = self.model.cfg.moe_layer_indices()
         self._moe_rows = {layer: row for row, layer in enumerate(moe_indices)}  # global layer → MoE-layer row
         stages = pipeline_stages(
@@ -109,24 +110,24 @@ class PipelineExecutor:
         lm_loss, self._moe_stats = self._over_stages(self._loss_sum(num_micro), moe_step_stats(self.model))
         return lm_loss
 
-    def moe_step_stats(self) -> torch.Tensor | None:
-        """[L_moe, 4] of the last step, every MoE layer of the model (see `train.metrics.moe_step_stats`)."""
+    def moe_step_stats(self) -> MoEStats | None:
+        """[L_moe] of the last step, every MoE layer of the model (see `train.metrics.moe_step_stats`)."""
         stats, self._moe_stats = self._moe_stats, None
         return stats
 
-    def _over_stages(self, lm_loss: torch.Tensor, local_stats: torch.Tensor | None):
+    def _over_stages(self, lm_loss: torch.Tensor, local_stats: MoEStats | None):
         """(lm loss, every MoE layer's stats) on every rank: one SUM all-reduce over the pipeline group, each
         value non-zero on exactly one stage (adding zeros is exact). Device ops only: no host sync."""
         mine = {}
         if local_stats is not None:
             layers = [self._moe_rows[moe.layer_index] for moe in self.model.moe_layers()]
-            mine = dict(zip(layers, local_stats, strict=True))
-        zeros = torch.zeros(4, dtype=torch.float64, device=self.device)
-        rows = [mine[r].double() if r in mine else zeros for r in range(len(self._moe_rows))]
+            mine = dict(zip(layers, local_stats.rows(), strict=True))
+        zeros = MoEStats.zeros(self.device, torch.float64)
+        rows = [(mine[r].to(torch.float64) if r in mine else zeros).values for r in range(len(self._moe_rows))]
         flat = torch.cat([lm_loss.reshape(1), *rows])
         with self._reduce_site:
             dist.all_reduce(flat, group=self.parts.mesh.group("pp"))
-        stats = flat[1:].view(-1, 4).float() if rows else None
+        stats = MoEStats.from_flat(flat[1:].float()) if rows else None
         return flat[0], stats
 
     # ------------------------------------------------------------ evaluation

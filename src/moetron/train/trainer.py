@@ -29,10 +29,11 @@ import torch
 from moetron.checkpoint import GlobalView, load_checkpoint, save_checkpoint
 from moetron.config import RunConfig
 from moetron.errors import UserError
+from moetron.fileio import write_atomic
 from moetron.model.flops import flops_per_token, megatron_tflops, mfu, peak_tflops
 from moetron.model.rng import STREAMS
-from moetron.parallel.dp.replicate import sync_router_loads
 from moetron.parallel.env import DistEnv
+from moetron.parallel.expert_bias import update_expert_biases
 from moetron.parallel.parallelize import ParallelModel
 from moetron.train.executor import MicroBatch, build_executor
 from moetron.train.failures import collective_failures, rank_failures
@@ -134,17 +135,10 @@ class Trainer:
         ok = grad_norm == grad_norm and grad_norm != float("inf")
         if ok:
             self.optimizer.step()
-            sync_router_loads(self.model, self.mesh)
-            self.model.update_expert_biases()
-        else:
-            self._forget_router_loads()
+        update_expert_biases(self.model, step_applied=ok, mesh=self.mesh)
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.update(found_overflow=not ok)
         return StepResult(ok, grad_norm, sums)
-
-    def _forget_router_loads(self) -> None:
-        for moe in self.model.moe_layers():
-            moe.router.load_since_update_E.zero_()
 
     def _account(self, result: StepResult) -> None:
         p, t = self.progress, self.cfg.train
@@ -296,7 +290,7 @@ class Trainer:
     def _write_run_config(self) -> None:
         if self.env.is_main and self.run_dir:
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
-            (Path(self.run_dir) / "config.yaml").write_text(self.config_yaml)
+            write_atomic(Path(self.run_dir) / "config.yaml", self.config_yaml)
 
     def trainer_state(self) -> dict:
         return {

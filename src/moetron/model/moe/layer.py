@@ -30,12 +30,13 @@ import torch
 from torch import nn
 
 from moetron.model.config import ModelConfig
-from moetron.model.init import stable_seed
+from moetron.model.init import seeded_draw, seeded_generator
 from moetron.model.moe.aux_loss import attach_aux_loss
 from moetron.model.moe.dispatch import LocalDispatcher, TokenDispatcher
 from moetron.model.moe.experts.grouped import GroupedExperts
 from moetron.model.moe.routing.decision import Routing
 from moetron.model.moe.routing.router import Router
+from moetron.model.moe.stats import MoEStats
 
 
 @dataclass
@@ -59,14 +60,10 @@ class MoEAux:
         return cfg.moe_loss_coeff * self.aux_loss.float() + cfg.moe_z_loss_coeff * self.z_loss.float()
 
 
-def step_stats(aux: MoEAux) -> torch.Tensor:
-    """fp32 [4] on device: expert load max/mean (routes before dropping), dropped fraction of all routes, the
-    aux loss and the z-loss (without their coefficients)."""
-    load_E = aux.tokens_per_expert_E.float()
-    routes = max(aux.routing.kept_TK.numel(), 1)
-    load = load_E.max() / load_E.mean().clamp_min(1e-9)
-    dropped = aux.dropped_routes.float() / routes
-    return torch.stack([load, dropped, aux.aux_loss.detach().float(), aux.z_loss.detach().float()])
+def step_stats(aux: MoEAux) -> MoEStats:
+    """This forward's routing statistics (one layer, on device): see `MoEStats`."""
+    routes = aux.routing.kept_TK.numel()
+    return MoEStats.measure(aux.tokens_per_expert_E, aux.dropped_routes, routes, aux.aux_loss, aux.z_loss)
 
 
 def in_backward() -> bool:
@@ -80,18 +77,13 @@ def _dense_mlp(cfg: ModelConfig, ffn: int) -> GroupedExperts:
 
 
 def _generator(seed: int, *key: object) -> torch.Generator:
-    name = "/".join(str(part) for part in key)
-    return torch.Generator(device="cpu").manual_seed(stable_seed(seed, name))
+    return seeded_generator(seed, "/".join(str(part) for part in key))
 
 
 @torch.no_grad()
 def _fill(param: torch.Tensor, generator: torch.Generator, low: float | None = None, std: float | None = None) -> None:
     """Draw on CPU (uniform(-low, low) or N(0, std)) and copy: the same values on every device and layout."""
-    values = torch.empty(param.shape, dtype=torch.float32)
-    values = (
-        values.uniform_(-low, low, generator=generator) if std is None else values.normal_(0, std, generator=generator)
-    )
-    param.copy_(values)
+    param.copy_(seeded_draw(param.shape, generator, std=std, low=low if std is None else None))
 
 
 class MoELayer(nn.Module):
@@ -125,7 +117,7 @@ class MoELayer(nn.Module):
         shared = cfg.num_shared_experts
         self.shared_experts = _dense_mlp(cfg, shared * ffn) if shared else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared and cfg.shared_expert_gate else None
-        self._stats_sum: torch.Tensor | None = None
+        self._stats_sum: MoEStats | None = None
         self._stats_count = 0
         if not self.experts.w1_EDF.is_meta:
             self.init_weights(cfg.init_method_std, cfg.init_method_std / math.sqrt(2 * cfg.num_layers), seed=0)
@@ -170,13 +162,13 @@ class MoELayer(nn.Module):
 
     # ------------------------------------------------------------ statistics for the metrics
     def _add_stats(self, aux: MoEAux) -> None:
-        stats_4 = step_stats(aux).detach()
-        self._stats_sum = stats_4 if self._stats_sum is None else self._stats_sum + stats_4
+        stats = step_stats(aux)
+        self._stats_sum = stats if self._stats_sum is None else self._stats_sum + stats
         self._stats_count += 1
 
-    def take_stats(self) -> tuple[torch.Tensor | None, int]:
-        """(sum over the training forwards since the last call of [load max/mean, dropped fraction, aux loss,
-        z-loss] (fp32 [4], on device), number of forwards), and reset. No host sync."""
+    def take_stats(self) -> tuple[MoEStats | None, int]:
+        """(the sum of `MoEStats` over the training forwards since the last call (on device), number of
+        forwards), and reset. No host sync."""
         out = (self._stats_sum, self._stats_count)
         self._stats_sum, self._stats_count = None, 0
         return out

@@ -158,18 +158,3 @@ def _no_forward_buffer_sync() -> dict:
     """`forward_sync_buffers=False` where torch has it (it deprecates `broadcast_buffers`), else the old flag."""
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
-
-
-def sync_router_loads(model: nn.Module, mesh: ParallelMesh) -> None:
-    """Sum every router's routes-per-expert over the data-parallel ranks before the aux-loss-free bias update, so
-    every replica applies the same update (the biases are buffers, not reduced by DDP). Routers see the tokens
-    of their data-parallel rank; tensor-parallel peers route the same tokens, so the sum runs over dp only."""
-    if mesh.size("dp") == 1 or model.cfg.moe_router_bias_update_rate == 0:
-        return
-    loads = [moe.router.load_since_update_E for moe in model.moe_layers()]
-    if not loads:
-        return
-    flat = torch.cat(loads)
-    with Site("the router-load all-reduce", mesh.group("dp"), "data-parallel"):
-        dist.all_reduce(flat, group=mesh.group("dp"))
-    torch._foreach_copy_(loads, list(flat.split([t.numel() for t in loads])))

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from moetron.model.autocast_dtype import autocast_dtype
-from moetron.model.init import param_slice, stable_seed
+from moetron.model.init import TensorSlice, param_slice, seeded_draw, seeded_generator
 from moetron.model.mlp import gelu
 from moetron.model.moe.dispatch import ExpertCounts, gather_rows
 from moetron.model.moe.experts.backends import (
@@ -106,14 +106,13 @@ class GroupedExperts(nn.Module):
         for local in range(self.num_experts):
             global_id = 0 if identical else self.expert_offset + local
             name = "/".join(str(part) for part in (*key, "expert", global_id))
-            generator = torch.Generator(device="cpu").manual_seed(stable_seed(seed, name))
+            generator = seeded_generator(seed, name)
             for weight_name, weight_std in (("w1_EDF", std), ("w3_EDF", std), ("w2_EFD", out_std)):
                 weight = getattr(self, weight_name)
                 if weight is not None:  # draw on CPU at the full expert shape, then copy: identical everywhere
                     part = param_slice(self, weight_name)  # a tensor-parallel slice of the ffn channels
-                    shape = part.full_shape[1:] if part else weight.shape[1:]
-                    draw = torch.empty(shape, dtype=torch.float32).normal_(0.0, weight_std, generator=generator)
-                    weight[local].copy_(draw[part.index[1:]] if part else draw)
+                    expert_part = TensorSlice(part.full_shape[1:], part.index[1:]) if part else None
+                    weight[local].copy_(seeded_draw(weight.shape[1:], generator, std=weight_std, part=expert_part))
         for b in (self.b1_EF, self.b2_ED):
             if b is not None:
                 b.zero_()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moetron.errors import UserError
+from moetron.model.moe.stats import load_max_over_mean
 
 SLOT_ORDERS = ("token", "choice")
 
@@ -102,7 +103,7 @@ class Routing:
         out = {
             "tokens_per_expert": self.tokens_per_expert_E.detach(),
             "dropped_fraction": 1.0 - self.kept_TK.float().sum() / routes,
-            "load_max_over_mean": load_E.max() / load_E.mean().clamp_min(1e-9),
+            "load_max_over_mean": load_max_over_mean(load_E),
         }
         if self.probs_TE is not None and self.probs_TE.numel():
             probs_TE = self.probs_TE.detach().float()

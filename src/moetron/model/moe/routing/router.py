@@ -4,7 +4,7 @@
     routing = router(x_TD, seq_len=cfg.seq_length)  # x_TD: the [B, L, D] activations flattened to [T, D]
     loss = lm_loss + cfg.moe_loss_coeff * routing.aux_loss + cfg.moe_z_loss_coeff * routing.z_loss
     ...
-    router.update_expert_bias()  # once per optimizer step (aux-loss-free balancing; no-op by default)
+    router.update_expert_bias()  # once per optimizer step, by `parallel.expert_bias` (aux-loss-free balancing)
 
 With the default options the routing is DeepSpeed 0.19.x's `TopKGate` (top-1 / top-2 / top-k gating, see
 `deepspeed_gating.py`): same capacities, kept routes, weights, aux loss and — from the same torch seed — the same

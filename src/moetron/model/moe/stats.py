@@ -1,0 +1,99 @@
+"""Routing statistics of MoE layers as one device tensor read by name: what the metrics log every interval.
+
+    stats = MoEStats.measure(tokens_per_expert_E, dropped_routes, routes, aux_loss, z_loss)  # one layer: [4]
+    stack = MoEStats.stack([layer_a, layer_b])       # [L_moe, 4]
+    stack.load_max_over_mean, stack.dropped_fraction  # [L_moe] each, still on device
+
+The values stay ONE fp32 tensor (not four scalars or a dict) so that summing over forwards, the mean over a step
+and the pipeline's all-reduce are single device ops with no host sync; the names replace the positions
+(`stats[:, 2]`) that the layer, the metrics and the pipeline executor used to share.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FIELDS = ("load_max_over_mean", "dropped_fraction", "aux_loss", "z_loss")
+
+
+def load_max_over_mean(load_E: torch.Tensor) -> torch.Tensor:
+    """The most loaded expert's load over the mean load (1.0 = perfectly balanced; 0 when nothing was routed).
+    A device tensor of `load_E`'s floating dtype (pass `.float()` or `.double()` counts)."""
+    return load_E.max() / load_E.mean().clamp_min(1e-9)
+
+
+class MoEStats:
+    """`values` [..., 4] (fp32, on device): per layer the expert load max/mean (routes before dropping), the
+    dropped fraction of all routes, the aux loss and the z-loss (without their coefficients)."""
+
+    WIDTH = len(FIELDS)
+    __slots__ = ("values",)
+
+    def __init__(self, values: torch.Tensor):
+        if values.shape[-1] != self.WIDTH:
+            raise ValueError(
+                f"MoE statistics have {self.WIDTH} values per layer ({', '.join(FIELDS)}), not {values.shape[-1]}"
+            )
+        self.values = values
+
+    @classmethod
+    def measure(
+        cls,
+        tokens_per_expert_E: torch.Tensor,
+        dropped_routes: torch.Tensor,
+        routes: int,
+        aux_loss: torch.Tensor,
+        z_loss: torch.Tensor,
+    ) -> MoEStats:
+        """One layer's statistics of one forward (detached); `routes` = T·K, the routes before dropping."""
+        load = load_max_over_mean(tokens_per_expert_E.float())
+        dropped = dropped_routes.float() / max(routes, 1)
+        return cls(torch.stack([load, dropped, aux_loss.detach().float(), z_loss.detach().float()]).detach())
+
+    @classmethod
+    def zeros(cls, device: torch.device | str, dtype: torch.dtype = torch.float32) -> MoEStats:
+        """One layer's statistics when it ran no training forward."""
+        return cls(torch.zeros(cls.WIDTH, dtype=dtype, device=device))
+
+    @classmethod
+    def stack(cls, rows: list[MoEStats]) -> MoEStats:
+        """[L_moe, 4] from one row per layer, in layer order."""
+        return cls(torch.stack([row.values for row in rows]))
+
+    @classmethod
+    def from_flat(cls, flat: torch.Tensor) -> MoEStats:
+        """The stack back from `values.flatten()` (e.g. after an all-reduce of several layers' rows)."""
+        return cls(flat.view(-1, cls.WIDTH))
+
+    def rows(self) -> list[MoEStats]:
+        """One `MoEStats` per layer of a stack."""
+        return [MoEStats(row) for row in self.values]
+
+    def __add__(self, other: MoEStats) -> MoEStats:
+        return MoEStats(self.values + other.values)
+
+    def __truediv__(self, count: float) -> MoEStats:
+        return MoEStats(self.values / count)
+
+    def to(self, dtype: torch.dtype) -> MoEStats:
+        return MoEStats(self.values.to(dtype))
+
+    @property
+    def load_max_over_mean(self) -> torch.Tensor:
+        return self.values[..., 0]
+
+    @property
+    def dropped_fraction(self) -> torch.Tensor:
+        return self.values[..., 1]
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        return self.values[..., 2]
+
+    @property
+    def z_loss(self) -> torch.Tensor:
+        return self.values[..., 3]
+
+    def moe_loss(self, moe_loss_coeff: float, z_coeff: float) -> torch.Tensor:
+        """Σ over layers of moe_loss_coeff · aux loss + z_coeff · z-loss (fp64 scalar, on device)."""
+        return (moe_loss_coeff * self.aux_loss + z_coeff * self.z_loss).double().sum()
