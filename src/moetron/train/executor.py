@@ -68,7 +68,7 @@ class LocalExecutor:
         return moe_step_stats(self.parallel.model)
 
     def evaluate(self, loader, micro_batches: int, all_reduce_mean: Callable[[torch.Tensor], torch.Tensor]) -> dict:
-        """Validation loss over `micro_batches` micro-batches (`eval.perplexity.evaluate`), the training head loss."""
+        """Validation loss over `micro_batches` micro-batches (`train.validation.evaluate`), the training head loss."""
         model, head_loss = self.parallel.model, self.parallel.head_loss
         return evaluate(model, loader, micro_batches, self.autocast, all_reduce_mean, head_loss=head_loss)
 

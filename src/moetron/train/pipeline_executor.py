@@ -133,7 +133,7 @@ class PipelineExecutor:
     # ------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, loader, micro_batches: int, all_reduce_mean: Callable[[torch.Tensor], torch.Tensor]) -> dict:
-        """`eval.perplexity.evaluate` over the pipeline: the schedule forward-only, the loss on every rank."""
+        """`train.validation.evaluate` over the pipeline: the schedule forward-only, the loss on every rank."""
         from moetron.train.validation import perplexity
 
         was_training = self.model.training

@@ -2,7 +2,7 @@
 
     split_for_pipeline(model, mesh, layout)     # on the meta model: keep this rank's layers, names unchanged
     parts = apply_pp(model, registry, mesh, layout)   # stage modules, data parallelism per stage, tied embeddings
-    stages = pipeline_stages(parts, ...); schedule = build_schedule(...)   # pipeline_stage.py: PyTorch's engine
+    stages = pipeline_stages(parts, ...); schedule = build_schedule(...)   # schedules.py: PyTorch's engine
 
 A stage module is tensor in / tensor out: the first stage maps tokens [B, T] to hidden states [B, T, C], a middle
 stage hidden states to hidden states, the last stage hidden states to logits [B, T, V]. It registers the very

@@ -9,7 +9,7 @@
     LM head                  the tied embedding (or output_layer) as a vocabulary shard: logits are a DTensor
                              sharded on the vocabulary, and the loss is `vocab_parallel_loss` (`loss_parallel`):
                              no rank ever holds the full [B, T, V] logits
-    norms, routers, experts  replicated (experts: see tensor_parallel_moe.py, applied after expert parallelism)
+    norms, routers, experts  replicated (experts: see tp/moe.py, applied after expert parallelism)
 
 With `--sequence-parallel` (Megatron's SP) the residual stream between the TP regions holds seq / tp positions:
 norms run on sequence shards (`SequenceParallel`), each attention / MLP / MoE input is all-gathered

@@ -8,10 +8,10 @@ their gradient ignored. `counts_E` may also be an `ExpertCounts`, whose host cap
 batched backend pad without reading the counts.
 
 Three interchangeable backends compute the same function (`backend`, from `cfg.moe_expert_backend`; see
-`expert_backends.py`): grouped_mm (one grouped GEMM per projection), batched (padded bmm), loop (the
+`backends.py`): grouped_mm (one grouped GEMM per projection), batched (padded bmm), loop (the
 reference). `auto` picks grouped_mm where it runs without host syncs, else batched (`auto_backend`). Where
 reading the device is free (a CPU tensor), a SwiGLU expert without biases runs expert by expert instead
-(`experts_cpu.py`: the same GEMMs, better cache reuse).
+(`cpu_kernels.py`: the same GEMMs, better cache reuse).
 
 Expert parallelism: a `GroupedExperts` may hold only the experts `expert_offset … expert_offset + E_local − 1`
 of a layer with `num_global_experts`; initialisation draws global expert g's weights from a generator seeded
