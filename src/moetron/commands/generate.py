@@ -1,4 +1,5 @@
-"""`moetron generate`: sample text from a checkpoint with the model's KV cache.
+"""`moetron generate`: sample text from a checkpoint with the model's KV cache (arguments and printing; the
+sampling itself is `moetron.eval.generate`, the same concept one level down).
 
     moetron generate --load runs/quickstart --prompt "Return the" --max-new-tokens 60
     moetron generate --load runs/quickstart --prompt-file prompts.txt --temperature 0      # greedy, one per line

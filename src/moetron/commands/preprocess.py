@@ -1,4 +1,5 @@
-"""`moetron preprocess`: JSONL/text -> Megatron `.bin`/`.idx`, with `tools/preprocess_data.py`'s flags."""
+"""`moetron preprocess`: JSONL/text -> Megatron `.bin`/`.idx`, with `tools/preprocess_data.py`'s flags (arguments
+and printing; the work is `moetron.data.preprocess`, the same concept one level down)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`moetron upcycle`: a dense checkpoint → a MoE checkpoint whose experts start as copies of the dense MLP.
+"""`moetron upcycle`: a dense checkpoint → a MoE checkpoint whose experts start as copies of the dense MLP
+(arguments and printing; the conversion is `moetron.interchange.upcycle`, the same concept one level down).
 
     moetron upcycle --load runs/dense --save runs/moe --num-experts 8 --topk 2 --expert-interval 1
     moetron upcycle --hf hf/llama --save runs/llama-moe --num-experts 8 --topk 2 --disable-moe-token-dropping

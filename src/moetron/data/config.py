@@ -1,4 +1,5 @@
 """Data configuration: Megatron's data flags (`--data-path`, `--split`, `--data-cache-path`, ...) as a dataclass.
+The data section of the run's configuration (`moetron/config.py` is the whole tree: one concept, two levels).
 
 `data_path` is either one prefix (split into train/valid/test by `split`) or a blend `W1 P1 W2 P2 ...`;
 `train_data_path` / `valid_data_path` / `test_data_path` name separate (optionally blended) sets instead, and

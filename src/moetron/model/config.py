@@ -1,4 +1,5 @@
 """Model configuration: every field is named after its Megatron-DeepSpeed flag (`--num-layers` → `num_layers`).
+The model section of the run's configuration (`moetron/config.py` is the whole tree: one concept, two levels).
 
 The defaults are Megatron's GPT with DeepSpeed-MoE routing; the "modern" fields express Mixtral /
 Qwen-MoE / DeepSeek-style models. `problems()` lists everything wrong at once (as strings naming the
