@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Child processes (torchrun workers that run a test file as their script, CLI children) import test helpers
+    too: hand them pytest's `pythonpath` setting (pyproject.toml) through the environment, as pytest hands it to
+    this process."""
+    paths = [str(path) for path in config.getini("pythonpath")]
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in paths]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths + inherited)
 
 
 def _require(path: Path) -> Path:
