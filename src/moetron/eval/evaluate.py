@@ -61,7 +61,7 @@ def evaluate_checkpoint(load: str, data_path: str | None = None, eval_iters: int
     from moetron.checkpoint.open import open_run
     from moetron.data.loader import DistributedBatchLoader
     from moetron.eval.routing_report import RoutingRecorder
-    from moetron.model.loss import fuses_head, head_loss
+    from moetron.model.loss import fuses_head, make_head_loss
     from moetron.model.rng import STREAMS
     from moetron.train.precision import autocast_context
     from moetron.train.run import check_token_ids
@@ -77,7 +77,7 @@ def evaluate_checkpoint(load: str, data_path: str | None = None, eval_iters: int
     autocast = functools.partial(autocast_context, device, cfg.train.fp16, cfg.train.bf16)  # as the trainer
     iters = cfg.train.eval_iters * cfg.num_micro_batches(dp)
     # the run's head + loss (one process: no vocabulary shards, no pipeline), as its trainer evaluated
-    head = head_loss(fuses_head(cfg.train.fused_cross_entropy, vocab_parallel=False, splits_backward=False))
+    head = make_head_loss(fuses_head(cfg.train.fused_cross_entropy, vocab_parallel=False, splits_backward=False))
     losses = []
     STREAMS.configure(cfg.train.seed)  # random routing draws keyed by sample, exactly as in the trainer
     with model.inference_routing(dropless=True) if dropless else contextlib.nullcontext():

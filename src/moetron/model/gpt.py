@@ -40,8 +40,7 @@ from moetron.model.attention import SelfAttention
 from moetron.model.config import ModelConfig
 from moetron.model.init import init_tree, output_std
 from moetron.model.kv_cache import KVCache
-from moetron.model.loss import HeadLoss, fuses_head
-from moetron.model.loss import head_loss as _head_loss
+from moetron.model.loss import HeadLoss, fuses_head, make_head_loss
 from moetron.model.mlp import MLP
 from moetron.model.moe.layer import MoEAux, MoELayer
 from moetron.model.norm import build_norm
@@ -130,7 +129,7 @@ class GPTModel(nn.Module):
         lm_loss = None
         if labels_BT is not None:  # a plain model fuses its head when the logits are not wanted (never builds them)
             plain = fuses_head(not return_logits, vocab_parallel=False, splits_backward=False)
-            head_loss = head_loss or _head_loss(plain)
+            head_loss = head_loss or make_head_loss(plain)
             if logits_BTV is not None and not head_loss.fused:  # the logits are there: no second head
                 lm_loss = head_loss.loss_fn(logits_BTV, labels_BT, loss_mask_BT)
             else:

@@ -106,7 +106,7 @@ class FusedHeadLoss:
         )
 
 
-def head_loss(fused: bool, loss_fn: LossFunction = language_model_loss) -> HeadLoss:
+def make_head_loss(fused: bool, loss_fn: LossFunction = language_model_loss) -> HeadLoss:
     """The LM head + loss `fuses_head` chose: fused (chunked, the plain cross-entropy) or `loss_fn` on materialised
     logits."""
     return FusedHeadLoss() if fused else LogitsHeadLoss(loss_fn)

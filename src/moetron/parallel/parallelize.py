@@ -47,7 +47,7 @@ from moetron.config import RunConfig
 from moetron.errors import ConfigError
 from moetron.model.config import ModelConfig
 from moetron.model.gpt import GPTModel
-from moetron.model.loss import HeadLoss, fuses_head, head_loss, language_model_loss
+from moetron.model.loss import HeadLoss, fuses_head, language_model_loss, make_head_loss
 from moetron.parallel.activation_checkpoint import apply_ac
 from moetron.parallel.compile import apply_compile
 from moetron.parallel.dims import ParallelDims
@@ -125,7 +125,7 @@ def layout_head_loss(fused_flag: bool, dims: ParallelDims, layout: PipelineLayou
     vocab-parallel cross-entropy on the logits' vocabulary shards."""
     vocab_parallel = dims.tp > 1
     fused = fuses_head(fused_flag, vocab_parallel, layout.splits_backward)
-    return head_loss(fused, vocab_parallel_loss if vocab_parallel else language_model_loss)
+    return make_head_loss(fused, vocab_parallel_loss if vocab_parallel else language_model_loss)
 
 
 def build(cfg: RunConfig, mesh: ParallelMesh, device: torch.device | str) -> ParallelModel:
