@@ -10,12 +10,15 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from moetron.parallel import diagnosis
+
+RUN_FINISHED_OBSERVERS: list[Callable[[], None]] = []  # called by `DistEnv.finish` before the process leaves
 
 
 def world_size_from_env() -> int:
@@ -68,8 +71,11 @@ class DistEnv:
         Tearing down gloo's C++ transport after the work is done sometimes aborts the process ("terminate called
         without an active exception"; seen after torchrun restarts), and torchrun would then count a completed run
         as failed. So every rank waits for the others, flushes its output and exits without that teardown — the
-        OS closes the sockets.
+        OS closes the sockets. `os._exit` skips `atexit`, so whoever must see the end of a run (the planner's
+        measuring worker) registers in `RUN_FINISHED_OBSERVERS`, called here on both paths.
         """
+        for observe in RUN_FINISHED_OBSERVERS:
+            observe()
         if not (self.initialized_here and dist.is_initialized() and self.distributed):
             self.close()
             return returncode

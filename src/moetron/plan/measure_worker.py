@@ -20,6 +20,7 @@ from pathlib import Path
 
 OUT_ENV = "MOETRON_MEASURE_DIR"
 CPU_STEP_S: list[float] = []
+RECORDED: list[bool] = []  # once per process: the run's end is seen by DistEnv.finish and by atexit
 
 
 def vmhwm_bytes() -> int | None:
@@ -35,8 +36,9 @@ def vmhwm_bytes() -> int | None:
 
 def record() -> None:
     out = os.environ.get(OUT_ENV)
-    if not out:
+    if not out or RECORDED:
         return
+    RECORDED.append(True)
     import torch
 
     cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
@@ -53,18 +55,12 @@ def time_steps() -> None:
 
 
 def main() -> int:
-    atexit.register(record)  # one process: the run returns normally
-    # under torchrun a finished run leaves with os._exit (DistEnv.finish: gloo's teardown can abort), which skips
-    # atexit, so record there too, just before it
-    from moetron.parallel.env import DistEnv
+    # a run that fails returns through atexit; a finished one through DistEnv.finish, which under torchrun leaves
+    # with os._exit (gloo's teardown can abort) and so skips atexit: record at both, the first one writes
+    from moetron.parallel.env import RUN_FINISHED_OBSERVERS
 
-    finish = DistEnv.finish
-
-    def finish_recorded(self, returncode: int) -> int:
-        record()
-        return finish(self, returncode)
-
-    DistEnv.finish = finish_recorded
+    atexit.register(record)
+    RUN_FINISHED_OBSERVERS.append(record)
     time_steps()
     from moetron.cli import main as moetron_main
 
