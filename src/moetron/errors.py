@@ -7,6 +7,10 @@ so that all of them are reported at once.
 
 from __future__ import annotations
 
+import contextlib
+import signal
+from collections.abc import Callable, Iterator
+
 
 class UserError(Exception):
     """A problem the user can fix; the message names the file or flag, the value and the fix."""
@@ -22,3 +26,19 @@ class ConfigError(UserError):
             return
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{len(self.problems)} configuration problem(s):\n{lines}")
+
+
+@contextlib.contextmanager
+def sigterm_raises(handler: Callable[[int], None]) -> Iterator[None]:
+    """While active, SIGTERM calls `handler(signum)` (which raises) in the main thread, so that the `finally`
+    blocks and cleanups on the way out run — a SIGTERM's default action kills the process without them. Outside
+    the main thread signals cannot be caught: then it does nothing. The previous handler comes back at exit."""
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: handler(signum))
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

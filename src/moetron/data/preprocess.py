@@ -17,7 +17,6 @@ import itertools
 import multiprocessing
 import multiprocessing.pool
 import os
-import signal
 import sys
 import time
 from collections import deque
@@ -29,7 +28,7 @@ import numpy as np
 from moetron.data.indexed import IndexedDatasetBuilder, best_dtype, bin_path, idx_path, remove_stale_temporaries
 from moetron.data.readers import Chunk, iter_chunks, parse_record, resolve_inputs
 from moetron.data.tokenizer import Tokenizer, build_tokenizer
-from moetron.errors import UserError
+from moetron.errors import UserError, sigterm_raises
 from moetron.fileio import output_file_problem
 
 SHOWN_PROBLEMS = 5
@@ -241,12 +240,11 @@ class Terminated(UserError):
     """SIGTERM arrived while preprocessing: the partial output was removed."""
 
 
-@contextlib.contextmanager
-def _sigterm_as_error(output_prefix: str):
+def _sigterm_as_error(output_prefix: str) -> contextlib.AbstractContextManager[None]:
     """Turn SIGTERM into `Terminated` in this (main) process, so the cleanup below runs; workers just exit."""
     main_pid = os.getpid()
 
-    def handler(signum, frame):
+    def handler(signum: int) -> None:
         if os.getpid() != main_pid:  # a worker process that got the handler: die quietly, the parent cleans up
             os._exit(128 + signum)
         raise Terminated(
@@ -254,15 +252,7 @@ def _sigterm_as_error(output_prefix: str):
             f"and nothing was written — run it again"
         )
 
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: signals cannot be caught here; leave the default
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return sigterm_raises(handler)
 
 
 def _empty_output_error(options: PreprocessOptions, key: str, bad: int, empty: int, problems: list) -> UserError:

@@ -27,13 +27,12 @@ import errno
 import json
 import os
 import secrets
-import signal
 import socket
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moetron.errors import UserError
+from moetron.errors import UserError, sigterm_raises
 from moetron.fileio import describe_os_error, publish_mode
 
 LOCK_NAME = ".moetron.lock"
@@ -188,23 +187,14 @@ class RunLock:
                 return
 
 
-@contextlib.contextmanager
-def terminate_through_finally() -> Iterator[None]:
+def terminate_through_finally() -> contextlib.AbstractContextManager[None]:
     """SIGTERM raises `SystemExit(143)` (the status a SIGTERM kill gives), so that the lock is released on the
     way out; the training loop's `StopSignal` replaces this handler while it runs (a graceful stop)."""
-    try:
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    except ValueError:  # not the main thread: signals cannot be caught here
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return sigterm_raises(_exit_on_sigterm)
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signal.SIGTERM)
+def _exit_on_sigterm(signum: int) -> None:
+    raise SystemExit(128 + signum)
 
 
 def try_to_take(lock: RunLock | None, recheck) -> str | None:
