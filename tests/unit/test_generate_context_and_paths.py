@@ -78,3 +78,21 @@ def test_a_tokenizer_larger_than_the_model_is_refused(run, gpt2_files, capsys):
     assert main([*argv, "--merge-file", str(merges)]) == 2
     err = capsys.readouterr().err
     assert "has 50257 tokens but the checkpoint's model only 300" in err
+
+
+def test_export_takes_the_same_tokenizer_flags(run, tmp_path, capsys):
+    """`export` reads the tokenizer flags as eval/generate do: a tokenizer.json alone (`--tokenizer-model`) replaces
+    a GPT-2 BPE pair that moved, and the exported tokenizer encodes as the run's did."""
+    import json
+
+    assert main(["export", "--load", str(run / "run"), "--output", str(tmp_path / "hf")]) == 0
+    tokenizer_json = tmp_path / "tokenizer.json"
+    shutil.copy(tmp_path / "hf" / "tokenizer.json", tokenizer_json)
+    shutil.copytree(run / "run", tmp_path / "run")
+    for config in (tmp_path / "run").rglob("config.yaml"):
+        config.write_text(config.read_text().replace(str(run / "tok"), str(tmp_path / "gone")))
+    argv = ["export", "--load", str(tmp_path / "run"), "--output", str(tmp_path / "hf2")]
+    assert main(argv) == 2 and "--vocab-file" in capsys.readouterr().err
+    assert main([*argv, "--tokenizer-model", str(tokenizer_json)]) == 0
+    vocab = json.loads((tmp_path / "hf2" / "tokenizer.json").read_text())["model"]["vocab"]
+    assert vocab == json.loads(tokenizer_json.read_text())["model"]["vocab"]

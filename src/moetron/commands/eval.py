@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plots-dir", metavar="DIR", help="write expert_load.png and loss_curves.png (needs matplotlib)"
     )
-    from moetron.commands.generate import add_tokenizer_arguments
+    from moetron.commands.tokenizer_flags import add_tokenizer_arguments
 
     add_tokenizer_arguments(parser)
 
@@ -41,7 +41,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_outputs(args)
-    from moetron.commands.generate import tokenizer_overrides
+    from moetron.commands.tokenizer_flags import tokenizer_overrides
     from moetron.eval.evaluate import evaluate_checkpoint
 
     result = evaluate_checkpoint(args.load, args.data_path, args.eval_iters, args.dropless, tokenizer_overrides(args))

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moetron.commands.generate import add_tokenizer_arguments, tokenizer_overrides
+from moetron.commands.tokenizer_flags import add_tokenizer_arguments, tokenizer_overrides
 from moetron.errors import ConfigError, UserError
 from moetron.fileio import write_atomic
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from moetron.commands.tokenizer_flags import add_tokenizer_arguments, tokenizer_overrides
 from moetron.errors import UserError
 
 HELP = "Export a checkpoint as a Hugging Face model (native transformers class, or trust_remote_code)."
@@ -41,14 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
     parser.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
-    for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
-        parser.add_argument(flag, help=f"the tokenizer's {flag[2:]} (default: the run config's)")
+    add_tokenizer_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from moetron.interchange.hf_export import export_hf
 
-    overrides = {k: getattr(args, k) for k in ("vocab_file", "merge_file", "tokenizer_model") if getattr(args, k)}
     result = export_hf(
         args.load,
         args.output,
@@ -58,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         dropless=args.dropless,
         tokenizer=not args.no_tokenizer,
         max_shard_bytes=parse_size(args.max_shard_size),
-        tokenizer_overrides=overrides,
+        tokenizer_overrides=tokenizer_overrides(args),
     )
     if result.remote_code:
         print(f"no transformers class expresses this model ({'; '.join(result.why_remote)})")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from moetron.commands.tokenizer_flags import add_tokenizer_arguments, tokenizer_overrides
 from moetron.errors import ConfigError, UserError
 
 HELP = "Sample text from a checkpoint with a KV cache."
@@ -44,26 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=1234, help="random seed for sampling (default 1234)")
     add_tokenizer_arguments(parser)
-
-
-def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
-    """--vocab-file/--merge-file/--tokenizer-model: the tokenizer when the checkpoint's config names files that
-    moved (shared by `eval`)."""
-    group = parser.add_argument_group("tokenizer (default: the files the checkpoint's config.yaml names)")
-    group.add_argument("--vocab-file", help="GPT-2 vocab.json the run was trained with")
-    group.add_argument("--merge-file", help="GPT-2 merges.txt the run was trained with")
-    group.add_argument("--tokenizer-model", help="tokenizer.json (or its directory) the run was trained with")
-
-
-def tokenizer_overrides(args: argparse.Namespace) -> dict:
-    """The tokenizer flags given, as `load_model(tokenizer_overrides=...)` takes them."""
-    names = ("vocab_file", "merge_file", "tokenizer_model")
-    given = {name: str(Path(getattr(args, name)).resolve()) for name in names if getattr(args, name, None)}
-    if "tokenizer_model" in given and not ({"vocab_file", "merge_file"} & set(given)):
-        given["tokenizer_type"] = "HFTokenizer"
-    elif {"vocab_file", "merge_file"} & set(given):
-        given["tokenizer_type"] = "GPT2BPETokenizer"
-    return given
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
