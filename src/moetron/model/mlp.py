@@ -10,6 +10,12 @@ SwiGLU is `dense_4h_to_h(silu(dense_h_to_4h(x)) · dense_h_to_4h_up(x))` with tw
 (Llama's gate_proj / up_proj). Megatron fuses them into one `[gate | up]` weight, but then a tensor-parallel
 column shard of the fused weight is not a contiguous slice; two projections shard like any column-parallel
 linear, and the second GEMM costs the same FLOPs as the wider fused one.
+
+This is the one dense feed-forward block of a dense layer. A MoE layer's dense parts (DeepSpeed's residual MLP,
+the shared experts) are one-expert `GroupedExperts` instead, on purpose: they are experts in every respect that
+differs — drawn like expert 0 under `--moe-identical-expert-init` (DeepSpeed's residual template), split by expert
+tensor parallelism, stored as `[1, …]` tensors in checkpoints and in the Megatron-DeepSpeed / Hugging Face
+mappings — and they compute the same function with the same activation (`gelu` below, or SiLU).
 """
 
 from __future__ import annotations

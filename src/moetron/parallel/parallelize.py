@@ -162,8 +162,9 @@ def build_local_model(
     layout: PipelineLayout | None = None,
 ) -> GPTModel:
     """Steps 1–7 of `build`: this rank's part of the model, materialised on `device` and initialised from `seed`.
-    `build` calls it; on its own it serves a model that is only read on a layout of its own (the lm-eval harness:
-    no data parallelism, no optimizer, no pipeline)."""
+    `build` calls it; on its own it serves a model that is only read at a layout (`checkpoint.open_run(...).model(
+    device, mesh)`, the lm-eval harness under torchrun): nothing there computes gradients, so steps 8–9 (the
+    pipeline stages' executor parts, data parallelism and its reducers) would only allocate what is never used."""
     check_dims(cfg, mesh)
     with torch.device("meta"):
         model = GPTModel(cfg)
