@@ -2,11 +2,11 @@
 
 A tiny MLA MoE GPT (layer 0 dense, layer 1 with 4 experts, top-2 dropless, hidden dropout 0.1) trains 10 steps of
 the same global batch at TP = 2 (the up projections column-parallel by heads, `dense` row-parallel, the down
-projections and latent norms replicated, the shared rotary key's gradient summed over the head shards), with
-sequence parallelism, and without a query latent (`linear_q_proj` column-parallel). Each layout must give the
-one-process loss at every step (1e-4 relative) and the one-process gradients of the first step (1e-5) — the shared
-rotary key's projection rows included, which are wrong without the sum — and each rank the parameter count
-`moetron plan` gives it. One spawned group carries every check.
+projections and latent norms replicated, the shared rotary key's gradient summed over the head shards): with
+sequence parallelism, and without a query latent (`linear_q_proj` column-parallel) and without SP. Each layout
+must give the one-process loss at every step (1e-4 relative) and the one-process gradients of the first step
+(1e-5) — which are wrong without the sum over the shards — and each rank the parameter count `moetron plan` gives
+it. One spawned group carries every check.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ STEPS = 10
 MLA = dict(multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
            v_head_dim=6, position_embedding_type="rope", normalization="rmsnorm", swiglu=True, add_bias_linear=False,
            moe_token_dropping=False, hidden_dropout=0.1, attention_dropout=0.0)  # fmt: skip
-LAYOUTS = {"tp2": {"tp": 2}, "tp2-sp": {"tp": 2, "sp": True}, "tp2-no-q-latent": {"tp": 2, "q_lora_rank": None}}
+LAYOUTS = {"tp2-sp": {"tp": 2, "sp": True}, "tp2-no-q-latent": {"tp": 2, "q_lora_rank": None}}
 
 
 def mla_config(tp: int = 1, sp: bool = False, **model):

@@ -80,3 +80,13 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
+    """What `KVCache.for_model(cfg)` holds per token of context over all layers: 2·K·D numbers per layer, or
+    MLA's latent and shared rotary key (`--kv-lora-rank` + `--qk-pos-emb-head-dim`)."""
+    if cfg.multi_latent_attention:
+        per_layer = cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim
+    else:
+        per_layer = 2 * cfg.kv_heads * cfg.head_dim
+    return cfg.num_layers * per_layer * dtype_bytes
