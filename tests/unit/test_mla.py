@@ -7,13 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moetron.config_cli import load_config
 from moetron.eval.generate import GenerationOptions, generate_batch
+from moetron.interchange.hf_architectures import DEEPSEEK_V3, find_architecture
 from moetron.model.config import ModelConfig
 from moetron.model.flops import attention_score_flops, count_parameters
-from moetron.model.gpt import create_model
-from moetron.model.kv_cache import KVCache
+from moetron.model.gpt import GPTModel, create_model
+from moetron.model.kv_cache import KVCache, kv_cache_bytes_per_token
 from moetron.model.mla import MultiLatentAttention, latent_cache_channels
 from moetron.model.rotary import rotary_angles
+from moetron.plan.estimate import make_plan
+from moetron.plan.hardware import accelerator
+from moetron.plan.memory import layer_bytes
 
 TINY_MLA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=97,
                 multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
@@ -98,3 +103,41 @@ def test_config_problems_name_the_flag(overrides, message):
 
 def test_hidden_size_need_not_divide_into_heads():
     assert mla_config(hidden_size=30).problems() == []  # MLA's head sizes are their own flags
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_plan_activations_match_what_autograd_saves(q_lora_rank):
+    from test_plan import saved_bytes, small
+
+    mla = {k: v for k, v in TINY_MLA.items() if k not in ("num_layers", "hidden_size", "seq_length", "vocab_size")}
+    configs = [small(**{**mla, "q_lora_rank": q_lora_rank}, num_layers=n) for n in (2, 4)]
+    measured = (saved_bytes(configs[1], None) - saved_bytes(configs[0], None)) / 2
+    m = configs[0].model
+    tokens = configs[0].train.micro_batch_size * m.seq_length
+    assert layer_bytes(m, 1, tokens, m.seq_length, 4, "cpu", ep=1) == pytest.approx(measured, rel=0.15)
+
+
+def test_deepseek_v3_16b_recipe_plans_the_published_size_on_8_gpus():
+    cfg, _ = load_config("deepseek-v3-16B", {})
+    plan = make_plan(cfg, 8, accelerator("A100-80GB"))
+    assert plan.params.total == pytest.approx(15.7e9, rel=0.01)  # DeepSeek-V2-Lite's published total
+    assert plan.fits
+    assert plan.params.total == sum(p.numel() for p in meta_model(cfg.model).parameters())
+    # the cache holds 512 + 64 numbers per token and layer where 16 heads of GQA-free attention would hold 2·16·192
+    assert kv_cache_bytes_per_token(cfg.model, 2) == 27 * (512 + 64) * 2
+
+
+def test_tiny_recipe_trains_a_step_on_cpu():
+    cfg, _ = load_config("deepseek-v3-tiny", {"seq_length": 16})
+    model = create_model(cfg.model)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    loss = model(tokens[:, :-1], labels_BT=tokens[:, 1:]).lm_loss
+    loss.backward()
+    attention = model.layers["1"].self_attention
+    assert torch.isfinite(loss) and attention.linear_kv_down_proj.weight.grad.abs().sum() > 0
+    assert find_architecture(cfg.model) is DEEPSEEK_V3
+
+
+def meta_model(cfg: ModelConfig) -> torch.nn.Module:
+    with torch.device("meta"):
+        return GPTModel(cfg)

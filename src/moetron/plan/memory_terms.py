@@ -153,6 +153,8 @@ def layer_bytes(
     per_token = residual + attention + dropout
     if device_kind == "cpu" and model.attention_dropout > 0:
         per_token += MATH_ATTENTION_BYTES[c] * a * seq * split.heads  # CPU SDPA with dropout: the math kernel
+    elif device_kind == "cpu" and model.multi_latent_attention:  # CPU SDPA of unequal q/k and v sizes: the math
+        per_token += c * a * seq * split.heads  # kernel's probabilities
     if num_experts > 1:
         mlp = expert_activation_bytes(model, num_experts, tokens, c, ep, split)
     else:
@@ -169,12 +171,12 @@ def latent_heads_bytes(model: ModelConfig, c: int) -> int:
 
 
 def latent_bytes(model: ModelConfig, c: int) -> int:
-    """MLA's replicated latents per token: the down projections' outputs (the norms' inputs) and the normalised
-    latents (the up projections' inputs), and the rotated shared key; 0 without MLA."""
+    """MLA's replicated latents per token: each latent norm's fp32 input, normalised values and rstd, and its
+    output (the up projection's input); the shared key's rows of the down projection's output; 0 without MLA."""
     if not model.multi_latent_attention:
         return 0
-    q = 2 * (model.q_lora_rank or 0)
-    return (q + 2 * model.kv_lora_rank + 2 * model.qk_pos_emb_head_dim) * c
+    latents = [r for r in (model.q_lora_rank or 0, model.kv_lora_rank) if r]
+    return sum(r * (8 + c) + 4 for r in latents) + model.qk_pos_emb_head_dim * c
 
 
 def activation_bytes(cfg: RunConfig, dims: ParallelDims, device_kind: str) -> int:
