@@ -73,3 +73,17 @@ def test_deepseek_style_routing_without_mla_stays_glm4_moe_and_mla_never_goes_el
     assert find_architecture(mla) is DEEPSEEK_V3
     dense_mla = run_config(tmp_path, **{**ARCHITECTURES["llama"], **MLA}).model
     assert find_architecture(dense_mla) is None  # no dense MLA class: remote code, never Llama's attention
+
+
+def test_dense_mla_model_exports_as_remote_code_with_its_logits_and_cache(tmp_path):
+    """No transformers class has dense MLA: the bundled moetron code (model/mla.py included) carries it, KV cache
+    and all."""
+    run, _, model = tiny_checkpoint(tmp_path, "llama", **{**MLA, "q_lora_rank": 24}, init_method_std=0.2)
+    result = export_hf(str(run), str(tmp_path / "hf"))
+    assert result.remote_code
+    hf = load_hf(tmp_path / "hf", trust_remote_code=True)
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x).logits[..., :VOCAB], atol=1e-5, rtol=0)
+    prompt = tokens(1, 5, seed=3)
+    assert greedy_hf(hf, prompt, 8) == greedy_moetron(model, prompt, 8)
