@@ -101,6 +101,14 @@ def test_config_problems_name_the_flag(overrides, message):
     assert len(problems) == 1 and problems[0].startswith(message), problems
 
 
+def test_latent_sizes_without_mla_are_refused_not_ignored():
+    problems = ModelConfig(kv_lora_rank=512, q_lora_rank=0).problems()
+    assert problems == [
+        "--q-lora-rank 0 has no effect without --multi-latent-attention; add --multi-latent-attention or drop it",
+        "--kv-lora-rank 512 has no effect without --multi-latent-attention; add --multi-latent-attention or drop it",
+    ]
+
+
 def test_hidden_size_need_not_divide_into_heads():
     assert mla_config(hidden_size=30).problems() == []  # MLA's head sizes are their own flags
 

@@ -141,10 +141,12 @@ class ModelConfig(RouterConfig):
                 f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_positions}; "
                 f"raise --max-position-embeddings or lower --seq-length"
             )
-        if self.multi_latent_attention:
+        if self.multi_latent_attention:  # its rotary channels are --qk-pos-emb-head-dim (checked there)
             p.extend(self.latent_attention_problems())
-        elif self.position_embedding_type == "rope" and self.head_dim % 2:
-            p.append(f"rotary positions need an even head dim, got {self.head_dim}; change --hidden-size")
+        else:
+            p.extend(self.unused_latent_sizes())
+            if self.position_embedding_type == "rope" and self.head_dim % 2:
+                p.append(f"rotary positions need an even head dim, got {self.head_dim}; change --hidden-size")
         if self.rotary_compat != "none" and self.position_embedding_type != "rope":
             p.append(
                 f"--rotary-compat {self.rotary_compat} changes rotary embeddings, but --position-embedding-type is "
@@ -178,6 +180,17 @@ class ModelConfig(RouterConfig):
             if not 0.0 <= getattr(self, name) < 1.0:
                 p.append(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
         return p
+
+    def unused_latent_sizes(self) -> list[str]:
+        """MLA sizes changed from their defaults without --multi-latent-attention: they would do nothing."""
+        defaults = ModelConfig.__dataclass_fields__
+        names = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+        return [
+            f"--{name.replace('_', '-')} {getattr(self, name)} has no effect without --multi-latent-attention; add "
+            f"--multi-latent-attention or drop it"
+            for name in names
+            if getattr(self, name) != defaults[name].default
+        ]
 
     def latent_attention_problems(self) -> list[str]:
         """What `--multi-latent-attention` needs (model/mla.py): rotary positions, sizes >= 1, no GQA or QKV options."""
