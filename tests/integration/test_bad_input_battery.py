@@ -167,6 +167,13 @@ CASES = [
     ),  # fmt: skip
     ("train-peak-tflops", lambda w: train("--peak-tflops", "-3"), "--peak-tflops -3 must be a positive"),
     ("train-peak-tflops-nan", lambda w: train("--peak-tflops", "nan"), "--peak-tflops nan must be a positive"),
+    ("train-mla-learned", lambda w: train("--multi-latent-attention"), "--multi-latent-attention puts rotary"),
+    ("train-mla-unused", lambda w: train("--kv-lora-rank", "512"), "--kv-lora-rank 512 has no effect without --multi"),
+    (
+        "train-mla-odd-rope",
+        lambda w: train("--multi-latent-attention", "--position-embedding-type", "rope", "--qk-pos-emb-head-dim", "3"),
+        "--qk-pos-emb-head-dim must be even and >= 2 (RoPE rotates channel pairs), got 3",
+    ),  # fmt: skip
     # ---- preprocess
     ("preprocess-missing-input", lambda w: preprocess(w, inputs="missing.jsonl"), "--input 'missing.jsonl'"),
     ("preprocess-wrong-key", lambda w: preprocess(w, "--json-keys", "content"), "for key 'content'"),

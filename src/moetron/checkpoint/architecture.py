@@ -60,6 +60,12 @@ KINDS: dict[str, str] = {
     "add_qkv_bias": FUNCTION,
     "qk_layernorm": FUNCTION,
     "qk_layernorm_scope": FUNCTION,
+    "multi_latent_attention": FUNCTION,
+    "q_lora_rank": FUNCTION,
+    "kv_lora_rank": FUNCTION,
+    "qk_head_dim": FUNCTION,
+    "qk_pos_emb_head_dim": FUNCTION,
+    "v_head_dim": FUNCTION,
     "untie_embeddings_and_output_weights": FUNCTION,
     "seq_length": TRAINING,  # the samples' length; a learned table's size has a rule of its own (FUNCTION_RULES)
     "max_position_embeddings": TRAINING,  # with rope: only the longest input allowed
@@ -106,6 +112,14 @@ def _experts(m: ModelConfig) -> tuple:
     return values[:1] if len(set(values)) == 1 else values
 
 
+LATENT_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+
+
+def _latent(name: str) -> Callable[[ModelConfig], object]:
+    """An MLA size means nothing without --multi-latent-attention; --q-lora-rank 0 and none are the same model."""
+    return lambda m: (getattr(m, name) or None) if m.multi_latent_attention else None
+
+
 # Values as the model uses them (defaults resolved; None: the field does not apply to that model), compared when
 # the values given differ; fields not listed compare as given.
 EFFECTIVE: dict[str, Callable[[ModelConfig], object]] = {
@@ -118,6 +132,7 @@ EFFECTIVE: dict[str, Callable[[ModelConfig], object]] = {
     "rotary_compat": lambda m: m.rotary_compat if m.position_embedding_type == "rope" else None,
     "qk_layernorm_scope": lambda m: m.qk_layernorm_scope if m.qk_layernorm else None,
     "num_experts": _experts,
+    **{name: _latent(name) for name in LATENT_SIZES},
     "max_position_embeddings": lambda m: m.max_positions,
 }
 

@@ -40,6 +40,11 @@ class Architecture:
     def rules(self, cfg: ModelConfig) -> list[Rule]:
         raise NotImplementedError
 
+    def import_rules(self, cfg: ModelConfig, hf: dict) -> list[Rule]:
+        """The rules that read the checkpoint `hf` (its config.json) describes: `rules`, unless a layout choice of
+        the checkpoint (DeepSeek-V3's RoPE order) changes them."""
+        return self.rules(cfg)
+
     def need(self, cfg: ModelConfig, field: str, wanted, problems: list[str]) -> None:
         value = getattr(cfg, field)
         if value != wanted:

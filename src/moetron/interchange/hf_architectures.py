@@ -12,10 +12,10 @@ The Llama family here shares one layout (RMSNorm, RoPE rotate-half, SwiGLU, sepa
              QKV bias (--add-qkv-bias)
   Qwen3-MoE  as Qwen2-MoE without shared experts, with per-head QK RMSNorm (--qk-layernorm)
   OLMoE      MoE in every layer, QK RMSNorm over all heads (--qk-layernorm-scope all_heads)
-  GLM-4-MoE  DeepSeek-V3's MoE (sigmoid scores, selection-only expert bias, group-limited top-k, scaling factor,
-             shared experts, first k layers dense) with GQA attention. transformers' DeepseekV3ForCausalLM itself
-             uses multi-head latent attention, which moetron does not have; Glm4MoeForCausalLM is the class that
-             pairs DeepSeek-V3's routing with the attention moetron has.
+  DeepSeek-V3 DeepSeek-V3's MoE (sigmoid scores, selection-only expert bias, group-limited top-k, scaling factor,
+             shared experts, first k layers dense) with multi-head latent attention (--multi-latent-attention;
+             its tensors and RoPE layout: `hf_deepseek_v3.py`)
+  GLM-4-MoE  DeepSeek-V3's MoE with GQA attention (what a DeepSeek-V3-style config without MLA exports to)
 GPT-2 (`hf_gpt2.py`) is Megatron's default dense GPT; the base they share is `hf_architecture_base.py`. Every model
 routes dropless in transformers, so a config that drops tokens is expressed only when exported `--dropless` (how
 `moetron generate` routes anyway).
@@ -23,7 +23,7 @@ routes dropless in transformers, so a config that drops tokens is expressed only
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moetron.interchange.hf_architecture_base import (
     Architecture,
@@ -33,6 +33,7 @@ from moetron.interchange.hf_architecture_base import (
     normalised_weights,
     routing_problems,
 )
+from moetron.interchange.hf_deepseek_v3 import mla_fields, mla_hf_config, mla_problems, mla_rules, rope_interleaved
 from moetron.interchange.hf_gpt2 import GPT2
 from moetron.interchange.hf_tensor_rules import Rule, per_expert, qkv, same, single_expert, vocab_rows
 from moetron.model.config import ModelConfig
@@ -61,7 +62,8 @@ class LlamaFamily(Architecture):
     shared_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared experts
     qk_norm: str | None = None  # None | "head" | "all_heads" | "optional" (GLM: per head, or none)
     bias: str = "none"  # none | qkv (Qwen2-MoE, GLM: --add-qkv-bias) | all (Llama: --add-bias-linear)
-    sigmoid: bool = False  # DeepSeek-V3 routing (GLM-4-MoE)
+    sigmoid: bool = False  # DeepSeek-V3 routing (GLM-4-MoE, DeepSeek-V3)
+    mla: bool = False  # multi-head latent attention (DeepSeek-V3)
 
     # ------------------------------------------------------------ what it expresses
     def problems(self, cfg: ModelConfig) -> list[str]:
@@ -71,6 +73,9 @@ class LlamaFamily(Architecture):
         self.need(cfg, "rotary_compat", "none", p)  # transformers' RoPE is the standard one
         self._bias_problems(cfg, p)
         self._qk_norm_problems(cfg, p)
+        p += mla_problems(cfg, self.hf_class) if self.mla else []
+        if not self.mla:
+            self.need(cfg, "multi_latent_attention", False, p)
         moe = experts_of(cfg) != 0
         if self.placement is None and moe:
             p.append(f"--num-experts {cfg.num_experts}: {self.hf_class} is dense")
@@ -185,7 +190,7 @@ class LlamaFamily(Architecture):
             out["shared_expert_intermediate_size"] = cfg.num_shared_experts * ffn
         if self.model_type == "olmoe":  # every layer is MoE: its experts take intermediate_size
             out.update(num_experts=experts, intermediate_size=ffn, clip_qkv=None)
-        if self.model_type == "glm4_moe":
+        if self.model_type in ("glm4_moe", "deepseek_v3"):
             out.update(
                 n_routed_experts=experts,
                 n_shared_experts=cfg.num_shared_experts,
@@ -284,6 +289,34 @@ QWEN2_MOE = LlamaFamily(
 )
 QWEN3_MOE = LlamaFamily("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", "interval", qk_norm="head")
 OLMOE = LlamaFamily("olmoe", "OlmoeForCausalLM", "olmoe", "every", qk_norm="all_heads")
+
+
+@dataclass(frozen=True)
+class DeepseekV3Family(LlamaFamily):
+    """DeepSeek-V3's MoE layout with multi-head latent attention (`hf_deepseek_v3.py`)."""
+
+    rope_interleave: bool = True  # the rotary channels' order in the HF tensors (export: DeepSeek's interleaved)
+
+    def hf_config(self, cfg: ModelConfig, tokens: Tokens) -> dict:
+        out = super().hf_config(cfg, tokens)
+        out.pop("head_dim")  # DeepseekV3Config derives it (qk_rope_head_dim)
+        return {**out, **mla_hf_config(cfg)}
+
+    def model_fields(self, hf: dict) -> dict:
+        from moetron.interchange.hf_config_import import llama_family_fields
+
+        return {**llama_family_fields(self, hf), **mla_fields(hf)}
+
+    def import_rules(self, cfg: ModelConfig, hf: dict) -> list[Rule]:
+        return replace(self, rope_interleave=rope_interleaved(hf)).rules(cfg)
+
+    def _attention_rules(self, cfg: ModelConfig, m: str, h: str) -> list[Rule]:
+        return mla_rules(cfg, m, h, self.rope_interleave)
+
+
+DEEPSEEK_V3 = DeepseekV3Family(
+    "deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", "first_k", shared="shared_experts", sigmoid=True, mla=True
+)
 GLM4_MOE = LlamaFamily(
     "glm4_moe",
     "Glm4MoeForCausalLM",
@@ -298,7 +331,7 @@ GLM4_MOE = LlamaFamily(
 
 def architectures() -> list[Architecture]:
     """Every native class, most specific first (the first that expresses a config is chosen)."""
-    return [GPT2, LLAMA, MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GLM4_MOE]
+    return [GPT2, LLAMA, MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V3, GLM4_MOE]
 
 
 def by_name(name: str) -> Architecture | None:

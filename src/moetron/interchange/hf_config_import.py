@@ -133,7 +133,7 @@ def _moe_fields(arch, hf: dict, fields: dict, p: list[str]) -> dict:
         if shared % ffn:
             p.append(f"shared_expert_intermediate_size {shared} is not a multiple of moe_intermediate_size {ffn}")
         out.update(num_shared_experts=shared // ffn, shared_expert_gate=True)
-    if t == "glm4_moe":
+    if t in ("glm4_moe", "deepseek_v3"):
         groups = int(hf.get("n_group") or 1)
         out.update(
             moe_first_dense_layers=int(hf.get("first_k_dense_replace") or 0),

@@ -3,11 +3,11 @@
     result = import_hf("hf/qwen2-moe", "runs/qwen2-moe")
     # moetron train --config runs/qwen2-moe/config.yaml --load runs/qwen2-moe --finetune --data-path ...
 
-Reads `config.json` (the architecture: GPT-2, Llama, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4-MoE, or a moetron
-remote-code export), maps every tensor with the architecture's rules (`hf_architectures.py`, the same rules export
-uses), and writes the checkpoint (fp32 master weights, whatever the files' dtype) and a config.yaml; the tokenizer
-files are copied into OUT/tokenizer/. The tensors are read one at a time from the safetensors (or PyTorch `.bin`,
-read with `weights_only=True`) files; the converted model is held once in memory for the checkpoint write.
+Reads `config.json` (the architecture: GPT-2, Llama, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GLM-4-MoE,
+or a moetron remote-code export), maps every tensor with the architecture's rules (`hf_architectures.py`, the same
+rules export uses), and writes the checkpoint (fp32 master weights, whatever the files' dtype) and a config.yaml; the
+tokenizer files are copied into OUT/tokenizer/. The tensors are read one at a time from the safetensors (or PyTorch
+`.bin`, read with `weights_only=True`) files; the converted model is held once in memory for the checkpoint write.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def import_hf(hf_dir: str, save: str, seq_length: int | None = None) -> ImportRe
     if seq_length is not None:
         cfg.model.seq_length = seq_length
     weights = HFWeights(source)
-    rules = arch.rules(cfg.model) if arch is not None else [same(n, f"model.{n}") for n in model_shapes(cfg)]
+    rules = arch.import_rules(cfg.model, hf) if arch is not None else [same(n, f"model.{n}") for n in model_shapes(cfg)]
     tensors = convert_tensors(weights, rules, cfg.model, f"--hf {hf_dir}")
     hf_class = arch.hf_class if arch is not None else "MoetronForCausalLM"
     notes = [f"imported by `moetron import --hf {hf_dir}` ({hf_class})"]

@@ -132,22 +132,35 @@ class SelfAttention(nn.Module):
 
     def attend(self, q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, past: int) -> torch.Tensor:
         """Causal SDPA where query t sits at absolute position `past + t`."""
-        T, S = q_BHTD.shape[2], k_BKSD.shape[2]
-        mask_TS, is_causal = None, True
-        if past > 0:
-            # SDPA's is_causal aligns the mask top-left, which is wrong once keys precede the queries.
-            is_causal = False
-            if T > 1:
-                query_pos_T = torch.arange(past, past + T, device=q_BHTD.device)
-                mask_TS = torch.arange(S, device=q_BHTD.device)[None, :] <= query_pos_T[:, None]
-        gqa = {}
-        if self.queries_per_group > 1:
-            if _SDPA_HAS_GQA:
-                gqa = {"enable_gqa": True}
-            else:
-                k_BKSD = k_BKSD.repeat_interleave(self.queries_per_group, dim=1)
-                v_BKSD = v_BKSD.repeat_interleave(self.queries_per_group, dim=1)
         dropout_p = self.dropout_p if self.training else 0.0
-        return F.scaled_dot_product_attention(
-            q_BHTD, k_BKSD, v_BKSD, attn_mask=mask_TS, dropout_p=dropout_p, is_causal=is_causal, **gqa
-        )
+        return causal_attention(q_BHTD, k_BKSD, v_BKSD, past, dropout_p, self.queries_per_group)
+
+
+def causal_attention(
+    q_BHTD: torch.Tensor,
+    k_BKSD: torch.Tensor,
+    v_BKSD: torch.Tensor,
+    past: int,
+    dropout_p: float = 0.0,
+    queries_per_group: int = 1,
+) -> torch.Tensor:
+    """Causal SDPA where query t sits at absolute position `past + t` (keys 0 … past + T − 1); K key/value heads
+    serve `queries_per_group` query heads each. The value head dim may differ from the query/key one (MLA)."""
+    T, S = q_BHTD.shape[2], k_BKSD.shape[2]
+    mask_TS, is_causal = None, True
+    if past > 0:
+        # SDPA's is_causal aligns the mask top-left, which is wrong once keys precede the queries.
+        is_causal = False
+        if T > 1:
+            query_pos_T = torch.arange(past, past + T, device=q_BHTD.device)
+            mask_TS = torch.arange(S, device=q_BHTD.device)[None, :] <= query_pos_T[:, None]
+    gqa = {}
+    if queries_per_group > 1:
+        if _SDPA_HAS_GQA:
+            gqa = {"enable_gqa": True}
+        else:
+            k_BKSD = k_BKSD.repeat_interleave(queries_per_group, dim=1)
+            v_BKSD = v_BKSD.repeat_interleave(queries_per_group, dim=1)
+    return F.scaled_dot_product_attention(
+        q_BHTD, k_BKSD, v_BKSD, attn_mask=mask_TS, dropout_p=dropout_p, is_causal=is_causal, **gqa
+    )

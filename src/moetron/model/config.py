@@ -48,6 +48,15 @@ class ModelConfig(RouterConfig):
     add_qkv_bias: bool = False  # a bias in the QKV projection even without --add-bias-linear (Qwen2)
     qk_layernorm: bool = False  # normalise queries and keys before RoPE (Qwen3, OLMoE; --normalization's kind)
     qk_layernorm_scope: str = "head"  # head: one norm per head (Qwen3) | all_heads: over all heads' channels (OLMoE)
+    # multi-head latent attention (DeepSeek-V2/V3, model/mla.py; Megatron-Core's flags): queries from a rank-q latent
+    # (or projected directly), keys and values expanded per head from one rank-kv latent that the KV cache holds, and
+    # rotary positions on extra per-head query channels and one key shared by all heads (decoupled RoPE)
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # the query latent's rank; None or 0: queries projected from the hidden state
+    kv_lora_rank: int = 32  # the key/value latent's rank
+    qk_head_dim: int = 128  # query/key channels per head without positions
+    qk_pos_emb_head_dim: int = 64  # query channels per head with rotary positions; the key's are shared by all heads
+    v_head_dim: int = 128  # value channels per head
     untie_embeddings_and_output_weights: bool = False
     checkpoint_activations: bool = False  # recompute each layer in backward
 
@@ -74,6 +83,11 @@ class ModelConfig(RouterConfig):
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels RoPE rotates: every head channel, or MLA's decoupled positional channels."""
+        return self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_dim
 
     @property
     def ffn_size(self) -> int:
@@ -112,7 +126,7 @@ class ModelConfig(RouterConfig):
     # ------------------------------------------------------------------ validation
     def problems(self) -> list[str]:
         p: list[str] = []
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+        if not self.multi_latent_attention and self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             p.append(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                 f"{self.num_attention_heads}; pick a head count that divides it"
@@ -127,8 +141,12 @@ class ModelConfig(RouterConfig):
                 f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_positions}; "
                 f"raise --max-position-embeddings or lower --seq-length"
             )
-        if self.position_embedding_type == "rope" and self.head_dim % 2:
-            p.append(f"rotary positions need an even head dim, got {self.head_dim}; change --hidden-size")
+        if self.multi_latent_attention:  # its rotary channels are --qk-pos-emb-head-dim (checked there)
+            p.extend(self.latent_attention_problems())
+        else:
+            p.extend(self.unused_latent_sizes())
+            if self.position_embedding_type == "rope" and self.head_dim % 2:
+                p.append(f"rotary positions need an even head dim, got {self.head_dim}; change --hidden-size")
         if self.rotary_compat != "none" and self.position_embedding_type != "rope":
             p.append(
                 f"--rotary-compat {self.rotary_compat} changes rotary embeddings, but --position-embedding-type is "
@@ -161,4 +179,49 @@ class ModelConfig(RouterConfig):
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 p.append(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        return p
+
+    def unused_latent_sizes(self) -> list[str]:
+        """MLA sizes changed from their defaults without --multi-latent-attention: they would do nothing."""
+        defaults = ModelConfig.__dataclass_fields__
+        names = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+        return [
+            f"--{name.replace('_', '-')} {getattr(self, name)} has no effect without --multi-latent-attention; add "
+            f"--multi-latent-attention or drop it"
+            for name in names
+            if getattr(self, name) != defaults[name].default
+        ]
+
+    def latent_attention_problems(self) -> list[str]:
+        """What `--multi-latent-attention` needs (model/mla.py): rotary positions, sizes >= 1, no GQA or QKV options."""
+        p: list[str] = []
+        flag = "--multi-latent-attention"
+        if self.position_embedding_type != "rope":
+            p.append(
+                f"{flag} puts rotary positions on its decoupled channels, but --position-embedding-type is "
+                f"{self.position_embedding_type!r}; set it to rope"
+            )
+        if self.qk_pos_emb_head_dim < 2 or self.qk_pos_emb_head_dim % 2:
+            p.append(
+                f"--qk-pos-emb-head-dim must be even and >= 2 (RoPE rotates channel pairs), got "
+                f"{self.qk_pos_emb_head_dim}"
+            )
+        for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                p.append(f"--{name.replace('_', '-')} must be >= 1 with {flag}, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 0:
+            p.append(f"--q-lora-rank must be >= 0 (0: no query latent), got {self.q_lora_rank}")
+        unused = [
+            ("num_key_value_heads", self.num_key_value_heads not in (None, self.num_attention_heads)),
+            ("kv_channels", self.kv_channels is not None),
+            ("add_qkv_bias", self.add_qkv_bias),
+            ("qk_layernorm", self.qk_layernorm),
+            ("rotary_compat", self.rotary_compat != "none"),
+        ]
+        for name, given in unused:
+            if given:
+                p.append(
+                    f"--{name.replace('_', '-')} {getattr(self, name)!r} has no meaning with {flag} (its head sizes "
+                    f"are --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim; its latents have own norms); drop it"
+                )
         return p

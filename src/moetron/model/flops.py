@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moetron.model.config import ModelConfig
+from moetron.model.mla import latent_attention_params
 
 # THE table of GPU peaks (moetron.plan.hardware builds on it, so MFU and plans agree): dense bf16/fp16
 # tensor-core TFLOP/s with fp32 accumulation, no sparsity, from the vendors' data sheets. Keys are matched
@@ -53,6 +54,8 @@ def mlp_params(cfg: ModelConfig, ffn_size: int) -> int:
 
 
 def attention_params(cfg: ModelConfig) -> int:
+    if cfg.multi_latent_attention:
+        return latent_attention_params(cfg)
     h, d = cfg.hidden_size, cfg.head_dim
     qkv_out = (cfg.num_attention_heads + 2 * cfg.kv_heads) * d
     proj_in = cfg.num_attention_heads * d
@@ -110,13 +113,23 @@ def flops_per_token(cfg: ModelConfig, seq_length: int | None = None) -> float:
 
     N_active counts the matmul weights one token meets: active parameters without the embedding
     lookups, plus the LM head's V·h (tied or not). Attention adds 12·L·s·H·D (QKᵀ and AV,
-    forward 2 × 2 FLOPs per multiply-add, backward twice that), without halving for causality.
+    forward 2 × 2 FLOPs per multiply-add, backward twice that), without halving for causality
+    (`attention_score_flops`; MLA's query/key and value head sizes differ).
     """
     s = seq_length or cfg.seq_length
     counts = count_parameters(cfg)
     matmul_params = counts.active - counts.embedding + cfg.padded_vocab_size() * cfg.hidden_size
-    attention = 12 * cfg.num_layers * s * cfg.num_attention_heads * cfg.head_dim
-    return float(6 * matmul_params + attention)
+    return float(6 * matmul_params + cfg.num_layers * attention_score_flops(cfg, s))
+
+
+def attention_score_flops(cfg: ModelConfig, seq_length: int) -> int:
+    """Training FLOPs per token of one layer's QKᵀ and AV: 6·s·H·(D_qk + D_v) (12·s·H·D when both are D; MLA:
+    D_qk = --qk-head-dim + --qk-pos-emb-head-dim, D_v = --v-head-dim)."""
+    if cfg.multi_latent_attention:
+        qk, v = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+    else:
+        qk = v = cfg.head_dim
+    return 6 * seq_length * cfg.num_attention_heads * (qk + v)
 
 
 def megatron_tflops(

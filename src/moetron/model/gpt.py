@@ -41,6 +41,7 @@ from moetron.model.config import ModelConfig
 from moetron.model.init import init_tree, output_std
 from moetron.model.kv_cache import KVCache
 from moetron.model.loss import HeadLoss, fuses_head, make_head_loss
+from moetron.model.mla import MultiLatentAttention
 from moetron.model.mlp import MLP
 from moetron.model.moe.layer import MoEAux, MoELayer
 from moetron.model.norm import build_norm
@@ -63,7 +64,8 @@ class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int):
         super().__init__()
         self.input_layernorm = build_norm(cfg)
-        self.self_attention = SelfAttention(cfg, layer_index)
+        attention = MultiLatentAttention if cfg.multi_latent_attention else SelfAttention
+        self.self_attention = attention(cfg, layer_index)
         self.post_attention_layernorm = build_norm(cfg)
         num_experts = cfg.experts_per_layer()[layer_index]
         self.is_moe = num_experts > 1
@@ -170,7 +172,7 @@ class GPTModel(nn.Module):
         stage without the embedding recomputes them from the sequence length."""
         if self.cfg.position_embedding_type == "learned_absolute":
             return None
-        return rotary_angles(positions_T, self.cfg.head_dim, self.cfg.rotary_base, self.cfg.rotary_compat)
+        return rotary_angles(positions_T, self.cfg.rotary_dim, self.cfg.rotary_base, self.cfg.rotary_compat)
 
     def run_layers(
         self,

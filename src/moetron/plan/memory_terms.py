@@ -24,6 +24,10 @@ optimizer). Layouts: data parallel, expert parallel (experts / EP per rank), ten
 parallel (per stage, `plan/pipeline_parallel.py`). ZeRO stages shard weights, gradients and optimizer state and add
 gathered weights (`plan/zero.py`).
 
+Multi-head latent attention (`model/mla.py`) saves its per-head q, k, v and output at its own head sizes
+(`latent_heads_bytes`) plus its replicated latents (`latent_bytes`). The KV cache of generation is not a training
+term; `kv_cache_bytes_per_token` (the plan's "KV cache" line) is what it costs per token of context.
+
 Shape legend: T tokens per micro-batch per rank (mbs · seq), h hidden, f ffn, a heads, s seq, V vocab.
 """
 
@@ -142,16 +146,37 @@ def layer_bytes(
     mask = c if device_kind == "cpu" else 1  # dropout masks: the input dtype on CPU, bool on CUDA
     residual = 2 * 4 * h * split.sequence  # the fp32 residual stream saved by both norms
     heads = ((a + 2 * model.kv_heads) * d + a * d) * c + 4 * a  # q/k/v, output, logsumexp
-    attention = h * c + heads * split.heads  # qkv input (whole: the gathered input), then the heads
+    if model.multi_latent_attention:
+        heads = latent_heads_bytes(model, c)
+    attention = h * c + heads * split.heads + latent_bytes(model, c)  # input (whole: gathered), heads, MLA latents
     dropout = 2 * mask * h * (model.hidden_dropout > 0) * split.sequence
     per_token = residual + attention + dropout
     if device_kind == "cpu" and model.attention_dropout > 0:
         per_token += MATH_ATTENTION_BYTES[c] * a * seq * split.heads  # CPU SDPA with dropout: the math kernel
+    elif device_kind == "cpu" and model.multi_latent_attention:  # CPU SDPA of unequal q/k and v sizes: the math
+        per_token += c * a * seq * split.heads  # kernel's probabilities
     if num_experts > 1:
         mlp = expert_activation_bytes(model, num_experts, tokens, c, ep, split)
     else:
         mlp = mlp_activation_bytes(model, tokens, c, split)
     return int(tokens * per_token) + mlp
+
+
+def latent_heads_bytes(model: ModelConfig, c: int) -> int:
+    """MLA's per-head tensors per token: q and the expanded k (Dn + Dr each), v and the output (Dv), logsumexp."""
+    if not model.multi_latent_attention:
+        return 0
+    qk, v = model.qk_head_dim + model.qk_pos_emb_head_dim, model.v_head_dim
+    return model.num_attention_heads * ((2 * qk + 2 * v) * c + 4)
+
+
+def latent_bytes(model: ModelConfig, c: int) -> int:
+    """MLA's replicated latents per token: each latent norm's fp32 input, normalised values and rstd, and its
+    output (the up projection's input); the shared key's rows of the down projection's output; 0 without MLA."""
+    if not model.multi_latent_attention:
+        return 0
+    latents = [r for r in (model.q_lora_rank or 0, model.kv_lora_rank) if r]
+    return sum(r * (8 + c) + 4 for r in latents) + model.qk_pos_emb_head_dim * c
 
 
 def activation_bytes(cfg: RunConfig, dims: ParallelDims, device_kind: str) -> int:

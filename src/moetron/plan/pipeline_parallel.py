@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from moetron.config import RunConfig
 from moetron.model.config import ModelConfig
-from moetron.model.flops import attention_params, mlp_params, moe_layer_params, norm_params
+from moetron.model.flops import attention_params, attention_score_flops, mlp_params, moe_layer_params, norm_params
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.pp.stage_layout import MULTI_STAGE, PipelineLayout
 from moetron.plan import memory_terms as mem
@@ -112,7 +112,7 @@ def stage_flops_per_token(model: ModelConfig, layers: tuple[int, ...], last: boo
         else:
             active += mlp_params(model, model.ffn_size)
     active += model.padded_vocab_size() * model.hidden_size if last else 0
-    return float(6 * active + 12 * len(layers) * seq * model.num_attention_heads * model.head_dim)
+    return float(6 * active + len(layers) * attention_score_flops(model, seq))
 
 
 def stage_activation_bytes(cfg: RunConfig, dims: ParallelDims, stage: tuple[int, ...], first: bool, last: bool,

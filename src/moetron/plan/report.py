@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from moetron.model.kv_cache import kv_cache_bytes_per_token
 from moetron.plan import lm_head
 from moetron.plan.advice import Suggestion
 from moetron.plan.estimate import Plan
@@ -118,6 +119,7 @@ def format_plan(plan: Plan, suggestions: list[Suggestion], source: str = "", lar
         f"  precision  {precision(plan)}"
         + ("" if precision(plan) == "fp32" else " autocast; fp32 weights, grads and Adam"),
         f"  FLOPs      {human(plan.flops_per_token)} per token (6·active + attention, forward + backward)",
+        f"  KV cache   {kv_cache_words(plan)}",
         *([f"  device     {plan.device.assumed}"] if plan.device.assumed else []),
         "",
         *memory_lines(plan),
@@ -140,6 +142,17 @@ def format_plan(plan: Plan, suggestions: list[Suggestion], source: str = "", lar
     if not plan.fits:
         lines += ["", *suggestion_lines(plan, suggestions)]
     return "\n".join(lines)
+
+
+def kv_cache_words(plan: Plan) -> str:
+    """Generation's KV cache in bf16: per token of context, and for one sequence of --seq-length."""
+    m = plan.cfg.model
+    per_token = kv_cache_bytes_per_token(m, 2)
+    kind = "latent + shared rotary key" if m.multi_latent_attention else "keys + values"
+    return (
+        f"{human(per_token)}B per token of context in bf16 ({kind}, {m.num_layers} layers), "
+        f"{gib(per_token * m.seq_length)} GiB per sequence of {m.seq_length} (generation)"
+    )
 
 
 def _duration(plan: Plan) -> str:
@@ -191,6 +204,7 @@ def plan_dict(plan: Plan, suggestions: list[Suggestion], source: str = "", large
         "seq_length": plan.cfg.model.seq_length,
         "parameters": {"total": plan.params.total, "active": plan.params.active, "per_gpu": plan.local.total},
         "flops_per_token": plan.flops_per_token,
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(plan.cfg.model, 2),
         "memory": plan.memory.to_dict(),
         "needed_bytes": plan.needed_bytes,
         "fits": plan.fits,

@@ -68,12 +68,26 @@ def split_parameters(model: ModelConfig) -> tuple[int, int]:
     dense = model.padded_vocab_size() * h * (2 if model.untie_embeddings_and_output_weights else 1)
     experts = 0
     for num_experts in model.experts_per_layer():
-        dense += attention_params(model) - bias  # all but the row-parallel `dense` bias
+        dense += _head_split_attention_params(model)
         if num_experts > 1:
             experts += num_experts * (expert_mlp_params(model, model.expert_ffn_size) - bias)  # all but b2
         else:
             dense += mlp_params(model, model.ffn_size) - bias
     return dense, experts
+
+
+def _head_split_attention_params(model: ModelConfig) -> int:
+    """Attention parameters split by heads: all but the row-parallel `dense` bias; MLA: the up projections (or the
+    query projection) and `dense`'s weight (its down projections and latent norms are replicated)."""
+    bias = model.add_bias_linear
+    if not model.multi_latent_attention:
+        return attention_params(model) - (model.hidden_size if bias else 0)
+    heads = model.num_attention_heads
+    q_in = model.q_lora_rank or model.hidden_size
+    q_out = heads * (model.qk_head_dim + model.qk_pos_emb_head_dim)
+    kv_up_out = heads * (model.qk_head_dim + model.v_head_dim)
+    dense = heads * model.v_head_dim * model.hidden_size
+    return q_out * (q_in + bias) + kv_up_out * (model.kv_lora_rank + bias) + dense
 
 
 def shard_parameters(local, model: ModelConfig, dims: ParallelDims):

@@ -5,6 +5,9 @@
     word_embeddings          vocab-parallel (RowwiseParallel of nn.Embedding: rows = vocabulary)
     query_key_value          ColwiseParallel: whole key/value groups per rank (the fused layout is grouped by them)
     attention dense          RowwiseParallel over the same heads
+    MLA (model/mla.py)       as Megatron-Core: linear_q_up_proj (or linear_q_proj) and linear_kv_up_proj ColwiseParallel
+                             by heads, dense RowwiseParallel; the down projections and latent norms replicated, the
+                             shared rotary key's gradient summed over the head shards (`shared_key_hook`)
     dense_h_to_4h (+ _up)    ColwiseParallel;  dense_4h_to_h: RowwiseParallel
     LM head                  the tied embedding (or output_layer) as a vocabulary shard: logits are a DTensor
                              sharded on the vocabulary, and the loss is `vocab_parallel_loss` (`loss_parallel`):
@@ -27,11 +30,12 @@ parameter's layout into the registry, where the gradient norm and the checkpoint
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -45,6 +49,7 @@ from torch.distributed.tensor.parallel import (
 
 from moetron.model.gpt import GPTModel, TransformerLayer
 from moetron.model.loss import language_model_loss, masked_mean
+from moetron.model.mla import MultiLatentAttention
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
 from moetron.parallel.tp.shard_views import ShardViews, localize_parameters
@@ -68,10 +73,8 @@ def _model_plan(model: GPTModel, sp: bool) -> dict:
 
 def _layer_plan(layer: TransformerLayer, sp: bool) -> dict:
     rows = Shard(1) if sp else Replicate()  # where a row-parallel output goes: reduce-scatter or all-reduce
-    plan = {
-        "self_attention.query_key_value": ColwiseParallel(),
-        "self_attention.dense": RowwiseParallel(output_layouts=rows),
-    }
+    plan = {name: ColwiseParallel() for name in _head_projections(layer)}
+    plan["self_attention.dense"] = RowwiseParallel(output_layouts=rows)
     if not layer.is_moe:
         plan["mlp.dense_h_to_4h"] = ColwiseParallel()
         if layer.mlp.dense_h_to_4h_up is not None:
@@ -95,6 +98,27 @@ def _layer_plan(layer: TransformerLayer, sp: bool) -> dict:
         else:
             plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), **gather)
     return plan
+
+
+def _head_projections(layer: TransformerLayer) -> list[str]:
+    """The attention projections whose output channels are whole heads (column-parallel)."""
+    attention = layer.self_attention
+    if not isinstance(attention, MultiLatentAttention):
+        return ["self_attention.query_key_value"]
+    query = "linear_q_proj" if attention.linear_q_proj is not None else "linear_q_up_proj"
+    return [f"self_attention.{query}", "self_attention.linear_kv_up_proj"]
+
+
+def summed_over_shards(tp_mesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Identity forward; backward, the sum of the gradient over the TP ranks (Megatron's copy to the tensor-parallel
+    region): a replicated tensor each head shard uses for its own heads only (MLA's shared rotary key). DTensor's
+    own rule does it — a Partial gradient of a Replicate input is all-reduced — so no collective is written here."""
+
+    def summed(x: torch.Tensor) -> torch.Tensor:
+        shared = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
+        return shared.to_local(grad_placements=[Partial()])
+
+    return summed
 
 
 class SequenceShardDropout(nn.Dropout):
@@ -137,6 +161,8 @@ def apply_tp(model: GPTModel, mesh: ParallelMesh) -> None:
     for _, layer in model.layer_items():
         parallelize_module(layer, tp_mesh, _layer_plan(layer, sp))
         layer.self_attention.stream_shard = ("tp", rank)
+        if isinstance(layer.self_attention, MultiLatentAttention):
+            layer.self_attention.shared_key_hook = summed_over_shards(tp_mesh)
         if sp:
             layer.hidden_dropout = SequenceShardDropout(layer.hidden_dropout.p, rank, tp)
     for module in model.modules():

@@ -1,0 +1,89 @@
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`, multi-head latent attention + DeepSeek-V3's MoE) both ways: a random tiny
+transformers model imports with its logits and greedy continuation (interleaved RoPE, transformers' default, and
+halves; with and without a query latent); a moetron MLA model exports to the native class with its logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interchange_support import ARCHITECTURES, VOCAB, run_config, tiny_checkpoint, tokens
+from test_hf_export import greedy_hf, greedy_moetron, load_hf
+from test_hf_import import CONFIGS, random_hf_model, save_with_tokenizer
+
+from moetron.eval.generate import load_model
+from moetron.interchange.hf_architectures import DEEPSEEK_V3, GLM4_MOE, find_architecture
+from moetron.interchange.hf_export import export_hf
+from moetron.interchange.hf_import import import_hf
+
+transformers = pytest.importorskip("transformers", reason="checked against transformers' DeepseekV3ForCausalLM")
+
+TINY_V3 = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=32,
+               rms_norm_eps=1e-6, intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8,
+               num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
+               n_shared_experts=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+               v_head_dim=6, num_mtp_layers=0, rope_parameters={"rope_type": "default", "rope_theta": 1e4})  # fmt: skip
+MLA = dict(multi_latent_attention=True, num_key_value_heads=None, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8,
+           qk_pos_emb_head_dim=4, v_head_dim=6, layernorm_epsilon=1e-6, add_qkv_bias=False,
+           qk_layernorm=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change", [{}, {"q_lora_rank": None, "rope_interleave": False}], ids=["q-latent-interleaved", "q-proj-halves"]
+)
+def test_deepseek_v3_imports_with_its_logits_and_greedy_tokens(tmp_path, monkeypatch, change):
+    monkeypatch.setitem(CONFIGS, "deepseek_v3", ("DeepseekV3", {**TINY_V3, **change}))
+    hf = random_hf_model("deepseek_v3")
+    assert hf.config.rope_interleave == change.get("rope_interleave", True)
+    save_with_tokenizer(hf, tmp_path / "hf", tmp_path)
+    result = import_hf(str(tmp_path / "hf"), str(tmp_path / "run"))
+    assert result.hf_class == "DeepseekV3ForCausalLM"
+    model, cfg, _ = load_model(str(tmp_path / "run"), "cpu")
+    assert cfg.model.multi_latent_attention and cfg.model.q_lora_rank == change.get("q_lora_rank", 24)
+    assert cfg.model.moe_router_score_function == "sigmoid" and cfg.model.moe_first_dense_layers == 1
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits[..., :VOCAB], hf(x).logits, atol=1e-4, rtol=0)
+    prompt = tokens(1, 5, seed=3)
+    assert greedy_moetron(model, prompt, 8) == greedy_hf(hf, prompt, 8)
+
+
+def test_mla_model_exports_to_deepseek_v3_with_its_logits(tmp_path):
+    run, _, model = tiny_checkpoint(tmp_path, "glm4_moe", **{**MLA, "q_lora_rank": None}, init_method_std=0.2)
+    assert find_architecture(model.cfg) is DEEPSEEK_V3
+    result = export_hf(str(run), str(tmp_path / "hf"))
+    assert (result.hf_class, result.remote_code) == ("DeepseekV3ForCausalLM", False)
+    hf = load_hf(tmp_path / "hf")
+    assert hf.config.rope_interleave  # DeepSeek's own rotary order, what other DeepSeek-V3 loaders assume
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x).logits[..., :VOCAB], atol=1e-4, rtol=0)
+    prompt = tokens(1, 5, seed=3)
+    assert greedy_hf(hf, prompt, 8) == greedy_moetron(model, prompt, 8)
+    # and back: the export imports into the same model
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
+    back, _, _ = load_model(str(tmp_path / "back"), "cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits[..., :VOCAB], model(x).logits[..., :VOCAB], atol=1e-5, rtol=0)
+
+
+def test_deepseek_style_routing_without_mla_stays_glm4_moe_and_mla_never_goes_elsewhere(tmp_path):
+    gqa = run_config(tmp_path, **ARCHITECTURES["glm4_moe"]).model
+    assert find_architecture(gqa) is GLM4_MOE
+    mla = run_config(tmp_path, **{**ARCHITECTURES["glm4_moe"], **MLA}).model
+    assert find_architecture(mla) is DEEPSEEK_V3
+    dense_mla = run_config(tmp_path, **{**ARCHITECTURES["llama"], **MLA}).model
+    assert find_architecture(dense_mla) is None  # no dense MLA class: remote code, never Llama's attention
+
+
+def test_dense_mla_model_exports_as_remote_code_with_its_logits_and_cache(tmp_path):
+    """No transformers class has dense MLA: the bundled moetron code (model/mla.py included) carries it, KV cache
+    and all."""
+    run, _, model = tiny_checkpoint(tmp_path, "llama", **{**MLA, "q_lora_rank": 24}, init_method_std=0.2)
+    result = export_hf(str(run), str(tmp_path / "hf"))
+    assert result.remote_code
+    hf = load_hf(tmp_path / "hf", trust_remote_code=True)
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x).logits[..., :VOCAB], atol=1e-5, rtol=0)
+    prompt = tokens(1, 5, seed=3)
+    assert greedy_hf(hf, prompt, 8) == greedy_moetron(model, prompt, 8)
