@@ -298,6 +298,22 @@ CASES = [
         lambda w: ["plan", "--config", "quickstart", *PIPELINED_ZERO.split()],
         "--zero-stage 1 with --pipeline-model-parallel-size 2",
     ),
+    (
+        "plan-qk-norm-all-heads-tp",  # per head is exact under TP; over all heads it would need every rank's heads
+        lambda w: [
+            "plan",
+            "--config",
+            "quickstart",
+            "--gpus",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--qk-layernorm",
+            "--qk-layernorm-scope",
+            "all_heads",
+        ],
+        "--qk-layernorm-scope all_heads with --tensor-model-parallel-size 2 is not supported",
+    ),  # fmt: skip
     # ---- quickstart
     ("quickstart-nproc", lambda w: ["quickstart", "--nproc", "3"], "--nproc 3"),
     (

@@ -56,8 +56,16 @@ def attention_params(cfg: ModelConfig) -> int:
     h, d = cfg.hidden_size, cfg.head_dim
     qkv_out = (cfg.num_attention_heads + 2 * cfg.kv_heads) * d
     proj_in = cfg.num_attention_heads * d
-    bias = (qkv_out + h) if cfg.add_bias_linear else 0
-    return h * qkv_out + proj_in * h + bias
+    bias = (qkv_out + h) if cfg.add_bias_linear else (qkv_out if cfg.add_qkv_bias else 0)
+    return h * qkv_out + proj_in * h + bias + qk_norm_params(cfg)
+
+
+def qk_norm_params(cfg: ModelConfig) -> int:
+    """`--qk-layernorm`'s query and key norms: one head's D channels (shared by the heads), or all heads'."""
+    if not cfg.qk_layernorm:
+        return 0
+    q, k = (1, 1) if cfg.qk_layernorm_scope == "head" else (cfg.num_attention_heads, cfg.kv_heads)
+    return (q + k) * cfg.head_dim * (1 if cfg.normalization == "rmsnorm" else 2)
 
 
 def expert_mlp_params(cfg: ModelConfig, ffn_size: int) -> int:
