@@ -97,6 +97,8 @@ def harness() -> list[str]:
 # a pipeline that runs (two micro-batches per step) but with ZeRO, which `moetron train` refuses
 PIPELINED_ZERO = "--gpus 4 --pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 8 --zero-stage 1"
 
+QK_NORM_ALL_HEADS_TP2 = "--tensor-model-parallel-size 2 --qk-layernorm --qk-layernorm-scope all_heads"
+
 # (id, argv builder, what the error line must name)
 CASES = [
     # ---- train: flags and values
@@ -300,18 +302,7 @@ CASES = [
     ),
     (
         "plan-qk-norm-all-heads-tp",  # per head is exact under TP; over all heads it would need every rank's heads
-        lambda w: [
-            "plan",
-            "--config",
-            "quickstart",
-            "--gpus",
-            "2",
-            "--tensor-model-parallel-size",
-            "2",
-            "--qk-layernorm",
-            "--qk-layernorm-scope",
-            "all_heads",
-        ],
+        lambda w: ["plan", "--config", "quickstart", "--gpus", "2", *QK_NORM_ALL_HEADS_TP2.split()],
         "--qk-layernorm-scope all_heads with --tensor-model-parallel-size 2 is not supported",
     ),  # fmt: skip
     # ---- quickstart
