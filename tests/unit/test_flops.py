@@ -82,6 +82,7 @@ MOE_CONFIGS = {
         qk_layernorm=True,
         untie_embeddings_and_output_weights=True,
     ),
+    "mtp_two_modules": dict(num_experts=[4], topk=2, mtp_num_layers=2, swiglu=True, normalization="rmsnorm"),
     "swiglu_bias_first_dense": dict(num_experts=[4], expert_interval=1, moe_first_dense_layers=1, swiglu=True),
 }
 

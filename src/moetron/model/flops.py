@@ -109,8 +109,16 @@ def count_parameters(cfg: ModelConfig) -> ParamCounts:
             active_expert += routed * cfg.topk // num_experts
         else:
             dense += mlp_params(cfg, cfg.ffn_size)
+    dense += cfg.mtp_num_layers * mtp_module_params(cfg)
     total = embedding + dense + expert
     return ParamCounts(total, embedding + dense + active_expert, embedding, expert, dense)
+
+
+def mtp_module_params(cfg: ModelConfig) -> int:
+    """One multi-token-prediction module (model/mtp.py): enorm, hnorm, the 2h → h projection, a dense transformer
+    layer and its final norm; the embedding and the head are the model's."""
+    h = cfg.hidden_size
+    return 5 * norm_params(cfg) + 2 * h * h + attention_params(cfg) + mlp_params(cfg, cfg.ffn_size)
 
 
 def flops_per_token(cfg: ModelConfig, seq_length: int | None = None) -> float:
@@ -122,8 +130,9 @@ def flops_per_token(cfg: ModelConfig, seq_length: int | None = None) -> float:
     """
     s = seq_length or cfg.seq_length
     counts = count_parameters(cfg)
-    matmul_params = counts.active - counts.embedding + cfg.padded_vocab_size() * cfg.hidden_size
-    attention = 12 * cfg.num_layers * s * cfg.num_attention_heads * cfg.head_dim
+    heads = 1 + cfg.mtp_num_layers  # the LM head, and once more per MTP module (training: each has a loss)
+    matmul_params = counts.active - counts.embedding + heads * cfg.padded_vocab_size() * cfg.hidden_size
+    attention = 12 * (cfg.num_layers + cfg.mtp_num_layers) * s * cfg.num_attention_heads * cfg.head_dim
     return float(6 * matmul_params + attention)
 
 
