@@ -169,6 +169,7 @@ CASES = [
     ),  # fmt: skip
     ("train-peak-tflops", lambda w: train("--peak-tflops", "-3"), "--peak-tflops -3 must be a positive"),
     ("train-peak-tflops-nan", lambda w: train("--peak-tflops", "nan"), "--peak-tflops nan must be a positive"),
+    ("train-mtp-past-sequence", lambda w: train("--mtp-num-layers", "8"), "--mtp-num-layers must be in [0, --seq"),
     # ---- preprocess
     ("preprocess-missing-input", lambda w: preprocess(w, inputs="missing.jsonl"), "--input 'missing.jsonl'"),
     ("preprocess-wrong-key", lambda w: preprocess(w, "--json-keys", "content"), "for key 'content'"),
@@ -304,6 +305,21 @@ CASES = [
         "plan-qk-norm-all-heads-tp",  # per head is exact under TP; over all heads it would need every rank's heads
         lambda w: ["plan", "--config", "quickstart", "--gpus", "2", *QK_NORM_ALL_HEADS_TP2.split()],
         "--qk-layernorm-scope all_heads with --tensor-model-parallel-size 2 is not supported",
+    ),  # fmt: skip
+    (
+        "plan-mtp-pipeline",  # refused before launch until the MTP modules run on the last stage
+        lambda w: [
+            "plan",
+            "--config",
+            "quickstart",
+            "--gpus",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--mtp-num-layers",
+            "1",
+        ],
+        "--mtp-num-layers 1 with --pipeline-model-parallel-size 2 is not supported yet",
     ),  # fmt: skip
     # ---- quickstart
     ("quickstart-nproc", lambda w: ["quickstart", "--nproc", "3"], "--nproc 3"),

@@ -98,3 +98,23 @@ def test_unsupported_layouts_are_refused_in_one_line_each():
     bad = ModelConfig(seq_length=16, mtp_num_layers=16, mtp_loss_scaling_factor=-1.0).problems()
     assert "--mtp-num-layers must be in [0, --seq-length 16), got 16" in bad
     assert "--mtp-loss-scaling-factor must be a finite value >= 0, got -1.0" in bad
+
+
+def test_an_mtp_model_exports_as_remote_code_with_its_modules(tmp_path):
+    """No transformers class has MTP modules (DeepSeek-V3's drops them): a native class refuses the config, and the
+    remote-code export keeps every MTP weight, so the import gives back the same model."""
+    from interchange_support import tiny_checkpoint
+
+    from moetron.eval.generate import load_model
+    from moetron.interchange.hf_export import export_hf
+    from moetron.interchange.hf_import import import_hf
+
+    pytest.importorskip("transformers")
+    run, _, model = tiny_checkpoint(tmp_path, "qwen3_moe", mtp_num_layers=1)
+    result = export_hf(str(run), str(tmp_path / "hf"))
+    assert result.remote_code and "--mtp-num-layers 1 has no Qwen3MoeForCausalLM equivalent" in result.why_remote[0]
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
+    back, cfg, _ = load_model(str(tmp_path / "back"), "cpu")
+    assert cfg.model.mtp_num_layers == 1
+    for (name, a), b in zip(model.state_dict().items(), back.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
