@@ -5,6 +5,8 @@ Shapes: B batch, T tokens, C hidden size, V padded vocabulary.
     tokens ─▶ word embeddings (+ learned positions) ─▶ dropout
            ─▶ N × [ x + drop(attn(norm(x))),  x + drop(mlp_or_moe(norm(x))) ]
            ─▶ final norm ─▶ logits (tied word embeddings, or a separate output layer)
+    (training with --mtp-num-layers D: the last layer's output also feeds D multi-token-prediction modules,
+     `model/mtp.py`, that share the embedding and the head; `forward(mtp_labels_BT=...)` returns their loss)
 
 Layer i is a MoE layer when `cfg.experts_per_layer()[i] > 1` (Megatron's `get_num_experts_per_layer`).
 `layers` is keyed by the GLOBAL layer index ("0", "1", …): a pipeline stage that keeps layers 4–7 still calls
