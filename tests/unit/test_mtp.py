@@ -73,7 +73,7 @@ def mtp_config(depths: int, factor: float = 0.1, **train):
     return cfg
 
 
-def test_training_with_mtp_logs_mtp_loss_and_trains_the_trunk(tmp_path):
+def test_training_with_mtp_logs_mtp_loss_and_trains_the_trunk(tmp_path, capsys):
     torch.set_num_threads(1)
     # factor 0: the modules run but send no gradient to the trunk, so the LM curve is the plain one bit for bit
     # (without clipping: the global norm would sum the modules' zero gradients in another order)
@@ -84,6 +84,7 @@ def test_training_with_mtp_logs_mtp_loss_and_trains_the_trunk(tmp_path):
     assert trainer.train() == 0
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [2, 4]
+    assert f"mtp loss {records[-1]['mtp_loss']:.4E}" in capsys.readouterr().out  # the console line has it too
     assert all(r["mtp_loss"] > 0 for r in records) and records[-1]["mtp_loss"] < records[0]["mtp_loss"]
     lm = [r["lm_loss"] for r in records]
     assert lm != [sum(plain[0:2]) / 2, sum(plain[2:4]) / 2]  # the MTP gradient reached the trunk
