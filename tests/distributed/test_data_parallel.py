@@ -7,7 +7,9 @@ One spawned group runs every check (spawning is the expensive part):
 2. the same with every random draw on (dropout, top-2's sampled second expert, and capacity drops):
    each layer draws from a stream keyed by the micro-batch's samples, so the two ranks draw exactly what the one
    process draws for the same samples;
-3. exact resume: 2N steps straight and N steps + checkpoint + N steps give bit-identical losses on every rank
+3. multi-token prediction (--mtp-num-layers 2, every draw on): the MTP modules' gradients, reduced like any dense
+   parameter's, and the trunk's (which their loss reaches) equal the single process's;
+4. exact resume: 2N steps straight and N steps + checkpoint + N steps give bit-identical losses on every rank
    (dropout and MoE random token selection on), with rank-specific RNG files saved.
 """
 
@@ -23,8 +25,11 @@ from moetron.parallel.env import DistEnv, init_distributed
 N = 2
 
 
-def first_step_grads(env: DistEnv | None, micro: int, global_batch: int, random: bool = False) -> tuple[dict, dict]:
+def first_step_grads(
+    env: DistEnv | None, micro: int, global_batch: int, random: bool = False, mtp: int = 0
+) -> tuple[dict, dict]:
     cfg = tiny_config(moe=True, micro_batch_size=micro, global_batch_size=global_batch, hidden_dropout=0.0)
+    cfg.model.mtp_num_layers, cfg.model.mtp_loss_scaling_factor = mtp, 0.5
     cfg.model.attention_dropout = 0.0
     cfg.model.moe_use_rts = False  # positional dropping,
     cfg.model.moe_top2_2nd_expert_sampling = False  # argmax second expert
@@ -61,8 +66,10 @@ def all_checks(rank: int, world_size: int, save_dir: str) -> dict:
     assert (env.rank, env.world_size) == (rank, world_size)
     grads, params = first_step_grads(env, micro=2, global_batch=4)
     random_grads, _ = first_step_grads(env, micro=2, global_batch=4, random=True)
+    mtp_grads, _ = first_step_grads(env, micro=2, global_batch=4, random=True, mtp=2)
     straight, resumed = resume_losses(env, save_dir)
-    return {"grads": grads, "params": params, "random": random_grads, "straight": straight, "resumed": resumed}
+    out = {"grads": grads, "params": params, "random": random_grads, "straight": straight, "resumed": resumed}
+    return {**out, "mtp": mtp_grads}
 
 
 @pytest.mark.distributed
@@ -78,6 +85,11 @@ def test_two_process_data_parallel(tmp_path):
         for r in results:
             torch.testing.assert_close(r["random"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
     assert any(not torch.equal(random_reference[n], reference[n]) for n in reference)  # the draws changed things
+    mtp_reference, _ = first_step_grads(None, micro=2, global_batch=4, random=True, mtp=2)
+    assert any(name.startswith("mtp.layers.1.") for name in mtp_reference)
+    for name, grad in mtp_reference.items():
+        for r in results:
+            torch.testing.assert_close(r["mtp"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
     for name, value in results[0]["params"].items():
         assert torch.equal(value, results[1]["params"][name]), name  # replicas (and expert biases) stay identical
     biases = [n for n in reference_state if n.endswith("expert_bias")]

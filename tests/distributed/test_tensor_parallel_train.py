@@ -12,7 +12,9 @@ Two spawned groups carry every check (spawning is the expensive part):
                checkpoint of this process loads at TP = 2 (validation loss, then 6 more steps on the loaded
                optimizer state follow the one-process curve); 3 steps of TP = 2 + SP × EP = 2 with --compile, and
                of a model built whole and split by `parallelize`; 4 steps of a GQA / RoPE / SwiGLU / RMSNorm model with
-               an untied head and a shared expert at TP = 2 + SP × EP = 2.
+               an untied head and a shared expert at TP = 2 + SP × EP = 2; the same model with Qwen3's per-head
+               QK RMSNorm (--qk-layernorm) at TP = 2 + SP, its 12 steps and first gradients (the norm weights'
+               summed over the head shards) against one process.
   4 processes: DP = 2 × TP = 2 × EP = 2 (folded), and with expert tensor parallelism (ETP = 2), sequence
                parallelism and activation checkpointing; the TP = 2 checkpoint loads at TP = 4.
 Between and after the groups this process loads the TP = 2 checkpoint at TP = 1 (the round trip).
@@ -100,6 +102,13 @@ def modern(cfg):
     return cfg
 
 
+def qk_norm(cfg):
+    """The modern model with Qwen3-MoE's per-head QK RMSNorm (the norm weights are shared by the heads)."""
+    cfg = modern(cfg)
+    cfg.model.qk_layernorm = True
+    return cfg
+
+
 def curve(cfg, env: DistEnv | None = None) -> dict:
     trainer = parallel_trainer(cfg, env)
     grads = first_step_grads(trainer)
@@ -156,6 +165,7 @@ def two_process_checks(rank: int, world_size: int, tp1_dir: str, tp2_dir: str) -
     out["from_tp1"] = resumed(tp_config(ROUTER, tp=2), tp1_dir, env)
     out["compiled"] = compiled
     out["modern"] = run_losses(parallel_trainer(modern(tp_config("top2-dropless", tp=2, sp=True, ep=2)), env), 4)
+    out["qk_norm"] = curve(qk_norm(tp_config("top2-dropless", tp=2, sp=True)), env)
     return out
 
 
@@ -197,6 +207,7 @@ def test_tensor_parallel_training_and_checkpoints(tmp_path):
     tp1_valid = validation_loss(single)
     straight = reference[ROUTER]["losses"]
     modern_losses = run_losses(parallel_trainer(modern(tp_config("top2-dropless"))), 4)
+    qk_norm_reference = curve(qk_norm(tp_config("top2-dropless")))
 
     two = run_distributed(two_process_checks, world_size=2, args=(tp1_dir, tp2_dir), timeout=1200)
     for layout in TWO:
@@ -208,6 +219,7 @@ def test_tensor_parallel_training_and_checkpoints(tmp_path):
         compiled = reference["top2-dropless"]["losses"][: len(r["compiled"])]
         torch.testing.assert_close(r["compiled"], compiled, rtol=1e-4, atol=0)
         torch.testing.assert_close(r["modern"], modern_losses, rtol=1e-4, atol=0)
+        check_curve(r["qk_norm"], qk_norm_reference, "qk-layernorm tp2-sp")
     for r in two:  # exact resume at TP = 2: bit-identical to the uninterrupted TP = 2 run
         assert r["resume"]["head"] + r["resume"]["losses"] == r[("tp2", ROUTER)]["losses"]
         # TP = 1 → 2: the same validation loss, and the loaded optimizer state continues the one-process curve

@@ -97,6 +97,8 @@ def harness() -> list[str]:
 # a pipeline that runs (two micro-batches per step) but with ZeRO, which `moetron train` refuses
 PIPELINED_ZERO = "--gpus 4 --pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 8 --zero-stage 1"
 
+QK_NORM_ALL_HEADS_TP2 = "--tensor-model-parallel-size 2 --qk-layernorm --qk-layernorm-scope all_heads"
+
 # (id, argv builder, what the error line must name)
 CASES = [
     # ---- train: flags and values
@@ -174,6 +176,7 @@ CASES = [
         lambda w: train("--multi-latent-attention", "--position-embedding-type", "rope", "--qk-pos-emb-head-dim", "3"),
         "--qk-pos-emb-head-dim must be even and >= 2 (RoPE rotates channel pairs), got 3",
     ),  # fmt: skip
+    ("train-mtp-past-sequence", lambda w: train("--mtp-num-layers", "8"), "--mtp-num-layers must be in [0, --seq"),
     # ---- preprocess
     ("preprocess-missing-input", lambda w: preprocess(w, inputs="missing.jsonl"), "--input 'missing.jsonl'"),
     ("preprocess-wrong-key", lambda w: preprocess(w, "--json-keys", "content"), "for key 'content'"),
@@ -305,6 +308,26 @@ CASES = [
         lambda w: ["plan", "--config", "quickstart", *PIPELINED_ZERO.split()],
         "--zero-stage 1 with --pipeline-model-parallel-size 2",
     ),
+    (
+        "plan-qk-norm-all-heads-tp",  # per head is exact under TP; over all heads it would need every rank's heads
+        lambda w: ["plan", "--config", "quickstart", "--gpus", "2", *QK_NORM_ALL_HEADS_TP2.split()],
+        "--qk-layernorm-scope all_heads with --tensor-model-parallel-size 2 is not supported",
+    ),  # fmt: skip
+    (
+        "plan-mtp-pipeline",  # refused before launch until the MTP modules run on the last stage
+        lambda w: [
+            "plan",
+            "--config",
+            "quickstart",
+            "--gpus",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--mtp-num-layers",
+            "1",
+        ],
+        "--mtp-num-layers 1 with --pipeline-model-parallel-size 2 is not supported yet",
+    ),  # fmt: skip
     # ---- quickstart
     ("quickstart-nproc", lambda w: ["quickstart", "--nproc", "3"], "--nproc 3"),
     (

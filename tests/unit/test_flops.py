@@ -33,6 +33,7 @@ DENSE_CONFIGS = {
         num_key_value_heads=2,
     ),
     "gqa_bias": dict(num_key_value_heads=1, ffn_hidden_size=40),
+    "qkv_bias_qk_norm_all_heads": dict(add_qkv_bias=True, qk_layernorm=True, qk_layernorm_scope="all_heads"),
 }
 
 
@@ -68,6 +69,20 @@ MOE_CONFIGS = {
         num_key_value_heads=2,
         untie_embeddings_and_output_weights=True,
     ),
+    "qwen3_like": dict(
+        num_experts=[8],
+        topk=2,
+        expert_interval=1,
+        swiglu=True,
+        add_bias_linear=False,
+        normalization="rmsnorm",
+        position_embedding_type="rope",
+        num_key_value_heads=2,
+        kv_channels=12,
+        qk_layernorm=True,
+        untie_embeddings_and_output_weights=True,
+    ),
+    "mtp_two_modules": dict(num_experts=[4], topk=2, mtp_num_layers=2, swiglu=True, normalization="rmsnorm"),
     "swiglu_bias_first_dense": dict(num_experts=[4], expert_interval=1, moe_first_dense_layers=1, swiglu=True),
 }
 

@@ -83,6 +83,8 @@ KINDS: dict[str, str] = {
     "shared_expert_gate": FUNCTION,
     "moe_identical_expert_init": FREE,
     "moe_expert_backend": FREE,
+    "mtp_num_layers": FUNCTION,  # the MTP modules' weights (generation ignores them; training needs them)
+    "mtp_loss_scaling_factor": TRAINING,
     # ---- routing: how experts are scored and picked (function), how many tokens they take and how routing is
     # trained (training); capacity only drops tokens, it does not change what a kept token computes
     "topk": FUNCTION,

@@ -71,6 +71,7 @@ class LlamaFamily(Architecture):
         for field, wanted in [("normalization", "rmsnorm"), ("position_embedding_type", "rope"), ("swiglu", True)]:
             self.need(cfg, field, wanted, p)
         self.need(cfg, "rotary_compat", "none", p)  # transformers' RoPE is the standard one
+        self.need(cfg, "mtp_num_layers", 0, p)  # these classes have no MTP modules (remote code keeps them)
         self._bias_problems(cfg, p)
         self._qk_norm_problems(cfg, p)
         p += mla_problems(cfg, self.hf_class) if self.mla else []

@@ -27,6 +27,7 @@ class GPT2Architecture(Architecture):
             ("untie_embeddings_and_output_weights", False),
             ("qk_layernorm", False),
             ("kv_channels", None),
+            ("mtp_num_layers", 0),
         ]:
             self.need(cfg, field, wanted, p)
         if cfg.kv_heads != cfg.num_attention_heads:

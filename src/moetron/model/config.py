@@ -71,6 +71,10 @@ class ModelConfig(RouterConfig):
     moe_identical_expert_init: bool = False  # DeepSpeed's deep copies: all local experts start identical
     moe_expert_backend: str = "auto"  # auto | grouped_mm | batched | loop
 
+    # ---- multi-token prediction (DeepSeek-V3's sequential MTP modules; Megatron-Core's flags, model/mtp.py) ----
+    mtp_num_layers: int = 0  # D modules after the last layer: module k predicts the token k + 1 ahead (training only)
+    mtp_loss_scaling_factor: float = 0.1  # the MTP loss added to the LM loss: factor × mean over the D modules
+
     # ------------------------------------------------------------------ derived values
     @property
     def max_positions(self) -> int:
@@ -176,6 +180,10 @@ class ModelConfig(RouterConfig):
                 p.append(f"{flag} {value!r} is not one of {', '.join(map(str, allowed))}")
         # The routing rules live with the routing fields: once for the values, once per distinct expert count.
         p.extend(self.routing_problems(sorted({e for e in self.num_experts if e > 1})))
+        if self.mtp_num_layers < 0 or self.mtp_num_layers >= self.seq_length:
+            p.append(f"--mtp-num-layers must be in [0, --seq-length {self.seq_length}), got {self.mtp_num_layers}")
+        if not 0.0 <= self.mtp_loss_scaling_factor < float("inf"):
+            p.append(f"--mtp-loss-scaling-factor must be a finite value >= 0, got {self.mtp_loss_scaling_factor}")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 p.append(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")

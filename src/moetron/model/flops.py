@@ -59,8 +59,16 @@ def attention_params(cfg: ModelConfig) -> int:
     h, d = cfg.hidden_size, cfg.head_dim
     qkv_out = (cfg.num_attention_heads + 2 * cfg.kv_heads) * d
     proj_in = cfg.num_attention_heads * d
-    bias = (qkv_out + h) if cfg.add_bias_linear else 0
-    return h * qkv_out + proj_in * h + bias
+    bias = (qkv_out + h) if cfg.add_bias_linear else (qkv_out if cfg.add_qkv_bias else 0)
+    return h * qkv_out + proj_in * h + bias + qk_norm_params(cfg)
+
+
+def qk_norm_params(cfg: ModelConfig) -> int:
+    """`--qk-layernorm`'s query and key norms: one head's D channels (shared by the heads), or all heads'."""
+    if not cfg.qk_layernorm:
+        return 0
+    q, k = (1, 1) if cfg.qk_layernorm_scope == "head" else (cfg.num_attention_heads, cfg.kv_heads)
+    return (q + k) * cfg.head_dim * (1 if cfg.normalization == "rmsnorm" else 2)
 
 
 def expert_mlp_params(cfg: ModelConfig, ffn_size: int) -> int:
@@ -104,8 +112,16 @@ def count_parameters(cfg: ModelConfig) -> ParamCounts:
             active_expert += routed * cfg.topk // num_experts
         else:
             dense += mlp_params(cfg, cfg.ffn_size)
+    dense += cfg.mtp_num_layers * mtp_module_params(cfg)
     total = embedding + dense + expert
     return ParamCounts(total, embedding + dense + active_expert, embedding, expert, dense)
+
+
+def mtp_module_params(cfg: ModelConfig) -> int:
+    """One multi-token-prediction module (model/mtp.py): enorm, hnorm, the 2h → h projection, a dense transformer
+    layer and its final norm; the embedding and the head are the model's."""
+    h = cfg.hidden_size
+    return 5 * norm_params(cfg) + 2 * h * h + attention_params(cfg) + mlp_params(cfg, cfg.ffn_size)
 
 
 def flops_per_token(cfg: ModelConfig, seq_length: int | None = None) -> float:
@@ -118,8 +134,9 @@ def flops_per_token(cfg: ModelConfig, seq_length: int | None = None) -> float:
     """
     s = seq_length or cfg.seq_length
     counts = count_parameters(cfg)
-    matmul_params = counts.active - counts.embedding + cfg.padded_vocab_size() * cfg.hidden_size
-    return float(6 * matmul_params + cfg.num_layers * attention_score_flops(cfg, s))
+    heads = 1 + cfg.mtp_num_layers  # the LM head, and once more per MTP module (training: each has a loss)
+    matmul_params = counts.active - counts.embedding + heads * cfg.padded_vocab_size() * cfg.hidden_size
+    return float(6 * matmul_params + (cfg.num_layers + cfg.mtp_num_layers) * attention_score_flops(cfg, s))
 
 
 def attention_score_flops(cfg: ModelConfig, seq_length: int) -> int:

@@ -5,6 +5,8 @@ Shapes: B batch, T tokens, C hidden size, V padded vocabulary.
     tokens ─▶ word embeddings (+ learned positions) ─▶ dropout
            ─▶ N × [ x + drop(attn(norm(x))),  x + drop(mlp_or_moe(norm(x))) ]
            ─▶ final norm ─▶ logits (tied word embeddings, or a separate output layer)
+    (training with --mtp-num-layers D: the last layer's output also feeds D multi-token-prediction modules,
+     `model/mtp.py`, that share the embedding and the head; `forward(mtp_labels_BT=...)` returns their loss)
 
 Layer i is a MoE layer when `cfg.experts_per_layer()[i] > 1` (Megatron's `get_num_experts_per_layer`).
 `layers` is keyed by the GLOBAL layer index ("0", "1", …): a pipeline stage that keeps layers 4–7 still calls
@@ -44,6 +46,7 @@ from moetron.model.loss import HeadLoss, fuses_head, make_head_loss
 from moetron.model.mla import MultiLatentAttention
 from moetron.model.mlp import MLP
 from moetron.model.moe.layer import MoEAux, MoELayer
+from moetron.model.mtp import MultiTokenPrediction
 from moetron.model.norm import build_norm
 from moetron.model.rng import STREAMS
 from moetron.model.rotary import rotary_angles
@@ -56,18 +59,19 @@ class GPTOutput:
     moe_loss: torch.Tensor  # fp32 scalar value (detached: its gradient is attached in the layers); 0 when dense
     moe_aux: list[MoEAux] = field(default_factory=list)  # one MoEAux per MoE layer, in layer order
     hidden: torch.Tensor | None = None  # [B, T, C]: the last layer's output, before the final norm
+    mtp_loss: torch.Tensor | None = None  # fp32, with its gradient: the MTP modules' mean loss (given mtp_labels_BT)
 
 
 class TransformerLayer(nn.Module):
     """One pre-norm block; its MLP is a MoE layer when the layer has more than one expert."""
 
-    def __init__(self, cfg: ModelConfig, layer_index: int):
+    def __init__(self, cfg: ModelConfig, layer_index: int, num_experts: int | None = None):
         super().__init__()
         self.input_layernorm = build_norm(cfg)
         attention = MultiLatentAttention if cfg.multi_latent_attention else SelfAttention
         self.self_attention = attention(cfg, layer_index)
         self.post_attention_layernorm = build_norm(cfg)
-        num_experts = cfg.experts_per_layer()[layer_index]
+        num_experts = cfg.experts_per_layer()[layer_index] if num_experts is None else num_experts
         self.is_moe = num_experts > 1
         self.mlp = MoELayer(cfg, num_experts, layer_index=layer_index) if self.is_moe else MLP(cfg)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
@@ -106,6 +110,9 @@ class GPTModel(nn.Module):
         self.output_layer = None
         if cfg.untie_embeddings_and_output_weights:
             self.output_layer = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size(), bias=False)
+        self.mtp = None  # multi-token prediction (model/mtp.py): dense layers after the last one, training only
+        if cfg.mtp_num_layers:
+            self.mtp = MultiTokenPrediction(cfg, lambda index: TransformerLayer(cfg, index, num_experts=1))
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -116,7 +123,10 @@ class GPTModel(nn.Module):
         kv_cache: KVCache | None = None,
         return_logits: bool = True,
         head_loss: HeadLoss | None = None,
+        mtp_labels_BT: torch.Tensor | None = None,
     ) -> GPTOutput:
+        """`mtp_labels_BT` (the next tokens; the trainer passes them when --mtp-num-layers is set): also run the
+        MTP modules and return their loss; evaluation and generation never do."""
         B, T = tokens_BT.shape
         past = 0
         if kv_cache is not None:
@@ -128,10 +138,13 @@ class GPTModel(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(T)
         logits_BTV = self.logits(x_BTC) if return_logits else None
-        lm_loss = None
-        if labels_BT is not None:  # a plain model fuses its head when the logits are not wanted (never builds them)
-            plain = fuses_head(not return_logits, vocab_parallel=False, splits_backward=False)
-            head_loss = head_loss or make_head_loss(plain)
+        lm_loss = mtp_loss = None
+        # a plain model fuses its head when the logits are not wanted (never builds them)
+        plain_head = make_head_loss(fuses_head(not return_logits, vocab_parallel=False, splits_backward=False))
+        if self.mtp is not None and mtp_labels_BT is not None:
+            mtp_loss = self.mtp.loss(self, x_BTC, tokens_BT, mtp_labels_BT, head_loss or plain_head, loss_mask_BT)
+        if labels_BT is not None:
+            head_loss = head_loss or plain_head
             if logits_BTV is not None and not head_loss.fused:  # the logits are there: no second head
                 lm_loss = head_loss.loss_fn(logits_BTV, labels_BT, loss_mask_BT)
             else:
@@ -142,6 +155,7 @@ class GPTModel(nn.Module):
             moe_loss=self.weighted_moe_loss(moe_aux, x_BTC.device),
             moe_aux=moe_aux,
             hidden=x_BTC,
+            mtp_loss=mtp_loss,
         )
 
     def embed(

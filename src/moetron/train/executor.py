@@ -16,6 +16,8 @@ owns the micro-batch loop. `LocalExecutor` runs every micro-batch through the wh
     the LM head itself (fused with the cross-entropy by default, so the logits are never materialised); evaluation
     uses the same head loss;
   - the return value is Σ lm_loss / num_micro (fp64, on device: no host sync), the same on every rank;
+    with --mtp-num-layers the MTP loss (× --mtp-loss-scaling-factor) joins each backward and `last_mtp_loss` holds
+    its Σ / num_micro (the local executor only: validate() refuses MTP with pipeline parallelism);
   - `moe_step_stats()` then gives every MoE layer's statistics of the step (all layers, on every rank).
 """
 
@@ -44,24 +46,35 @@ class LocalExecutor:
 
     def __init__(self, parallel: ParallelModel, autocast: Callable[[], contextlib.AbstractContextManager]):
         self.parallel, self.autocast = parallel, autocast
+        self.last_mtp_loss: torch.Tensor | None = None  # the last step's mean MTP loss (--mtp-num-layers), on device
 
     def forward_backward(
         self, next_micro_batch: Callable[[], MicroBatch], num_micro: int, loss_scale: float
     ) -> torch.Tensor:
         factor = loss_scale / num_micro
-        total = None
+        total = mtp_total = None
         with LOSS_GRADIENT_SCALE.scaled(factor):
             for i in range(num_micro):
                 mb = next_micro_batch()
                 last = i == num_micro - 1
                 with self.parallel.micro_batch(last), STREAMS.micro_batch("train", mb.first_sample):
                     with self.autocast():
-                        hidden = self.parallel.module(mb.tokens_BT, return_logits=False).hidden
-                        lm_loss = self.parallel.head_loss(self.parallel.model, hidden, mb.labels_BT)
-                    (lm_loss * factor).backward()
+                        out = self.parallel.module(mb.tokens_BT, return_logits=False, **self._mtp_inputs(mb))
+                        lm_loss = self.parallel.head_loss(self.parallel.model, out.hidden, mb.labels_BT)
+                    loss = lm_loss
+                    if out.mtp_loss is not None:  # DeepSeek-V3 / Megatron-Core: LM loss + factor × mean MTP loss
+                        loss = lm_loss + self.parallel.model.cfg.mtp_loss_scaling_factor * out.mtp_loss
+                        value = out.mtp_loss.detach().double() / num_micro
+                        mtp_total = value if mtp_total is None else mtp_total + value
+                    (loss * factor).backward()
                 value = lm_loss.detach().double() / num_micro
                 total = value if total is None else total + value
+        self.last_mtp_loss = mtp_total
         return total
+
+    def _mtp_inputs(self, mb: MicroBatch) -> dict:
+        """The labels the MTP modules need (none without --mtp-num-layers: the model's call stays as it was)."""
+        return {"mtp_labels_BT": mb.labels_BT} if self.parallel.model.mtp is not None else {}
 
     def moe_step_stats(self) -> MoEStats | None:
         """[L_moe] of the last step's MoE layers (`train.metrics.moe_step_stats`)."""

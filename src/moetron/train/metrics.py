@@ -37,6 +37,7 @@ METRIC_KEYS = (
     "expert_load_max_over_mean",
     "dropped_fraction",
 )
+OPTIONAL_METRIC_KEYS = ("mtp_loss",)  # only in runs that have them (--mtp-num-layers)
 EVAL_KEYS = ("iteration", "consumed_tokens", "valid_loss", "valid_ppl")
 
 
@@ -64,6 +65,10 @@ class StepSums:
             moe_loss = moe_stats.moe_loss(moe_loss_coeff, z_coeff)
         self.losses = torch.stack([lm_loss.double(), moe_loss])  # lm loss, moe loss (means over micro-batches)
         self.moe_stats = moe_stats  # [L_moe]
+        self.mtp_loss: torch.Tensor | None = None  # the MTP modules' mean loss (--mtp-num-layers), fp64 on device
+
+    def add_mtp_loss(self, mtp_loss: torch.Tensor | None) -> None:
+        self.mtp_loss = None if mtp_loss is None else mtp_loss.double()
 
 
 class IntervalMetrics:
@@ -78,6 +83,7 @@ class IntervalMetrics:
         self.moe_stats: MoEStats | None = None  # [L_moe] means per step, summed
         self.steps = 0  # successful steps (a skipped step's NaN would poison the mean)
         self.grad_norm_sum = 0.0
+        self.mtp_sum: torch.Tensor | None = None  # Σ of the steps' MTP losses (only with --mtp-num-layers)
 
     def add_step(self, step: StepSums, grad_norm: float) -> None:
         self.steps += 1
@@ -85,6 +91,8 @@ class IntervalMetrics:
         self.grad_norm_sum += grad_norm
         if step.moe_stats is not None:
             self.moe_stats = step.moe_stats if self.moe_stats is None else self.moe_stats + step.moe_stats
+        if step.mtp_loss is not None:
+            self.mtp_sum = step.mtp_loss if self.mtp_sum is None else self.mtp_sum + step.mtp_loss
 
     def reduce(self, all_reduce_mean) -> dict:
         """Interval means over steps and data-parallel ranks (one collective, one host transfer)."""
@@ -92,9 +100,14 @@ class IntervalMetrics:
         packed = [self.sums]
         if n_layers:
             packed.append(self.moe_stats.values.double().flatten())
+        mtp = self.mtp_sum is not None
+        if mtp:  # last, so that the MoE statistics keep their place
+            packed.append(self.mtp_sum.reshape(1))
         flat = all_reduce_mean(torch.cat(packed)).cpu()
         steps = self.steps or float("nan")
         flat = flat / steps
+        mtp_loss = float(flat[-1]) if mtp else None
+        flat = flat[:-1] if mtp else flat
         out = {
             "lm_loss": float(flat[0]),
             "moe_loss": float(flat[1]),
@@ -106,6 +119,8 @@ class IntervalMetrics:
             stats = MoEStats.from_flat(flat[2:])
             out["expert_load_max_over_mean"] = [round(float(v), 4) for v in stats.load_max_over_mean]
             out["dropped_fraction"] = [round(float(v), 4) for v in stats.dropped_fraction]
+        if mtp_loss is not None:
+            out["mtp_loss"] = mtp_loss
         self.reset()
         return out
 
@@ -128,6 +143,7 @@ def console_line(m: dict, total_iters: int, eta_s: float) -> str:
         f"consumed tokens {m['consumed_tokens']}",
         f"lm loss {m['lm_loss']:.4E}",
         f"moe loss {m['moe_loss']:.4E}",
+        *([f"mtp loss {m['mtp_loss']:.4E}"] if "mtp_loss" in m else []),
         f"lr {m['lr']:.4E}",
         f"grad norm {m['grad_norm']:.3f}",
     ]
@@ -184,7 +200,8 @@ class RunLogger:
     def log_train(self, record: dict, eta_s: float) -> None:
         if not self.is_main:
             return
-        self._append("metrics.jsonl", {k: record[k] for k in METRIC_KEYS})
+        optional = {k: record[k] for k in OPTIONAL_METRIC_KEYS if k in record}
+        self._append("metrics.jsonl", {**{k: record[k] for k in METRIC_KEYS}, **optional})
         self.print(console_line(record, self.total_iters, eta_s))
         if self.tb is not None:
             write_tensorboard_train(self.tb, record)
@@ -242,6 +259,8 @@ def write_tensorboard_train(tb, m: dict) -> None:
         "grad-norm/grad-norm": m["grad_norm"],
         "loss-scale/loss-scale": m["loss_scale"],
     }
+    if "mtp_loss" in m:
+        scalars["lm-loss-training/mtp loss"] = m["mtp_loss"]
     tb.add_scalar("steps-vs-samples/steps-vs-samples", it, m["consumed_samples"])
     tb.add_scalar("steps-vs-tokens/steps-vs-tokens", it, tokens)
     for tag, value in scalars.items():

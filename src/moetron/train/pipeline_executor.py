@@ -39,6 +39,8 @@ from moetron.train.micro_batch import MicroBatch
 class PipelineExecutor:
     """This rank's pipeline stages, driven micro-batch by micro-batch by torch's schedule."""
 
+    last_mtp_loss = None  # multi-token prediction runs unpipelined only (validate() refuses it with pp > 1)
+
     def __init__(
         self,
         parallel: ParallelModel,

@@ -125,6 +125,7 @@ class Trainer:
         self.parallel.finish_gradients()
         m = self.cfg.model
         sums = StepSums(lm_loss, self.executor.moe_step_stats(), m.moe_loss_coeff, m.moe_z_loss_coeff)
+        sums.add_mtp_loss(self.executor.last_mtp_loss)
         grads = local_grads(self.params)
         if scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)  # a power of two: exact

@@ -13,6 +13,7 @@
                              sharded on the vocabulary, and the loss is `vocab_parallel_loss` (`loss_parallel`):
                              no rank ever holds the full [B, T, V] logits
     norms, routers, experts  replicated (experts: see tp/moe.py, applied after expert parallelism)
+    q/k_layernorm            per-head QK norm on this rank's heads, weight replicated, gradient summed over tp
 
 With `--sequence-parallel` (Megatron's SP) the residual stream between the TP regions holds seq / tp positions:
 norms run on sequence shards (`SequenceParallel`), each attention / MLP / MoE input is all-gathered
@@ -75,6 +76,12 @@ def _layer_plan(layer: TransformerLayer, sp: bool) -> dict:
     rows = Shard(1) if sp else Replicate()  # where a row-parallel output goes: reduce-scatter or all-reduce
     plan = {name: ColwiseParallel() for name in _head_projections(layer)}
     plan["self_attention.dense"] = RowwiseParallel(output_layouts=rows)
+    if getattr(layer.self_attention, "q_layernorm", None) is not None:  # per head (sizes.py refuses all_heads):
+        # heads are dim 1 of [B, H, T, D], so a head shard normalises exactly; the weight is replicated and its
+        # gradient, partial on each rank's heads, is summed over tp by the view's backward (as SequenceParallel
+        # does for a sequence shard)
+        plan["self_attention.q_layernorm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+        plan["self_attention.k_layernorm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
     if not layer.is_moe:
         plan["mlp.dense_h_to_4h"] = ColwiseParallel()
         if layer.mlp.dense_h_to_4h_up is not None:

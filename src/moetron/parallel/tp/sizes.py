@@ -7,7 +7,10 @@ Tensor parallelism (`--tensor-model-parallel-size N`, Megatron's `MP_SIZE`) give
   vocabulary  `word_embeddings` (and `output_layer`) rows: N divides the padded vocabulary;
   experts     whole (--expert-tensor-parallel-size 1, the default), or split like the dense MLP
               (--expert-tensor-parallel-size N): then N divides the expert ffn size;
-  sequence    with --sequence-parallel, norms and dropout hold seq / N positions: N divides the sequence length.
+  sequence    with --sequence-parallel, norms and dropout hold seq / N positions: N divides the sequence length;
+  QK norm     per head (--qk-layernorm, Qwen3): over one head's channels, so a rank's whole heads normalise
+              exactly; over all heads' channels (--qk-layernorm-scope all_heads, OLMoE) it would need every rank's
+              heads, and is refused.
 
 The padded vocabulary is `padded_vocab_size()` — a multiple of --make-vocab-size-divisible-by, a function of the
 config only — at every TP size. Megatron pads to a multiple of divisible-by × TP instead; here the row count (and
@@ -62,11 +65,11 @@ def tensor_parallel_problems(model: ModelConfig, dims: ParallelDims) -> list[str
             f"--expert-tensor-parallel-size {dims.etp}; use a multiple of {dims.etp}, or "
             f"--expert-tensor-parallel-size 1 (experts whole, expert parallelism across the TP ranks)"
         )
-    if model.qk_layernorm:
+    if model.qk_layernorm and model.qk_layernorm_scope == "all_heads":
         p.append(
-            f"--qk-layernorm with {TP_FLAG} {tp} is not supported yet (its norm weights would see only this rank's "
-            f"heads and need a gradient reduction over the tensor-parallel ranks); use {TP_FLAG} 1, or drop "
-            "--qk-layernorm"
+            f"--qk-layernorm-scope all_heads with {TP_FLAG} {tp} is not supported (its norm spans every head's "
+            f"channels and a rank holds 1/{tp} of the heads); use --qk-layernorm-scope head (exact under "
+            f"tensor parallelism), or {TP_FLAG} 1"
         )
     if dims.sp and model.seq_length % tp:
         p.append(

@@ -1,0 +1,125 @@
+"""Multi-token prediction (`--mtp-num-layers D`): DeepSeek-V3's sequential MTP modules, Megatron-Core's flags.
+
+Shapes: B batch, T tokens, C hidden size. Module k (k = 1 … D) sees, at position i, the previous depth's hidden
+state h^{k-1}_i (h^0: the main model's last layer, before its final norm) and the embedding of token t_{i+k}, and
+predicts t_{i+k+1}:
+
+    h'_i  = eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)])      # 2C → C; embedding first, as Megatron-Core and
+    h^k   = transformer layer(h')                                  # DeepSeek-V3's released weights order them
+    loss_k = CE(head(final_layernorm(h^k)), t_{i+k+1})              # the model's own embedding and output head
+
+The shifted tokens and labels are the micro-batch's rolled left by k; the k positions at the end that would need
+tokens past the sequence are masked out of loss_k (Megatron-Core's `roll_tensor`). The MTP loss is the mean of the
+D losses; the trainer adds `--mtp-loss-scaling-factor` times it to the LM loss (Megatron-Core: factor / D × Σ).
+
+Each module's transformer layer is a dense one (its MLP has --ffn-hidden-size channels), even in a MoE model
+(DeepSeek-V3's MTP layer is a MoE layer; moetron's MoE statistics, expert parallelism and expert-bias updates cover
+the main layers only). Generation never runs the modules. They are built by `GPTModel` (which hands in its layer
+class), so this module imports nothing of the model's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from moetron.model.config import ModelConfig
+from moetron.model.loss import HeadLoss
+from moetron.model.norm import build_norm
+from moetron.model.rng import STREAMS
+
+
+def mtp_layout_problems(cfg: ModelConfig, tp: int, pp: int) -> list[str]:
+    """The layouts the MTP modules do not run under yet, one line each (validate() reports them before launch)."""
+    if not cfg.mtp_num_layers:
+        return []
+    p: list[str] = []
+    flag = f"--mtp-num-layers {cfg.mtp_num_layers}"
+    if pp > 1:
+        p.append(
+            f"{flag} with --pipeline-model-parallel-size {pp} is not supported yet (the MTP modules would sit on the "
+            f"last stage); use --pipeline-model-parallel-size 1 or --mtp-num-layers 0"
+        )
+    if tp > 1:
+        p.append(
+            f"{flag} with --tensor-model-parallel-size {tp} is not supported yet (the MTP modules are not split "
+            f"over the tensor-parallel ranks); use --tensor-model-parallel-size 1 or --mtp-num-layers 0"
+        )
+    return p
+
+
+class MTPModule(nn.Module):
+    """One depth: the two norms, the 2C → C projection, one transformer layer and its own final norm."""
+
+    def __init__(self, cfg: ModelConfig, layer: nn.Module):
+        super().__init__()
+        self.enorm = build_norm(cfg)
+        self.hnorm = build_norm(cfg)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.transformer_layer = layer
+        self.final_layernorm = build_norm(cfg)
+
+    def forward(self, h_BTC: torch.Tensor, embedded_BTC: torch.Tensor, rope) -> torch.Tensor:
+        x_BTC = self.eh_proj(torch.cat([self.enorm(embedded_BTC), self.hnorm(h_BTC)], dim=-1))
+        with STREAMS.fork("layers", str(self.transformer_layer.self_attention.layer_index)):
+            x_BTC, _ = self.transformer_layer(x_BTC, rope)
+        return x_BTC
+
+
+class _DepthHead:
+    """What a `HeadLoss` reads of a model, for one depth: the module's final norm, the model's shared head."""
+
+    def __init__(self, model: nn.Module, module: MTPModule):
+        self.final_layernorm, self.head_weight = module.final_layernorm, model.head_weight
+
+    def logits(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.final_layernorm(x_BTC), self.head_weight())
+
+
+class MultiTokenPrediction(nn.Module):
+    """The D sequential MTP modules, `layers` keyed "0" … "D-1" (Megatron-Core's `mtp.layers.{k}`);
+    `make_layer(index)` builds each one's transformer layer (index: its place after the main layers,
+    num_layers + k − 1, which keys its random streams)."""
+
+    def __init__(self, cfg: ModelConfig, make_layer: Callable[[int], nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleDict(
+            {str(k): MTPModule(cfg, make_layer(cfg.num_layers + k)) for k in range(cfg.mtp_num_layers)}
+        )
+
+    def loss(
+        self,
+        model: nn.Module,
+        hidden_BTC: torch.Tensor,
+        tokens_BT: torch.Tensor,
+        labels_BT: torch.Tensor,
+        head_loss: HeadLoss,
+        loss_mask_BT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The mean over depths of each depth's masked cross-entropy (fp32 scalar, with its gradient)."""
+        T = tokens_BT.shape[1]
+        mask_BT = torch.ones_like(labels_BT, dtype=torch.float32) if loss_mask_BT is None else loss_mask_BT.float()
+        rope = model.rope_angles(torch.arange(T, device=tokens_BT.device))
+        h_BTC, losses = hidden_BTC, []
+        for module in self.layers.values():  # depth k: everything one more position to the left
+            tokens_BT, labels_BT, mask_BT = rolled(tokens_BT), rolled(labels_BT), rolled(mask_BT)
+            h_BTC = module(h_BTC, embed_tokens(model, tokens_BT), rope)
+            losses.append(head_loss(_DepthHead(model, module), h_BTC, labels_BT, mask_BT))
+        return torch.stack(losses).mean()
+
+
+def embed_tokens(model: nn.Module, tokens_BT: torch.Tensor) -> torch.Tensor:
+    """The shared word embeddings of `tokens` (+ learned positions 0 … T − 1), without the embedding dropout."""
+    x_BTC = model.word_embeddings(tokens_BT)
+    if model.position_embeddings is not None:
+        x_BTC = x_BTC + model.position_embeddings(torch.arange(tokens_BT.shape[1], device=tokens_BT.device))[None]
+    return x_BTC
+
+
+def rolled(x_BT: torch.Tensor) -> torch.Tensor:
+    """`x` one position to the left, the vacated last position zeroed (a mask's 0: out of the loss)."""
+    out = torch.roll(x_BT, -1, dims=1)
+    out[:, -1] = 0
+    return out
