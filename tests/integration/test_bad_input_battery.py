@@ -167,6 +167,8 @@ CASES = [
     ),  # fmt: skip
     ("train-peak-tflops", lambda w: train("--peak-tflops", "-3"), "--peak-tflops -3 must be a positive"),
     ("train-peak-tflops-nan", lambda w: train("--peak-tflops", "nan"), "--peak-tflops nan must be a positive"),
+    ("train-replicas-no-ep", lambda w: train("--moe-expert-replicas", "1"), "--moe-expert-replicas 1 needs --moe-exp"),
+    ("train-replicas-negative", lambda w: train("--moe-expert-replicas", "-1"), "--moe-expert-replicas -1 must be >="),
     # ---- preprocess
     ("preprocess-missing-input", lambda w: preprocess(w, inputs="missing.jsonl"), "--input 'missing.jsonl'"),
     ("preprocess-wrong-key", lambda w: preprocess(w, "--json-keys", "content"), "for key 'content'"),

@@ -36,6 +36,11 @@ METRIC_KEYS = (
     "skipped_steps",
     "expert_load_max_over_mean",
     "dropped_fraction",
+    "moe_ep_load_routed",
+    "moe_ep_load_computed",
+    "moe_dead_experts",
+    "moe_routing_entropy",
+    "routing_alarms",
 )
 EVAL_KEYS = ("iteration", "consumed_tokens", "valid_loss", "valid_ppl")
 
@@ -86,13 +91,20 @@ class IntervalMetrics:
         if step.moe_stats is not None:
             self.moe_stats = step.moe_stats if self.moe_stats is None else self.moe_stats + step.moe_stats
 
-    def reduce(self, all_reduce_mean) -> dict:
-        """Interval means over steps and data-parallel ranks (one collective, one host transfer)."""
+    def reduce(self, all_reduce_mean, extra: torch.Tensor | None = None) -> dict:
+        """Interval means over steps and data-parallel ranks (one collective, one host transfer). `extra` (fp64,
+        e.g. the routing-health flags) rides along: its mean over the ranks, not divided by the steps, is
+        returned as `out["extra"]` (None without it)."""
         n_layers = 0 if self.moe_stats is None else self.moe_stats.values.shape[0]
         packed = [self.sums]
         if n_layers:
             packed.append(self.moe_stats.values.double().flatten())
+        n_extra = 0 if extra is None else extra.numel()
+        if n_extra:
+            packed.append(extra.to(self.device, torch.float64))
         flat = all_reduce_mean(torch.cat(packed)).cpu()
+        reduced_extra = flat[flat.numel() - n_extra :] if n_extra else None
+        flat = flat[: flat.numel() - n_extra]
         steps = self.steps or float("nan")
         flat = flat / steps
         out = {
@@ -101,13 +113,28 @@ class IntervalMetrics:
             "grad_norm": self.grad_norm_sum / steps,
             "expert_load_max_over_mean": [],
             "dropped_fraction": [],
+            "moe_aux_loss": [],  # before moe_loss_coeff: read by the aux-loss-hacking alarm, not written
+            "extra": reduced_extra,
         }
         if n_layers:
             stats = MoEStats.from_flat(flat[2:])
             out["expert_load_max_over_mean"] = [round(float(v), 4) for v in stats.load_max_over_mean]
             out["dropped_fraction"] = [round(float(v), 4) for v in stats.dropped_fraction]
+            out["moe_aux_loss"] = [float(v) for v in stats.aux_loss]
+        out.update(ep_load_fields(stats if n_layers else None))
         self.reset()
         return out
+
+
+def ep_load_fields(stats: MoEStats | None) -> dict:
+    """`moe_ep_load_routed` / `moe_ep_load_computed`: rows per expert-parallel rank max/mean (by the experts'
+    owners / after `--moe-expert-replicas`), interval means, max over MoE layers; None for a dense model."""
+    if stats is None:
+        return {"moe_ep_load_routed": None, "moe_ep_load_computed": None}
+    return {
+        "moe_ep_load_routed": round(float(stats.ep_load_routed.max()), 4),
+        "moe_ep_load_computed": round(float(stats.ep_load_computed.max()), 4),
+    }
 
 
 def _iteration_of(line: str) -> float:
@@ -247,6 +274,9 @@ def write_tensorboard_train(tb, m: dict) -> None:
     for tag, value in scalars.items():
         add_scalar_vs(tb, tag, value, m)
     tb.add_scalar("iteration-time/tokens-per-sec", m["tokens_per_sec"], it)
+    if m.get("moe_ep_load_routed") is not None:
+        tb.add_scalar("moe/ep-load-routed", m["moe_ep_load_routed"], it)
+        tb.add_scalar("moe/ep-load-computed", m["moe_ep_load_computed"], it)
     for layer, (load, dropped) in enumerate(zip(m["expert_load_max_over_mean"], m["dropped_fraction"], strict=True)):
         tb.add_scalar(f"moe/load-max-over-mean layer {layer}", load, it)
         tb.add_scalar(f"moe/dropped-fraction layer {layer}", dropped, it)

@@ -1,0 +1,139 @@
+"""`--moe-expert-replicas`: hot experts copied onto under-loaded EP ranks, exact by construction (gloo, 4 processes).
+
+One spawned group carries every check (spawning is the expensive part):
+  - one MoE layer, EP 2 and EP 4, top-1 / top-2, capacity and dropless, K = 1 (and 2 where a rank holds 4
+    experts), under a router that sends every token to expert 0 first: the output, the input and gate gradients and
+    every local expert's gradient equal the plain all-to-all dispatcher's (replica gradients summed into the owner);
+  - training, EP 2 (× expert-data-parallel 2, dropless) and EP 4 (capacity routing), 8 steps: with one replica slot
+    the loss curve equals the run without replicas within 1e-5 relative, `moe_ep_load_routed` is >= 1.5 and
+    `moe_ep_load_computed` <= 1.15 on those steps;
+  - resume: the replicated EP 2 run saved at step 4 and resumed gives bit-identical losses for steps 5–8.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from launch import run_distributed
+from test_expert_parallel_layer import EXPERTS, forward_backward, layer_config
+from trainer_support import parallel_trainer, tiny_config
+
+from moetron.checkpoint import resolve_checkpoint
+from moetron.model.moe.layer import MoELayer
+from moetron.parallel.dims import ParallelDims
+from moetron.parallel.env import DistEnv, init_distributed
+from moetron.parallel.ep.all_to_all import AllToAllDispatcher, shard_layer_experts
+from moetron.parallel.ep.replicas import ReplicatingDispatcher
+from moetron.parallel.mesh import ParallelMesh
+
+STEPS, SAVE_AT, MBS = 8, 4, 2
+HOT_BIAS = 1.0  # selection-only bias on expert 0: it wins every token's first choice (router scores are < 1)
+
+
+# ---------------------------------------------------------------- one layer
+def skewed_layer_case(rank: int, ep: int, group, topk: int, dropless: bool, slots: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    full = MoELayer(layer_config(topk, dropless), EXPERTS, layer_index=1)
+    with torch.no_grad():
+        full.router.weight[1:] = 0  # expert 0 takes the tokens it scores above 0, expert 1 (first of the ties) the rest
+    plain, replicated = copy.deepcopy(full), copy.deepcopy(full)
+    ep_rank = rank % ep
+    for layer in (plain, replicated):
+        shard_layer_experts(layer, ep_rank, ep)
+    plain.dispatcher = AllToAllDispatcher(EXPERTS, group, ep, ep_rank)
+    replicated.dispatcher = ReplicatingDispatcher(replicated, group, ep, ep_rank, slots)
+    want, got = forward_backward(plain, rank), forward_backward(replicated, rank)
+    for key, value in want.items():
+        if key == "dropped":
+            assert got[key] == value
+            continue
+        scale = max(float(value.abs().max()), 1.0)  # sums over many rows: compare relative to the largest entry
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5 * scale, msg=f"ep={ep} k={topk} {key}")
+    return replicated.take_stats()[0].values  # routed / computed EP load of that forward
+
+
+def layer_checks(rank: int, world_size: int) -> dict:
+    loads = {}
+    for ep in (2, 4):
+        dims = ParallelDims(world_size=world_size, dp=world_size, ep=ep)
+        group = ParallelMesh.build(dims, DistEnv(rank=rank, world_size=world_size)).group("ep")
+        for topk, dropless in ((1, False), (1, True), (2, False), (2, True)):
+            for slots in range(1, EXPERTS // ep):
+                loads[(ep, topk, dropless, slots)] = skewed_layer_case(rank, ep, group, topk, dropless, slots)
+    return loads
+
+
+# ---------------------------------------------------------------- training
+def replica_config(ep: int, replicas: int, dropless: bool, **train):
+    cfg = tiny_config(micro_batch_size=MBS, global_batch_size=MBS * 4, train_iters=STEPS, hidden_dropout=0.0, **train)
+    m = cfg.model
+    m.attention_dropout, m.num_experts, m.topk = 0.0, [EXPERTS], 1
+    m.moe_loss_coeff = 0.0  # nothing pulls the router back to balance
+    m.moe_router_bias_update_rate = 1e-9  # the expert bias exists (selection only) and practically stays put
+    m.moe_token_dropping = not dropless
+    m.moe_use_rts = False
+    cfg.train.lr_warmup_iters = 2
+    cfg.parallel.moe_expert_parallel_size, cfg.parallel.moe_expert_replicas = ep, replicas
+    return cfg
+
+
+def skewed_trainer(cfg, env):
+    trainer = parallel_trainer(cfg, env)
+    for moe in trainer.model.moe_layers():
+        moe.router.expert_bias[0] = HOT_BIAS
+    return trainer
+
+
+def run_steps(trainer, steps: int) -> dict:
+    """Per step: the LM loss (exact float) and the max over MoE layers of the routed / computed EP load."""
+    out = {"losses": [], "routed": [], "computed": []}
+    trainer.model.train()
+    for _ in range(steps):
+        result = trainer.train_step()
+        trainer._account(result)
+        stats = result.sums.moe_stats
+        out["losses"].append(float(result.sums.losses[0]))
+        out["routed"].append(float(stats.ep_load_routed.max()))
+        out["computed"].append(float(stats.ep_load_computed.max()))
+    return out
+
+
+def all_checks(rank: int, world_size: int, save_dir: str) -> dict:
+    env = init_distributed()
+    out = {"layer": layer_checks(rank, world_size)}
+    for ep, dropless in ((2, True), (4, False)):
+        out[("plain", ep)] = run_steps(skewed_trainer(replica_config(ep, 0, dropless), env), STEPS)
+        save = {"save": save_dir} if ep == 2 else {}
+        trainer = skewed_trainer(replica_config(ep, 1, dropless, **save), env)
+        first = run_steps(trainer, SAVE_AT)
+        if ep == 2:
+            trainer.save()
+        rest = run_steps(trainer, STEPS - SAVE_AT)
+        out[("replicas", ep)] = {key: first[key] + rest[key] for key in first}
+    resumed = skewed_trainer(replica_config(2, 1, True, save=save_dir), env)
+    resumed.load(resolve_checkpoint(save_dir))
+    out["resumed"] = run_steps(resumed, STEPS - SAVE_AT)
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_expert_replicas_are_exact_and_balance_the_ranks(tmp_path):
+    results = run_distributed(all_checks, world_size=4, args=(str(tmp_path / "run"),), timeout=600)
+    for (ep, _, _, slots), load in results[0]["layer"].items():
+        routed, computed = float(load[4]), float(load[5])
+        assert routed >= 1.5 and computed < routed, (ep, slots, routed, computed)
+    for r in results:
+        for ep in (2, 4):
+            plain, replicas = r[("plain", ep)], r[("replicas", ep)]
+            torch.testing.assert_close(
+                torch.tensor(replicas["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0
+            )
+            assert plain["routed"] == pytest.approx(replicas["routed"])  # replication never changes the routing
+            assert plain["computed"] == plain["routed"]
+            assert min(replicas["routed"]) >= 1.5, replicas["routed"]  # the router really is imbalanced
+            assert max(replicas["computed"]) <= 1.15, replicas["computed"]
+        assert r["resumed"]["losses"] == r[("replicas", 2)]["losses"][SAVE_AT:]  # bit-exact resume
+    assert results[0][("plain", 2)]["losses"] != results[1][("plain", 2)]["losses"]  # ranks saw different tokens
