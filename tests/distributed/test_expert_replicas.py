@@ -7,7 +7,10 @@ One spawned group carries every check (spawning is the expensive part):
   - training, EP 2 (× expert-data-parallel 2, dropless) and EP 4 (capacity routing), 8 steps: with one replica slot
     the loss curve equals the run without replicas within 1e-5 relative, `moe_ep_load_routed` is >= 1.5 and
     `moe_ep_load_computed` <= 1.15 on those steps;
-  - resume: the replicated EP 2 run saved at step 4 and resumed gives bit-identical losses for steps 5–8.
+  - resume: the replicated EP 2 run saved at step 4 and resumed gives the same losses for steps 5–8: the first
+    bit-identical, the later ones within 1e-6 (in 2 processes all four are bit-identical; over 4 ranks the fresh
+    process's DDP builds its gradient buckets from its own first step, whose gradient order depends on that step's
+    replica plan, and a 4-rank ring all-reduce sums in bucket-dependent order: a last-bit difference).
 """
 
 from __future__ import annotations
@@ -135,5 +138,8 @@ def test_expert_replicas_are_exact_and_balance_the_ranks(tmp_path):
             assert plain["computed"] == plain["routed"]
             assert min(replicas["routed"]) >= 1.5, replicas["routed"]  # the router really is imbalanced
             assert max(replicas["computed"]) <= 1.15, replicas["computed"]
-        assert r["resumed"]["losses"] == r[("replicas", 2)]["losses"][SAVE_AT:]  # bit-exact resume
+        resumed, straight = r["resumed"]["losses"], r[("replicas", 2)]["losses"][SAVE_AT:]
+        assert resumed[0] == straight[0]  # the checkpoint holds the exact state
+        # later steps: equal up to the dense all-reduce's summation order over 4 ranks (see the module docstring)
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight), rtol=1e-6, atol=0)
     assert results[0][("plain", 2)]["losses"] != results[1][("plain", 2)]["losses"]  # ranks saw different tokens

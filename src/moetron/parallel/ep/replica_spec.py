@@ -30,7 +30,7 @@ def expert_replica_problems(
     if replicas >= fewest_local:
         problems.append(
             f"{flag} must be below the experts each EP rank holds ({fewest_local} = --num-experts / "
-            f"--moe-expert-parallel-size {dims.ep}); use at most {max(fewest_local - 1, 0)} or raise the experts per rank"
+            f"--moe-expert-parallel-size {dims.ep}); use at most {max(fewest_local - 1, 0)} or more experts per rank"
         )
     refused = {
         f"--expert-tensor-parallel-size {dims.etp}": dims.etp > 1,
