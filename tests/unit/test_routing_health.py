@@ -4,8 +4,8 @@ A collapsed router is made by initialisation: the MoE layers' input norm gets a 
 token's router input is ≈ v, and the router's row of expert 0 is v: every token prefers expert 0 with a
 probability near 1. Experts 1–3 then get no token (dead), the mean routing distribution is nearly one-hot
 (collapse), and the aux loss (coefficient 0.5) falls as the router flattens its probabilities while expert 0 keeps
-every token (hacking; the mean distribution's entropy recovers meanwhile: the collapse alarm clears). A balanced run (same
-model, default init) raises none of them.
+every token (hacking; the mean distribution's entropy recovers meanwhile: the collapse alarm clears). A balanced
+run (same model, default init) raises none of them.
 """
 
 from __future__ import annotations
