@@ -65,5 +65,6 @@ def test_replica_problems_name_the_flag_and_the_fix():
     (too_many,) = expert_replica_problems(2, [1, 8], ep4, 0, False)
     assert "must be below the experts each EP rank holds (2" in too_many and "use at most 1" in too_many
     refused = expert_replica_problems(1, [16], ParallelDims(world_size=8, dp=2, tp=2, pp=2, ep=4, etp=2), 3, True)
-    settings = ["--expert-tensor-parallel-size 2", "--zero-stage 3", "--pipeline-model-parallel-size 2", "--compile"]
+    settings = ["--tensor-model-parallel-size 2", "--expert-tensor-parallel-size 2", "--zero-stage 3"]
+    settings += ["--pipeline-model-parallel-size 2", "--compile"]
     assert refused == [f"--moe-expert-replicas 1 is not supported with {s} yet; drop one of them" for s in settings]

@@ -79,7 +79,8 @@ def plan_replicas(counts_RE: torch.Tensor, slots_per_rank: int) -> ReplicaPlan:
         load_R.index_put_((target,), moved, accumulate=True)
         used_R.index_put_((target,), taken.long(), accumulate=True)
     # slot j's range starts after the owner's rows and the earlier slots of the same expert
-    same_J = torch.nn.functional.one_hot(slot_expert_J, num_experts) * slot_rows_J[:, None]  # [J, E]
+    # [J, E] (a comparison, not one_hot: CUDA's one_hot reads the ids' range back to the host)
+    same_J = (slot_expert_J[:, None] == torch.arange(num_experts, device=device)) * slot_rows_J[:, None]
     before_J = (torch.cumsum(same_J, 0) - same_J).gather(1, slot_expert_J[:, None]).squeeze(1)
     start_J = keep_E[slot_expert_J] + before_J
     return ReplicaPlan(slots_per_rank, keep_E, slot_expert_J, start_J, start_J + slot_rows_J, routed_R, load_R)

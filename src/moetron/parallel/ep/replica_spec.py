@@ -3,9 +3,10 @@
 Pure arithmetic (no torch), read by `validate.py`. K replica slots per EP rank copy hot experts from other EP
 ranks, so it needs expert parallelism (EP > 1) and fewer slots than a rank's own experts (a rank holding K or more
 copies would hold more weights than its own share: more EP is the better fix there). The combinations not built yet
-are refused by name rather than run untested: expert tensor parallelism (every replica would need its channel
-slice from the matching TP peer), ZeRO 2–3 (FSDP shards the expert weights a replica is copied from, and gathers
-them only inside the experts' own forward), pipeline parallelism and `--compile`.
+are refused by name rather than run untested: tensor parallelism (not tested with replicas yet), expert tensor
+parallelism (every replica would need its channel slice from the matching TP peer), ZeRO 2–3 (FSDP shards the
+expert weights a replica is copied from, and gathers them only inside the experts' own forward), pipeline
+parallelism and `--compile`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def expert_replica_problems(
             f"--moe-expert-parallel-size {dims.ep}); use at most {max(fewest_local - 1, 0)} or more experts per rank"
         )
     refused = {
+        f"--tensor-model-parallel-size {dims.tp}": dims.tp > 1,
         f"--expert-tensor-parallel-size {dims.etp}": dims.etp > 1,
         f"--zero-stage {zero_stage}": zero_stage >= 2,
         f"--pipeline-model-parallel-size {dims.pp}": dims.pp > 1,

@@ -154,7 +154,7 @@ class ReplicatingDispatcher(AllToAllDispatcher):
         owner_J = plan.slot_expert_J // local
         weight_send_R = (owner_J == me).view(ranks, slots).sum(1)
         my_slot_owners = owner_J[me * slots : (me + 1) * slots]
-        weight_recv_R = torch.nn.functional.one_hot(my_slot_owners, ranks).sum(0)
+        weight_recv_R = (my_slot_owners[:, None] == torch.arange(ranks, device=owner_J.device)).sum(0)
         own_rows = recv_RS[:, :local].sum().reshape(1)
         sizes = torch.cat([send_R, recv_RS.sum(1), weight_send_R, weight_recv_R, own_rows]).tolist()
 
