@@ -68,3 +68,20 @@ def test_replica_problems_name_the_flag_and_the_fix():
     settings = ["--tensor-model-parallel-size 2", "--expert-tensor-parallel-size 2", "--zero-stage 3"]
     settings += ["--pipeline-model-parallel-size 2", "--compile"]
     assert refused == [f"--moe-expert-replicas 1 is not supported with {s} yet; drop one of them" for s in settings]
+
+
+def test_validate_reports_replica_problems_before_launch():
+    from moetron.config import RunConfig
+    from moetron.validate import validate
+
+    cfg = RunConfig()
+    cfg.model.num_layers, cfg.model.num_experts = 2, [4]
+    cfg.train.train_iters = 1
+    cfg.parallel.moe_expert_parallel_size, cfg.parallel.moe_expert_replicas = 2, 2
+    problems = [p for p in validate(cfg, world_size=2) if "--moe-expert-replicas" in p]
+    assert problems == [
+        "--moe-expert-replicas 2 must be below the experts each EP rank holds (2 = --num-experts / "
+        "--moe-expert-parallel-size 2); use at most 1 or more experts per rank"
+    ]
+    cfg.parallel.moe_expert_replicas = 1
+    assert not [p for p in validate(cfg, world_size=2) if "--moe-expert-replicas" in p]
