@@ -124,8 +124,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, results) 
                 wall.append(time.perf_counter() - start_wall)
             layer.zero_grad(set_to_none=True)
             x.grad = None
+            per_rep = (counter.tokens / args.reps, counter.weights / args.reps)  # before the check's own dispatch
             computed = replicated_load(layer, x, routing)
-            per_rep = (counter.tokens / args.reps, counter.weights / args.reps)
             rows.append((skew, replicas, statistics.median(cpu), statistics.median(wall), computed, *per_rep))
     results.put((rank, rows))
 
