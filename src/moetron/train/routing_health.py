@@ -16,7 +16,9 @@
   fewer than √E experts' worth of probability has stopped training most of its experts.
 - aux-loss hacking (Megatron-LM #1545): over the last `--moe-aux-hacking-window` steps the aux loss (before its
   coefficient, mean over MoE layers) fell by more than 1% while the expert load max/mean (max over layers) did not
-  improve: the router lowers the balancing loss (e.g. by flattening its probabilities) without balancing the load.
+  improve and is at least 1.5: the router lowers the balancing loss (e.g. by flattening its probabilities) without
+  balancing the load. ("Did not improve" rather than "grew": a load already at its worst, every token on one expert,
+  cannot grow.) The 1.5 floor keeps a balanced router's noise from raising it.
 
 Each alarm prints once when it starts (and again only after it has cleared), and is listed in the `routing_alarms`
 field of every metrics record while it holds. The step counters restart at a resume (they are not checkpointed), so
@@ -33,6 +35,7 @@ from collections import deque
 import torch
 
 AUX_FALL = 0.01  # relative fall of the aux loss over the window that counts as "falling"
+IMBALANCED = 1.5  # expert load max/mean from which a non-improving load is worth an alarm (noise stays below)
 
 
 def routing_health_problems(dead_steps: int, collapse_entropy: float, hacking_window: int) -> list[str]:
@@ -132,7 +135,8 @@ class RoutingHealth:
         while len(self.history) > 1 and self.history[1][0] <= iteration - self.window:
             self.history.popleft()  # keep the newest record at least `window` steps old
         then_it, then_aux, then_load = self.history[0]
-        if iteration - then_it < self.window or not aux < then_aux * (1 - AUX_FALL) or load < then_load:
+        falling = aux < then_aux * (1 - AUX_FALL)
+        if iteration - then_it < self.window or not falling or load < then_load or load < IMBALANCED:
             return None
         return (
             f"the aux loss fell {then_aux:.4f} → {aux:.4f} over iterations {then_it}–{iteration} while the expert "
