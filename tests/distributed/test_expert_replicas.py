@@ -8,6 +8,8 @@ One spawned group carries every check (spawning is the expensive part):
   - training, EP 2 (× expert-data-parallel 2, dropless) and EP 4 (capacity routing), 6 steps: with one replica slot
     the loss curve equals the run without replicas within 1e-5 relative, `moe_ep_load_routed` is >= 1.5 and
     `moe_ep_load_computed` <= 1.15 on those steps;
+  - host reads: one layer step with replicas on the CUDA code path (grouped_mm) reads the device once per rank
+    (the `.tolist()` of every split size), as the plain dispatcher does;
   - resume: the replicated EP 2 run saved at step 3 and resumed gives the same losses for steps 4–6: the first
     bit-identical, the later ones within 1e-6. Measured: in 2 processes (EP 2) and without replicas every resumed
     step is bit-identical; over 4 ranks with replicas a later step can differ in the last bit on some ranks. The
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import copy
 
+import host_sync_steps
 import pytest
 import torch
 from launch import run_distributed
@@ -60,11 +63,23 @@ def skewed_layer_case(rank: int, ep: int, group, topk: int, dropless: bool, slot
     return replicated.take_stats()[0].values  # routed / computed EP load of that forward
 
 
+def replica_host_reads(rank: int, ep: int, group) -> dict[str, int]:
+    torch.manual_seed(0)
+    cfg = host_sync_steps.layer_config("grouped_mm", **host_sync_steps.LOCAL_MODES["dropless top-2"])
+    layer = MoELayer(cfg, host_sync_steps.EXPERTS, layer_index=1)
+    shard_layer_experts(layer, rank % ep, ep)
+    layer.dispatcher = ReplicatingDispatcher(layer, group, ep, rank % ep, 1)
+    torch.manual_seed(1 + rank)  # different tokens per rank: uneven splits
+    x_BTD = torch.randn(1, host_sync_steps.TOKENS + 8 * rank, host_sync_steps.HIDDEN, requires_grad=True)
+    return dict(host_sync_steps.count_layer_reads(layer, x_BTD).by_kind)
+
+
 def layer_checks(rank: int, world_size: int) -> dict:
     loads = {}
     for ep in (2, 4):
         dims = ParallelDims(world_size=world_size, dp=world_size, ep=ep)
         group = ParallelMesh.build(dims, DistEnv(rank=rank, world_size=world_size)).group("ep")
+        loads[("host reads", ep)] = replica_host_reads(rank, ep, group)
         for topk, dropless in ((1, False), (1, True), (2, False), (2, True)):
             for slots in sorted({1, EXPERTS // ep - 1}):  # one slot, and the most a rank may have
                 loads[(ep, topk, dropless, slots)] = skewed_layer_case(rank, ep, group, topk, dropless, slots)
@@ -128,6 +143,8 @@ def all_checks(rank: int, world_size: int, save_dir: str) -> dict:
 @pytest.mark.slow
 def test_expert_replicas_are_exact_and_balance_the_ranks(tmp_path):
     results = run_distributed(all_checks, world_size=4, args=(str(tmp_path / "run"),), timeout=600)
+    for r in results:
+        assert r["layer"].pop(("host reads", 2)) == r["layer"].pop(("host reads", 4)) == {"tolist": 1}
     for (ep, _, _, slots), load in results[0]["layer"].items():
         routed, computed = float(load[4]), float(load[5])
         assert routed >= 1.5 and computed < routed, (ep, slots, routed, computed)
