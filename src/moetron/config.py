@@ -30,6 +30,7 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: int | None = None  # uneven split: layers of the first stage (+ embedding)
     decoder_last_pipeline_num_layers: int | None = None  # uneven split: layers of the last stage (+ LM head)
     moe_expert_parallel_size: int = 1  # EP degree: divides data-parallel × tensor-parallel ranks (dp·tp % ep == 0)
+    moe_expert_replicas: int = 0  # replica slots per EP rank for hot experts, replanned every step (0: off)
     expert_tensor_parallel_size: int = 1  # 1: experts whole, EP may span TP ranks (folding); = TP: experts split too
     zero_stage: int = 0  # ZeRO, DeepSpeed's zero_optimization.stage: 1 shards Adam state, 2 + gradients, 3 + weights
     use_distributed_optimizer: bool = False  # Megatron's flag: ZeRO stage 1 (when --zero-stage is lower)
@@ -85,6 +86,9 @@ class TrainConfig:
     output_dir: str | None = None  # run directory when --save is not given
     tensorboard_dir: str | None = None  # TensorBoard event files (Megatron's tag names)
     peak_tflops: float | None = None  # per device, for MFU; None: looked up from the device name
+    moe_dead_expert_steps: int = 100  # alarm: an expert got no token for this many steps (0: off)
+    moe_collapse_entropy: float = 0.5  # alarm: mean routing distribution's entropy below this × log E (0: off)
+    moe_aux_hacking_window: int = 100  # alarm: aux loss falls while load imbalance does not improve over it (0: off)
 
     # ---- checkpoints ----
     save: str | None = None  # checkpoint directory (also the run directory)

@@ -17,8 +17,10 @@ from moetron.errors import ConfigError
 from moetron.fileio import output_dir_problem
 from moetron.model.mtp import mtp_layout_problems
 from moetron.parallel.dp.zero_spec import zero_problems
+from moetron.parallel.ep.replica_spec import expert_replica_problems
 from moetron.parallel.pp.stage_layout import pipeline_problems
 from moetron.parallel.tp.sizes import tensor_parallel_problems
+from moetron.train.routing_health import routing_health_problems
 from moetron.train.schedule import DECAY_STYLES
 
 __all__ = [
@@ -75,6 +77,7 @@ def train_problems(cfg: RunConfig, dp: int) -> list[str]:
     if t.exit_on_missing_checkpoint and not t.load:
         p.append("--exit-on-missing-checkpoint needs --load")
     _positive(p, t, ("exit_interval", "exit_duration_in_mins"))
+    p += routing_health_problems(t.moe_dead_expert_steps, t.moe_collapse_entropy, t.moe_aux_hacking_window)
     if t.peak_tflops is not None and not (t.peak_tflops > 0 and math.isfinite(t.peak_tflops)):
         p.append(
             f"--peak-tflops {t.peak_tflops:g} must be a positive number of TFLOP/s per device (e.g. 989 for an "
@@ -128,6 +131,13 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
     problems += output_problems(cfg)
     problems += zero_problems(cfg.parallel.zero_stage, cfg.parallel.use_distributed_optimizer, dims)
     problems += pipeline_problems(cfg.model.num_layers, cfg.parallel, _micro_batches(cfg, dims.dp), cfg.train.compile)
+    problems += expert_replica_problems(
+        cfg.parallel.moe_expert_replicas,
+        cfg.model.experts_per_layer(),
+        dims,
+        cfg.parallel.zero_stage,
+        cfg.train.compile,
+    )
     backend = cfg.parallel.distributed_backend
     if backend not in (None, "gloo", "nccl"):
         problems.append(f"--distributed-backend {backend!r} is not one of gloo, nccl (or leave it unset: automatic)")

@@ -177,6 +177,8 @@ CASES = [
         "--qk-pos-emb-head-dim must be even and >= 2 (RoPE rotates channel pairs), got 3",
     ),  # fmt: skip
     ("train-mtp-past-sequence", lambda w: train("--mtp-num-layers", "8"), "--mtp-num-layers must be in [0, --seq"),
+    ("train-replicas-no-ep", lambda w: train("--moe-expert-replicas", "1"), "--moe-expert-replicas 1 needs --moe-exp"),
+    ("train-replicas-negative", lambda w: train("--moe-expert-replicas", "-1"), "--moe-expert-replicas -1 must be >="),
     # ---- preprocess
     ("preprocess-missing-input", lambda w: preprocess(w, inputs="missing.jsonl"), "--input 'missing.jsonl'"),
     ("preprocess-wrong-key", lambda w: preprocess(w, "--json-keys", "content"), "for key 'content'"),

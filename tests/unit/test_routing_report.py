@@ -110,3 +110,17 @@ def test_plots_are_pngs(tmp_path):
 def test_missing_matplotlib_gives_the_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     assert "pip install moetron[plot]" in matplotlib_missing()
+
+
+def test_ep_load_columns_of_known_counts():
+    """EP 2 over 4 experts (rank 0: experts 0-1): all 8 kept routes on expert 0 are 8 / mean 4 = 2.0 routed; one
+    replica slot moves 4 of them to rank 1 (1.0 computed)."""
+    for replicas, computed in ((0, 2.0), (1, 1.0)):
+        sums = _LayerSums(layer=1, num_experts=4, ep=2, replicas=replicas)
+        assert sums.ep_loads(torch.tensor([8, 0, 0, 0])) == (2.0, computed)
+    one_process = _LayerSums(layer=1, num_experts=4)
+    assert one_process.ep_loads(torch.tensor([8, 0, 0, 0])) == (1.0, 1.0)
+    sums = _LayerSums(layer=1, num_experts=4, ep=2, replicas=1)
+    sums.ep_load_sum, sums.passes, sums.tokens, sums.topk = [4.0, 2.0], 2, 8, 1
+    r = sums.report()
+    assert (r.ep_load_routed, r.ep_load_computed) == (2.0, 1.0) and "2.000→1.000" in format_table([r])

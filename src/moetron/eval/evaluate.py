@@ -72,7 +72,7 @@ def evaluate_checkpoint(load: str, data_path: str | None = None, eval_iters: int
     check_token_ids(cfg.data, cfg.model.vocab_size, EVAL_VOCAB_FIX)
     dp = cfg.dims(int(state.get("world_size", 1))).dp
     valid = _valid_dataset(cfg, dp)
-    recorder = RoutingRecorder(model)
+    recorder = RoutingRecorder(model, cfg.parallel.moe_expert_parallel_size, cfg.parallel.moe_expert_replicas)
     device = next(model.parameters()).device
     autocast = functools.partial(autocast_context, device, cfg.train.fp16, cfg.train.bf16)  # as the trainer
     iters = cfg.train.eval_iters * cfg.num_micro_batches(dp)

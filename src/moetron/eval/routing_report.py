@@ -9,7 +9,9 @@ Per MoE layer, summed over every evaluated micro-batch: routes per expert (befor
 add up to T·k, every token's k choices), routes kept per expert, and from those the load max/mean and
 coefficient of variation (std/mean; 0 = perfectly even), the fraction of routes dropped by capacity, the
 mean router entropy per token (nats; log E = a uniform router), the dead experts (no route at all) and the
-mean aux (load-balancing) loss, before moe_loss_coeff.
+mean aux (load-balancing) loss, before moe_loss_coeff; and, for the run's expert-parallel size, the rows per EP
+rank max/mean of each evaluated micro-batch (mean over them): routed (by the experts' owners) and computed (after
+the run's `--moe-expert-replicas`, planned as in training from the kept routes per expert; 1.0 without EP).
 
 Shape legend: E experts of a layer.
 """
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from moetron.model.moe.stats import load_max_over_mean
+from moetron.parallel.ep.replica_plan import max_over_mean, owner_load, plan_replicas
 
 
 @dataclass
@@ -40,6 +43,8 @@ class LayerReport:
     max_entropy: float  # log E
     dead_experts: list[int]
     aux_loss: float  # mean over micro-batches, before moe_loss_coeff
+    ep_load_routed: float = 1.0  # rows per EP rank max/mean by owner (mean over micro-batches)
+    ep_load_computed: float = 1.0  # the same after the run's --moe-expert-replicas
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -48,8 +53,11 @@ class LayerReport:
 class _LayerSums:
     """Running sums of one MoE layer (device tensors; read once at the end)."""
 
-    def __init__(self, layer: int, num_experts: int):
+    def __init__(self, layer: int, num_experts: int, ep: int = 1, replicas: int = 0):
         self.layer, self.num_experts = layer, num_experts
+        self.ep = ep if ep > 1 and num_experts % ep == 0 else 1
+        self.replicas = replicas
+        self.ep_load_sum = [0.0, 0.0]  # routed, computed
         self.routes_E = torch.zeros(num_experts, dtype=torch.int64)
         self.kept_E = torch.zeros(num_experts, dtype=torch.int64)
         self.tokens = 0
@@ -69,6 +77,19 @@ class _LayerSums:
             self.entropy_sum += float(stats["entropy"]) * routing.num_tokens
         self.aux_sum += float(aux.aux_loss)
         self.passes += 1
+        routed, computed = self.ep_loads(routing.kept_tokens_per_expert().cpu())
+        self.ep_load_sum = [self.ep_load_sum[0] + routed, self.ep_load_sum[1] + computed]
+
+    def ep_loads(self, kept_E: torch.Tensor) -> tuple[float, float]:
+        """(routed, computed) rows per EP rank max/mean of one forward's kept routes (1.0 each without EP)."""
+        if self.ep == 1:
+            return 1.0, 1.0
+        counts_RE = torch.zeros(self.ep, self.num_experts, dtype=torch.int64)
+        counts_RE[0] = kept_E.long()  # the loads depend on each expert's total only, not on which rank sent it
+        routed = float(max_over_mean(owner_load(counts_RE)))
+        if not self.replicas:
+            return routed, routed
+        return routed, float(max_over_mean(plan_replicas(counts_RE, self.replicas).load_computed_R))
 
     def report(self) -> LayerReport:
         load_E = self.routes_E.double()
@@ -88,18 +109,21 @@ class _LayerSums:
             max_entropy=math.log(self.num_experts),
             dead_experts=[e for e, n in enumerate(self.routes_E.tolist()) if n == 0],
             aux_loss=self.aux_sum / max(self.passes, 1),
+            ep_load_routed=self.ep_load_sum[0] / self.passes if self.passes else 1.0,
+            ep_load_computed=self.ep_load_sum[1] / self.passes if self.passes else 1.0,
         )
 
 
 class RoutingRecorder(nn.Module):
     """The model, plus a record of every forward pass's routing (it owns the model as a submodule, so
-    `.eval()`, `.parameters()` and the like reach it unchanged)."""
+    `.eval()`, `.parameters()` and the like reach it unchanged). `ep` and `replicas`: the run's expert-parallel
+    size and `--moe-expert-replicas`, for the EP load columns."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, ep: int = 1, replicas: int = 0):
         super().__init__()
         self.model = model
         layers = [(i, layer.mlp.num_experts) for i, layer in model.layer_items() if layer.is_moe]
-        self.sums = [_LayerSums(i, e) for i, e in layers]
+        self.sums = [_LayerSums(i, e, ep, replicas) for i, e in layers]
 
     def forward(self, *args, **kwargs):
         out = self.model(*args, **kwargs)
@@ -117,14 +141,15 @@ def format_table(report: list[LayerReport]) -> str:
         return "routing report: the model has no MoE layer"
     header = (
         f"{'layer':>5} {'experts':>7} {'routes':>9} {'max/mean':>8} {'CV':>6} {'dropped':>8} "
-        f"{'entropy':>14} {'dead':>5} {'aux loss':>9}"
+        f"{'entropy':>14} {'dead':>5} {'aux loss':>9} {'EP load routed→computed':>24}"
     )
     lines = ["routing report (evaluation data)", header]
     for r in report:
         entropy = f"{r.entropy:.3f}/{r.max_entropy:.3f}"
         lines.append(
             f"{r.layer:>5} {r.num_experts:>7} {r.tokens * r.topk:>9} {r.load_max_over_mean:>8.3f} {r.load_cv:>6.3f} "
-            f"{r.dropped_fraction:>8.2%} {entropy:>14} {len(r.dead_experts):>5} {r.aux_loss:>9.4f}"
+            f"{r.dropped_fraction:>8.2%} {entropy:>14} {len(r.dead_experts):>5} {r.aux_loss:>9.4f} "
+            f"{f'{r.ep_load_routed:.3f}→{r.ep_load_computed:.3f}':>24}"
         )
     lines.append("routes per expert (before dropping):")
     for r in report:

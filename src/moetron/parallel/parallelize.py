@@ -15,7 +15,7 @@
      split_for_pipeline  keep this pipeline rank's layers and ends (pp/split.py);
   2. apply_tp       split attention, dense MLPs and the vocabulary over the tp ranks; sequence parallelism
                     (tp/apply_tp.py);
-  3. apply_ep       keep this rank's `E / ep` experts, install the all-to-all dispatcher (ep/all_to_all.py);
+  3. apply_ep       keep this rank's `E / ep` experts, install the all-to-all dispatcher (ep/apply_ep.py);
   4. apply_moe_tp   each TP rank dispatches its share of the tokens through that dispatcher, or (expert TP)
                     keeps a slice of every expert's ffn channels (tp/moe.py);
   5. apply_ac       recompute each layer in backward (activation_checkpoint.py);
@@ -53,7 +53,7 @@ from moetron.parallel.compile import apply_compile
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.dp.replicate import DataParallel, apply_dp
 from moetron.parallel.dp.zero_spec import REPLICATED, ZeroSpec
-from moetron.parallel.ep.all_to_all import apply_ep
+from moetron.parallel.ep.apply_ep import apply_ep
 from moetron.parallel.grad_norm import global_grad_norm_sq
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
@@ -133,7 +133,14 @@ def build(cfg: RunConfig, mesh: ParallelMesh, device: torch.device | str) -> Par
     `--seed`, wrapped by data parallelism (or split into its pipeline stages)."""
     zero, layout = ZeroSpec.from_config(cfg), PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
     model = build_local_model(
-        cfg.model, mesh, device, cfg.train.seed, compile_blocks=cfg.train.compile, zero=zero, layout=layout
+        cfg.model,
+        mesh,
+        device,
+        cfg.train.seed,
+        compile_blocks=cfg.train.compile,
+        zero=zero,
+        layout=layout,
+        expert_replicas=cfg.parallel.moe_expert_replicas,
     )
     registry = ParamRegistry.from_model(model)
     record_tp_layouts(model, registry)
@@ -160,6 +167,7 @@ def build_local_model(
     compile_blocks: bool = False,
     zero: ZeroSpec = REPLICATED,
     layout: PipelineLayout | None = None,
+    expert_replicas: int = 0,
 ) -> GPTModel:
     """Steps 1–7 of `build`: this rank's part of the model, materialised on `device` and initialised from `seed`.
     `build` calls it; on its own it serves a model that is only read at a layout (`checkpoint.open_run(...).model(
@@ -170,7 +178,7 @@ def build_local_model(
         model = GPTModel(cfg)
     split_for_pipeline(model, mesh, layout)
     apply_tp(model, mesh)
-    apply_ep(model, mesh)
+    apply_ep(model, mesh, expert_replicas)
     apply_moe_tp(model, mesh)
     apply_ac(model, cfg.checkpoint_activations)
     apply_compile(model, compile_blocks, device, zero.compute_dtype)

@@ -36,6 +36,11 @@ METRIC_KEYS = (
     "skipped_steps",
     "expert_load_max_over_mean",
     "dropped_fraction",
+    "moe_ep_load_routed",
+    "moe_ep_load_computed",
+    "moe_dead_experts",
+    "moe_routing_entropy",
+    "routing_alarms",
 )
 OPTIONAL_METRIC_KEYS = ("mtp_loss",)  # only in runs that have them (--mtp-num-layers)
 EVAL_KEYS = ("iteration", "consumed_tokens", "valid_loss", "valid_ppl")
@@ -94,8 +99,10 @@ class IntervalMetrics:
         if step.mtp_loss is not None:
             self.mtp_sum = step.mtp_loss if self.mtp_sum is None else self.mtp_sum + step.mtp_loss
 
-    def reduce(self, all_reduce_mean) -> dict:
-        """Interval means over steps and data-parallel ranks (one collective, one host transfer)."""
+    def reduce(self, all_reduce_mean, extra: torch.Tensor | None = None) -> dict:
+        """Interval means over steps and data-parallel ranks (one collective, one host transfer). `extra` (fp64,
+        e.g. the routing-health flags) rides along: its mean over the ranks, not divided by the steps, is
+        returned as `out["extra"]` (None without it)."""
         n_layers = 0 if self.moe_stats is None else self.moe_stats.values.shape[0]
         packed = [self.sums]
         if n_layers:
@@ -103,7 +110,12 @@ class IntervalMetrics:
         mtp = self.mtp_sum is not None
         if mtp:  # last, so that the MoE statistics keep their place
             packed.append(self.mtp_sum.reshape(1))
+        n_extra = 0 if extra is None else extra.numel()
+        if n_extra:
+            packed.append(extra.to(self.device, torch.float64))
         flat = all_reduce_mean(torch.cat(packed)).cpu()
+        reduced_extra = flat[flat.numel() - n_extra :] if n_extra else None
+        flat = flat[: flat.numel() - n_extra]
         steps = self.steps or float("nan")
         flat = flat / steps
         mtp_loss = float(flat[-1]) if mtp else None
@@ -114,15 +126,30 @@ class IntervalMetrics:
             "grad_norm": self.grad_norm_sum / steps,
             "expert_load_max_over_mean": [],
             "dropped_fraction": [],
+            "moe_aux_loss": [],  # before moe_loss_coeff: read by the aux-loss-hacking alarm, not written
+            "extra": reduced_extra,
         }
         if n_layers:
             stats = MoEStats.from_flat(flat[2:])
             out["expert_load_max_over_mean"] = [round(float(v), 4) for v in stats.load_max_over_mean]
             out["dropped_fraction"] = [round(float(v), 4) for v in stats.dropped_fraction]
+            out["moe_aux_loss"] = [float(v) for v in stats.aux_loss]
+        out.update(ep_load_fields(stats if n_layers else None))
         if mtp_loss is not None:
             out["mtp_loss"] = mtp_loss
         self.reset()
         return out
+
+
+def ep_load_fields(stats: MoEStats | None) -> dict:
+    """`moe_ep_load_routed` / `moe_ep_load_computed`: rows per expert-parallel rank max/mean (by the experts'
+    owners / after `--moe-expert-replicas`), interval means, max over MoE layers; None for a dense model."""
+    if stats is None:
+        return {"moe_ep_load_routed": None, "moe_ep_load_computed": None}
+    return {
+        "moe_ep_load_routed": round(float(stats.ep_load_routed.max()), 4),
+        "moe_ep_load_computed": round(float(stats.ep_load_computed.max()), 4),
+    }
 
 
 def _iteration_of(line: str) -> float:
@@ -266,6 +293,9 @@ def write_tensorboard_train(tb, m: dict) -> None:
     for tag, value in scalars.items():
         add_scalar_vs(tb, tag, value, m)
     tb.add_scalar("iteration-time/tokens-per-sec", m["tokens_per_sec"], it)
+    if m.get("moe_ep_load_routed") is not None:
+        tb.add_scalar("moe/ep-load-routed", m["moe_ep_load_routed"], it)
+        tb.add_scalar("moe/ep-load-computed", m["moe_ep_load_computed"], it)
     for layer, (load, dropped) in enumerate(zip(m["expert_load_max_over_mean"], m["dropped_fraction"], strict=True)):
         tb.add_scalar(f"moe/load-max-over-mean layer {layer}", load, it)
         tb.add_scalar(f"moe/dropped-fraction layer {layer}", dropped, it)

@@ -41,6 +41,7 @@ from moetron.train.metrics import IntervalMetrics, RunLogger, StepSums
 from moetron.train.optim import build_optimizer, clip_gradients, local_grads
 from moetron.train.precision import autocast_context, build_loss_scaler
 from moetron.train.reduce import mean_over
+from moetron.train.routing_health import RoutingHealth
 from moetron.train.schedule import LRScheduler, build_schedule_spec
 from moetron.train.signals import StopFlag, StopSignal
 
@@ -104,6 +105,7 @@ class Trainer:
         self.scaler = build_loss_scaler(cfg.train)
         self.progress = Progress()
         self.metrics = IntervalMetrics(env.device)
+        self.health = RoutingHealth.from_config(cfg.train, self.model, env.device)  # routing alarms (on device)
         self.reduce_mean = mean_over(self.mesh, "dp")
         self.run_dir = cfg.run_dir()
         self.last_saved_iteration: int | None = None
@@ -126,6 +128,7 @@ class Trainer:
         m = self.cfg.model
         sums = StepSums(lm_loss, self.executor.moe_step_stats(), m.moe_loss_coeff, m.moe_z_loss_coeff)
         sums.add_mtp_loss(self.executor.last_mtp_loss)
+        self.health.observe_step(self.model)
         grads = local_grads(self.params)
         if scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)  # a power of two: exact
@@ -242,7 +245,8 @@ class Trainer:
     # ------------------------------------------------------------------ metrics and evaluation
     def _log(self, elapsed: float, iters: int) -> None:
         p, cfg = self.progress, self.cfg
-        reduced = self.metrics.reduce(self.reduce_mean)
+        reduced = self.metrics.reduce(self.reduce_mean, self.health.pack())
+        health_fields, alarms = self.health.check(reduced.pop("extra"), reduced, p.iteration)
         iter_time = elapsed / max(iters, 1)
         tokens_per_sec = self.gbs * self.seq / iter_time
         tflops = megatron_tflops(
@@ -261,8 +265,11 @@ class Trainer:
             "mfu": mfu(achieved, peak),
             "skipped_steps": p.skipped_steps,
             **reduced,
+            **health_fields,
         }
         self.logger.log_train(record, eta_s=(self.total_iters - p.iteration) * iter_time)
+        for line in alarms:
+            self.logger.print(line)
 
     def run_evaluation(self) -> dict | None:
         t = self.cfg.train

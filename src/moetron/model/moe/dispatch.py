@@ -147,6 +147,14 @@ class TokenDispatcher(Protocol):
         ...
 
 
+def ep_load_of(ctx: Any) -> torch.Tensor | None:
+    """The [2] expert-parallel load (routed, computed rows per rank, max/mean) a dispatcher's context carries, None
+    without expert parallelism. A wrapping dispatcher's context is a tuple whose first item is the inner one."""
+    while isinstance(ctx, tuple) and ctx:
+        ctx = ctx[0]
+    return getattr(ctx, "ep_load", None)
+
+
 @dataclass
 class LocalContext:
     order_R: torch.Tensor  # flat route index of each sorted row

@@ -32,7 +32,7 @@ from torch import nn
 from moetron.model.config import ModelConfig
 from moetron.model.init import seeded_draw, seeded_generator
 from moetron.model.moe.aux_loss import attach_aux_loss
-from moetron.model.moe.dispatch import LocalDispatcher, TokenDispatcher
+from moetron.model.moe.dispatch import LocalDispatcher, TokenDispatcher, ep_load_of
 from moetron.model.moe.experts.grouped import GroupedExperts
 from moetron.model.moe.routing.decision import Routing
 from moetron.model.moe.routing.router import Router
@@ -60,10 +60,21 @@ class MoEAux:
         return cfg.moe_loss_coeff * self.aux_loss.float() + cfg.moe_z_loss_coeff * self.z_loss.float()
 
 
-def step_stats(aux: MoEAux) -> MoEStats:
+def step_stats(aux: MoEAux, ep_load: torch.Tensor | None = None) -> MoEStats:
     """This forward's routing statistics (one layer, on device): see `MoEStats`."""
     routes = aux.routing.kept_TK.numel()
-    return MoEStats.measure(aux.tokens_per_expert_E, aux.dropped_routes, routes, aux.aux_loss, aux.z_loss)
+    return MoEStats.measure(aux.tokens_per_expert_E, aux.dropped_routes, routes, aux.aux_loss, aux.z_loss, ep_load)
+
+
+def routing_distribution(aux: MoEAux) -> torch.Tensor:
+    """[2, E] fp32 of one forward: routes per expert, and the router's probability of each expert averaged over the
+    tokens (the mean routing distribution; zeros where the router does not expose its probabilities)."""
+    routes_E = aux.tokens_per_expert_E.float()
+    probs_TE = aux.routing.probs_TE
+    mean_E = (
+        probs_TE.detach().float().mean(0) if probs_TE is not None and probs_TE.numel() else torch.zeros_like(routes_E)
+    )
+    return torch.stack([routes_E, mean_E])
 
 
 def in_backward() -> bool:
@@ -119,6 +130,7 @@ class MoELayer(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared and cfg.shared_expert_gate else None
         self._stats_sum: MoEStats | None = None
         self._stats_count = 0
+        self._routing_sum_2E: torch.Tensor | None = None  # Σ over forwards: routes per expert, mean router probs
         if not self.experts.w1_EDF.is_meta:
             self.init_weights(cfg.init_method_std, cfg.init_method_std / math.sqrt(2 * cfg.num_layers), seed=0)
 
@@ -139,7 +151,7 @@ class MoELayer(nn.Module):
             y_TD = y_TD + self._shared(x_TD)
         aux = self._aux(routing)
         if self.training and not in_backward():  # not again when activation checkpointing recomputes the layer
-            self._add_stats(aux)
+            self._add_stats(aux, ep_load_of(ctx))
         return attach_aux_loss(y_TD.reshape(x_BTD.shape), aux.loss(self.cfg)), aux
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -161,10 +173,19 @@ class MoELayer(nn.Module):
         )
 
     # ------------------------------------------------------------ statistics for the metrics
-    def _add_stats(self, aux: MoEAux) -> None:
-        stats = step_stats(aux)
+    def _add_stats(self, aux: MoEAux, ep_load: torch.Tensor | None) -> None:
+        stats = step_stats(aux, ep_load)
         self._stats_sum = stats if self._stats_sum is None else self._stats_sum + stats
         self._stats_count += 1
+        routing_2E = routing_distribution(aux)
+        self._routing_sum_2E = routing_2E if self._routing_sum_2E is None else self._routing_sum_2E + routing_2E
+
+    def take_routing(self) -> torch.Tensor | None:
+        """[2, E] summed over the training forwards since the last call: routes per expert (before dropping) and
+        the mean router probability of each expert (for the routing-health alarms); None if there was none. Resets;
+        no host sync."""
+        out, self._routing_sum_2E = self._routing_sum_2E, None
+        return out
 
     def take_stats(self) -> tuple[MoEStats | None, int]:
         """(the sum of `MoEStats` over the training forwards since the last call (on device), number of

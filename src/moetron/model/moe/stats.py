@@ -1,7 +1,7 @@
 """Routing statistics of MoE layers as one device tensor read by name: what the metrics log every interval.
 
-    stats = MoEStats.measure(tokens_per_expert_E, dropped_routes, routes, aux_loss, z_loss)  # one layer: [4]
-    stack = MoEStats.stack([layer_a, layer_b])       # [L_moe, 4]
+    stats = MoEStats.measure(tokens_per_expert_E, dropped_routes, routes, aux_loss, z_loss, ep_load)  # one layer: [6]
+    stack = MoEStats.stack([layer_a, layer_b])       # [L_moe, 6]
     stack.load_max_over_mean, stack.dropped_fraction  # [L_moe] each, still on device
 
 The values stay ONE fp32 tensor (not four scalars or a dict) so that summing over forwards, the mean over a step
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-FIELDS = ("load_max_over_mean", "dropped_fraction", "aux_loss", "z_loss")
+FIELDS = ("load_max_over_mean", "dropped_fraction", "aux_loss", "z_loss", "ep_load_routed", "ep_load_computed")
 
 
 def load_max_over_mean(load_E: torch.Tensor) -> torch.Tensor:
@@ -23,8 +23,10 @@ def load_max_over_mean(load_E: torch.Tensor) -> torch.Tensor:
 
 
 class MoEStats:
-    """`values` [..., 4] (fp32, on device): per layer the expert load max/mean (routes before dropping), the
-    dropped fraction of all routes, the aux loss and the z-loss (without their coefficients)."""
+    """`values` [..., 6] (fp32, on device): per layer the expert load max/mean (routes before dropping), the
+    dropped fraction of all routes, the aux loss and the z-loss (without their coefficients), and the rows per
+    expert-parallel rank max/mean: routed (by the experts' owners) and computed (after `--moe-expert-replicas`;
+    both 1.0 without expert parallelism, where one rank computes everything)."""
 
     WIDTH = len(FIELDS)
     __slots__ = ("values",)
@@ -44,11 +46,16 @@ class MoEStats:
         routes: int,
         aux_loss: torch.Tensor,
         z_loss: torch.Tensor,
+        ep_load: torch.Tensor | None = None,
     ) -> MoEStats:
-        """One layer's statistics of one forward (detached); `routes` = T·K, the routes before dropping."""
+        """One layer's statistics of one forward (detached); `routes` = T·K, the routes before dropping;
+        `ep_load` [2] the routed and computed EP load (None: no expert parallelism, 1.0 each)."""
         load = load_max_over_mean(tokens_per_expert_E.float())
         dropped = dropped_routes.float() / max(routes, 1)
-        return cls(torch.stack([load, dropped, aux_loss.detach().float(), z_loss.detach().float()]).detach())
+        if ep_load is None:
+            ep_load = torch.ones(2, device=load.device)
+        losses = [aux_loss.detach().float(), z_loss.detach().float()]
+        return cls(torch.cat([torch.stack([load, dropped, *losses]), ep_load.detach().float()]).detach())
 
     @classmethod
     def zeros(cls, device: torch.device | str, dtype: torch.dtype = torch.float32) -> MoEStats:
@@ -57,7 +64,7 @@ class MoEStats:
 
     @classmethod
     def stack(cls, rows: list[MoEStats]) -> MoEStats:
-        """[L_moe, 4] from one row per layer, in layer order."""
+        """[L_moe, 6] from one row per layer, in layer order."""
         return cls(torch.stack([row.values for row in rows]))
 
     @classmethod
@@ -93,6 +100,14 @@ class MoEStats:
     @property
     def z_loss(self) -> torch.Tensor:
         return self.values[..., 3]
+
+    @property
+    def ep_load_routed(self) -> torch.Tensor:
+        return self.values[..., 4]
+
+    @property
+    def ep_load_computed(self) -> torch.Tensor:
+        return self.values[..., 5]
 
     def moe_loss(self, moe_loss_coeff: float, z_coeff: float) -> torch.Tensor:
         """Σ over layers of moe_loss_coeff · aux loss + z_coeff · z-loss (fp64 scalar, on device)."""

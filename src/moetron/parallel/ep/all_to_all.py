@@ -17,6 +17,11 @@ up; nothing is dropped in that mode, so the all-reduce changes no value, and une
 unnecessary here. The one host sync per layer and step is the `.tolist()` of the exchanged counts (the
 split sizes must be host integers).
 
+The counts travel as an all-gather (every rank gets every rank's `counts_E`: [R, E]), not an all-to-all, so
+that every rank also knows how many rows each EP rank's experts receive: the EP load (`moe_ep_load_routed`,
+rows per rank by owner, max/mean) rides on the context as a device tensor, and `--moe-expert-replicas`
+(`replicas.py`) plans its copies of hot experts from the same matrix with no further exchange.
+
 Shape legend: T local tokens, D hidden size, E global experts, R ranks in the EP group, L local experts
 (E = R·L), Q = T·K routes (permute's rows: kept first), N rows this rank sends (its kept routes), M rows it
 receives (routes for its own experts).
@@ -29,13 +34,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moetron.model.gpt import GPTModel
 from moetron.model.moe.dispatch import permute, unpermute
 from moetron.model.moe.experts.grouped import GroupedExperts
 from moetron.model.moe.layer import MoELayer
 from moetron.model.moe.routing.decision import Routing
 from moetron.parallel.diagnosis import NO_SITE, Site
-from moetron.parallel.mesh import ParallelMesh
+from moetron.parallel.ep.replica_plan import max_over_mean, owner_load
 
 
 class AllToAll(torch.autograd.Function):
@@ -68,6 +72,7 @@ class AllToAllContext:
     send_splits: list[int]  # rows sent to each rank of the group
     recv_splits: list[int]  # rows received from each rank
     local_order_M: torch.Tensor  # received row of each expert-sorted row
+    ep_load: torch.Tensor  # fp32 [2]: rows per EP rank max/mean, routed (by owner) and computed (after replicas)
 
 
 class AllToAllDispatcher:
@@ -91,25 +96,39 @@ class AllToAllDispatcher:
             f"ep_rank={self.ep_rank}/{self.ep_size})"
         )
 
-    def exchange_counts(self, counts_E: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
-        """(recv_RL, send_splits, recv_splits): recv_RL[r, l] = rows peer r sends to my local expert l."""
+    def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """counts_RE: the routes every rank of the group sends to every global expert (an all-gather)."""
+        counts_RE = counts_E.new_empty(self.ep_size * self.num_experts)  # flat: gloo's all-gather wants 1-D
+        dist.all_gather_into_tensor(counts_RE, counts_E.contiguous(), group=self.group)
+        return counts_RE.view(self.ep_size, self.num_experts)
+
+    def my_experts(self, x_RE: torch.Tensor) -> torch.Tensor:
+        """The columns of this rank's own experts."""
+        first = self.ep_rank * self.num_local
+        return x_RE[:, first : first + self.num_local]
+
+    def exchange_counts(self, counts_E: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
+        """(recv_RL, send_splits, recv_splits, counts_RE): recv_RL[r, l] = rows peer r sends to my local expert l."""
+        counts_RE = self.gather_counts(counts_E)
+        recv_RL = self.my_experts(counts_RE)
         counts_RL = counts_E.view(self.ep_size, self.num_local)
-        recv_RL = torch.empty_like(counts_RL)
-        dist.all_to_all_single(recv_RL, counts_RL, group=self.group)
         # one host transfer for both split lists: the only sync this dispatcher adds
         sizes = torch.cat([counts_RL.sum(1), recv_RL.sum(1)]).tolist()
-        return recv_RL, sizes[: self.ep_size], sizes[self.ep_size :]
+        return recv_RL, sizes[: self.ep_size], sizes[self.ep_size :], counts_RE
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, AllToAllContext]:
         """(x_MD, counts_L, ctx): the rows for this rank's experts from every peer, sorted by local expert."""
         x_QD, counts_E, order_Q, _ = permute(x_TD, routing.expert_ids_TK, routing.kept_TK, self.num_experts)
         with self.forward_site:
-            recv_RL, send_splits, recv_splits = self.exchange_counts(counts_E)
+            recv_RL, send_splits, recv_splits, counts_RE = self.exchange_counts(counts_E)
             num_sent = sum(send_splits)  # the kept routes; the dropped ones (the tail) stay here
             x_MD = AllToAll.apply(x_QD[:num_sent], recv_splits, send_splits, self.group, self.backward_site)
         local_order_M = regroup_by_local_expert(recv_RL, sum(recv_splits))
         order_N = order_Q[:num_sent]
-        ctx = AllToAllContext(order_N, routing.weights_TK, x_TD.shape[0], send_splits, recv_splits, local_order_M)
+        load = max_over_mean(owner_load(counts_RE))
+        ctx = AllToAllContext(
+            order_N, routing.weights_TK, x_TD.shape[0], send_splits, recv_splits, local_order_M, load.repeat(2)
+        )
         return x_MD.index_select(0, local_order_M), recv_RL.sum(0), ctx
 
     def combine(self, y_MD: torch.Tensor, ctx: AllToAllContext) -> torch.Tensor:
@@ -166,18 +185,3 @@ def shard_layer_experts(moe: MoELayer, ep_rank: int, ep_size: int) -> None:
             for name, param in new.named_parameters():
                 param.copy_(getattr(old, name)[start : start + local])
     moe.experts = new
-
-
-def apply_ep(model: GPTModel, mesh: ParallelMesh) -> None:
-    """Keep only this rank's experts in every MoE layer and route tokens to the others by all-to-all.
-
-    Call on the meta device before materialising (expert memory then scales as 1 / ep from the start); a
-    built model is sharded too (correct, but it briefly holds every expert). No-op when ep == 1."""
-    ep_size = mesh.size("ep")
-    if ep_size == 1:
-        return
-    ep_rank, group = mesh.coords.ep, mesh.group("ep")
-    for moe in model.moe_layers():
-        shard_layer_experts(moe, ep_rank, ep_size)
-        if group is not None:
-            moe.dispatcher = AllToAllDispatcher(moe.num_experts, group, ep_size, ep_rank, moe.layer_index)
