@@ -149,10 +149,11 @@ def batch_chunks(label: str, batches, keys: list[str], chunk_bytes: int) -> Iter
         columns = [batch.column(key) for key in keys]
         texts = [column.to_pylist() for column in columns]
         sizes = sum(pc.fill_null(pc.binary_length(column), 0).to_numpy(zero_copy_only=False) for column in columns)
-        for i in range(batch.num_rows):
+        records = [dict(zip(keys, values, strict=True)) for values in zip(*texts, strict=True)]
+        for record, size in zip(records, sizes.tolist(), strict=True):
             row += 1
-            chunk.records.append((row, {key: values[i] for key, values in zip(keys, texts, strict=True)}))
-            chunk.nbytes += int(sizes[i])
+            chunk.records.append((row, record))
+            chunk.nbytes += size
             if chunk.nbytes >= chunk_bytes:
                 yield chunk
                 chunk = Chunk(label, COLUMNS)
