@@ -78,6 +78,8 @@ def main() -> int:
                 typical = statistics.median(baseline)
                 blocked[side].append(held)
                 costs[side].append(held + sum(t - typical for t in after))
+            sync, async_ = costs["sync"][-1], costs["async"][-1]
+            print(f"round {round_ + 1}: lost per save sync {sync:.3f} s, async {async_:.3f} s", flush=True)
         checkpoint_mb = sum(f.stat().st_size for f in (Path(tmp) / "sync").rglob("*.distcp")) / 1e6
     model = f"{params / 1e6:.1f}M parameters ({params * 4 / 1e6:.0f} MB fp32), checkpoint {checkpoint_mb:.0f} MB"
     print(f"model: {model}; median step {statistics.median(baseline):.3f} s; {args.rounds} interleaved rounds")

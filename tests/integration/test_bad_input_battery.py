@@ -176,6 +176,7 @@ CASES = [
     ),  # fmt: skip
     ("train-peak-tflops", lambda w: train("--peak-tflops", "-3"), "--peak-tflops -3 must be a positive"),
     ("train-peak-tflops-nan", lambda w: train("--peak-tflops", "nan"), "--peak-tflops nan must be a positive"),
+    ("train-async-save-no-save", lambda w: train("--async-save"), "--async-save is set without --save"),
     # ---- preprocess
     ("preprocess-missing-input", lambda w: preprocess(w, inputs="missing.jsonl"), "--input 'missing.jsonl'"),
     ("preprocess-wrong-key", lambda w: preprocess(w, "--json-keys", "content"), "for key 'content'"),
