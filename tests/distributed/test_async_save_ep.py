@@ -37,6 +37,7 @@ def save_both_ways(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_async_save_with_expert_parallelism_writes_the_synchronous_files(tmp_path):
     results = run_distributed(save_both_ways, world_size=2, args=(str(tmp_path),))
