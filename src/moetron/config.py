@@ -93,6 +93,7 @@ class TrainConfig:
     # ---- checkpoints ----
     save: str | None = None  # checkpoint directory (also the run directory)
     save_interval: int | None = None  # iterations between checkpoints (one is always saved at the end)
+    async_save: bool = False  # copy the tensors to CPU and write them in the background while training goes on
     load: str | None = None  # a run directory (its latest checkpoint) or an iter_* directory to resume from
     finetune: bool = False  # load weights only; iteration, optimizer and data position start at 0 (a new --save)
     no_load_optim: bool = False

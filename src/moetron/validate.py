@@ -72,6 +72,8 @@ def train_problems(cfg: RunConfig, dp: int) -> list[str]:
         p.append("--fp16 and --bf16 are both set; choose one")
     if t.save_interval is not None and not t.save:
         p.append(f"--save-interval {t.save_interval} is set without --save; add --save DIR or drop the interval")
+    if t.async_save and not t.save:
+        p.append("--async-save is set without --save; add --save DIR or drop --async-save")
     if t.finetune and not t.load:
         p.append("--finetune needs --load CHECKPOINT_DIR (the weights to start from)")
     if t.exit_on_missing_checkpoint and not t.load:

@@ -8,6 +8,9 @@
   shards    in that save, after every tensor was written, before state.json
   renamed   in that save, after the staging directory became iter_*, before `latest` moved
   latest    in that save, after `latest` moved, before old checkpoints are pruned
+  write     in that save, after DCP wrote its first tensor (with --async-save: in the background thread, while
+            training goes on)
+Under --async-save the phases are those of `AsyncCheckpointer`'s save: its part between steps and its thread's.
 <signal> (default KILL) is sent to this process there; with `rank1-` before <where> only global rank 1 does it.
 <signal> RAISE raises a RuntimeError there instead (an internal error of that rank alone).
 """
@@ -34,7 +37,10 @@ def install(spec: str) -> None:
             raise RuntimeError(f"injected fault at {where} {iteration} on rank {os.environ.get('RANK', '0')}")
         os.kill(os.getpid(), sig)
 
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
     from moetron.checkpoint import files
+    from moetron.checkpoint.async_save import AsyncCheckpointer
     from moetron.train import trainer as trainer_module
 
     if where == "step":
@@ -52,29 +58,40 @@ def install(spec: str) -> None:
         "shards": (files, "write_json", "before"),
         "renamed": (files, "write_text_atomic", "before"),
         "latest": (files, "prune", "before"),
+        "write": (dcp_files, "_write_item", "after"),
     }
     module, name, when = hooks[where]
-    original, saving = getattr(module, name), [None]  # the iteration being saved right now
+    original = getattr(module, name)
+    saving: list[int] = []  # the iterations being saved now (with --async-save: by the loop and by the writer thread)
 
     def hooked(*args, **kwargs):
-        if saving[0] == iteration and when == "before":
+        if iteration in saving and when == "before":
             fire()
         out = original(*args, **kwargs)
-        if saving[0] == iteration and when == "after":
+        if iteration in saving and when == "after":
             fire()
         return out
 
-    original_save = trainer_module.save_checkpoint
+    def saving_while(method, position: int):  # `method`'s argument `position` is the iteration it saves
+        def wrapped(*args, **kwargs):
+            saving.append(args[position])
+            try:
+                return method(*args, **kwargs)
+            finally:
+                saving.remove(args[position])
 
-    def save_checkpoint(run_dir, it, *args, **kwargs):
-        saving[0] = it
-        try:
-            return original_save(run_dir, it, *args, **kwargs)
-        finally:
-            saving[0] = None
+        return wrapped
 
     setattr(module, name, hooked)
-    trainer_module.save_checkpoint = save_checkpoint
+    trainer_module.save_checkpoint = saving_while(trainer_module.save_checkpoint, 1)
+    async_save = saving_while(AsyncCheckpointer.save, 2)  # (self, run_dir, iteration, ...)
+
+    def save_after_the_write_in_flight(self, *args, **kwargs):  # the write of an earlier save is not this save's
+        self.wait()
+        return async_save(self, *args, **kwargs)
+
+    AsyncCheckpointer.save = save_after_the_write_in_flight
+    AsyncCheckpointer._finish = saving_while(AsyncCheckpointer._finish, 3)  # (self, future, run_dir, iteration, ...)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,8 @@ def world(tmp_path_factory) -> Path:
     (w / "typo.yaml").write_text("num_layer: 2\n")
     (w / "recipe.yaml").write_text("vocab_size: 50257\ntrain_iters: 2\n")
     (w / "empty.jsonl").write_text("")
+    write_parquet(w / "docs.parquet", TEXTS)
+    (w / "garbage.parquet").write_bytes(b"PAR1 this is not a parquet file")
     (w / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
     (w / "garbage_ckpt").mkdir()
     (w / "garbage_ckpt" / "state.json").write_text("{}")
@@ -65,6 +67,13 @@ def world(tmp_path_factory) -> Path:
         mp.chdir(w)
         assert main(["train", *TINY, "--vocab-size", "300", "--data-path", good, "--save", str(w / "run")]) == 0
     return w
+
+
+def write_parquet(path: Path, texts: list[str]) -> None:
+    import pyarrow as pa  # the [parquet] extra, in [dev]
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": texts}), path)
 
 
 def write_moe_checkpoint_config(directory: Path) -> None:
@@ -179,6 +188,7 @@ CASES = [
     ("train-mtp-past-sequence", lambda w: train("--mtp-num-layers", "8"), "--mtp-num-layers must be in [0, --seq"),
     ("train-replicas-no-ep", lambda w: train("--moe-expert-replicas", "1"), "--moe-expert-replicas 1 needs --moe-exp"),
     ("train-replicas-negative", lambda w: train("--moe-expert-replicas", "-1"), "--moe-expert-replicas -1 must be >="),
+    ("train-async-save-no-save", lambda w: train("--async-save"), "--async-save is set without --save"),
     # ---- preprocess
     ("preprocess-missing-input", lambda w: preprocess(w, inputs="missing.jsonl"), "--input 'missing.jsonl'"),
     ("preprocess-wrong-key", lambda w: preprocess(w, "--json-keys", "content"), "for key 'content'"),
@@ -192,6 +202,18 @@ CASES = [
     ),  # fmt: skip
     ("preprocess-garbage-vocab", lambda w: [*preprocess(w), "--vocab-file", "a_file"], "--vocab-file 'a_file'"),
     ("preprocess-workers", lambda w: preprocess(w, "--workers", "0"), "--workers 0"),
+    (
+        "preprocess-parquet-no-column",
+        lambda w: preprocess(w, "--text-key", "content", inputs="docs.parquet"),
+        "--input 'docs.parquet' has no column 'content' (columns: text)",
+    ),  # fmt: skip
+    (
+        "preprocess-parquet-garbage",
+        lambda w: preprocess(w, inputs="garbage.parquet"),
+        "--input 'garbage.parquet' is not a readable Parquet file",
+    ),  # fmt: skip
+    ("preprocess-dir-no-data", lambda w: preprocess(w, inputs="tok"), "--input 'tok' is a directory with no .parquet"),
+    ("preprocess-hub-unreachable", lambda w: preprocess(w, inputs="hf://datasets/nobody/nothing"), "nobody/nothing'"),
     # ---- inspect
     ("inspect-missing", lambda w: ["inspect", "nothing_here"], "nothing_here.idx"),
     ("inspect-garbage", lambda w: ["inspect", "garbage_text_document"], "garbage_text_document.idx"),

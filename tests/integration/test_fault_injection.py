@@ -30,7 +30,9 @@ def flags(prefix: str, run: Path) -> list[str]:
     return [*common, "--eval-iters", "0", "--save", str(run), "--load", str(run)]
 
 
-def train(prefix: str, run: Path, fault: str | None = None, nproc: int = 1) -> subprocess.CompletedProcess:
+def train(
+    prefix: str, run: Path, fault: str | None = None, nproc: int = 1, extra: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in ENV.items() if k != "MOETRON_TEST_FAULT"}
     if fault:
         env["MOETRON_TEST_FAULT"] = fault
@@ -38,7 +40,7 @@ def train(prefix: str, run: Path, fault: str | None = None, nproc: int = 1) -> s
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     batch = ["--global-batch-size", str(2 * nproc)]  # micro batch 2 on every rank
-    cmd = [*launcher, str(HERE / "fault_worker.py"), "train", *flags(prefix, run), *batch]
+    cmd = [*launcher, str(HERE / "fault_worker.py"), "train", *flags(prefix, run), *batch, *extra]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -71,11 +73,13 @@ def corpus(tmp_path_factory) -> tuple[str, dict[int, float]]:
     return prefix, curve(tmp / "straight")
 
 
-def kill_then_resume(prefix: str, run: Path, fault: str, reference: dict[int, float], nproc: int = 1) -> int:
-    killed = train(prefix, run, fault, nproc)
+def kill_then_resume(
+    prefix: str, run: Path, fault: str, reference: dict[int, float], nproc: int = 1, extra: tuple[str, ...] = ()
+) -> int:
+    killed = train(prefix, run, fault, nproc, extra)
     assert killed.returncode != 0, f"{fault}: the injected fault did not stop the run"
     saved = assert_loadable(run) if (run / "latest").exists() or list(run.glob("iter_*")) else 0
-    resumed = train(prefix, run, nproc=nproc)
+    resumed = train(prefix, run, nproc=nproc, extra=extra)
     assert resumed.returncode == 0, f"{fault}: {resumed.stderr[-2000:]}"
     assert curve(run) == reference, f"{fault}: the resumed curve differs from the uninterrupted one"
     assert assert_loadable(run) == ITERS
@@ -105,6 +109,24 @@ def test_sigterm_during_a_save_saves_once_and_exits_zero(corpus, tmp_path):
     assert "received SIGTERM: saving at iteration 4 and exiting" in done.stdout
     assert done.stdout.count("saved checkpoint") == 2  # iterations 2 and 4, the latter once
     assert assert_loadable(run) == 4
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_asynchronous_save_and_sigterm_waiting_for_one(corpus, tmp_path):
+    """--async-save: kill -9 while the writer thread writes iteration 4's tensors (training has gone on) or between
+    its rename and `latest`; then a SIGTERM during that write: the run finishes it, saves once more, exits 0."""
+    prefix, reference = corpus
+    asynchronous = ("--async-save",)
+    assert kill_then_resume(prefix, tmp_path / "write", "write:4", reference, extra=asynchronous) == 2
+    # renamed to iter_0000004 but `latest` not moved yet: the previous checkpoint is the one loaded
+    assert kill_then_resume(prefix, tmp_path / "renamed", "renamed:4", reference, extra=asynchronous) == 2
+    run = tmp_path / "term"
+    done = train(prefix, run, "write:4:TERM", extra=asynchronous)
+    assert done.returncode == 0, done.stderr[-2000:]
+    stopped_at = int(done.stdout.split("received SIGTERM: saving at iteration ")[1].split()[0])
+    assert stopped_at in (4, 5), done.stdout  # the step during which the signal came, or the one after it
+    assert done.stdout.count("saving checkpoint (in the background)") == 2 + (stopped_at == 5)
+    assert assert_loadable(run) == stopped_at and (run / "iter_0000004" / ".metadata").is_file()
 
 
 @pytest.mark.slow

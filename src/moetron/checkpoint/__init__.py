@@ -6,6 +6,7 @@
     trainer_state = load_checkpoint(path, view, optimizer)
     run = open_run("runs/moe"); model = run.model("cpu")   # to use a checkpoint: eval, generate, export, upcycle
 
+`async_save.py`: `--async-save` (`AsyncCheckpointer`: the same save, written by a background thread from a CPU copy);
 `open.py`: the one way a command opens a checkpoint to use it (`open_run`, `load_model`, one error per failure);
 `files.py`: the run directory (atomic publish, `latest`, pruning, one-line errors); `state.py`: what the tensors
 are and how DCP writes and reads them; `rng_files.py`: per-rank generator states; `legacy.py`: moetron 0.1's

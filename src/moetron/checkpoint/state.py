@@ -211,12 +211,18 @@ def _attempt(write) -> BaseException | None:
     return None
 
 
-def _fail_everywhere_if_any(env, failure: BaseException | None, run_dir: Path, iteration: int, discard=None) -> None:
-    """Agree on every rank whether the phase failed anywhere; if so, clean up and raise the same kind of line."""
+def _fail_everywhere_if_any(
+    env, failure: BaseException | None, run_dir: Path, iteration: int, discard=None, group=None
+) -> None:
+    """Agree on every rank whether the phase failed anywhere; if so, clean up and raise the same kind of line.
+    `group`: a gloo group to agree over instead of the world's (the asynchronous save's writer thread)."""
     failed = failure is not None
     if env.distributed:
-        flag = torch.tensor([float(failed)], device=env.device)
-        env.all_reduce_(flag, op=dist.ReduceOp.MAX)
+        flag = torch.tensor([float(failed)], device=env.device if group is None else "cpu")
+        if group is None:
+            env.all_reduce_(flag, op=dist.ReduceOp.MAX)
+        else:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         failed = bool(flag.item())  # a host read, once per checkpoint save
     if not failed:
         return

@@ -1,5 +1,6 @@
-"""`moetron preprocess`: JSONL/text -> Megatron `.bin`/`.idx`, with `tools/preprocess_data.py`'s flags (arguments
-and printing; the work is `moetron.data.preprocess`, the same concept one level down)."""
+"""`moetron preprocess`: JSONL/text/Parquet/Arrow/Hub datasets -> Megatron `.bin`/`.idx`, with
+`tools/preprocess_data.py`'s flags (arguments and printing; the work is `moetron.data.preprocess`, the same concept
+one level down)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--input",
         nargs="+",
         required=True,
-        help="JSONL (one JSON object a line), .txt (documents separated by blank lines), .gz of either, or a glob",
+        help="JSONL (one JSON object a line), .txt (documents separated by blank lines), .gz of either, .parquet, "
+        "a directory of .parquet files or from datasets.save_to_disk, hf://datasets/OWNER/NAME, or a glob",
     )
-    data.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize; one output pair per key")
+    data.add_argument(
+        "--json-keys",
+        "--text-key",
+        dest="json_keys",
+        nargs="+",
+        default=["text"],
+        help="keys (JSONL) or columns (Parquet, Arrow, Hub) to tokenize; one output pair per key",
+    )
+    data.add_argument("--split", default="train", help="split of an hf:// dataset or a save_to_disk DatasetDict")
     tok = parser.add_argument_group("tokenizer")
     tok.add_argument("--tokenizer-type", required=True, help=f"one of {', '.join(TOKENIZER_TYPES)}")
     tok.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
@@ -68,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model,
         json_keys=args.json_keys,
+        split=args.split,
         append_eod=args.append_eod,
         workers=args.workers,
         log_interval=args.log_interval,

@@ -1,7 +1,8 @@
-"""Tokenize JSONL/text into Megatron `.bin`/`.idx` pairs: streaming, ordered, parallel, all-or-nothing.
+"""Tokenize JSONL/text, Parquet, Arrow and Hub datasets into Megatron `.bin`/`.idx` pairs: streaming, ordered,
+parallel, all-or-nothing.
 
-The main process reads records in chunks (readers.py) and hands them to `workers` processes, keeping at most
-two chunks per worker in flight so memory stays flat however large the input; results are written in input
+The main process reads records in chunks (text_sources.py, readers.py) and hands them to `workers` processes, keeping
+at most two chunks per worker in flight so memory stays flat however large the input; results are written in input
 order, so the output is byte-identical for any worker count. Each worker decodes, parses and batch-encodes
 its chunk with the Rust tokenizer and returns flat token arrays.
 
@@ -26,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from moetron.data.indexed import IndexedDatasetBuilder, best_dtype, bin_path, idx_path, remove_stale_temporaries
-from moetron.data.readers import Chunk, iter_chunks, parse_record, resolve_inputs
+from moetron.data.readers import Chunk, parse_record
+from moetron.data.text_sources import chunks_of, resolve_sources, total_bytes
 from moetron.data.tokenizer import Tokenizer, build_tokenizer
 from moetron.errors import UserError, sigterm_raises
 from moetron.fileio import output_file_problem
@@ -44,7 +46,8 @@ class PreprocessOptions:
     vocab_file: str | None = None
     merge_file: str | None = None
     tokenizer_model: str | None = None
-    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    json_keys: list[str] = field(default_factory=lambda: ["text"])  # JSON keys, or columns of Parquet/Arrow/Hub
+    split: str = "train"  # the split of a Hub dataset or a save_to_disk DatasetDict
     append_eod: bool = False
     workers: int = 1
     log_interval: int = 1000
@@ -144,7 +147,7 @@ def encode_chunk(chunk: Chunk, keys: list[str], append_eod: bool) -> EncodedChun
     return EncodedChunk(tokens, lengths, problems, bad_records, chunk.nbytes)
 
 
-def _check_before_work(options: PreprocessOptions) -> tuple[list[Path], Tokenizer]:
+def _check_before_work(options: PreprocessOptions) -> tuple[list, Tokenizer]:
     if options.workers < 1:
         raise UserError(f"--workers {options.workers} must be at least 1")
     if not options.json_keys:
@@ -154,11 +157,11 @@ def _check_before_work(options: PreprocessOptions) -> tuple[list[Path], Tokenize
             problem = output_file_problem(f"--output-prefix '{options.output_prefix}'", path)
             if problem:
                 raise UserError(problem)
-    files = resolve_inputs(options.inputs)
+    sources = resolve_sources(options.inputs, options.json_keys, options.split)
     tokenizer = build_tokenizer(*options.tokenizer_args())
     if options.append_eod:
         tokenizer.eod  # noqa: B018 - raises the one-line error now rather than inside a worker
-    return files, tokenizer
+    return sources, tokenizer
 
 
 class _Progress:
@@ -203,11 +206,11 @@ def _worker_pool(workers: int, tokenizer_args: tuple) -> multiprocessing.pool.Po
     return multiprocessing.get_context(method).Pool(workers, _init_worker, (tokenizer_args, True))
 
 
-def _encoded_chunks(options: PreprocessOptions, files: list[Path], tokenizer: Tokenizer):
+def _encoded_chunks(options: PreprocessOptions, sources: list, tokenizer: Tokenizer):
     """EncodedChunks in input order, computed in-process (1 worker) or by a bounded, ordered process pool."""
     global _worker_tokenizer
     _worker_tokenizer = tokenizer
-    chunks = iter_chunks(files, options.chunk_bytes)
+    chunks = chunks_of(sources, options.json_keys, options.chunk_bytes)
     job = (options.json_keys, options.append_eod)
     # The first chunk is encoded here, before any pool starts: an input of one chunk never starts a pool at all.
     first = next(chunks, None)
@@ -269,15 +272,14 @@ def preprocess(options: PreprocessOptions) -> PreprocessSummary:
 
     An output without a single document is an error too: an empty input, or `--json-keys` that match no record.
     """
-    files, tokenizer = _check_before_work(options)
+    sources, tokenizer = _check_before_work(options)
     stale = [p for key in options.json_keys for p in remove_stale_temporaries(options.output_path(key))]
     dtype = best_dtype(tokenizer.vocab_size)
-    total_bytes = None if any(f.name.endswith(".gz") for f in files) else sum(f.stat().st_size for f in files)
     start = time.perf_counter()
     builders: dict[str, IndexedDatasetBuilder] = {}
-    progress = _Progress(options.log_interval, total_bytes)
+    progress = _Progress(options.log_interval, total_bytes(sources))
     problems, bad_records, empty, nbytes = [], 0, 0, 0
-    results = _encoded_chunks(options, files, tokenizer)
+    results = _encoded_chunks(options, sources, tokenizer)
     try:
         with _sigterm_as_error(options.output_prefix):
             for key in options.json_keys:

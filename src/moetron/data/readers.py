@@ -24,8 +24,8 @@ class Chunk:
     """Consecutive records of one file, the unit of work sent to a worker."""
 
     source: str
-    format: str  # "jsonl" or "text"
-    records: list[tuple[int, bytes]] = field(default_factory=list)  # (line number, raw bytes)
+    format: str  # "jsonl", "text", or "columns" (text_sources.py: Parquet, Arrow, the Hub)
+    records: list[tuple[int, bytes | dict]] = field(default_factory=list)  # (line or row number, raw bytes or texts)
     nbytes: int = 0
 
 
@@ -38,17 +38,24 @@ def resolve_inputs(patterns: list[str]) -> list[Path]:
             raise UserError(f"--input '{pattern}' matches no file")
         for match in matches:
             path = Path(match)
-            if not path.exists():
-                raise UserError(f"--input '{path}' does not exist")
-            if not path.is_file():
+            if path.is_dir():
                 raise UserError(f"--input '{path}' is not a file (give a file or a glob such as 'dir/*.jsonl')")
-            try:
-                with open(path, "rb"):
-                    pass
-            except OSError as err:
-                raise UserError(f"--input '{path}' cannot be read ({err.strerror})") from None
-            files.append(path)
+            files.append(check_readable(path))
     return files
+
+
+def check_readable(path: Path) -> Path:
+    """`path`, or the one-line reason it cannot be read as an input file."""
+    if not path.exists():
+        raise UserError(f"--input '{path}' does not exist")
+    if not path.is_file():
+        raise UserError(f"--input '{path}' is not a file (give a file or a glob such as 'dir/*.jsonl')")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as err:
+        raise UserError(f"--input '{path}' cannot be read ({err.strerror})") from None
+    return path
 
 
 def input_format(path: Path) -> str:
@@ -112,7 +119,10 @@ def iter_chunks(paths: list[Path], chunk_bytes: int) -> Iterator[Chunk]:
 
 
 def parse_record(fmt: str, raw: bytes, keys: list[str]) -> tuple[dict[str, str] | None, str | None]:
-    """The texts of one record by key, or (None, the reason it cannot be used)."""
+    """The texts of one record by key, or (None, the reason it cannot be used). A record of format "columns" (Parquet,
+    Arrow, the Hub: text_sources.py) is already `{key: value}`, checked like a JSON object's values."""
+    if fmt == "columns":
+        return _string_values(raw, keys)
     try:
         decoded = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -125,6 +135,10 @@ def parse_record(fmt: str, raw: bytes, keys: list[str]) -> tuple[dict[str, str] 
         return None, f"malformed JSON ({err.msg} at column {err.colno})"
     if not isinstance(data, dict):
         return None, f"not a JSON object but {type(data).__name__}"
+    return _string_values(data, keys)
+
+
+def _string_values(data: dict, keys: list[str]) -> tuple[dict[str, str] | None, str | None]:
     texts = {}
     for key in keys:
         if key not in data:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from moetron.checkpoint import GlobalView, load_checkpoint, save_checkpoint
+from moetron.checkpoint.async_save import AsyncCheckpointer
 from moetron.config import RunConfig
 from moetron.errors import UserError
 from moetron.fileio import write_atomic
@@ -109,6 +110,7 @@ class Trainer:
         self.reduce_mean = mean_over(self.mesh, "dp")
         self.run_dir = cfg.run_dir()
         self.last_saved_iteration: int | None = None
+        self.async_saver = AsyncCheckpointer(env) if cfg.train.async_save and cfg.train.save else None
         self.logger: RunLogger | None = None
         self.stop: StopSignal | None = None  # set while train() runs
         self.stop_agreed = False  # every rank's verdict after the last step: some rank got a signal
@@ -177,9 +179,21 @@ class Trainer:
         self.model.train()
         try:
             with StopSignal() as stop, rank_failures(self.mesh, self.env.rank):
-                return self._loop(stop)
+                return self._loop_then_wait_for_saves(stop)
         finally:
             self.logger.close()
+
+    def _loop_then_wait_for_saves(self, stop: StopSignal) -> int:
+        """The loop; then (--async-save) the write in flight ends before the run does, a SIGTERM's final save too."""
+        if self.async_saver is None:
+            return self._loop(stop)
+        try:
+            code = self._loop(stop)
+        except BaseException:
+            self.async_saver.close()  # the checkpoint being written still completes; the loop's error is the one said
+            raise
+        self.async_saver.wait()
+        return code
 
     def _loop(self, stop: StopSignal) -> int:
         t = self.cfg.train
@@ -315,7 +329,8 @@ class Trainer:
 
     def save(self) -> Path:
         t = self.cfg.train
-        path = save_checkpoint(
+        save = save_checkpoint if self.async_saver is None else self.async_saver.save
+        path = save(
             t.save,
             self.progress.iteration,
             self.checkpoint_view(),
@@ -327,7 +342,8 @@ class Trainer:
         )
         self.last_saved_iteration = self.progress.iteration
         if self.logger is not None:
-            self.logger.print(f" saved checkpoint {path}")
+            done = "saved checkpoint" if self.async_saver is None else "saving checkpoint (in the background)"
+            self.logger.print(f" {done} {path}")
         return path
 
     def load(self, path: Path) -> None:
