@@ -7,9 +7,9 @@ from trainer_support import build_trainer, run_losses, tiny_config
 
 from moetron.model.gpt import create_model
 from moetron.parallel.params import ParamRegistry
-from moetron.train.muon import Muon, MatrixPlan, orthogonalise, update_scale
-from moetron.train.optim import build_optimizer
 from moetron.parallel.whole_matrix import WholeAlready
+from moetron.train.muon import MatrixPlan, Muon, orthogonalise, update_scale
+from moetron.train.optim import build_optimizer
 from moetron.validate import validate
 
 

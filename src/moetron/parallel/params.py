@@ -13,7 +13,8 @@ Kinds:
           sharded over the expert-parallel group, replicated over the expert-data-parallel group
 Optimizer roles: `matrix` marks the hidden weight matrices Muon orthogonalises (`--optimizer muon`): every
 `nn.Linear` weight but the LM head's and the gates' (PR-MoE's coefficient, the shared-expert gate; the router owns
-its weight outside any Linear), and every expert stack (`GroupedExperts`, routed or shared: each `[E, in, out]` expert its own matrix).
+its weight outside any Linear), and every expert stack (`GroupedExperts`, routed or shared: each `[E, in, out]`
+expert its own matrix).
 Embeddings, the head, gates, norms and biases stay with AdamW (Muon's rule: only the hidden layers' 2-D weights).
 The layout along tensor parallelism (`tp_dim`, the dimension split over the TP ranks) is recorded by
 `parallel.tp.apply_tp.record_tp_layouts`: None (replicated) until then. A split parameter holds 1 / tp of its tensor.

@@ -96,9 +96,7 @@ class Trainer:
         self.model = self.parallel.model
         self.executor = build_executor(self.parallel, self.autocast, cfg)  # the pipeline's when split into stages
         stepped = self.parallel.optimizer_parameters()  # the weights, or at ZeRO-1 this rank's shards of them
-        self.optimizer = build_optimizer(
-            self.model, self.parallel.registry, cfg.train, env.device, stepped, self.mesh
-        )
+        self.optimizer = build_optimizer(self.model, self.parallel.registry, cfg.train, env.device, stepped, self.mesh)
         self.parallel.attach_optimizer(self.optimizer)
         self.params = [p for _, p in stepped]
         spec = build_schedule_spec(cfg.train, self.gbs, self.seq, self.total_iters)
