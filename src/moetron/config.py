@@ -92,6 +92,7 @@ class TrainConfig:
     output_dir: str | None = None  # run directory when --save is not given
     tensorboard_dir: str | None = None  # TensorBoard event files (Megatron's tag names)
     peak_tflops: float | None = None  # per device, for MFU; None: looked up from the device name
+    memory_snapshot_steps: list[int] = field(default_factory=list)  # CUDA allocator snapshots after these iterations
 
     # ---- checkpoints ----
     save: str | None = None  # checkpoint directory (also the run directory)

@@ -76,9 +76,7 @@ def assert_matches(results: list[dict], want: dict, what: str) -> None:
         assert result["weights"].keys() == want["weights"].keys()
         for key, value in want["weights"].items():
             got = result["weights"][key]
-            torch.testing.assert_close(
-                got, value, rtol=RTOL, atol=1e-6, msg=lambda m: f"{what}, rank {rank}: {key}: {m}"
-            )
+            torch.testing.assert_close(got, value, rtol=RTOL, atol=1e-6, msg=f"{what}, rank {rank}: {key}")
 
 
 @pytest.mark.distributed

@@ -39,6 +39,7 @@ from moetron.train.executor import MicroBatch, build_executor
 from moetron.train.failures import collective_failures, rank_failures
 from moetron.train.metrics import IntervalMetrics, RunLogger, StepSums
 from moetron.train.optim import build_optimizer, clip_gradients, local_grads
+from moetron.train.peak_memory import GIB, MemorySnapshots, peak_memory
 from moetron.train.precision import autocast_context, build_loss_scaler
 from moetron.train.reduce import mean_over
 from moetron.train.schedule import LRScheduler, build_schedule_spec
@@ -110,6 +111,8 @@ class Trainer:
         self.logger: RunLogger | None = None
         self.stop: StopSignal | None = None  # set while train() runs
         self.stop_agreed = False  # every rank's verdict after the last step: some rank got a signal
+        self.planned_memory_bytes: float | None = None  # `moetron plan`'s peak for this layout (set by run.py)
+        self.snapshots: MemorySnapshots | None = None  # --memory-snapshot-steps (set while train() runs)
 
     # ------------------------------------------------------------------ one optimizer step
     def autocast(self):
@@ -171,6 +174,9 @@ class Trainer:
         self.logger.forget_after(self.progress.iteration)  # a resumed run redoes what came after its checkpoint
         self._write_run_config()
         self.model.train()
+        self.snapshots = MemorySnapshots(t.memory_snapshot_steps, self.env.device, self.run_dir, self.env.rank)
+        if self.snapshots.note:
+            self.logger.print(self.snapshots.note)
         try:
             with StopSignal() as stop, rank_failures(self.mesh, self.env.rank):
                 return self._loop(stop)
@@ -191,6 +197,9 @@ class Trainer:
             interval_iters += 1
             it = self.progress.iteration
             self.logger.progress(it)
+            snapshot = self.snapshots.after_step(it)
+            if snapshot is not None:
+                self.logger.print(f" wrote the allocator snapshot {snapshot}")
             if it % t.log_interval == 0 or self.done():
                 self._log(time.perf_counter() - interval_start, interval_iters)
                 interval_start, interval_iters = time.perf_counter(), 0
@@ -258,6 +267,8 @@ class Trainer:
             "tokens_per_sec": tokens_per_sec,
             "tflops": tflops,
             "mfu": mfu(achieved, peak),
+            **peak_memory(self.env.device),  # allocator counters on the host: no device sync
+            "planned_memory_gib": None if self.planned_memory_bytes is None else self.planned_memory_bytes / GIB,
             "skipped_steps": p.skipped_steps,
             **reduced,
         }

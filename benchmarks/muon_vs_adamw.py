@@ -1,0 +1,72 @@
+"""Muon against AdamW on the quickstart model: equal steps, the same LR schedule, three learning rates each.
+
+    python benchmarks/muon_vs_adamw.py                         # tinyshakespeare, 150 steps, lr 1e-3 2e-3 4e-3
+    python benchmarks/muon_vs_adamw.py --iters 300 --lrs 2e-3 4e-3 8e-3
+
+The model is `moetron quickstart`'s (4 layers, hidden 128, 4 heads, sequence 128, experts 4 top-2 in layers 2 and
+4) on one process, trained with `moetron train` for `--iters` steps of 8 × 128 tokens of tinyshakespeare (byte-level
+BPE of `--vocab-size` trained on it; held-out 5% for validation), cosine decay to lr/10 after 20 warmup steps,
+weight decay 0.1, β2 0.95. Both optimizers see the same batches and the same learning-rate grid: Muon's default
+scale (0.2·sqrt(max(m, n)), Moonlight's) matches AdamW's update RMS, so the grid is shared. The table gives each
+run's final validation loss and the best per optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from moe_vs_dense import curves, prepare
+
+REPO = Path(__file__).resolve().parents[1]
+FLAGS = (
+    "--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --num-experts 4 --expert-interval 2 "
+    "--topk 2 --moe-loss-coeff 0.01 --micro-batch-size 8 --lr-decay-style cosine --lr-warmup-iters 20 "
+    "--weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 --split 95,5,0 "
+    "--log-interval 25 --eval-iters 8"
+).split()
+
+
+def train(prefix: str, tokenizer: Path, run: Path, optimizer: str, lr: float, iters: int) -> None:
+    flags = [*FLAGS, "--data-path", prefix, "--vocab-file", str(tokenizer / "vocab.json")]
+    flags += ["--merge-file", str(tokenizer / "merges.txt"), "--output-dir", str(run), "--optimizer", optimizer]
+    flags += ["--lr", str(lr), "--min-lr", str(lr / 10), "--train-iters", str(iters), "--eval-interval", str(iters)]
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), PYTHONUNBUFFERED="1")
+    out = subprocess.run([sys.executable, "-m", "moetron", "train", *flags], env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{optimizer} lr {lr} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iters", type=int, default=150)
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3])
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--work-dir", type=Path, help="keep the data and runs here (default: a temporary directory)")
+    args = parser.parse_args()
+    print(f"load average at start {os.getloadavg()[0]:.1f}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="moetron-muon-") as tmp:
+        work = args.work_dir or Path(tmp)
+        prefix, tokenizer = prepare("tinyshakespeare", work / "tinyshakespeare", args.vocab_size)
+        for optimizer in ("adam", "muon"):
+            for lr in args.lrs:
+                run = work / "runs" / f"{optimizer}-{lr:g}"
+                train(prefix, tokenizer, run, optimizer, lr, args.iters)
+                c = curves(run)
+                rows.append((optimizer, lr, c["loss"][-1], c["seconds"][-1]))
+                print(f"{optimizer} lr {lr:g}: valid loss {c['loss'][-1]:.4f} ({c['seconds'][-1]:.0f} s)", flush=True)
+    print(f"load average at end {os.getloadavg()[0]:.1f}")
+    print("| optimizer | lr | final valid loss | training s |\n|---|---|---|---|")
+    for optimizer, lr, loss, seconds in rows:
+        print(f"| {'AdamW' if optimizer == 'adam' else 'Muon'} | {lr:g} | {loss:.4f} | {seconds:.0f} |")
+    best = {opt: min(loss for o, _, loss, _ in rows if o == opt) for opt in ("adam", "muon")}
+    print(f"best: AdamW {best['adam']:.4f}, Muon {best['muon']:.4f} (Muon − AdamW {best['muon'] - best['adam']:+.4f})")
+
+
+if __name__ == "__main__":
+    main()
