@@ -167,6 +167,15 @@ CASES = [
     ),  # fmt: skip
     ("train-peak-tflops", lambda w: train("--peak-tflops", "-3"), "--peak-tflops -3 must be a positive"),
     ("train-peak-tflops-nan", lambda w: train("--peak-tflops", "nan"), "--peak-tflops nan must be a positive"),
+    ("train-optimizer", lambda w: train("--optimizer", "sgd"), "--optimizer 'sgd' is not one of adam, muon"),
+    ("train-muon-momentum", lambda w: train("--optimizer", "muon", "--muon-momentum", "1"), "--muon-momentum 1.0 must"),
+    ("train-muon-scale-mode", lambda w: train("--muon-scale-mode", "rms"), "--muon-scale-mode 'rms' is not one of"),
+    (
+        "train-load-other-optimizer",
+        lambda w: train("--load", "run", "--optimizer", "muon"),
+        "saved with --optimizer adam",
+    ),
+    ("train-memory-snapshot-no-dir", lambda w: train("--memory-snapshot-steps", "5"), "--memory-snapshot-steps writes"),
     # ---- preprocess
     ("preprocess-missing-input", lambda w: preprocess(w, inputs="missing.jsonl"), "--input 'missing.jsonl'"),
     ("preprocess-wrong-key", lambda w: preprocess(w, "--json-keys", "content"), "for key 'content'"),
