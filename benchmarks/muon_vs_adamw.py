@@ -9,7 +9,7 @@ CPU): 2 layers, hidden 64, 4 heads, sequence 64, 4 experts top-2 in layer 2, one
 validation), cosine decay to lr/10 after 10 warmup steps,
 weight decay 0.1, β2 0.95. Both optimizers see the same batches and the same learning-rate grid: Muon's default
 scale (0.2·sqrt(max(m, n)), Moonlight's) matches AdamW's update RMS, so the grid is shared. The table gives each
-run's final validation loss and the best per optimizer.
+run's final validation loss and the best per optimizer. `--jobs N` trains N runs at once (one thread each).
 """
 
 from __future__ import annotations
@@ -32,14 +32,35 @@ FLAGS = (
 ).split()
 
 
-def train(prefix: str, tokenizer: Path, run: Path, optimizer: str, lr: float, iters: int) -> None:
+def train_command(prefix: str, tokenizer: Path, run: Path, optimizer: str, lr: float, iters: int) -> list[str]:
     flags = [*FLAGS, "--data-path", prefix, "--vocab-file", str(tokenizer / "vocab.json")]
     flags += ["--merge-file", str(tokenizer / "merges.txt"), "--output-dir", str(run), "--optimizer", optimizer]
     flags += ["--lr", str(lr), "--min-lr", str(lr / 10), "--train-iters", str(iters), "--eval-interval", str(iters)]
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), PYTHONUNBUFFERED="1")
-    out = subprocess.run([sys.executable, "-m", "moetron", "train", *flags], env=env, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"{optimizer} lr {lr} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    return [sys.executable, "-m", "moetron", "train", *flags]
+
+
+def finished(run: Path, iters: int) -> bool:
+    """A run of `--work-dir` that already reached its final evaluation (rerunning the script reuses it)."""
+    evals = run / "eval.jsonl"
+    return evals.is_file() and any(f'"iteration": {iters},' in line for line in evals.read_text().splitlines())
+
+
+def train_all(runs: dict, prefix: str, tokenizer: Path, iters: int, jobs: int) -> None:
+    """Every (optimizer, lr) run not finished yet, `jobs` at a time (one process each)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    todo = [(key, run) for key, run in runs.items() if not finished(run, iters)]
+    while todo:
+        batch, todo = todo[:jobs], todo[jobs:]
+        procs = []
+        for (optimizer, lr), run in batch:
+            cmd = train_command(prefix, tokenizer, run, optimizer, lr, iters)
+            procs.append(
+                (optimizer, lr, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+            )
+        for optimizer, lr, proc in procs:
+            out, err = proc.communicate()
+            if proc.returncode != 0:
+                raise SystemExit(f"{optimizer} lr {lr} failed:\n{out.decode()[-2000:]}\n{err.decode()[-2000:]}")
 
 
 def main() -> None:
@@ -47,20 +68,20 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3])
     parser.add_argument("--vocab-size", type=int, default=2048)
-    parser.add_argument("--work-dir", type=Path, help="keep the data and runs here (default: a temporary directory)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained at the same time (one process each)")
+    parser.add_argument("--work-dir", type=Path, help="keep the data and runs here; finished runs there are reused")
     args = parser.parse_args()
     print(f"load average at start {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="moetron-muon-") as tmp:
         work = args.work_dir or Path(tmp)
         prefix, tokenizer = prepare("tinyshakespeare", work / "tinyshakespeare", args.vocab_size)
-        for optimizer in ("adam", "muon"):
-            for lr in args.lrs:
-                run = work / "runs" / f"{optimizer}-{lr:g}"
-                train(prefix, tokenizer, run, optimizer, lr, args.iters)
-                c = curves(run)
-                rows.append((optimizer, lr, c["loss"][-1], c["seconds"][-1]))
-                print(f"{optimizer} lr {lr:g}: valid loss {c['loss'][-1]:.4f} ({c['seconds'][-1]:.0f} s)", flush=True)
+        runs = {(opt, lr): work / "runs" / f"{opt}-{lr:g}" for opt in ("adam", "muon") for lr in args.lrs}
+        train_all(runs, prefix, tokenizer, args.iters, args.jobs)
+        for (optimizer, lr), run in runs.items():
+            c = curves(run)
+            rows.append((optimizer, lr, c["loss"][-1], c["seconds"][-1]))
+            print(f"{optimizer} lr {lr:g}: valid loss {c['loss'][-1]:.4f} ({c['seconds'][-1]:.0f} s)", flush=True)
     print(f"load average at end {os.getloadavg()[0]:.1f}")
     print("| optimizer | lr | final valid loss | training s |\n|---|---|---|---|")
     for optimizer, lr, loss, seconds in rows:

@@ -197,15 +197,15 @@ class Trainer:
             interval_iters += 1
             it = self.progress.iteration
             self.logger.progress(it)
-            snapshot = self.snapshots.after_step(it)
-            if snapshot is not None:
-                self.logger.print(f" wrote the allocator snapshot {snapshot}")
             if it % t.log_interval == 0 or self.done():
                 self._log(time.perf_counter() - interval_start, interval_iters)
                 interval_start, interval_iters = time.perf_counter(), 0
             if self.progress.consecutive_skips >= max(t.max_skipped_steps, 1):
                 self._stop_on_skips()
-            paused = time.perf_counter()  # evaluation and saving stay out of the throughput numbers
+            paused = time.perf_counter()  # evaluation, saving and snapshots stay out of the throughput numbers
+            snapshot = self.snapshots.after_step(it)
+            if snapshot is not None:
+                self.logger.print(f" wrote the allocator snapshot {snapshot}")
             if t.eval_interval and it % t.eval_interval == 0 and not self.done():
                 self.run_evaluation()
             if t.save and t.save_interval and it % t.save_interval == 0 and not self.progress.consecutive_skips:
