@@ -65,6 +65,13 @@ class TrainConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # 0 disables clipping (the norm is still computed and logged)
+    optimizer: str = "adam"  # adam (AdamW) | muon: Muon for hidden matrices, AdamW for the rest (train/muon.py)
+    muon_momentum: float = 0.95  # Megatron-Core's Muon flags (train/muon.py)
+    muon_use_nesterov: bool = True  # Nesterov momentum (Keller Jordan's, Moonlight's; Megatron-Core's default: off)
+    muon_num_ns_steps: int = 5  # Newton–Schulz iterations
+    muon_scale_mode: str = "spectral"  # spectral | shape_scaling | unit_rms_norm: the update's scale by shape
+    muon_extra_scale_factor: float = 0.2  # spectral × 0.2 = Moonlight's AdamW-RMS match: AdamW's --lr carries over
+    muon_tp_mode: str = "duplicated"  # duplicated: gather TP shards, orthogonalise whole | blockwise: each shard
 
     # ---- precision ----
     fp16: bool = False  # autocast fp16 + dynamic loss scaling
@@ -89,6 +96,7 @@ class TrainConfig:
     moe_dead_expert_steps: int = 100  # alarm: an expert got no token for this many steps (0: off)
     moe_collapse_entropy: float = 0.5  # alarm: mean routing distribution's entropy below this × log E (0: off)
     moe_aux_hacking_window: int = 100  # alarm: aux loss falls while load imbalance does not improve over it (0: off)
+    memory_snapshot_steps: list[int] = field(default_factory=list)  # CUDA allocator snapshots after these iterations
 
     # ---- checkpoints ----
     save: str | None = None  # checkpoint directory (also the run directory)

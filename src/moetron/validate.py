@@ -21,6 +21,8 @@ from moetron.parallel.ep.replica_spec import expert_replica_problems
 from moetron.parallel.pp.stage_layout import pipeline_problems
 from moetron.parallel.tp.sizes import tensor_parallel_problems
 from moetron.train.routing_health import routing_health_problems
+from moetron.train.muon import muon_problems
+from moetron.train.peak_memory import memory_snapshot_problems
 from moetron.train.schedule import DECAY_STYLES
 
 __all__ = [
@@ -129,6 +131,8 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
     problems += mtp_layout_problems(cfg.model, dims.tp, dims.pp)
     problems += cfg.data.problems()
     problems += train_problems(cfg, dims.dp)
+    problems += muon_problems(cfg.train)
+    problems += memory_snapshot_problems(cfg.train.memory_snapshot_steps, cfg.run_dir())
     problems += moe_problems(cfg)
     problems += output_problems(cfg)
     problems += zero_problems(cfg.parallel.zero_stage, cfg.parallel.use_distributed_optimizer, dims)

@@ -189,6 +189,15 @@ CASES = [
     ("train-replicas-no-ep", lambda w: train("--moe-expert-replicas", "1"), "--moe-expert-replicas 1 needs --moe-exp"),
     ("train-replicas-negative", lambda w: train("--moe-expert-replicas", "-1"), "--moe-expert-replicas -1 must be >="),
     ("train-async-save-no-save", lambda w: train("--async-save"), "--async-save is set without --save"),
+    ("train-optimizer", lambda w: train("--optimizer", "sgd"), "--optimizer 'sgd' is not one of adam, muon"),
+    ("train-muon-momentum", lambda w: train("--optimizer", "muon", "--muon-momentum", "1"), "--muon-momentum 1.0 must"),
+    ("train-muon-scale-mode", lambda w: train("--muon-scale-mode", "rms"), "--muon-scale-mode 'rms' is not one of"),
+    (
+        "train-load-other-optimizer",
+        lambda w: train("--load", "run", "--optimizer", "muon"),
+        "saved with --optimizer adam",
+    ),
+    ("train-memory-snapshot-no-dir", lambda w: train("--memory-snapshot-steps", "5"), "--memory-snapshot-steps writes"),
     # ---- preprocess
     ("preprocess-missing-input", lambda w: preprocess(w, inputs="missing.jsonl"), "--input 'missing.jsonl'"),
     ("preprocess-wrong-key", lambda w: preprocess(w, "--json-keys", "content"), "for key 'content'"),

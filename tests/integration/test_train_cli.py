@@ -65,14 +65,19 @@ def test_train_evaluate_save_and_resume(corpus):
     flags, tmp = corpus
     run = tmp / "run"
     common = [*TINY, *flags, "--save", str(run), "--save-interval", "20", "--eval-interval", "20"]
-    proc = moetron_train(*common, "--train-iters", "40")
+    proc = moetron_train(*common, "--train-iters", "40", "--memory-snapshot-steps", "10")
     assert proc.returncode == 0, proc.stderr
     assert " iteration      40/40 | consumed tokens 5120 |" in proc.stdout and "ETA" in proc.stdout
+    # peak memory beside the plan's prediction: in the banner, each log line and metrics.jsonl; no snapshot on CPU
+    assert "memory     plan predicts" in proc.stdout and " GiB RSS (plan " in proc.stdout
+    assert "--memory-snapshot-steps skipped on cpu" in proc.stdout and not (run / "memory_snapshots").exists()
     evals = read_jsonl(run / "eval.jsonl")
     assert [e["iteration"] for e in evals] == [20, 40]
     assert evals[-1]["valid_loss"] < evals[0]["valid_loss"] - 0.5  # it learns
     metrics = read_jsonl(run / "metrics.jsonl")
     assert len(metrics) == 4 and len(metrics[-1]["expert_load_max_over_mean"]) == 1
+    assert metrics[-1]["peak_memory_gib"] > 0 and metrics[-1]["planned_memory_gib"] > 0
+    assert metrics[-1]["reserved_memory_gib"] is None  # CUDA's reserved figure only
     assert (run / "latest").read_text().strip() == "iter_0000040"
     assert (run / "config.yaml").exists() and (run / "iter_0000040" / "config.yaml").exists()
 

@@ -250,4 +250,18 @@ def checkpoint_model_problems(cfg: RunConfig) -> list[str]:
     except UserError as err:
         why = str(err).splitlines()[-1].strip(" -")
         return [f"--load {load}: its {config_path} cannot be read ({why}); --load another checkpoint"]
-    return load_problems(saved.model, cfg.model, load, cfg.train.finetune, str(config_path))
+    return load_problems(saved.model, cfg.model, load, cfg.train.finetune, str(config_path)) + optimizer_problems(
+        saved.train.optimizer, cfg.train, load
+    )
+
+
+def optimizer_problems(saved_optimizer: str, train, load: str) -> list[str]:
+    """The optimizer state of a checkpoint saved with another `--optimizer` (AdamW's moments, Muon's momentum) does
+    not fit this run's optimizer; the weights do."""
+    if saved_optimizer == train.optimizer or train.no_load_optim or train.finetune:
+        return []
+    return [
+        f"--load {load} was saved with --optimizer {saved_optimizer}, this run uses --optimizer {train.optimizer}: its "
+        f"optimizer state does not fit; resume with --optimizer {saved_optimizer}, or add --no-load-optim to start "
+        f"the optimizer fresh (or --finetune)"
+    ]

@@ -288,6 +288,11 @@ def _check_against_metadata(path: Path, tensors: dict[str, torch.Tensor]) -> Non
             f"optimizer fresh"
         )
     for key, tensor in tensors.items():
+        if key not in saved and key.startswith("optim."):  # e.g. Muon's momentum_buffer where AdamW kept exp_avg
+            raise UserError(
+                f"checkpoint {path} holds no {key}: it was saved with another --optimizer (see its config.yaml); "
+                f"resume with that --optimizer, or add --no-load-optim to start this optimizer fresh"
+            )
         if key not in saved:
             raise files.corrupt(path, f"it lacks {key}; saved from another model? (see its config.yaml)")
         shape = tuple(getattr(saved[key], "size", ()))

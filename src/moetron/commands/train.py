@@ -59,6 +59,16 @@ def startup_problems(cfg: RunConfig, explicit: set[str], world_size: int) -> lis
     return problems
 
 
+def planned_peak_bytes(cfg: RunConfig, world_size: int, device_type: str) -> float | None:
+    """`moetron plan`'s peak bytes per device for this run's layout, for the banner and the log lines."""
+    from moetron.plan.memory import estimate_memory
+
+    try:
+        return estimate_memory(cfg, cfg.dims(world_size), "cuda" if device_type == "cuda" else "cpu").peak
+    except Exception:  # noqa: BLE001 - a layout the planner does not model yet costs the banner line, not the run
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     from moetron.parallel.env import init_distributed, world_size_from_env
 
@@ -77,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     env = init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes)
     try:
         with own_errors():  # from here on an error may be one rank's alone: that rank says it
-            returncode = run_training(cfg, explicit, env)
+            returncode = run_training(cfg, explicit, env, planned_peak_bytes)
     except BaseException:
         env.close()
         raise

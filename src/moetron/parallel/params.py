@@ -11,6 +11,11 @@ Kinds:
           PR-MoE's residual MLP)
   expert  routed experts `[E_local, …]` of a MoE layer: dim 0 is the local expert, global id = offset + index;
           sharded over the expert-parallel group, replicated over the expert-data-parallel group
+Optimizer roles: `matrix` marks the hidden weight matrices Muon orthogonalises (`--optimizer muon`): every
+`nn.Linear` weight but the LM head's and the gates' (PR-MoE's coefficient, the shared-expert gate; the router owns
+its weight outside any Linear), and every expert stack (`GroupedExperts`, routed or shared: each `[E, in, out]`
+expert its own matrix).
+Embeddings, the head, gates, norms and biases stay with AdamW (Muon's rule: only the hidden layers' 2-D weights).
 The layout along tensor parallelism (`tp_dim`, the dimension split over the TP ranks) is recorded by
 `parallel.tp.apply_tp.record_tp_layouts`: None (replicated) until then. A split parameter holds 1 / tp of its tensor.
 """
@@ -23,7 +28,11 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from moetron.model.moe.experts.grouped import GroupedExperts
+
 NO_DECAY_NAME_PARTS = ("bias", "norm", "ln_", "layernorm")
+# Linear layers that gate or mix branches rather than transform the hidden state: AdamW, like the router
+GATE_LINEARS = ("coefficient", "shared_expert_gate")
 
 
 @dataclass(frozen=True)
@@ -35,10 +44,16 @@ class ParamInfo:
     num_local_experts: int = 0
     num_global_experts: int = 0
     tp_dim: int | None = None  # the dimension split over the tensor-parallel ranks (None: replicated over them)
+    matrix: bool = False  # a hidden weight matrix (Muon orthogonalises it; see the module docstring)
 
     @property
     def is_expert(self) -> bool:
         return self.kind == "expert"
+
+    def fan_out_in(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """(outputs, inputs) of one matrix of a hidden matrix of this `shape`: a Linear weight is `[out, in]`, an
+        expert stack (`GroupedExperts`: routed or shared) `[E, in, out]` (its experts compute `x · w`)."""
+        return (shape[-1], shape[-2]) if len(shape) == 3 else (shape[-2], shape[-1])
 
 
 def decays(name: str, ndim: int) -> bool:
@@ -57,6 +72,19 @@ def expert_containers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
+def hidden_matrices(model: nn.Module) -> set[str]:
+    """Names of the hidden weight matrices: Linear weights but the LM head's and the gates', and the weight stacks
+    of every `GroupedExperts` (routed experts, shared experts, PR-MoE's residual MLP; 3-D: biases `[E, F]` are 2-D)."""
+    head = getattr(model, "output_layer", None)
+    names = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, nn.Linear) and module is not head and prefix.rsplit(".", 1)[-1] not in GATE_LINEARS:
+            names.add(f"{prefix}.weight")
+        if isinstance(module, GroupedExperts):
+            names |= {f"{prefix}.{leaf}" for leaf, p in module.named_parameters(recurse=False) if p.ndim == 3}
+    return names
+
+
 class ParamRegistry:
     """`ParamInfo` of every parameter of a model, by name."""
 
@@ -69,11 +97,12 @@ class ParamRegistry:
         for prefix, container in expert_containers(model):
             for leaf, _ in container.named_parameters():
                 expert_of[f"{prefix}.{leaf}"] = container
+        matrices = hidden_matrices(model)
         infos = {}
         for name, param in model.named_parameters():
             container = expert_of.get(name)
             if container is None:
-                infos[name] = ParamInfo(name, "dense", decays(name, param.ndim))
+                infos[name] = ParamInfo(name, "dense", decays(name, param.ndim), matrix=name in matrices)
             else:
                 infos[name] = ParamInfo(
                     name,
@@ -82,6 +111,7 @@ class ParamRegistry:
                     expert_offset=container.expert_offset,
                     num_local_experts=container.num_experts,
                     num_global_experts=container.num_global_experts,
+                    matrix=name in matrices,
                 )
         return cls(infos)
 

@@ -21,6 +21,7 @@ import torch
 
 from moetron.fileio import write_atomic
 from moetron.model.moe.stats import MoEStats
+from moetron.train.peak_memory import memory_text
 
 METRIC_KEYS = (
     "iteration",
@@ -33,6 +34,9 @@ METRIC_KEYS = (
     "tokens_per_sec",
     "tflops",
     "mfu",
+    "peak_memory_gib",  # this rank's device: CUDA max allocated, CPU peak RSS (train/peak_memory.py)
+    "reserved_memory_gib",  # CUDA max reserved; None on CPU
+    "planned_memory_gib",  # what `moetron plan` predicts for this layout (None: no estimate)
     "skipped_steps",
     "expert_load_max_over_mean",
     "dropped_fraction",
@@ -177,6 +181,8 @@ def console_line(m: dict, total_iters: int, eta_s: float) -> str:
     if m.get("loss_scale", 1.0) != 1.0:
         parts.append(f"loss scale {m['loss_scale']:.1f}")
     parts += [f"tokens/s {m['tokens_per_sec']:.0f}", f"TFLOPs {m['tflops']:.2f}", mfu_text(m["mfu"])]
+    if "peak_memory_gib" in m:
+        parts.append(memory_text(m))
     if m["expert_load_max_over_mean"]:
         parts.append("load max/mean " + ",".join(f"{v:.2f}" for v in m["expert_load_max_over_mean"]))
         parts.append("dropped " + ",".join(f"{v:.3f}" for v in m["dropped_fraction"]))

@@ -1,10 +1,11 @@
-"""AdamW with Megatron's parameter groups, and gradient clipping by the true global norm.
+"""AdamW (or Muon, `--optimizer muon`) with Megatron's parameter groups, and gradient clipping by the true global norm.
 
 Groups (Megatron's `get_param_groups`, reference §4.8): no weight decay for biases, normalisation weights and
 every other tensor with fewer than two dimensions; expert biases are stored stacked as `[E, F]` but are still
 biases, so the name decides for them. The rule lives in the parameter registry (`moetron.parallel.params`).
 The torch AdamW is used with its fused kernel when the device supports it (CUDA, and CPU in recent torch), else
-the foreach one.
+the foreach one. `--optimizer muon` (train/muon.py) adds Muon groups of the registry's hidden matrices
+(`ParamInfo.matrix`); the rest keeps these AdamW groups and kernels.
 
 Clipping uses the true global norm: `grad_norm_sq_fn` is `ParallelModel.grad_norm_sq` (moetron.parallel.grad_norm),
 which sums every shard's squared norm over exactly the groups it is split across.
@@ -17,7 +18,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
+from moetron.parallel.whole_matrix import matrix_part
+from moetron.train.muon import MatrixPlan, Muon
 
 
 def param_groups(
@@ -49,22 +53,51 @@ def _fused_supported(device: torch.device) -> bool:
     return True
 
 
+def muon_param_groups(
+    named_params: list[tuple[str, torch.Tensor]], registry: ParamRegistry, train
+) -> tuple[list[dict], list[tuple[str, torch.Tensor]]]:
+    """(Muon groups of the registry's hidden matrices, the remaining (name, parameter) for AdamW's groups)."""
+    muon = {"momentum": train.muon_momentum, "nesterov": train.muon_use_nesterov, "ns_steps": train.muon_num_ns_steps}
+    muon |= {"scale_mode": train.muon_scale_mode, "extra_scale_factor": train.muon_extra_scale_factor}
+    decay, no_decay, rest = [], [], []
+    for name, param in named_params:
+        if not param.requires_grad:
+            continue
+        if not registry[name].matrix:
+            rest.append((name, param))
+        else:
+            (decay if registry[name].decay else no_decay).append(param)
+    groups = [
+        {"name": "muon", "params": decay, "weight_decay": train.weight_decay, "lr_mult": 1.0, "muon": True, **muon},
+        {"name": "muon_no_decay", "params": no_decay, "weight_decay": 0.0, "lr_mult": 1.0, "muon": True, **muon},
+    ]
+    return [g for g in groups if g["params"]], rest
+
+
 def build_optimizer(
     model: nn.Module,
     registry: ParamRegistry,
     train,
     device: torch.device,
     named_params: list[tuple[str, torch.Tensor]] | None = None,
+    mesh: ParallelMesh | None = None,
 ) -> torch.optim.AdamW:
+    """AdamW over `named_params` (default: the model's), or under `--optimizer muon` the `Muon` optimizer, whose
+    matrices are made whole through `mesh` where this rank holds part of them (parallel/whole_matrix.py)."""
     fused = _fused_supported(device)
-    return torch.optim.AdamW(
-        param_groups(model, train.weight_decay, registry, named_params),
-        lr=train.lr,
-        betas=(train.adam_beta1, train.adam_beta2),
-        eps=train.adam_eps,
-        fused=fused or None,
-        foreach=None if fused else True,
-    )
+    adamw = {"lr": train.lr, "betas": (train.adam_beta1, train.adam_beta2), "eps": train.adam_eps}
+    adamw |= {"fused": fused or None, "foreach": None if fused else True}
+    if train.optimizer != "muon":
+        return torch.optim.AdamW(param_groups(model, train.weight_decay, registry, named_params), **adamw)
+    named = registry.named_parameters(model) if named_params is None else named_params
+    muon_groups, rest = muon_param_groups(named, registry, train)
+    plans = {
+        id(p): MatrixPlan(registry[n], matrix_part(n, p, registry, mesh, train.muon_tp_mode))
+        for n, p in named
+        if p.requires_grad and registry[n].matrix
+    }
+    adam_groups = param_groups(model, train.weight_decay, registry, rest) if rest else []
+    return Muon(muon_groups + adam_groups, plans, **adamw)
 
 
 def local_grad_norm_sq(params: Iterable[torch.Tensor]) -> torch.Tensor:

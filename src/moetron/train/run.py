@@ -13,6 +13,7 @@ Dropout and routing draws are keyed by sample and layer (`moetron.model.rng`), n
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from moetron.errors import UserError
 from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build
+from moetron.train.peak_memory import planned_line
 from moetron.train.run_lock import run_directory_lock
 from moetron.train.startup import startup_banner, startup_warnings
 from moetron.train.trainer import Trainer
@@ -207,24 +209,30 @@ def discard_if_overwriting(cfg: RunConfig, env: DistEnv) -> None:
     env.barrier()
 
 
-def run_training(cfg: RunConfig, explicit: set[str], env: DistEnv) -> int:
+def run_training(cfg: RunConfig, explicit: set[str], env: DistEnv, plan_memory: Callable | None = None) -> int:
+    """`plan_memory(cfg, world_size, device_type)`: the planner's peak bytes for this layout (the command passes
+    `moetron plan`'s: `train` sits below `plan`), for the banner and the log lines."""
     checkpoint = find_checkpoint(cfg)
     with run_directory_lock(cfg, env):  # before anything in the run directory is written or deleted
-        return _build_and_train(cfg, explicit, env, checkpoint)
+        return _build_and_train(cfg, explicit, env, checkpoint, plan_memory)
 
 
-def _build_and_train(cfg: RunConfig, explicit: set[str], env: DistEnv, checkpoint) -> int:
+def _build_and_train(cfg: RunConfig, explicit: set[str], env: DistEnv, checkpoint, plan_memory=None) -> int:
     mesh = ParallelMesh.build(cfg.dims(env.world_size), env)
     seed_everything(cfg.train.seed, mesh.coords.dp)
     resolve_vocab_size(cfg, explicit)
     check_token_ids(cfg.data, cfg.model.vocab_size, TRAIN_VOCAB_FIX)
+    planned = None  # the planner's peak for this layout, once the vocabulary is known
+    if plan_memory is not None:
+        planned = plan_memory(cfg, env.world_size, env.device.type)
     if env.is_main:  # what is about to happen, before the first slow step (index building, model init)
         for line in [*startup_warnings(cfg, env.device.type, env.world_size), startup_banner(cfg, env.world_size,
-                     env.device.type, explicit)]:  # fmt: skip
+                     env.device.type, explicit), planned_line(planned, env.device.type)]:  # fmt: skip
             print(line, flush=True)
     train_loader, make_valid = build_loaders(cfg, env, mesh)
     parallel = build(cfg, mesh, env.device)  # the one recipe: this rank's part, initialised and wrapped
     trainer = Trainer(cfg, env, parallel, train_loader, make_valid, config_yaml=to_yaml(cfg))
+    trainer.planned_memory_bytes = planned
     load_into(trainer, cfg, checkpoint)
     discard_if_overwriting(cfg, env)
     return trainer.train()

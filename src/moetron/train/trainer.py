@@ -40,6 +40,7 @@ from moetron.train.executor import MicroBatch, build_executor
 from moetron.train.failures import collective_failures, rank_failures
 from moetron.train.metrics import IntervalMetrics, RunLogger, StepSums
 from moetron.train.optim import build_optimizer, clip_gradients, local_grads
+from moetron.train.peak_memory import GIB, MemorySnapshots, peak_memory
 from moetron.train.precision import autocast_context, build_loss_scaler
 from moetron.train.reduce import mean_over
 from moetron.train.routing_health import RoutingHealth
@@ -98,7 +99,7 @@ class Trainer:
         self.model = self.parallel.model
         self.executor = build_executor(self.parallel, self.autocast, cfg)  # the pipeline's when split into stages
         stepped = self.parallel.optimizer_parameters()  # the weights, or at ZeRO-1 this rank's shards of them
-        self.optimizer = build_optimizer(self.model, self.parallel.registry, cfg.train, env.device, stepped)
+        self.optimizer = build_optimizer(self.model, self.parallel.registry, cfg.train, env.device, stepped, self.mesh)
         self.parallel.attach_optimizer(self.optimizer)
         self.params = [p for _, p in stepped]
         spec = build_schedule_spec(cfg.train, self.gbs, self.seq, self.total_iters)
@@ -114,6 +115,8 @@ class Trainer:
         self.logger: RunLogger | None = None
         self.stop: StopSignal | None = None  # set while train() runs
         self.stop_agreed = False  # every rank's verdict after the last step: some rank got a signal
+        self.planned_memory_bytes: float | None = None  # `moetron plan`'s peak for this layout (set by run.py)
+        self.snapshots: MemorySnapshots | None = None  # --memory-snapshot-steps (set while train() runs)
 
     # ------------------------------------------------------------------ one optimizer step
     def autocast(self):
@@ -177,6 +180,9 @@ class Trainer:
         self.logger.forget_after(self.progress.iteration)  # a resumed run redoes what came after its checkpoint
         self._write_run_config()
         self.model.train()
+        self.snapshots = MemorySnapshots(t.memory_snapshot_steps, self.env.device, self.run_dir, self.env.rank)
+        if self.snapshots.note:
+            self.logger.print(self.snapshots.note)
         try:
             with StopSignal() as stop, rank_failures(self.mesh, self.env.rank):
                 return self._loop_then_wait_for_saves(stop)
@@ -214,7 +220,10 @@ class Trainer:
                 interval_start, interval_iters = time.perf_counter(), 0
             if self.progress.consecutive_skips >= max(t.max_skipped_steps, 1):
                 self._stop_on_skips()
-            paused = time.perf_counter()  # evaluation and saving stay out of the throughput numbers
+            paused = time.perf_counter()  # evaluation, saving and snapshots stay out of the throughput numbers
+            snapshot = self.snapshots.after_step(it)
+            if snapshot is not None:
+                self.logger.print(f" wrote the allocator snapshot {snapshot}")
             if t.eval_interval and it % t.eval_interval == 0 and not self.done():
                 self.run_evaluation()
             if t.save and t.save_interval and it % t.save_interval == 0 and not self.progress.consecutive_skips:
@@ -277,6 +286,8 @@ class Trainer:
             "tokens_per_sec": tokens_per_sec,
             "tflops": tflops,
             "mfu": mfu(achieved, peak),
+            **peak_memory(self.env.device),  # allocator counters on the host: no device sync
+            "planned_memory_gib": None if self.planned_memory_bytes is None else self.planned_memory_bytes / GIB,
             "skipped_steps": p.skipped_steps,
             **reduced,
             **health_fields,
