@@ -20,9 +20,9 @@ from moetron.parallel.dp.zero_spec import zero_problems
 from moetron.parallel.ep.replica_spec import expert_replica_problems
 from moetron.parallel.pp.stage_layout import pipeline_problems
 from moetron.parallel.tp.sizes import tensor_parallel_problems
-from moetron.train.routing_health import routing_health_problems
 from moetron.train.muon import muon_problems
 from moetron.train.peak_memory import memory_snapshot_problems
+from moetron.train.routing_health import routing_health_problems
 from moetron.train.schedule import DECAY_STYLES
 
 __all__ = [
