@@ -2,10 +2,12 @@
 
 One FSDP2 group per unit, bottom-up (each group is all-gathered and reduce-scattered in one collective):
 
-    experts of a MoE layer   over the expert-data-parallel mesh `edp` (only with ep > 1: with ep = 1 they are
-                             ordinary members of their block's group), gradients summed over edp and divided by
-                             the FULL dp: the all-to-all already brought every expert-parallel peer's tokens into
-                             them (the same rule as `ExpertGradReducer`; `expert_reduction` says who divides)
+    experts of a MoE layer   over the expert-data-parallel mesh `edp` (only where it is not the dp group: with
+                             ep > 1, or under TP folding, where edp spans the TP peers' disjoint token shares;
+                             else they are ordinary members of their block's group), gradients summed over edp
+                             and divided by the FULL dp: the all-to-all already brought every expert-parallel
+                             peer's tokens into them (the same rule as `ExpertGradReducer`; `expert_reduction`
+                             says who divides)
     router of a MoE layer    its own group with an fp32 policy under bf16/fp16, so routing never sees rounded
                              weights (the router upcasts its input itself)
     transformer block        over the data-parallel mesh `dp`
@@ -96,8 +98,16 @@ def mesh_expert_reduction(mesh: ParallelMesh) -> ExpertReduction:
     return expert_reduction(dist.get_backend(mesh.group("edp")), mesh.size("edp"), mesh.size("dp"))
 
 
+def experts_have_own_group(mesh: ParallelMesh) -> bool:
+    """Whether routed experts are reduced over another group than the dense parameters: with expert parallelism,
+    and under tensor parallelism with folding (etp < tp: the TP peers dispatch disjoint token shares, so the edp
+    group spans them). Else (ep = 1, etp = tp) the edp group is the dp group."""
+    return mesh.size("ep") > 1 or mesh.size("etp") != mesh.size("tp")
+
+
 def shard_block(layer: TransformerLayer, mesh: ParallelMesh, spec: ZeroSpec) -> None:
-    """One transformer block's FSDP2 groups: its experts (edp, when ep > 1), its router (fp32), then the rest."""
+    """One transformer block's FSDP2 groups: its experts (edp, when `experts_have_own_group`), its router (fp32),
+    then the rest."""
     from torch.distributed.fsdp import fully_shard
 
     blocks, fp32 = policies(spec)
@@ -106,7 +116,7 @@ def shard_block(layer: TransformerLayer, mesh: ParallelMesh, spec: ZeroSpec) -> 
     if layer.is_moe:
         moe = layer.mlp
         expert_ids = {id(p) for p in moe.experts.parameters()}
-        if mesh.size("ep") > 1:
+        if experts_have_own_group(mesh):
             edp = mesh.submesh("edp")
             placement = expert_placement(mesh.size("edp"), expert_ids)
             fully_shard(
@@ -208,6 +218,6 @@ def apply_fsdp(model: GPTModel, mesh: ParallelMesh, spec: ZeroSpec) -> ShardedDa
     if not is_sharded(model):
         fully_shard_model(model, mesh, spec)
     divided_after = None
-    if mesh.size("ep") > 1 and (divisor := mesh_expert_reduction(mesh).divide_after) > 1:
+    if experts_have_own_group(mesh) and (divisor := mesh_expert_reduction(mesh).divide_after) > 1:
         divided_after = ([p for moe in model.moe_layers() for p in moe.experts.parameters()], divisor)
     return ShardedDataParallel(model, divided_after)

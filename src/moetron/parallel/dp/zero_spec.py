@@ -71,11 +71,6 @@ def zero_problems(zero_stage: int, use_distributed_optimizer: bool, dims: Parall
     stage = effective_stage(zero_stage, use_distributed_optimizer)
     flag = f"--zero-stage {stage}" if zero_stage else "--use-distributed-optimizer"
     p = []
-    if stage >= 1 and dims.tp > 1:
-        p.append(
-            f"{flag} with --tensor-model-parallel-size {dims.tp} is not supported yet; use --zero-stage 0 with "
-            f"tensor parallelism, or --tensor-model-parallel-size 1 with ZeRO"
-        )
     if stage >= 1 and dims.pp > 1:
         p.append(
             f"{flag} with --pipeline-model-parallel-size {dims.pp} is not supported yet (the pipeline schedule "
