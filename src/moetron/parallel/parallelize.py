@@ -142,7 +142,7 @@ def build(cfg: RunConfig, mesh: ParallelMesh, device: torch.device | str) -> Par
         data_parallel = apply_dp(model, registry, mesh, zero)
         norm_sq = global_grad_norm_sq(model, registry, mesh, data_parallel.optimizer_parameters())
         return ParallelModel(model, mesh, registry, zero, layout, head, norm_sq, data_parallel=data_parallel)
-    parts = apply_pp(model, registry, mesh, layout, emit_hidden=head.fused)
+    parts = apply_pp(model, registry, mesh, layout, emit_hidden=head.fused, zero=zero)
     stage_norm_sq = global_grad_norm_sq(model, registry, mesh, parts.optimizer_parameters())
     duplicates = parts.duplicate_parameters()
 

@@ -111,7 +111,7 @@ def shard_block(layer: TransformerLayer, mesh: ParallelMesh, spec: ZeroSpec) -> 
     from torch.distributed.fsdp import fully_shard
 
     blocks, fp32 = policies(spec)
-    reshard = spec.stage == 3
+    reshard = spec.reshard_after_forward
     expert_ids: set[int] = set()
     if layer.is_moe:
         moe = layer.mlp
@@ -177,10 +177,10 @@ def materialize_sharded(model: GPTModel, mesh: ParallelMesh, spec: ZeroSpec, dev
     """`model.to_empty(device); model.init_weights(seed)` for a meta-device model, sharded unit by unit."""
 
     def shard(unit: nn.Module) -> None:
-        if unit is model:
-            shard_root(model, mesh, spec)
-        else:
+        if unit is not model:
             shard_block(unit, mesh, spec)
+        elif not spec.pipelined:  # under pipelining each stage module is a root of its own (`shard_stage`)
+            shard_root(model, mesh, spec)
 
     materialize_in_units(model, device, seed, shard)
 
@@ -213,11 +213,29 @@ class ShardedDataParallel(DataParallel):
             torch._foreach_div_(grads, float(divisor))
 
 
-def apply_fsdp(model: GPTModel, mesh: ParallelMesh, spec: ZeroSpec) -> ShardedDataParallel:
-    """ZeRO stage 2 or 3 (the model may already be sharded by `materialize_sharded`)."""
-    if not is_sharded(model):
-        fully_shard_model(model, mesh, spec)
+def shard_stage(stage: nn.Module, mesh: ParallelMesh, spec: ZeroSpec) -> None:
+    """A pipeline stage module (`pp/split.py`'s `StageModule`: its `layers`, and the embeddings or the final norm
+    and head it runs) as torchtitan shards one: its blocks' groups, then the stage itself as the FSDP2 root over
+    `dp` (fp32, never resharded after forward), so torch's `PipelineStage` finds an `FSDPModule` and syncs the
+    gradients once, after the step's last micro-batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in stage.layers.values():
+        if not is_sharded(layer):
+            shard_block(layer, mesh, spec)
+    fully_shard(stage, mesh=mesh.submesh("dp"), reshard_after_forward=False, mp_policy=policies(spec)[1])
+
+
+def apply_fsdp(module: nn.Module, mesh: ParallelMesh, spec: ZeroSpec) -> ShardedDataParallel:
+    """ZeRO stage 2 or 3 on the whole model (it may already be sharded by `materialize_sharded`) or on one
+    pipeline stage module (`shard_stage`)."""
+    if isinstance(module, GPTModel):
+        if not is_sharded(module):
+            fully_shard_model(module, mesh, spec)
+    else:
+        shard_stage(module, mesh, spec)
     divided_after = None
     if experts_have_own_group(mesh) and (divisor := mesh_expert_reduction(mesh).divide_after) > 1:
-        divided_after = ([p for moe in model.moe_layers() for p in moe.experts.parameters()], divisor)
-    return ShardedDataParallel(model, divided_after)
+        experts = [p for layer in module.layers.values() if layer.is_moe for p in layer.mlp.experts.parameters()]
+        divided_after = (experts, divisor)
+    return ShardedDataParallel(module, divided_after)
