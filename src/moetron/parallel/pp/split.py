@@ -20,7 +20,9 @@ out of the gradient norm (counted once) and both save it under one name (DCP wri
 
 Data parallelism wraps each stage module on its own (`apply_dp`: DDP over dp, the expert reducer over edp);
 torch's stage runs DDP's `no_sync` for all but a stage's last backward, and `MoetronStage` arms the expert
-reducer for that same backward.
+reducer for that same backward. ZeRO composes: at stage 1 each stage's optimizer slices are taken after the tied
+embedding's sum (`finish_gradients`); at stages 2–3 each stage module is an FSDP2 root of its own (torchtitan's
+recipe, `dp/fsdp.py` `shard_stage`), whose gradients torch's stage reduce-scatters after the last micro-batch.
 """
 
 from __future__ import annotations
