@@ -173,7 +173,8 @@ def build_local_model(
     apply_ep(model, mesh)
     apply_moe_tp(model, mesh)
     apply_ac(model, cfg.checkpoint_activations)
-    apply_compile(model, compile_blocks, device, zero.compute_dtype)
+    split_backward = layout is not None and layout.splits_backward
+    apply_compile(model, compile_blocks, device, zero.compute_dtype, split_backward)
     if zero.uses_fsdp and mesh.distributed:
         from moetron.parallel.dp.fsdp import materialize_sharded
 
