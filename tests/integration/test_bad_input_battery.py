@@ -103,8 +103,9 @@ def harness() -> list[str]:
     return ["eval-harness", "--load", "run", "--tasks", "moetron_tiny"]
 
 
-# a pipeline that runs (two micro-batches per step) but with ZeRO, which `moetron train` refuses
-PIPELINED_ZERO = "--gpus 4 --pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 8 --zero-stage 1"
+# a pipeline that runs (two micro-batches per step) but asks for two ZeRO stages, which `moetron train` refuses
+PIPELINED_ZERO = "--gpus 4 --pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 8 --zero-stage 3"
+PIPELINED_ZERO += " --use-distributed-optimizer"
 
 QK_NORM_ALL_HEADS_TP2 = "--tensor-model-parallel-size 2 --qk-layernorm --qk-layernorm-scope all_heads"
 
@@ -339,7 +340,7 @@ CASES = [
     (
         "plan-zero-with-pipeline",  # train refuses it: so does plan
         lambda w: ["plan", "--config", "quickstart", *PIPELINED_ZERO.split()],
-        "--zero-stage 1 with --pipeline-model-parallel-size 2",
+        "--use-distributed-optimizer is Megatron's sharded optimizer state (ZeRO stage 1) and --zero-stage 3",
     ),
     (
         "plan-qk-norm-all-heads-tp",  # per head is exact under TP; over all heads it would need every rank's heads

@@ -57,7 +57,6 @@ def problems(*flags: str, world: int = 2) -> str:
          "--pipeline-schedule 1f1b needs at least 2 micro-batches"),
         (["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2", "--decoder-first-pipeline-num-layers",
           "2"], "cannot be combined"),
-        (["--num-layers", "8", "--pipeline-schedule", "zero-bubble", "--compile"], "--compile cannot"),
     ],
 )  # fmt: skip
 def test_pipeline_flag_problems(flags, fragment):
@@ -66,6 +65,11 @@ def test_pipeline_flag_problems(flags, fragment):
 
 def test_good_pipeline_flags_and_pp1():
     assert problems("--pipeline-model-parallel-size", "2", "--num-layers", "8", "--global-batch-size", "8") == ""
+    zero_bubble = ["--pipeline-schedule", "zero-bubble", "--compile"]  # every schedule composes with --compile
+    assert (
+        problems("--pipeline-model-parallel-size", "2", "--num-layers", "8", "--global-batch-size", "8", *zero_bubble)
+        == ""
+    )
     flags = ["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2"]
     assert "--pipeline-model-parallel-size is 1" in problems(*flags, world=1)
     assert problems("--num-layers", "8", world=1) == ""

@@ -43,9 +43,9 @@ def errors_of(capsys, argv: list[str]) -> tuple[int, str]:
 @pytest.mark.parametrize(
     "layout",
     [
-        ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"],  # not supported yet: train refuses it
-        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "3"],  # two
-        ["--use-distributed-optimizer", "--tensor-model-parallel-size", "2"],
+        ["--use-distributed-optimizer", "--zero-stage", "3"],  # two ZeRO stages asked for
+        ["--tensor-model-parallel-size", "3", "--zero-stage", "5"],  # two problems
+        ["--use-distributed-optimizer", "--zero-stage", "2", "--tensor-model-parallel-size", "2"],
         ["--tensor-model-parallel-size", "3"],  # heads 4 do not divide
     ],
 )

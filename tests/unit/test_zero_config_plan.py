@@ -39,15 +39,19 @@ def problems_of(world_size: int = 4, **parallel) -> list[str]:
     return [p for p in validate(cfg, world_size) if "zero" in p or "distributed-optimizer" in p]
 
 
-def test_unsupported_combinations_are_one_line_each_before_any_process_group():
+def test_zero_flag_problems_are_one_line_each_and_every_layout_composes():
     (bad,) = problems_of(zero_stage=4)
     assert "--zero-stage 4" in bad and "0, 1, 2, 3" in bad and "\n" not in bad
-    (pp,) = problems_of(world_size=4, zero_stage=3, pipeline_model_parallel_size=2)
-    assert "--zero-stage 3" in pp and "--pipeline-model-parallel-size 2" in pp and "not supported yet" in pp
-    (tp,) = problems_of(world_size=4, use_distributed_optimizer=True, tensor_model_parallel_size=2)
-    assert tp.startswith("--use-distributed-optimizer with --tensor-model-parallel-size 2")
-    (pp1,) = problems_of(world_size=4, zero_stage=1, pipeline_model_parallel_size=2)  # per-stage shards: not yet
-    assert "--zero-stage 1 with --pipeline-model-parallel-size 2 is not supported yet" in pp1
+    (both,) = problems_of(world_size=4, use_distributed_optimizer=True, zero_stage=3)
+    assert both.startswith("--use-distributed-optimizer is Megatron's sharded optimizer state") and "\n" not in both
+    layouts = [  # ZeRO with tensor (+ sequence) and pipeline parallelism, every schedule: nothing refused
+        {"zero_stage": 3, "pipeline_model_parallel_size": 2},
+        {"zero_stage": 1, "pipeline_model_parallel_size": 2, "pipeline_schedule": "gpipe"},
+        {"use_distributed_optimizer": True, "tensor_model_parallel_size": 2},
+        {"zero_stage": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
+    ]
+    for layout in layouts:
+        assert problems_of(world_size=4, **layout) == [], layout
     assert problems_of(world_size=1, zero_stage=3) == []  # one process: nothing to shard, nothing refused
 
 

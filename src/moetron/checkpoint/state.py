@@ -23,6 +23,7 @@ Per-rank RNG states (`rng/`), the trainer state (`state.json`) and the config tr
 from __future__ import annotations
 
 import contextlib
+import math
 import shutil
 import warnings
 from pathlib import Path
@@ -98,17 +99,25 @@ class GlobalView:
     def tensor_parallel_shard(self, info: ParamInfo, local: torch.Tensor) -> torch.Tensor:
         """A tensor-parallel shard (split on `info.tp_dim`) as its global DTensor: dense parameters over the
         (dp, tp) mesh, replicated over dp; experts split by expert TP over (edp, ep, etp), experts on dim 0. The
-        global shape is the config's (the padded vocabulary does not depend on TP), so any TP size reads it."""
+        global shape is the config's (the padded vocabulary does not depend on TP), so any TP size reads it.
+
+        Under ZeRO the shard is itself a DTensor `Shard(d)` over dp (edp for experts) of the TP-local tensor: its
+        placement on that mesh dimension becomes `Shard(d)`, or `_StridedShard(d, split_factor)` when the later mesh
+        dimensions split d too (TP, EP split first, then ZeRO each of their blocks: FSDP2 + TP's placement)."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         shape = list(local.shape)
         shape[info.tp_dim] *= self.mesh.size("tp")
         if info.is_expert:
             shape[0] = info.num_global_experts
-            mesh, placements = self.mesh.submesh("edp", "ep", "etp"), [Replicate(), Shard(0), Shard(info.tp_dim)]
+            names, placements = ("edp", "ep", "etp"), [Replicate(), Shard(0), Shard(info.tp_dim)]
         else:
-            mesh, placements = self.mesh.submesh("dp", "tp"), [Replicate(), Shard(info.tp_dim)]
+            names, placements = ("dp", "tp"), [Replicate(), Shard(info.tp_dim)]
+        if isinstance(local, DTensor):
+            placements[0] = _zero_placement(local, names, placements[1:], self.mesh)
+            local = local.to_local()
         shape = tuple(shape)
+        mesh = self.mesh.submesh(*names)
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=_stride(shape))
 
     def model_state(self) -> dict[str, torch.Tensor]:
@@ -128,6 +137,18 @@ class GlobalView:
                 same_layout = value.shape == param.shape
                 out[f"optim.{name}.{key}"] = self.tensor(name, value) if same_layout else value.detach()
         return out
+
+
+def _zero_placement(shard, names: tuple[str, ...], later: list, mesh: ParallelMesh):
+    """The placement over dp / edp (`names[0]`) of a ZeRO shard of a TP-local tensor whose `later` placements
+    (over `names[1:]`) split the tensor first."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    (placement,) = shard.placements
+    dim = placement.dim
+    split = math.prod(mesh.size(n) for n, p in zip(names[1:], later, strict=True) if p.is_shard(dim))
+    return _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
 
 
 def _stride(shape: tuple[int, ...]) -> tuple[int, ...]:

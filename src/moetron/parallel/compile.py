@@ -4,7 +4,8 @@ Blocks are compiled one by one rather than the whole model: one compiled block's
 of the same shape (compile time does not grow with depth). `nn.Module.compile` compiles in place, so parameter
 names stay unchanged. Inductor is told to draw random numbers with the eager kernels (`fallback_random`): dropout
 masks and routing draws then stay those of the layer's own stream (`moetron.model.rng`), so a compiled run
-reproduces the eager one and every parallel layout.
+reproduces the eager one and every parallel layout. Every pipeline schedule composes, zero bubble included (see
+`apply_compile`'s `split_backward`).
 
 Inside a MoE block everything with static shapes is compiled: norms, attention, router, shared experts, residual
 adds, and the local token dispatch (the permute and unpermute of `dispatch.py` move exactly T·K rows whatever the
@@ -40,12 +41,22 @@ def apply_compile(
     enabled: bool,
     device: torch.device | str = "cpu",
     compute_dtype: torch.dtype = torch.float32,
+    split_backward: bool = False,
 ) -> None:
+    """`split_backward`: the pipeline schedule (zero bubble) runs each block's backward in two `autograd.grad`
+    calls, input gradients first with `retain_graph=True`, then weight gradients over the same graph. A compiled
+    block's backward is one node that computes both, so it runs twice (the results are exact); AOTAutograd's
+    donated buffers (saved tensors the backward frees as it goes) forbid running it with `retain_graph`, so they
+    are switched off — process-wide, since AOTAutograd reads the flag when it compiles, at the first call."""
     if not enabled:
         return
     import torch._inductor.config as inductor_config
 
     inductor_config.fallback_random = True
+    if split_backward:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.donated_buffer = False
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     device = torch.device(device)
     for _, layer in model.layer_items():

@@ -60,7 +60,8 @@ def global_grad_norm_sq(
     expert_ids = {id(p) for n, p in named if registry[n].is_expert}
     ep_group = [("ep", mesh.group("ep"))] if mesh.size("ep") > 1 else []
     # tensor parallelism keeps its shards as plain local tensors and records where they are split (the registry)
-    tp_split = {id(p) for n, p in registry.named_parameters(model) if registry[n].tp_dim is not None}
+    # (by name: at ZeRO-1 the optimizer steps shards of the split parameters, other tensors of the same names)
+    tp_split = {id(p) for n, p in named if registry[n].tp_dim is not None}
     tp_group = [("tp", mesh.group("tp"))] if mesh.size("tp") > 1 else []
     pp_group = mesh.group("pp") if mesh.size("pp") > 1 else None
     site = Site("the gradient-norm all-reduce")  # over several groups: its peers are named as the world's

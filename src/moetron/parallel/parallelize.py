@@ -25,10 +25,11 @@
      one-process model;
   8. the parameter-kind registry is read off the model (params.py), with each parameter's TP layout;
   9. apply_dp       DDP over the dense parameters, the expert reducer over the edp group (dp/replicate.py);
-                    with ZeRO stage 1 the optimizer on shards, stages 2–3 FSDP2 (dp/zero.py, dp/fsdp.py). A
+                    with ZeRO stage 1 the optimizer on shards, stages 2–3 FSDP2 (dp/sharded_optimizer.py, dp/fsdp.py). A
                     meta-device build at stage 2–3 is sharded during step 7 instead, block by block (dp/fsdp.py),
                     so no rank ever holds the whole model.
-     with pp > 1 apply_pp builds this rank's stage modules and wraps each with apply_dp (pp/split.py).
+     with pp > 1 apply_pp builds this rank's stage modules and wraps each with apply_dp at the run's ZeRO stage
+     (pp/split.py; stages 2–3: FSDP2 per stage module). ZeRO under TP shards the TP-local tensors over dp.
 The ZeRO spec, the pipeline layout and the LM head + loss (`model.loss.fuses_head`) are derived once, here, and
 held by the `ParallelModel` the trainer, its executors and evaluation read. A new parallel dimension is one more
 `apply_*` between 1 and 9 plus its coordinates in `dims.py`/`mesh.py`.
@@ -149,7 +150,7 @@ def build(cfg: RunConfig, mesh: ParallelMesh, device: torch.device | str) -> Par
         data_parallel = apply_dp(model, registry, mesh, zero)
         norm_sq = global_grad_norm_sq(model, registry, mesh, data_parallel.optimizer_parameters())
         return ParallelModel(model, mesh, registry, zero, layout, head, norm_sq, data_parallel=data_parallel)
-    parts = apply_pp(model, registry, mesh, layout, emit_hidden=head.fused)
+    parts = apply_pp(model, registry, mesh, layout, emit_hidden=head.fused, zero=zero)
     stage_norm_sq = global_grad_norm_sq(model, registry, mesh, parts.optimizer_parameters())
     duplicates = parts.duplicate_parameters()
 
@@ -181,7 +182,8 @@ def build_local_model(
     apply_ep(model, mesh, expert_replicas)
     apply_moe_tp(model, mesh)
     apply_ac(model, cfg.checkpoint_activations)
-    apply_compile(model, compile_blocks, device, zero.compute_dtype)
+    split_backward = layout is not None and layout.splits_backward
+    apply_compile(model, compile_blocks, device, zero.compute_dtype, split_backward)
     if zero.uses_fsdp and mesh.distributed:
         from moetron.parallel.dp.fsdp import materialize_sharded
 

@@ -9,6 +9,9 @@ Sharded = dense parameters / dp + this rank's routed experts / edp (`parallel/dp
               whole in the compute dtype, the root (embeddings, final norm, head) in fp32 (parallel/dp/fsdp.py)
     stage 3   as stage 2, but at the start of the backward only the root and two blocks are whole (the block
               being differentiated and the one FSDP2 prefetches)
+Under tensor parallelism every term is of the rank's TP-local tensors (sharded = its TP share / dp). Under
+pipelining, of its stage's part; at stages 2–3 the whole stage stays gathered through the step (FSDP2 per stage
+module, weights not freed between micro-batches) and its gradients accumulate whole until the last micro-batch.
 At stages 2–3 autocast no longer casts the blocks' weights (they are gathered in the compute dtype); only the
 root's matmul weights (the head) are still cast. In one process nothing is sharded, whatever the stage.
 """
@@ -83,11 +86,24 @@ def zero_memory(cfg: RunConfig, dims: ParallelDims, params: LocalParams, c: int)
         bucket = min(BUCKET_ELEMENTS, max(total - experts, experts))  # the largest bucket: dense or experts
         gather = 4 * (bucket + math.ceil(bucket / dims.dp))  # its receive + send buffers
         return ZeroMemory(1, 4 * total, 4 * total, 8 * sharded, ddp, casts, 0, gather)
+    casts, gathered = fsdp_gathered(cfg, dims, params, stage, c)
+    return ZeroMemory(stage, 4 * sharded, 4 * sharded, 8 * sharded, 0, casts, gathered, 0)
+
+
+def fsdp_gathered(cfg: RunConfig, dims: ParallelDims, params: LocalParams, stage: int, c: int) -> tuple[int, int]:
+    """(autocast's head casts, bytes gathered whole at the start of the backward) at stage 2–3 for a rank holding
+    `params` (its tensor-parallel share of its pipeline stage's part of the model)."""
+    if dims.pp > 1:
+        # FSDP2 per stage module (parallel/dp/fsdp.py `shard_stage`): the whole stage stays gathered during the
+        # step at stage 3 too, and its gradients accumulate unsharded (fp32) until the last micro-batch's sync
+        head = embedding_params(cfg.model) if c == 2 else 0
+        return 2 * min(head, params.total), (c + 4) * params.total
     root = embedding_params(cfg.model) + norm_params(cfg.model)
     blocks = block_parameters(cfg, dims)
     whole_blocks = sum(blocks) if stage == 2 else min(sum(blocks), 2 * max(blocks, default=0))
+    share = params.total / max(root + sum(blocks), 1)  # what tensor parallelism leaves this rank of them
     head_casts = 2 * embedding_params(cfg.model) if c == 2 else 0
-    return ZeroMemory(stage, 4 * sharded, 4 * sharded, 8 * sharded, 0, head_casts, 4 * root + c * whole_blocks, 0)
+    return int(head_casts * share), int((4 * root + c * whole_blocks) * share)
 
 
 def describe(stage: int, dtype: str) -> str:

@@ -2,10 +2,12 @@
 
 One FSDP2 group per unit, bottom-up (each group is all-gathered and reduce-scattered in one collective):
 
-    experts of a MoE layer   over the expert-data-parallel mesh `edp` (only with ep > 1: with ep = 1 they are
-                             ordinary members of their block's group), gradients summed over edp and divided by
-                             the FULL dp: the all-to-all already brought every expert-parallel peer's tokens into
-                             them (the same rule as `ExpertGradReducer`; `expert_reduction` says who divides)
+    experts of a MoE layer   over the expert-data-parallel mesh `edp` (only where it is not the dp group: with
+                             ep > 1, or under TP folding, where edp spans the TP peers' disjoint token shares;
+                             else they are ordinary members of their block's group), gradients summed over edp
+                             and divided by the FULL dp: the all-to-all already brought every expert-parallel
+                             peer's tokens into them (the same rule as `ExpertGradReducer`; `expert_reduction`
+                             says who divides)
     router of a MoE layer    its own group with an fp32 policy under bf16/fp16, so routing never sees rounded
                              weights (the router upcasts its input itself)
     transformer block        over the data-parallel mesh `dp`
@@ -96,17 +98,25 @@ def mesh_expert_reduction(mesh: ParallelMesh) -> ExpertReduction:
     return expert_reduction(dist.get_backend(mesh.group("edp")), mesh.size("edp"), mesh.size("dp"))
 
 
+def experts_have_own_group(mesh: ParallelMesh) -> bool:
+    """Whether routed experts are reduced over another group than the dense parameters: with expert parallelism,
+    and under tensor parallelism with folding (etp < tp: the TP peers dispatch disjoint token shares, so the edp
+    group spans them). Else (ep = 1, etp = tp) the edp group is the dp group."""
+    return mesh.size("ep") > 1 or mesh.size("etp") != mesh.size("tp")
+
+
 def shard_block(layer: TransformerLayer, mesh: ParallelMesh, spec: ZeroSpec) -> None:
-    """One transformer block's FSDP2 groups: its experts (edp, when ep > 1), its router (fp32), then the rest."""
+    """One transformer block's FSDP2 groups: its experts (edp, when `experts_have_own_group`), its router (fp32),
+    then the rest."""
     from torch.distributed.fsdp import fully_shard
 
     blocks, fp32 = policies(spec)
-    reshard = spec.stage == 3
+    reshard = spec.reshard_after_forward
     expert_ids: set[int] = set()
     if layer.is_moe:
         moe = layer.mlp
         expert_ids = {id(p) for p in moe.experts.parameters()}
-        if mesh.size("ep") > 1:
+        if experts_have_own_group(mesh):
             edp = mesh.submesh("edp")
             placement = expert_placement(mesh.size("edp"), expert_ids)
             fully_shard(
@@ -167,10 +177,10 @@ def materialize_sharded(model: GPTModel, mesh: ParallelMesh, spec: ZeroSpec, dev
     """`model.to_empty(device); model.init_weights(seed)` for a meta-device model, sharded unit by unit."""
 
     def shard(unit: nn.Module) -> None:
-        if unit is model:
-            shard_root(model, mesh, spec)
-        else:
+        if unit is not model:
             shard_block(unit, mesh, spec)
+        elif not spec.pipelined:  # under pipelining each stage module is a root of its own (`shard_stage`)
+            shard_root(model, mesh, spec)
 
     materialize_in_units(model, device, seed, shard)
 
@@ -203,11 +213,29 @@ class ShardedDataParallel(DataParallel):
             torch._foreach_div_(grads, float(divisor))
 
 
-def apply_fsdp(model: GPTModel, mesh: ParallelMesh, spec: ZeroSpec) -> ShardedDataParallel:
-    """ZeRO stage 2 or 3 (the model may already be sharded by `materialize_sharded`)."""
-    if not is_sharded(model):
-        fully_shard_model(model, mesh, spec)
+def shard_stage(stage: nn.Module, mesh: ParallelMesh, spec: ZeroSpec) -> None:
+    """A pipeline stage module (`pp/split.py`'s `StageModule`: its `layers`, and the embeddings or the final norm
+    and head it runs) as torchtitan shards one: its blocks' groups, then the stage itself as the FSDP2 root over
+    `dp` (fp32, never resharded after forward), so torch's `PipelineStage` finds an `FSDPModule` and syncs the
+    gradients once, after the step's last micro-batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in stage.layers.values():
+        if not is_sharded(layer):
+            shard_block(layer, mesh, spec)
+    fully_shard(stage, mesh=mesh.submesh("dp"), reshard_after_forward=False, mp_policy=policies(spec)[1])
+
+
+def apply_fsdp(module: nn.Module, mesh: ParallelMesh, spec: ZeroSpec) -> ShardedDataParallel:
+    """ZeRO stage 2 or 3 on the whole model (it may already be sharded by `materialize_sharded`) or on one
+    pipeline stage module (`shard_stage`)."""
+    if isinstance(module, GPTModel):
+        if not is_sharded(module):
+            fully_shard_model(module, mesh, spec)
+    else:
+        shard_stage(module, mesh, spec)
     divided_after = None
-    if mesh.size("ep") > 1 and (divisor := mesh_expert_reduction(mesh).divide_after) > 1:
-        divided_after = ([p for moe in model.moe_layers() for p in moe.experts.parameters()], divisor)
-    return ShardedDataParallel(model, divided_after)
+    if experts_have_own_group(mesh) and (divisor := mesh_expert_reduction(mesh).divide_after) > 1:
+        experts = [p for layer in module.layers.values() if layer.is_moe for p in layer.mlp.experts.parameters()]
+        divided_after = (experts, divisor)
+    return ShardedDataParallel(module, divided_after)

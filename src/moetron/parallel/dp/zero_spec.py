@@ -1,4 +1,4 @@
-"""ZeRO (sharded data parallelism): the stages, their flags and the layouts they cannot run yet.
+"""ZeRO (sharded data parallelism): the stages and their flags.
 
 `--zero-stage` takes DeepSpeed's `zero_optimization.stage`; Megatron's `--use-distributed-optimizer` is stage 1.
 
@@ -36,12 +36,14 @@ def effective_stage(zero_stage: int, use_distributed_optimizer: bool) -> int:
 class ZeroSpec:
     stage: int = 0
     compute_dtype: torch.dtype = torch.float32  # the autocast dtype (bf16/fp16), or fp32
+    pipelined: bool = False  # pp > 1: FSDP2 on the pipeline's stage modules (see `reshard_after_forward`)
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> ZeroSpec:
         p, t = cfg.parallel, cfg.train
         dtype = torch.float16 if t.fp16 else torch.bfloat16 if t.bf16 else torch.float32
-        return cls(effective_stage(p.zero_stage, p.use_distributed_optimizer), dtype)
+        stage = effective_stage(p.zero_stage, p.use_distributed_optimizer)
+        return cls(stage, dtype, pipelined=p.pipeline_model_parallel_size > 1)
 
     @property
     def shards_optimizer(self) -> bool:
@@ -51,12 +53,22 @@ class ZeroSpec:
     def uses_fsdp(self) -> bool:
         return self.stage >= 2
 
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether a block's gathered weights are freed after its forward: at stage 3, but not under pipelining
+        (torchtitan's rule: a stage runs many micro-batches' forwards before their backwards, and torch's stage
+        keeps the weights gathered until the step's last backward anyway, so freeing them would only gather them
+        again per micro-batch). Stage 3 with pp > 1 shards the weights between steps."""
+        return self.stage == 3 and not self.pipelined
+
 
 REPLICATED = ZeroSpec()  # stage 0
 
 
 def zero_problems(zero_stage: int, use_distributed_optimizer: bool, dims: ParallelDims) -> list[str]:
-    """What `--zero-stage` cannot do (yet) with this layout, each with its fix."""
+    """What is wrong with `--zero-stage` / `--use-distributed-optimizer`, each with its fix. Every layout `dims`
+    describes composes with every stage (tensor, sequence, pipeline — any schedule —, expert and expert-tensor
+    parallelism: `parallel/dp/`), so only the flags themselves are checked."""
     if zero_stage not in STAGES:
         return [
             f"--zero-stage {zero_stage} is not one of 0, 1, 2, 3 (DeepSpeed's zero_optimization.stage); "
@@ -68,18 +80,4 @@ def zero_problems(zero_stage: int, use_distributed_optimizer: bool, dims: Parall
             f"{zero_stage} asks for stage {zero_stage}; give one: --zero-stage {zero_stage} alone (it shards the "
             f"optimizer state too), or --use-distributed-optimizer alone for stage 1"
         ]
-    stage = effective_stage(zero_stage, use_distributed_optimizer)
-    flag = f"--zero-stage {stage}" if zero_stage else "--use-distributed-optimizer"
-    p = []
-    if stage >= 1 and dims.tp > 1:
-        p.append(
-            f"{flag} with --tensor-model-parallel-size {dims.tp} is not supported yet; use --zero-stage 0 with "
-            f"tensor parallelism, or --tensor-model-parallel-size 1 with ZeRO"
-        )
-    if stage >= 1 and dims.pp > 1:
-        p.append(
-            f"{flag} with --pipeline-model-parallel-size {dims.pp} is not supported yet (the pipeline schedule "
-            f"would have to drive the sharded optimizer's and FSDP's gathers per stage); use --zero-stage 0 with "
-            f"pipelining"
-        )
-    return p
+    return []

@@ -20,7 +20,9 @@ out of the gradient norm (counted once) and both save it under one name (DCP wri
 
 Data parallelism wraps each stage module on its own (`apply_dp`: DDP over dp, the expert reducer over edp);
 torch's stage runs DDP's `no_sync` for all but a stage's last backward, and `MoetronStage` arms the expert
-reducer for that same backward.
+reducer for that same backward. ZeRO composes: at stage 1 each stage's optimizer slices are taken after the tied
+embedding's sum (`finish_gradients`); at stages 2–3 each stage module is an FSDP2 root of its own (torchtitan's
+recipe, `dp/fsdp.py` `shard_stage`), whose gradients torch's stage reduce-scatters after the last micro-batch.
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ from torch import nn
 
 from moetron.model.gpt import GPTModel
 from moetron.parallel.dp.replicate import DataParallel, apply_dp
+from moetron.parallel.dp.zero_spec import REPLICATED, ZeroSpec
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
 from moetron.parallel.pp.stage_layout import PipelineLayout
+
+TIED_EMBEDDING = "word_embeddings.weight"  # the first stage's embedding, the last stage's head when tied
 
 
 def split_for_pipeline(model: GPTModel, mesh: ParallelMesh, layout: PipelineLayout | None) -> None:
@@ -113,11 +118,11 @@ class PipelineParts:
         return self.layout.num_stages - 1 in self.stage_indices
 
     def duplicate_parameters(self) -> set[int]:
-        """ids of parameters another rank also holds and counts in the gradient norm (the last stage's copy of
-        the tied embeddings)."""
+        """ids of the tensors the optimizer steps that another rank also holds and counts in the gradient norm (the
+        last stage's copy of the tied embeddings, or at ZeRO-1 its shard: the same name)."""
         if self.tied_embedding is None or self.holds_first:
             return set()
-        return {id(self.tied_embedding)}
+        return {id(p) for name, p in self.optimizer_parameters() if name == TIED_EMBEDDING}
 
     # ------------------------------------------------------------ DataParallel's interface, for the trainer
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:  # noqa: ARG002 - the stages arm it
@@ -138,31 +143,40 @@ class PipelineParts:
             dp.attach_optimizer(optimizer)
 
     def finish_gradients(self) -> None:
-        """After the schedule: finish every stage's expert reductions, then sum the tied embedding's gradient."""
-        for dp in self.data_parallel:
-            dp.finish_gradients()
+        """After the schedule: average the dense gradients the zero-bubble schedule left unreduced, sum the tied
+        embedding's gradient (under ZeRO 2–3 its dp shard: both copies' shards hold the same rows), then finish
+        every stage's reductions (last: at ZeRO-1 that takes the optimizer's slices of the whole gradients)."""
         if self.dense_after_backward:
             mean_gradients(self.dense_after_backward, self.mesh.group("dp"), self.mesh.size("dp"))
         if self.embedding_group is not None:
             grad = self.tied_embedding.grad
             if grad is None:
                 grad = self.tied_embedding.grad = torch.zeros_like(self.tied_embedding)
-            dist.all_reduce(grad, group=self.embedding_group)
+            dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.embedding_group)
+        for dp in self.data_parallel:
+            dp.finish_gradients()
 
 
 def apply_pp(
-    model: GPTModel, registry: ParamRegistry, mesh: ParallelMesh, layout: PipelineLayout, emit_hidden: bool = False
+    model: GPTModel,
+    registry: ParamRegistry,
+    mesh: ParallelMesh,
+    layout: PipelineLayout,
+    emit_hidden: bool = False,
+    zero: ZeroSpec = REPLICATED,
 ) -> PipelineParts:
-    """This rank's stage modules (on a model `split_for_pipeline` cut), each wrapped by data parallelism.
-    `emit_hidden`: the last stage returns its hidden states, for the fused head + loss (`ParallelModel.head_loss`)."""
+    """This rank's stage modules (on a model `split_for_pipeline` cut), each wrapped by data parallelism at ZeRO
+    stage `zero` (2–3: FSDP2 per stage module, see `dp/fsdp.py`'s `shard_stage`). `emit_hidden`: the last stage
+    returns its hidden states, for the fused head + loss (`ParallelModel.head_loss`)."""
     rank = mesh.coords.pp
     indices = layout.stages_of(rank)
     last = layout.num_stages - 1
     modules = [StageModule(model, layout.stage_layers[s], s == 0, s == last, emit_hidden) for s in indices]
     # zero-bubble computes weight gradients with autograd.grad and adds them to .grad itself: DDP's hooks would
-    # never fire, so the dense gradients are averaged after the schedule instead (experts: the reducer's finish)
-    split_backward = layout.splits_backward and mesh.size("dp") > 1
-    data_parallel = [apply_dp(m, registry, mesh, ddp=not split_backward) for m in modules]
+    # never fire, so the dense gradients are averaged after the schedule instead (experts: the reducer's finish;
+    # FSDP2: torch's stage reduce-scatters after the last micro-batch itself)
+    split_backward = layout.splits_backward and mesh.size("dp") > 1 and not zero.uses_fsdp
+    data_parallel = [apply_dp(m, registry, mesh, zero, ddp=not split_backward) for m in modules]
     parts = PipelineParts(layout, mesh, indices, modules, data_parallel)
     if split_backward:
         parts.dense_after_backward = [p for m in modules for _, p in registry.named_parameters(m, "dense")]

@@ -163,7 +163,7 @@ def micro_batch_problems(schedule: str, pp: int, num_micro: int) -> list[str]:
     return []
 
 
-def pipeline_problems(num_layers: int, parallel, num_micro: int, compile_blocks: bool = False) -> list[str]:
+def pipeline_problems(num_layers: int, parallel, num_micro: int) -> list[str]:
     """Every problem of the pipeline flags (`ParallelConfig`), each with its fix; [] when pp == 1 and unused."""
     p = parallel
     pp, virtual = p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
@@ -187,6 +187,4 @@ def pipeline_problems(num_layers: int, parallel, num_micro: int, compile_blocks:
         )
     elif num_micro > 0:
         problems += micro_batch_problems(schedule, pp, num_micro)
-    if schedule == "zero-bubble" and compile_blocks:
-        problems.append("--pipeline-schedule zero-bubble splits the backward, which --compile cannot; drop one")
     return problems

@@ -63,7 +63,9 @@ class ShardViews:
             raise AttributeError(name)  # e.g. an embedding's bias: then nn.Module says it has none
         local = self._parameters[name]
         spec = self.shard_specs.get(name)
-        if local is None or spec is None:
+        # under ZeRO 2–3 FSDP2 holds the tensor-parallel shard as its own DTensor shard over dp between forwards
+        # and reads it back through this attribute: that one is returned as it is
+        if local is None or spec is None or isinstance(local, DTensor):
             return local
         return DTensor.from_local(
             local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
