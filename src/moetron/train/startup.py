@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from moetron.config import RunConfig
 from moetron.model.flops import count_parameters
+from moetron.recipes.scale_down import describe
 from moetron.train.schedule import LRScheduler, ScheduleSpec, build_schedule_spec
 
 WARMUP_STEP_FLAGS = ("lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction")
@@ -108,7 +109,7 @@ def schedule_warnings(cfg: RunConfig, shape: RunShape) -> list[str]:
             f"--lr-warmup-iters {max(1, total // 10)}"
         )
     decay = decay_iters(spec, shape)
-    if t.lr_decay_style not in ("constant", "inverse-square-root") and decay > total and warm <= total:
+    if t.lr_decay_style not in ("constant", "inverse-square-root") and decay > total:  # with the warmup's: all at once
         out.append(
             f"warning: the LR decay horizon ({_decay_source(cfg, spec)} = {decay:,.0f} iterations) is longer than "
             f"the run ({total} iterations), so the LR ends at {final_lr(spec, shape):.3g}, not --min-lr {t.min_lr:g}; "
@@ -236,4 +237,7 @@ def startup_banner(cfg: RunConfig, world_size: int, device_type: str = "cpu", ex
     if replaced:
         dropped = ", ".join(f"{name}: {value}" for name, value in replaced.items())
         lines.append(f"flags      replaced the config file's {dropped} (a flag of the same kind was given)")
+    scaled = getattr(explicit, "scaled", {}) if explicit is not None else {}
+    if scaled:
+        lines.append(f"scaled     {describe(scaled)}")
     return "\n".join(lines)
