@@ -31,7 +31,7 @@ README = REPO / "README.md"
 SHARED_DATA = REPO.parent / "shared" / "data"
 MDS_CHECKPOINT = REPO / "tests" / "fixtures" / "megatron_deepspeed" / "moe_top1_ep2" / "checkpoint"
 
-QUICKSTART_TINY = "--max-corpus-mb 0.03 --train-iters 4 --nproc 1 --vocab-size 300"
+QUICKSTART_TINY = "--max-corpus-mb 0.1 --train-iters 4 --nproc 1 --vocab-size 300"
 MY_YAML = """\
 model: {num_layers: 2, hidden_size: 32, num_attention_heads: 4, seq_length: 32, num_experts: 4, topk: 2,
         hidden_dropout: 0.0, attention_dropout: 0.0}
@@ -71,13 +71,14 @@ RULES = [
     Rule(r"^moetron inspect ", expect="documents"),
     Rule(r"^moetron import --megatron-deepspeed", expect="weights and optimizer state"),
     Rule(r"^moetron import --hf", expect="runs/reimported"),
+    Rule(r"^moetron plan .*--search.*--json", expect='"predicted_rank"'),
     Rule(r"^moetron plan .*--json", expect='"fits"'),
     Rule(r"^moetron plan .*--scale-down", expect="fits"),
     Rule(r"^moetron plan ", expect="memory per GPU"),
     Rule(r"^moetron eval ", expect="perplexity"),
     Rule(r"^moetron generate ", extra="--max-new-tokens 8", expect="Return the"),
     Rule(r"^moetron eval-harness ", expect="moetron_tiny"),
-    Rule(r"^moetron export ", expect="hf/quickstart"),
+    Rule(r"^moetron export ", expect="quickstart-hf"),
 ]
 
 
@@ -178,6 +179,7 @@ def run_moetron(command: str, extra: str, capsys) -> tuple[int, str]:
 @pytest.mark.parametrize(("block", "command"), CASES)
 def test_readme_command(block: Block, command: str, world: Path, capsys, monkeypatch):
     monkeypatch.chdir(world)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a path that is not there must not become a hub download
     if block.kind == "python":
         pytest.importorskip("transformers", reason="the HF example needs transformers (pip install -e '.[hf]')")
         printed = io.StringIO()
@@ -209,3 +211,15 @@ def test_every_readme_command_has_a_rule():
         if block.kind == "bash":
             rule_for(command)
     assert len(CASES) > 20 and os.path.exists(README)
+
+
+def github_anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation other than `-` and `_` dropped, spaces to `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_contents_link_names_a_heading():
+    text = re.sub(r"^```.*?^```", "", README.read_text(), flags=re.S | re.M)
+    anchors = {github_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+    links = set(re.findall(r"\]\(#([^)]+)\)", text))
+    assert links and links <= anchors, sorted(links - anchors)
