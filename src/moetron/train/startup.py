@@ -11,7 +11,10 @@ can run (and be tested) anywhere.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+import torch
 
 from moetron.config import RunConfig
 from moetron.model.flops import count_parameters
@@ -214,6 +217,17 @@ def _lr_line(cfg: RunConfig, shape: RunShape) -> str:
     )
 
 
+def _threads_line() -> str:
+    """The CPU's thread settings (cli.cpu_thread_defaults sets a passive OpenMP wait when the user set none)."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    wait = f"OMP_WAIT_POLICY={policy}" if policy else "OpenMP's default wait policy (threads spin between ops)"
+    count = "OMP_NUM_THREADS" if "OMP_NUM_THREADS" in os.environ else "torch's default"
+    return (
+        f"threads    {torch.get_num_threads()} intra-op thread(s) ({count}), {wait}; set OMP_NUM_THREADS / "
+        f"OMP_WAIT_POLICY to choose"
+    )
+
+
 def startup_banner(cfg: RunConfig, world_size: int, device_type: str = "cpu", explicit: set[str] | None = None) -> str:
     """Lines that say what is about to run: model size, layout, batch and run length, LR schedule, precision.
 
@@ -233,6 +247,8 @@ def startup_banner(cfg: RunConfig, world_size: int, device_type: str = "cpu", ex
         _lr_line(cfg, shape),
         f"precision  {precision} on {device_type}",
     ]
+    if device_type == "cpu":
+        lines.append(_threads_line())
     replaced = getattr(explicit, "replaced", {}) if explicit is not None else {}
     if replaced:
         dropped = ", ".join(f"{name}: {value}" for name, value in replaced.items())
