@@ -56,6 +56,7 @@ def test_a_pyramid_keeps_its_shape_and_the_banner_lists_the_changes():
     scaled_line = next(line for line in banner.splitlines() if line.startswith("scaled     "))
     assert "num_experts 64/64/64/64/64/64/64/64/64/64/128/128→4/8" in scaled_line
     assert "fp16 True→False" in scaled_line and "train_iters 858306→20" in scaled_line
+    assert cfg.train.save.endswith("-scaled-down") and cfg.train.tensorboard_dir == f"{cfg.train.save}/tensorboard"
     assert "precision  fp32 on cpu" in banner and "warmup 2 iterations" in banner
 
 
@@ -128,6 +129,8 @@ def test_every_recipe_trains_scaled_down(recipe, tmp_path, capsys, data_flags):
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [m["iteration"] for m in metrics] == [1, 2]
     assert (tmp_path / "run" / "latest").exists()
+    if load_config(recipe, {})[0].train.tensorboard_dir:  # the recipe's relative tensorboard_dir: inside the run
+        assert any((tmp_path / "run" / "tensorboard").iterdir())
 
 
 @pytest.mark.slow

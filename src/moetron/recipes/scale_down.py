@@ -158,8 +158,8 @@ def _shrink_run(cfg: RunConfig, given: set[str], on_gpu: bool) -> None:
     _set(t, "save_interval", None, given)  # one checkpoint, at the end
     if t.save and "save" not in given:  # never into the full-size run's directory
         t.save = f"{t.save.rstrip('/')}-scaled-down"
-    if t.tensorboard_dir and "tensorboard_dir" not in given:
-        t.tensorboard_dir = f"{t.tensorboard_dir.rstrip('/')}-scaled-down"
+    if t.tensorboard_dir and "tensorboard_dir" not in given and cfg.run_dir():  # inside the run, not the cwd
+        t.tensorboard_dir = f"{cfg.run_dir().rstrip('/')}/tensorboard"
 
 
 # ---------------------------------------------------------------------------- helpers
