@@ -142,3 +142,14 @@ def test_twenty_iterations_without_a_warning_and_the_loss_falls(recipe, tmp_path
     assert len(losses) == ITERS // 5 and losses[-1] < losses[0] - 0.5
     valid = [e["valid_loss"] for e in read_jsonl(tmp_path / "run" / "eval.jsonl")]
     assert len(valid) == 2 and valid[1] < valid[0]
+
+
+def test_without_scale_down_every_schedule_warning_comes_at_once():
+    """The recipe shrunk by hand: its token warmup AND its token decay are longer than the run, said together (the
+    decay warning used to wait until the warmup was fixed: one round of warnings per fix)."""
+    sizes = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, max_position_embeddings=64)
+    cfg, _ = load_config("gpt-125M-moe64", sizes | dict(moe_expert_parallel_size=1, train_iters=20))
+    warnings = startup_warnings(cfg, "cpu")
+    assert any("LR warmup (--lr-warmup-tokens 375000000" in w for w in warnings)
+    assert any("LR decay horizon (--lr-decay-tokens 300000000000" in w for w in warnings)
+    assert any("--fp16 on a CPU" in w for w in warnings)
