@@ -18,6 +18,7 @@ import torch
 
 from moetron.config import RunConfig
 from moetron.model.flops import count_parameters
+from moetron.parallel.dp.zero_spec import effective_stage
 from moetron.recipes.scale_down import describe
 from moetron.train.schedule import LRScheduler, ScheduleSpec, build_schedule_spec
 
@@ -190,9 +191,12 @@ def _layout_line(cfg: RunConfig, world_size: int) -> str:
     d = cfg.dims(world_size)
     local = sorted({e // max(d.ep, 1) for e in cfg.model.experts_per_layer() if e > 1})
     experts = f" ({'/'.join(map(str, local))} experts per process)" if local else ""
+    sp = " + sequence parallel" if d.sequence_parallel and d.tp > 1 else ""  # ignored at TP 1, as in Megatron
+    p = cfg.parallel
+    zero = effective_stage(p.zero_stage, p.use_distributed_optimizer)
     return (
-        f"layout     {world_size} process(es): data parallel {d.dp}, tensor parallel {d.tp}, pipeline parallel "
-        f"{d.pp}, expert parallel {d.ep}{experts}"
+        f"layout     {world_size} process(es): data parallel {d.dp}, tensor parallel {d.tp}{sp}, pipeline parallel "
+        f"{d.pp}, expert parallel {d.ep}{experts}, ZeRO stage {zero}"
     )
 
 
