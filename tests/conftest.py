@@ -20,6 +20,37 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(paths + inherited)
 
 
+# `python -m pytest -m quick`: the README's quick subset (README.md, "The quick subset"), a few minutes on 2 cores:
+# the config layer, the CLI, the recipes and --scale-down, the README's own commands, and the core model, routing,
+# data and planner unit tests. Their slow tests stay out.
+QUICK_FILES = {
+    "tests/unit/test_config.py",
+    "tests/unit/test_config_precedence.py",
+    "tests/unit/test_recipes.py",
+    "tests/unit/test_cli.py",
+    "tests/unit/test_architecture.py",
+    "tests/unit/test_parallel_dims.py",
+    "tests/unit/test_router.py",
+    "tests/unit/test_router_vs_deepspeed_fixture.py",
+    "tests/unit/test_moe_layer.py",
+    "tests/unit/test_gpt.py",
+    "tests/unit/test_tokenizer.py",
+    "tests/unit/test_indexed.py",
+    "tests/unit/test_schedule.py",
+    "tests/unit/test_plan.py",
+    "tests/integration/test_scale_down.py",
+    "tests/integration/test_readme_commands.py",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        relative = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else ""
+        if relative in QUICK_FILES and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.quick)
+
+
 def _require(path: Path) -> Path:
     if not path.exists():
         pytest.skip(f"needs {path} (the ../shared checkout beside the repository); not present")

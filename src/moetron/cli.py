@@ -77,6 +77,27 @@ def cpu_allocator_defaults(environ: dict | None = None, torch_imported: bool | N
     return True
 
 
+def cpu_thread_defaults(environ: dict | None = None, torch_imported: bool | None = None) -> bool:
+    """On a machine without a GPU, let idle OpenMP threads sleep: `OMP_WAIT_POLICY=PASSIVE`.
+
+    Why: by default OpenMP's threads spin between parallel regions; a single-process `train` / `eval` / `generate` of
+    a small model runs thousands of small ops, and on a busy machine each spinning thread holds a core the others
+    wait for (a 64-wide matmul loop took 184 s of wall clock with the default against 1-3 s passive at load 26 on
+    2 cores, benchmarks/RESULTS.md). torchrun avoids it by setting one thread per process; here torch keeps its
+    thread count. Only before torch is imported (the OpenMP runtime reads it once), when the user has set neither
+    `OMP_WAIT_POLICY` nor `OMP_NUM_THREADS` (their choice wins), and with no GPU present. Returns whether it set it.
+    """
+    environ = os.environ if environ is None else environ
+    torch_imported = "torch" in sys.modules if torch_imported is None else torch_imported
+    if torch_imported or "OMP_WAIT_POLICY" in environ or "OMP_NUM_THREADS" in environ:
+        return False
+    hidden = environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")
+    if not hidden and any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+        return False
+    environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True
+
+
 def _is_rank_zero() -> bool:
     """True outside torchrun and on its global rank 0."""
     return os.environ.get("RANK", "0") in ("", "0")
@@ -107,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         top.parse_args([command])  # prints argparse's own "invalid choice" message and exits 2
     cpu_allocator_defaults()  # before the command's module imports torch
+    cpu_thread_defaults()
     module = importlib.import_module(_module_name(command))
     if getattr(module, "RAW_ARGUMENTS", False):  # `launch`: torchrun's flags, parsed by torchrun
         args = rest

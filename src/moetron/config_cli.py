@@ -248,6 +248,7 @@ class ExplicitNames(set):
 
     `cli`: names given as flags; `yaml`: names the config file set (and still sets); `config_path`: that file;
     `replaced`: YAML values dropped because a flag of the same group was given ({name: YAML value}).
+    `scaled`: what `--scale-down` changed ({name: (old, new)}).
     """
 
     def __init__(self, yaml_names=(), cli_names=(), config_path: str | None = None, replaced: dict | None = None):
@@ -256,6 +257,7 @@ class ExplicitNames(set):
         self.cli = set(cli_names)
         self.config_path = config_path
         self.replaced = dict(replaced or {})
+        self.scaled: dict = {}  # {name: (recipe value, new value)} set by --scale-down (recipes/scale_down.py)
 
 
 def cli_names(explicit: set[str]) -> set[str]:

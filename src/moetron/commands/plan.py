@@ -3,6 +3,7 @@
     moetron plan --config configs/seed-2x4090-moe128.yaml --gpus 2 --gpu-type 4090
     moetron plan --config configs/gpt-1.3B-moe128.yaml --gpus 64 --gpu-type A100-80GB --micro-batch-size 4
     moetron plan --config my.yaml --gpus 8 --gpu-memory 48GB --peak-tflops 150 --json
+    moetron plan --config gpt-1.3B-moe128 --scale-down --gpu-type cpu --gpu-memory 8GB    # what --scale-down trains
 
 Every `moetron train` flag works here too and changes what is planned (`--moe-expert-parallel-size 4`).
 When the config file's expert-parallel size cannot run on `--gpus` (a recipe's EP 64 on 2 GPUs), the plan uses
@@ -33,6 +34,7 @@ from moetron.plan.advice import largest_micro_batch, suggestions
 from moetron.plan.estimate import DEFAULT_MFU, adapted_expert_parallel, make_plan
 from moetron.plan.hardware import DEFAULT_GPU, KNOWN, accelerator
 from moetron.plan.report import format_plan, plan_dict
+from moetron.recipes.scale_down import describe, scale_down
 from moetron.train.run import resolve_vocab_size
 
 HELP = "Parameters, FLOPs, per-GPU memory and a fits/doesn't-fit verdict, without running."
@@ -63,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mfu", type=float, default=DEFAULT_MFU, help=f"assumed model FLOPs utilisation for step time ({DEFAULT_MFU})"
     )
     group.add_argument("--json", action="store_true", help="print the plan as JSON")
+    group.add_argument(
+        "--scale-down",
+        action="store_true",
+        help="plan the config as `moetron train --scale-down` shrinks it (fp32 with --gpu-type cpu); what changed "
+        "is said on stderr",
+    )
     add_search_arguments(parser)
     add_config_arguments(parser)
 
@@ -93,6 +101,9 @@ def adapt_expert_parallel(cfg: RunConfig, gpus: int, explicit: set[str]) -> str 
 
 def run(args: argparse.Namespace) -> int:
     cfg, explicit = load_config(args.config, cli_overrides(args))
+    if args.scale_down:
+        changed = scale_down(cfg, explicit, on_gpu=(args.gpu_type or "").lower() != "cpu")
+        print(f"note: {describe(changed)}", file=sys.stderr, flush=True)
     if tokenizer_given(cfg):
         # the vocabulary `moetron train` would use: the tokenizer's, unless --vocab-size is set (same rule as train)
         resolve_vocab_size(cfg, explicit)

@@ -2,6 +2,7 @@
 
     moetron train --config configs/seed-2x4090-moe128.yaml --train-iters 200 --save runs/tiny
     torchrun --nproc-per-node 2 -m moetron train --config configs/seed-2x4090-moe128.yaml   # data parallel
+    moetron train --config gpt-1.3B-moe128 --scale-down --data-path ... --vocab-file ... --merge-file ...  # on a CPU
 
 The config is parsed and validated (every problem at once) before any process group or data is touched: the
 tokenizer's vocabulary first (the tensor-parallel rules need it), then every section, then `--load`'s checkpoint
@@ -15,6 +16,7 @@ import argparse
 from moetron.config import RunConfig
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
 from moetron.errors import ConfigError, UserError
+from moetron.recipes.scale_down import scale_down
 from moetron.validate import validate
 
 HELP = "Train a GPT / MoE GPT (single process or under torchrun)."
@@ -26,6 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE.yaml",
         help="YAML mapping of flag names (num_layers: 4 ...), flat or in model/data/parallel/train sections; "
         "flags given on the command line override it",
+    )
+    parser.add_argument(
+        "--scale-down",
+        action="store_true",
+        help="shrink the config to a tiny model of the same kind that trains on a CPU in seconds (width, depth, "
+        "experts, batch, 20 iterations, schedule, fp32 on a CPU); flags given here still win",
     )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config as YAML and exit without training"
@@ -73,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
     from moetron.parallel.env import init_distributed, world_size_from_env
 
     cfg, explicit = load_config(args.config, cli_overrides(args))
+    if args.scale_down:
+        import torch
+
+        scale_down(cfg, explicit, on_gpu=torch.cuda.is_available())
     problems = startup_problems(cfg, explicit, world_size_from_env())
     if problems:
         raise ConfigError(problems)

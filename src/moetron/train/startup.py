@@ -11,10 +11,15 @@ can run (and be tested) anywhere.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+import torch
 
 from moetron.config import RunConfig
 from moetron.model.flops import count_parameters
+from moetron.parallel.dp.zero_spec import effective_stage
+from moetron.recipes.scale_down import describe
 from moetron.train.schedule import LRScheduler, ScheduleSpec, build_schedule_spec
 
 WARMUP_STEP_FLAGS = ("lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction")
@@ -108,7 +113,7 @@ def schedule_warnings(cfg: RunConfig, shape: RunShape) -> list[str]:
             f"--lr-warmup-iters {max(1, total // 10)}"
         )
     decay = decay_iters(spec, shape)
-    if t.lr_decay_style not in ("constant", "inverse-square-root") and decay > total and warm <= total:
+    if t.lr_decay_style not in ("constant", "inverse-square-root") and decay > total:  # with the warmup's: all at once
         out.append(
             f"warning: the LR decay horizon ({_decay_source(cfg, spec)} = {decay:,.0f} iterations) is longer than "
             f"the run ({total} iterations), so the LR ends at {final_lr(spec, shape):.3g}, not --min-lr {t.min_lr:g}; "
@@ -186,9 +191,12 @@ def _layout_line(cfg: RunConfig, world_size: int) -> str:
     d = cfg.dims(world_size)
     local = sorted({e // max(d.ep, 1) for e in cfg.model.experts_per_layer() if e > 1})
     experts = f" ({'/'.join(map(str, local))} experts per process)" if local else ""
+    sp = " + sequence parallel" if d.sequence_parallel and d.tp > 1 else ""  # ignored at TP 1, as in Megatron
+    p = cfg.parallel
+    zero = effective_stage(p.zero_stage, p.use_distributed_optimizer)
     return (
-        f"layout     {world_size} process(es): data parallel {d.dp}, tensor parallel {d.tp}, pipeline parallel "
-        f"{d.pp}, expert parallel {d.ep}{experts}"
+        f"layout     {world_size} process(es): data parallel {d.dp}, tensor parallel {d.tp}{sp}, pipeline parallel "
+        f"{d.pp}, expert parallel {d.ep}{experts}, ZeRO stage {zero}"
     )
 
 
@@ -213,6 +221,17 @@ def _lr_line(cfg: RunConfig, shape: RunShape) -> str:
     )
 
 
+def _threads_line() -> str:
+    """The CPU's thread settings (cli.cpu_thread_defaults sets a passive OpenMP wait when the user set none)."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    wait = f"OMP_WAIT_POLICY={policy}" if policy else "OpenMP's default wait policy (threads spin between ops)"
+    count = "OMP_NUM_THREADS" if "OMP_NUM_THREADS" in os.environ else "torch's default"
+    return (
+        f"threads    {torch.get_num_threads()} intra-op thread(s) ({count}), {wait}; set OMP_NUM_THREADS / "
+        f"OMP_WAIT_POLICY to choose"
+    )
+
+
 def startup_banner(cfg: RunConfig, world_size: int, device_type: str = "cpu", explicit: set[str] | None = None) -> str:
     """Lines that say what is about to run: model size, layout, batch and run length, LR schedule, precision.
 
@@ -232,8 +251,13 @@ def startup_banner(cfg: RunConfig, world_size: int, device_type: str = "cpu", ex
         _lr_line(cfg, shape),
         f"precision  {precision} on {device_type}",
     ]
+    if device_type == "cpu":
+        lines.append(_threads_line())
     replaced = getattr(explicit, "replaced", {}) if explicit is not None else {}
     if replaced:
         dropped = ", ".join(f"{name}: {value}" for name, value in replaced.items())
         lines.append(f"flags      replaced the config file's {dropped} (a flag of the same kind was given)")
+    scaled = getattr(explicit, "scaled", {}) if explicit is not None else {}
+    if scaled:
+        lines.append(f"scaled     {describe(scaled)}")
     return "\n".join(lines)

@@ -1,0 +1,155 @@
+"""`--scale-down`: every shipped recipe becomes a tiny run of the same kind that trains on a CPU with no warning.
+
+The config checks (validate, startup warnings, the shape kept) run for every recipe without training; every recipe
+then trains a few iterations in process on a small tinyshakespeare corpus, and two (a pyramid PR-MoE and a dense
+one) train the full 20 iterations with no warning and a falling loss.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from cli_support import shakespeare_corpus_flags
+
+from moetron.cli import main
+from moetron.config_cli import load_config
+from moetron.data.tokenizer import train_bpe_tokenizer
+from moetron.model.flops import count_parameters
+from moetron.plan.estimate import layout_problems
+from moetron.recipes import list_recipes
+from moetron.recipes.scale_down import ITERS, scale_down
+from moetron.train.run import resolve_vocab_size
+from moetron.train.startup import startup_banner, startup_warnings
+
+RECIPES = list_recipes()
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"  # ../shared beside the checkout
+
+
+def scaled(recipe: str, overrides: dict | None = None):
+    cfg, explicit = load_config(recipe, overrides or {})
+    return cfg, explicit, scale_down(cfg, explicit, on_gpu=False)
+
+
+# ---------------------------------------------------------------------------- the config, every recipe
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_scales_to_a_valid_small_run_without_warnings(recipe):
+    full, _ = load_config(recipe, {})
+    cfg, explicit, changed = scaled(recipe)
+    assert layout_problems(cfg, 1) == []  # validate() but for this machine's files (the recipes' example paths)
+    assert startup_warnings(cfg, "cpu") == []
+    assert count_parameters(cfg.model).total - cfg.model.padded_vocab_size() * cfg.model.hidden_size < 1_000_000
+    assert cfg.total_iters(1) == ITERS and not (cfg.train.fp16 or cfg.train.bf16)
+    # the same kind of model: MoE stays MoE (with the recipe's router), dense stays dense
+    assert bool(cfg.model.moe_layer_indices()) == bool(full.model.moe_layer_indices())
+    assert cfg.model.topk == full.model.topk and cfg.model.mlp_type == full.model.mlp_type
+    assert explicit.scaled == changed and all(old != new for old, new in changed.values())
+
+
+def test_a_pyramid_keeps_its_shape_and_the_banner_lists_the_changes():
+    cfg, explicit, _ = scaled("gpt-1.3B-pr-moe-64x10-128x2")
+    assert cfg.model.num_experts == [4, 8] and cfg.model.experts_per_layer() == [1, 4, 1, 8]
+    banner = startup_banner(cfg, 1, "cpu", explicit)
+    assert "model      " in banner and "4 layers, hidden 64, 4 heads, seq 64, 2 MoE layers of 4/8 experts" in banner
+    scaled_line = next(line for line in banner.splitlines() if line.startswith("scaled     "))
+    assert "num_experts 64/64/64/64/64/64/64/64/64/64/128/128→4/8" in scaled_line
+    assert "fp16 True→False" in scaled_line and "train_iters 858306→20" in scaled_line
+    assert cfg.train.save.endswith("-scaled-down") and cfg.train.tensorboard_dir == f"{cfg.train.save}/tensorboard"
+    assert "precision  fp32 on cpu" in banner and "warmup 2 iterations" in banner
+
+
+def test_flags_given_on_the_command_line_win_and_keep_their_group():
+    cfg, _, changed = scaled("gpt-1.3B-moe128", {"hidden_size": 128, "train_iters": 200, "lr_warmup_tokens": 4096})
+    assert cfg.model.hidden_size == 128 and "hidden_size" not in changed
+    assert cfg.train.train_iters == 200 and cfg.train.train_tokens is None  # the flag replaced the YAML's tokens
+    assert cfg.train.lr_warmup_tokens == 4096 and cfg.train.lr_warmup_iters == 0  # the warmup group as given
+    assert cfg.train.lr_decay_tokens is None  # the decay group was not given: it decays over the run
+    assert startup_warnings(cfg, "cpu") == []
+    cfg, _, _ = scaled("gpt-125M-moe64", {"fp16": True})
+    assert cfg.train.fp16  # asked for explicitly: kept (and warned about on a CPU, as without --scale-down)
+    cfg, _ = load_config("gpt-125M-moe64", {})
+    scale_down(cfg, set(), on_gpu=True)
+    assert cfg.train.fp16  # on a GPU the recipe's precision stays
+
+
+def test_the_tokenizer_sizes_the_vocabulary(tmp_path):
+    tok = train_bpe_tokenizer([_corpus_file(tmp_path)], 300, tmp_path / "tok")
+    files = {"vocab_file": str(tok / "vocab.json"), "merge_file": str(tok / "merges.txt")}
+    cfg, explicit = load_config("gpt-125M-moe64", files)
+    with pytest.raises(Exception, match="vocab_size 50257 differs from the tokenizer's"):
+        resolve_vocab_size(cfg, explicit)  # without --scale-down: the recipe's GPT-2 size is an error
+    cfg, explicit, _ = scaled("gpt-125M-moe64", files)
+    resolve_vocab_size(cfg, explicit)
+    assert cfg.model.vocab_size < 400
+
+
+def _corpus_file(directory: Path) -> Path:
+    path = directory / "corpus.txt"
+    path.write_text("The experts route every token. A router picks the top expert.\n\n" * 20)
+    return path
+
+
+# ---------------------------------------------------------------------------- training, in process
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """In-process training of tiny shapes: one intra-op thread is fastest on a shared machine (tests/unit/conftest)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def data_flags(tmp_path_factory):
+    vocab, merges = SHARED_DATA / "gpt2" / "gpt2-vocab.json", SHARED_DATA / "gpt2" / "gpt2-merges.txt"
+    shakespeare = SHARED_DATA / "tinyshakespeare" / "input.txt"
+    if not (vocab.exists() and shakespeare.exists()):
+        pytest.skip(f"needs {SHARED_DATA} (the ../shared checkout beside the repository); not present")
+    return shakespeare_corpus_flags(tmp_path_factory.mktemp("scale"), shakespeare, (vocab, merges), 60_000)
+
+
+def train(capsys, recipe: str, save: Path, data_flags: list, *extra: str) -> str:
+    code = main(["train", "--config", recipe, "--scale-down", *data_flags, "--save", str(save), *extra])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out + err
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_trains_scaled_down(recipe, tmp_path, capsys, data_flags):
+    output = train(capsys, recipe, tmp_path / "run", data_flags, "--train-iters", "2", "--log-interval", "1")
+    assert "warning" not in output.lower()
+    assert "scaled     --scale-down changed" in output and "precision  fp32 on cpu" in output
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [m["iteration"] for m in metrics] == [1, 2]
+    assert (tmp_path / "run" / "latest").exists()
+    if load_config(recipe, {})[0].train.tensorboard_dir:  # the recipe's relative tensorboard_dir: inside the run
+        assert any((tmp_path / "run" / "tensorboard").iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["gpt-1.3B-pr-moe-64x10-128x2", "gpt-350M"])
+def test_twenty_iterations_without_a_warning_and_the_loss_falls(recipe, tmp_path, capsys, data_flags):
+    output = train(capsys, recipe, tmp_path / "run", data_flags)
+    assert "warning" not in output.lower()
+    losses = [m["lm_loss"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert len(losses) == ITERS // 5 and losses[-1] < losses[0] - 0.5
+    valid = [e["valid_loss"] for e in read_jsonl(tmp_path / "run" / "eval.jsonl")]
+    assert len(valid) == 2 and valid[1] < valid[0]
+
+
+def test_without_scale_down_every_schedule_warning_comes_at_once():
+    """The recipe shrunk by hand: its token warmup AND its token decay are longer than the run, said together (the
+    decay warning used to wait until the warmup was fixed: one round of warnings per fix)."""
+    sizes = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, max_position_embeddings=64)
+    cfg, _ = load_config("gpt-125M-moe64", sizes | dict(moe_expert_parallel_size=1, train_iters=20))
+    warnings = startup_warnings(cfg, "cpu")
+    assert any("LR warmup (--lr-warmup-tokens 375000000" in w for w in warnings)
+    assert any("LR decay horizon (--lr-decay-tokens 300000000000" in w for w in warnings)
+    assert any("--fp16 on a CPU" in w for w in warnings)
