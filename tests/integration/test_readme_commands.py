@@ -65,6 +65,7 @@ RULES = [
     Rule(r"^moetron train --config seed-2x4090", extra="--scale-down --train-iters 2 --save runs/seed", expect="saved"),
     Rule(r"^moetron train .*--finetune", extra="--train-iters 2", expect="saved checkpoint"),
     Rule(r"^moetron train .*--load runs/moe", expect="4/4 | consumed tokens"),
+    Rule(r"^moetron train .*--async-save", extra="--train-iters 2", expect="saving checkpoint (in the background)"),
     Rule(r"^moetron train ", extra="--train-iters 2", expect="saved checkpoint"),
     Rule(r"^moetron train-tokenizer ", extra="--vocab-size 300", expect="tok/vocab.json"),
     Rule(r"^moetron preprocess ", expect="_text_document.bin"),
@@ -151,6 +152,10 @@ def world(tmp_path_factory):
     paragraphs = [p for p in shakespeare.read_text()[:40_000].split("\n\n") if p.strip()]
     lines = "".join(json.dumps({"text": p}) + "\n" for p in paragraphs)
     (root / "corpus.jsonl").write_text(lines)
+    import pyarrow
+    import pyarrow.parquet
+
+    pyarrow.parquet.write_table(pyarrow.table({"text": paragraphs}), root / "corpus.parquet")
     (root / "data").mkdir()
     with gzip.open(root / "data" / "part1.jsonl.gz", "wt") as f:
         f.write(lines)
