@@ -15,6 +15,7 @@ from moetron.checkpoint.run_directory import run_directory_problems
 from moetron.config import ParallelConfig, RunConfig, TrainConfig
 from moetron.errors import ConfigError
 from moetron.fileio import output_dir_problem
+from moetron.parallel.cp.sizes import context_parallel_problems
 from moetron.parallel.dp.zero_spec import zero_problems
 from moetron.parallel.pp.stage_layout import pipeline_problems
 from moetron.parallel.tp.sizes import tensor_parallel_problems
@@ -120,6 +121,7 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
     problems = list(dims.problems(cfg.model.experts_per_layer()))
     problems += cfg.model.problems()
     problems += tensor_parallel_problems(cfg.model, dims)
+    problems += context_parallel_problems(cfg, dims)
     problems += cfg.data.problems()
     problems += train_problems(cfg, dims.dp)
     problems += moe_problems(cfg)

@@ -19,6 +19,10 @@ Attention dropout draws from a stream of its own (`moetron.model.rng`), so the l
 dropout, the router's random token selection) never depend on how many attention probabilities there are. A
 tensor-parallel shard holds only some heads: its `stream_shard` key (set by tensor parallelism) makes the shards
 draw independent masks (SDPA draws inside the kernel, so a head shard cannot reproduce the one-process masks).
+
+`attend_fn` (None by default) replaces the causal SDPA call of a training forward: context parallelism
+(`parallel/cp/`) hands in a function with SDPA's signature that attends to keys held by other ranks, so this
+module never runs a collective itself.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from collections.abc import Callable
 
 from moetron.model.config import ModelConfig
 from moetron.model.kv_cache import KVCache
@@ -74,6 +80,8 @@ class SelfAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.dropout_p = cfg.attention_dropout
         self.stream_shard: tuple = ()  # extra key of the attention-dropout stream (tensor parallelism: the shard)
+        # causal attention over keys of other ranks (context parallelism): (q, k, v, dropout_p=, enable_gqa=) → y
+        self.attend_fn: Callable[..., torch.Tensor] | None = None
         qkv_channels = (cfg.num_attention_heads + 2 * cfg.kv_heads) * self.head_dim
         qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias
         self.query_key_value = nn.Linear(cfg.hidden_size, qkv_channels, bias=qkv_bias)
@@ -148,6 +156,8 @@ class SelfAttention(nn.Module):
                 k_BKSD = k_BKSD.repeat_interleave(self.queries_per_group, dim=1)
                 v_BKSD = v_BKSD.repeat_interleave(self.queries_per_group, dim=1)
         dropout_p = self.dropout_p if self.training else 0.0
+        if self.attend_fn is not None and past == 0:
+            return self.attend_fn(q_BHTD, k_BKSD, v_BKSD, dropout_p=dropout_p, **gqa)
         return F.scaled_dot_product_attention(
             q_BHTD, k_BKSD, v_BKSD, attn_mask=mask_TS, dropout_p=dropout_p, is_causal=is_causal, **gqa
         )

@@ -3,10 +3,11 @@
     mesh = ParallelMesh.build(dims, env)      # every rank calls it (collective in a multi-process run)
     mesh.coords.dp, mesh.size("ep")            # this rank's data-parallel index, the EP degree
     mesh.group("edp")                          # the process group that reduces expert gradients
+    mesh.group("dp_cp")                        # the dense gradients' replicas: data- and context-parallel peers
     mesh.submesh("edp", "ep")                  # a DeviceMesh over some dimensions (for DTensor, DCP, FSDP2)
 
-Two DeviceMeshes cover the same ranks: the dense one `(pp, dp, tp)` and the expert one `(pp, edp, ep, etp)`
-(layout rules in `dims.py`). In a single process there is no mesh: every coordinate is 0, every size 1, and
+Two DeviceMeshes cover the same ranks: the dense one `(pp, dp, cp, tp)` (with `dp_cp`, its dp and cp dimensions
+flattened into one, when cp > 1) and the expert one `(pp, edp, ep, etp)` (layout rules in `dims.py`). In a single process there is no mesh: every coordinate is 0, every size 1, and
 `group` returns None, so single-process code never touches `torch.distributed`.
 """
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from moetron.parallel.diagnosis import set_group_timeouts
-from moetron.parallel.dims import DENSE_DIMS, EXPERT_DIMS, Coordinates, ParallelDims
+from moetron.parallel.dims import DENSE_DIMS, EXPERT_DIMS, FLATTENED_DIMS, Coordinates, ParallelDims
 from moetron.parallel.env import DistEnv
 
 
@@ -39,6 +40,8 @@ class ParallelMesh:
         device_type = env.device.type
         dense = DeviceMesh(device_type, ranks.view(dims.mesh_shape(DENSE_DIMS)), mesh_dim_names=DENSE_DIMS)
         experts = DeviceMesh(device_type, ranks.view(dims.mesh_shape(EXPERT_DIMS)), mesh_dim_names=EXPERT_DIMS)
+        if dims.cp > 1:  # named on the root mesh: `dense["dp_cp"]` from now on
+            dense[FLATTENED_DIMS["dp_cp"]]._flatten("dp_cp")
         mesh = cls(dims, coords, dense, experts)
         set_group_timeouts(dense, experts)  # --distributed-timeout-minutes for every group, not only the world
         for name in DENSE_DIMS + EXPERT_DIMS:  # the mesh and the arithmetic must agree on every coordinate
@@ -56,6 +59,10 @@ class ParallelMesh:
         """The DeviceMesh over `names` (all dense or all expert dimensions); None in one process."""
         if not self.distributed:
             return None
+        if names == ("dp_cp",) and self.dims.cp == 1:
+            return self.dense["dp"]  # the same ranks: no group of its own without context parallelism
+        if names == ("dp_cp",):
+            return self.dense["dp_cp"]
         root = self.dense if set(names) <= set(DENSE_DIMS) else self.experts
         return root[names[0]] if len(names) == 1 else root[names]
 

@@ -104,7 +104,7 @@ class Trainer:
         self.scaler = build_loss_scaler(cfg.train)
         self.progress = Progress()
         self.metrics = IntervalMetrics(env.device)
-        self.reduce_mean = mean_over(self.mesh, "dp")
+        self.reduce_mean = mean_over(self.mesh, "dp_cp")  # context-parallel peers' losses are of other tokens
         self.run_dir = cfg.run_dir()
         self.last_saved_iteration: int | None = None
         self.logger: RunLogger | None = None
