@@ -6,7 +6,8 @@ one-process loss at every step within 1e-4 relative (dropout off: SDPA draws att
 which no split can reproduce). Two models: learned positions with multi-head attention and a dense + MoE layer;
 RoPE with grouped-query attention, SwiGLU and RMSNorm (both position kinds must see each chunk's true
 positions). MoE layers are dropless, without random draws and with the aux loss off: capacity, the routers' random
-draws and the `global` aux loss are per rank's tokens, as per data-parallel rank (see parallel/cp/apply_cp.py). One spawned group carries every check.
+draws and the `global` aux loss are per rank's tokens, as per data-parallel rank (see parallel/cp/apply_cp.py).
+One spawned group carries every check.
 """
 
 from __future__ import annotations

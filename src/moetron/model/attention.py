@@ -28,12 +28,11 @@ module never runs a collective itself.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from collections.abc import Callable
 
 from moetron.model.config import ModelConfig
 from moetron.model.kv_cache import KVCache
