@@ -8,7 +8,8 @@
 
 Two DeviceMeshes cover the same ranks: the dense one `(pp, dp, cp, tp)` (with `dp_cp`, its dp and cp dimensions
 flattened into one, when cp > 1) and the expert one `(pp, edp, ep, etp)` (layout rules in `dims.py`). In a
-single process there is no mesh: every coordinate is 0, every size 1, and `group` returns None, so single-process code never touches `torch.distributed`.
+single process there is no mesh: every coordinate is 0, every size 1, and `group` returns None, so
+single-process code never touches `torch.distributed`.
 """
 
 from __future__ import annotations
