@@ -186,9 +186,10 @@ def _layout_line(cfg: RunConfig, world_size: int) -> str:
     d = cfg.dims(world_size)
     local = sorted({e // max(d.ep, 1) for e in cfg.model.experts_per_layer() if e > 1})
     experts = f" ({'/'.join(map(str, local))} experts per process)" if local else ""
+    context = f", context parallel {d.cp} (seq {cfg.model.seq_length // d.cp} per process)" if d.cp > 1 else ""
     return (
         f"layout     {world_size} process(es): data parallel {d.dp}, tensor parallel {d.tp}, pipeline parallel "
-        f"{d.pp}, expert parallel {d.ep}{experts}"
+        f"{d.pp}{context}, expert parallel {d.ep}{experts}"
     )
 
 
