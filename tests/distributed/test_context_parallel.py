@@ -5,8 +5,9 @@ Every layout trains the same global batch (sequence length 64, zigzag-split over
 one-process loss at every step within 1e-4 relative (dropout off: SDPA draws attention masks inside the kernel,
 which no split can reproduce). Two models: learned positions with multi-head attention and a dense + MoE layer;
 RoPE with grouped-query attention, SwiGLU and RMSNorm (both position kinds must see each chunk's true
-positions). MoE layers are dropless, without random draws and with the aux loss off: capacity, the routers' random
-draws and the `global` aux loss are per rank's tokens, as per data-parallel rank (see parallel/cp/apply_cp.py).
+positions). MoE layers are dropless and without random draws: capacity, the routers' random draws and the `global`
+aux loss are per rank's tokens, as per data-parallel rank (see parallel/cp/apply_cp.py); the first model trains
+with the per-sequence aux loss, which CP computes over the whole sequences, the second without an aux loss.
 One spawned group carries every check.
 """
 
@@ -27,7 +28,7 @@ from moetron.train.trainer import Trainer
 
 SEQ, STEPS, HALF, MBS, GLOBAL_BATCH = 64, 8, 4, 2, 4
 MODELS = {
-    "learned-mha": {},
+    "learned-mha-seq-aux": {"moe_aux_loss_type": "seq", "moe_loss_coeff": 0.01},  # the aux loss of whole sequences
     "rope-gqa": {
         "position_embedding_type": "rope",
         "num_key_value_heads": 2,
@@ -102,6 +103,7 @@ def assert_curve(got: list[float], want: list[float], what: str) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_context_parallel_follows_one_process(tmp_path):
     torch.set_num_threads(1)
     cp_dir = str(tmp_path / "cp2")

@@ -399,11 +399,11 @@ CONTEXT_PARALLEL_CASES = {
     "zero": (2, [*CP2, "--zero-stage", "2"], "--context-parallel-size 2 with --zero-stage 2 is not supported yet"),
     "compile": (2, [*CP2, "--compile"], "--context-parallel-size 2 with --compile is not supported yet"),
     "tp": (4, [*CP2, "--tensor-model-parallel-size", "2"], "with --tensor-model-parallel-size 2 is not supported"),
-    "seq-aux": (
-        2,
-        [*CP2, "--num-experts", "2", "--expert-interval", "1", "--moe-aux-loss-type", "seq"],
-        "aux-loss-type seq",
-    ),
+    "pp": (
+        4,
+        [*CP2, "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--micro-batch-size", "1"],
+        "with --pipeline-model-parallel-size 2 is not supported",
+    ),  # fmt: skip
 }
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from moetron.data.context_chunks import take_zigzag, zigzag_chunk_ids, zigzag_positions
 from moetron.data.loader import DistributedBatchLoader
+from moetron.model.moe.routing.balancing_losses import sequence_aux_loss
 from moetron.parallel.cp.attention import ContextParallelAttention
 
 
@@ -58,3 +59,21 @@ def test_gathered_keys_with_the_zigzag_mask_give_one_process_causal_attention(si
         mask = ContextParallelAttention(None, rank, size).causal_mask(S // size, q.device)
         got = F.scaled_dot_product_attention(take_zigzag(q, rank, size, dim=2), gathered_k, gathered_v, attn_mask=mask)
         torch.testing.assert_close(got, take_zigzag(want, rank, size, dim=2), rtol=1e-5, atol=1e-6)
+
+
+def test_sequence_aux_loss_over_split_sequences_is_the_whole_sequences():
+    """Each rank's seq aux loss with the route fractions averaged over the ranks (`Router.sequence_mean`): their
+    mean is the loss of the whole sequences, as one process computes it."""
+    torch.manual_seed(0)
+    B, L, E, K, size = 3, 8, 4, 2, 2
+    probs_BLE = torch.softmax(torch.randn(B, L, E), -1)
+    ids_BLK = probs_BLE.topk(K, -1).indices
+    whole = sequence_aux_loss(probs_BLE.flatten(0, 1), ids_BLK.flatten(0, 1), L)
+    parts = [(take_zigzag(probs_BLE, r, size), take_zigzag(ids_BLK, r, size)) for r in range(size)]
+    fractions = [torch.zeros(B, L // size, E).scatter_(2, ids, 1.0).mean(1) for _, ids in parts]
+    mean_fraction = torch.stack(fractions).mean(0)
+    losses = [
+        sequence_aux_loss(p.flatten(0, 1), ids.flatten(0, 1), L // size, lambda f: mean_fraction) for p, ids in parts
+    ]
+    torch.testing.assert_close(torch.stack(losses).mean(), whole)
+    assert not torch.allclose(losses[0], whole)  # a part alone is not the whole sequence's loss

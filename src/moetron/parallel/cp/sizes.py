@@ -3,10 +3,9 @@
 `--context-parallel-size N` (Megatron's flag) splits every sequence over N ranks in 2·N zigzag chunks, so the
 sequence length must be a multiple of 2·N. The layouts it composes with today: data parallelism at ZeRO stage 0
 (the dense gradients averaged over dp × cp) and expert parallelism (folded over dp × cp). Tensor and pipeline
-parallelism, ZeRO stages 1–3, `--compile` and the per-sequence aux loss are refused with a one-line reason rather
-than run wrongly (each needs the split sequence handled in its own code: TP's DTensor activations, the pipeline's
-stage inputs, ZeRO's shards over dp only, a compiled block's collectives, a sequence's statistics over all its
-chunks).
+parallelism, ZeRO stages 1–3 and `--compile` are refused with a one-line reason rather than run wrongly (each needs
+the split sequence handled in its own code: TP's DTensor activations, the pipeline's stage inputs, ZeRO's shards
+over dp only, a compiled block's collectives).
 """
 
 from __future__ import annotations
@@ -45,6 +44,4 @@ def _unsupported(cfg: RunConfig, dims: ParallelDims) -> list[tuple[str, str]]:
         out.append((stage, "use --zero-stage 0 (ZeRO shards over the data-parallel ranks only)"))
     if cfg.train.compile:
         out.append(("--compile", "drop --compile (the attention's collectives are not compiled)"))
-    if cfg.model.moe_aux_loss_type == "seq" and any(e > 1 for e in cfg.model.experts_per_layer()):
-        out.append(("--moe-aux-loss-type seq", "use --moe-aux-loss-type global (seq needs each whole sequence)"))
     return out
