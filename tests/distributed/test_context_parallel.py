@@ -1,5 +1,5 @@
-"""Context parallelism (gloo, 2 processes) against one process: loss curves, CP × EP folded, a CP 2 checkpoint
-continued on 1 process.
+"""Context parallelism (gloo) against one process: loss curves, CP × EP folded, a CP 2 checkpoint continued on 1
+process, activation memory against the plan (2 processes); CP 2 × TP 2 + SP × EP 2 and its checkpoint (4).
 
 Every layout trains the same global batch (sequence length 64, zigzag-split over 2 ranks) and must give the
 one-process loss at every step within 1e-4 relative (dropout off: SDPA draws attention masks inside the kernel,
@@ -46,7 +46,7 @@ def samples(n: int = 256, seed: int = 0) -> np.ndarray:
     return (starts + np.arange(SEQ + 1)) % VOCAB
 
 
-def cp_config(model: str, cp: int = 1, ep: int = 1, save: str | None = None):
+def cp_config(model: str, cp: int = 1, ep: int = 1, tp: int = 1, save: str | None = None):
     cfg = tiny_config(micro_batch_size=MBS, global_batch_size=GLOBAL_BATCH, train_iters=STEPS)
     m, p = cfg.model, cfg.parallel
     m.seq_length, m.hidden_dropout, m.attention_dropout = SEQ, 0.0, 0.0
@@ -54,6 +54,7 @@ def cp_config(model: str, cp: int = 1, ep: int = 1, save: str | None = None):
     for key, value in MODELS[model].items():
         setattr(m, key, value)
     p.context_parallel_size, p.moe_expert_parallel_size = cp, ep
+    p.tensor_model_parallel_size, p.sequence_parallel = tp, tp > 1
     cfg.train.lr_warmup_iters, cfg.train.save = 2, save
     return cfg
 
@@ -145,3 +146,24 @@ def test_context_parallel_follows_one_process(tmp_path):
         assert_curve(got["head"], reference["rope-gqa"][:HALF], f"rank {rank}: CP 2 before the checkpoint")
     # the CP 2 checkpoint continues on one process as the straight one-process run does
     assert_curve(resumed_losses(cp_config("rope-gqa"), cp_dir), reference["rope-gqa"][HALF:], "CP 2 → 1 resume")
+
+
+def four_process_checks(rank: int, world_size: int, cp_dir: str) -> dict:
+    env = init_distributed()
+    first = trainer(cp_config("rope-gqa", cp=2, tp=2, ep=2, save=cp_dir), env)
+    head = run_losses(first, HALF)
+    first.save()
+    return {"head": head}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_context_and_tensor_parallel_follow_one_process(tmp_path):
+    """CP 2 × TP 2 with sequence parallelism × EP 2 folded (4 processes): the one-process curve, and its checkpoint
+    continues on one process."""
+    torch.set_num_threads(1)
+    cp_dir = str(tmp_path / "cp2tp2")
+    reference = run_losses(trainer(cp_config("rope-gqa")), STEPS)
+    for rank, got in enumerate(run_distributed(four_process_checks, world_size=4, args=(cp_dir,))):
+        assert_curve(got["head"], reference[:HALF], f"rank {rank}: CP 2 × TP 2 + SP × EP 2")
+    assert_curve(resumed_losses(cp_config("rope-gqa"), cp_dir), reference[HALF:], "CP 2 × TP 2 → 1 resume")

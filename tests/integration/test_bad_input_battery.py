@@ -398,7 +398,6 @@ CONTEXT_PARALLEL_CASES = {
     "seq": (2, [*CP2, "--seq-length", "6"], "--seq-length 6 is not divisible by 2 × --context-parallel-size 2 = 4"),
     "zero": (2, [*CP2, "--zero-stage", "2"], "--context-parallel-size 2 with --zero-stage 2 is not supported yet"),
     "compile": (2, [*CP2, "--compile"], "--context-parallel-size 2 with --compile is not supported yet"),
-    "tp": (4, [*CP2, "--tensor-model-parallel-size", "2"], "with --tensor-model-parallel-size 2 is not supported"),
     "pp": (
         4,
         [*CP2, "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--micro-batch-size", "1"],

@@ -2,10 +2,11 @@
 
 `--context-parallel-size N` (Megatron's flag) splits every sequence over N ranks in 2·N zigzag chunks, so the
 sequence length must be a multiple of 2·N. The layouts it composes with today: data parallelism at ZeRO stage 0
-(the dense gradients averaged over dp × cp) and expert parallelism (folded over dp × cp). Tensor and pipeline
+(the dense gradients averaged over dp × cp), expert parallelism (folded over dp × cp) and tensor parallelism with or
+without sequence parallelism (TP splits the heads each CP rank attends with; SP the CP rank's tokens). Pipeline
 parallelism, ZeRO stages 1–3 and `--compile` are refused with a one-line reason rather than run wrongly (each needs
-the split sequence handled in its own code: TP's DTensor activations, the pipeline's stage inputs, ZeRO's shards
-over dp only, a compiled block's collectives).
+the split sequence handled in its own code: the pipeline's stage inputs and positions, ZeRO's shards over dp only,
+a compiled block's collectives).
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ def context_parallel_problems(cfg: RunConfig, dims: ParallelDims) -> list[str]:
 def _unsupported(cfg: RunConfig, dims: ParallelDims) -> list[tuple[str, str]]:
     """(what the run asks for, the fix) for every option context parallelism does not compose with yet."""
     par, out = cfg.parallel, []
-    if dims.tp > 1:
-        out.append((f"--tensor-model-parallel-size {dims.tp}", "use one of the two (or EP for the experts)"))
     if dims.pp > 1:
         out.append((f"--pipeline-model-parallel-size {dims.pp}", "use one of the two"))
     if par.zero_stage > 0 or par.use_distributed_optimizer:
