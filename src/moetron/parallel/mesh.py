@@ -14,7 +14,7 @@ single-process code never touches `torch.distributed`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,7 @@ class ParallelMesh:
     coords: Coordinates
     dense: object | None = None  # DeviceMesh (pp, dp, tp); None in one process
     experts: object | None = None  # DeviceMesh (pp, edp, ep, etp); None in one process
+    flattened: dict = field(default_factory=dict)  # name → 1-D DeviceMesh of flattened dense dims ("dp_cp", cp > 1)
 
     @classmethod
     def build(cls, dims: ParallelDims, env: DistEnv) -> ParallelMesh:
@@ -41,10 +42,11 @@ class ParallelMesh:
         device_type = env.device.type
         dense = DeviceMesh(device_type, ranks.view(dims.mesh_shape(DENSE_DIMS)), mesh_dim_names=DENSE_DIMS)
         experts = DeviceMesh(device_type, ranks.view(dims.mesh_shape(EXPERT_DIMS)), mesh_dim_names=EXPERT_DIMS)
-        if dims.cp > 1:  # named on the root mesh: `dense["dp_cp"]` from now on
-            dense[FLATTENED_DIMS["dp_cp"]]._flatten("dp_cp")
-        mesh = cls(dims, coords, dense, experts)
-        set_group_timeouts(dense, experts)  # --distributed-timeout-minutes for every group, not only the world
+        flattened = {}
+        if dims.cp > 1:  # the dense gradients' replicas: data- and context-parallel peers as one group
+            flattened["dp_cp"] = dense[FLATTENED_DIMS["dp_cp"]]._flatten("dp_cp")
+        mesh = cls(dims, coords, dense, experts, flattened)
+        set_group_timeouts(dense, experts, *flattened.values())  # --distributed-timeout-minutes for every group
         for name in DENSE_DIMS + EXPERT_DIMS:  # the mesh and the arithmetic must agree on every coordinate
             assert mesh.submesh(name).get_local_rank() == getattr(coords, name), f"mesh disagrees on {name}"
         return mesh
@@ -60,10 +62,8 @@ class ParallelMesh:
         """The DeviceMesh over `names` (all dense or all expert dimensions); None in one process."""
         if not self.distributed:
             return None
-        if names == ("dp_cp",) and self.dims.cp == 1:
-            return self.dense["dp"]  # the same ranks: no group of its own without context parallelism
-        if names == ("dp_cp",):
-            return self.dense["dp_cp"]
+        if names == ("dp_cp",):  # without context parallelism the same ranks as dp: no group of its own
+            return self.flattened["dp_cp"] if self.dims.cp > 1 else self.dense["dp"]
         root = self.dense if set(names) <= set(DENSE_DIMS) else self.experts
         return root[names[0]] if len(names) == 1 else root[names]
 
