@@ -4,7 +4,8 @@ the whole sequence's keys and values while attending (`parallel/cp/attention.py`
 Every per-token activation term (`memory_terms.py`) is priced at the rank's seq / cp tokens (`per_rank_sequence`),
 as are the LM head's buffers and the all-to-all; `gathered_kv_bytes` adds what CP itself keeps: SDPA saves the
 gathered K and V `[mbs, K, seq, D]` of every layer for its backward (one layer at a time with activation
-checkpointing), and the causal mask `[seq / cp, seq]` (bool) is built once and shared by the layers.
+checkpointing), and the additive causal mask `[seq / cp, seq]` (compute dtype) is built once and shared by the
+layers.
 """
 
 from __future__ import annotations
@@ -32,4 +33,4 @@ def gathered_kv_bytes(cfg: RunConfig, dims: ParallelDims, compute_bytes: int) ->
     seq = m.seq_length
     per_layer = 2 * cfg.train.micro_batch_size * m.kv_heads * m.head_dim * seq * compute_bytes
     layers = 1 if m.checkpoint_activations else m.num_layers
-    return per_layer * layers + (seq // dims.cp) * seq
+    return per_layer * layers + (seq // dims.cp) * seq * compute_bytes

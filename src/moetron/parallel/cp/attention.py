@@ -56,16 +56,24 @@ class ContextParallelAttention:
         self.group, self.rank, self.size = group, rank, size
         self.site = Site("the context-parallel K/V all-gather (or its backward reduce-scatter)", group,
                          "context-parallel")  # fmt: skip
-        self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._masks: dict[tuple, torch.Tensor] = {}
 
     def causal_mask(self, local_length: int, device: torch.device) -> torch.Tensor:
         """bool [T, S]: local query t may read gathered key s (key position <= query position)."""
-        key = (local_length, device)
+        seq = local_length * self.size
+        query_pos_T = zigzag_positions(seq, self.rank, self.size, device)
+        key_pos_S = torch.cat([zigzag_positions(seq, r, self.size, device) for r in range(self.size)])
+        return key_pos_S[None, :] <= query_pos_T[:, None]
+
+    def additive_mask(self, local_length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """`causal_mask` as SDPA's additive float mask (0 / −inf) in the queries' dtype, built once and shared by
+        every layer: given a bool mask, SDPA converts it to this form in every call and saves each copy for its
+        backward (a `[T, S]` float tensor per layer)."""
+        key = (local_length, device, dtype)
         if key not in self._masks:
-            seq = local_length * self.size
-            query_pos_T = zigzag_positions(seq, self.rank, self.size, device)
-            key_pos_S = torch.cat([zigzag_positions(seq, r, self.size, device) for r in range(self.size)])
-            self._masks[key] = key_pos_S[None, :] <= query_pos_T[:, None]
+            allowed_TS = self.causal_mask(local_length, device)
+            zeros = torch.zeros(allowed_TS.shape, dtype=dtype, device=device)
+            self._masks[key] = zeros.masked_fill(~allowed_TS, float("-inf"))
         return self._masks[key]
 
     def __call__(
@@ -79,6 +87,6 @@ class ContextParallelAttention:
         with self.site:
             k_BKSD = _GatherSequence.apply(k_BKTD, self.group, self.size, self.site)
             v_BKSD = _GatherSequence.apply(v_BKTD, self.group, self.size, self.site)
-        mask_TS = self.causal_mask(q_BHTD.shape[2], q_BHTD.device)
+        mask_TS = self.additive_mask(q_BHTD.shape[2], q_BHTD.device, q_BHTD.dtype)
         gqa = {"enable_gqa": True} if enable_gqa else {}
         return F.scaled_dot_product_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=mask_TS, dropout_p=dropout_p, **gqa)
