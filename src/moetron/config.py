@@ -24,6 +24,7 @@ from moetron.parallel.dims import ParallelDims
 class ParallelConfig:
     tensor_model_parallel_size: int = 1  # TP degree (Megatron-DeepSpeed's MP_SIZE): heads, MLP and vocabulary split
     sequence_parallel: bool = False  # with TP: norms and dropout on sequence shards (their activations / TP)
+    context_parallel_size: int = 1  # CP degree: every sequence split over CP ranks (two zigzag chunks each)
     pipeline_model_parallel_size: int = 1  # PP degree: pipeline stages on torch.distributed.pipelining
     pipeline_schedule: str | None = None  # 1f1b | interleaved-1f1b | gpipe | zero-bubble (None: 1f1b / interleaved)
     num_layers_per_virtual_pipeline_stage: int | None = None  # interleaving: layers per virtual stage
@@ -144,10 +145,10 @@ class RunConfig:
     # ---------------------------------------------------------------- derived sizes
     def dims(self, world_size: int) -> ParallelDims:
         p = self.parallel
-        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        dp = max(world_size // max(tp * pp, 1), 1)  # the indivisible case is reported by dims.problems()
+        tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+        dp = max(world_size // max(tp * pp * cp, 1), 1)  # the indivisible case is reported by dims.problems()
         ep, etp, sp = p.moe_expert_parallel_size, p.expert_tensor_parallel_size, p.sequence_parallel
-        return ParallelDims(world_size=world_size, dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=sp)
+        return ParallelDims(world_size=world_size, dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=sp, cp=cp)
 
     def global_batch(self, dp: int) -> int:
         return self.train.global_batch_size or self.train.micro_batch_size * dp

@@ -16,6 +16,7 @@ from moetron.config import ParallelConfig, RunConfig, TrainConfig
 from moetron.errors import ConfigError
 from moetron.fileio import output_dir_problem
 from moetron.model.mtp import mtp_layout_problems
+from moetron.parallel.cp.sizes import context_parallel_problems
 from moetron.parallel.dp.zero_spec import zero_problems
 from moetron.parallel.ep.replica_spec import expert_replica_problems
 from moetron.parallel.pp.stage_layout import pipeline_problems
@@ -129,6 +130,7 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
     problems += cfg.model.problems()
     problems += tensor_parallel_problems(cfg.model, dims)
     problems += mtp_layout_problems(cfg.model, dims.tp, dims.pp)
+    problems += context_parallel_problems(cfg, dims)
     problems += cfg.data.problems()
     problems += train_problems(cfg, dims.dp)
     problems += muon_problems(cfg.train)

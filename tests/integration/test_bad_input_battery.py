@@ -173,6 +173,11 @@ CASES = [
     ("train-ep-no-moe", lambda w: train("--moe-expert-parallel-size", "2"), "--moe-expert-parallel-size 2 has no"),
     ("train-etp-no-moe", lambda w: train("--expert-tensor-parallel-size", "2"), "--expert-tensor-parallel-size 2 has"),
     (
+        "train-cp-world",
+        lambda w: train("--context-parallel-size", "2"),
+        "--context-parallel-size 2; change the process",
+    ),
+    (
         "train-distributed-optimizer-zero-3",
         lambda w: train("--use-distributed-optimizer", "--zero-stage", "3"),
         "--use-distributed-optimizer is Megatron's sharded optimizer state (ZeRO stage 1) and --zero-stage 3",
@@ -448,3 +453,37 @@ def test_what_may_change_on_resume_still_resumes(world, monkeypatch, capsys, tmp
     assert "loaded checkpoint" in out and "iteration 2" in out
     assert (tmp_path / "resumed" / "latest").read_text().strip() == "iter_0000003"
     assert snapshot(world) == before
+
+
+CP2 = ("--context-parallel-size", "2")
+# (world size torchrun would announce, extra train flags, what the one error line names): what context
+# parallelism cannot run, refused before launch (the world size is read before any process group exists)
+CONTEXT_PARALLEL_CASES = {
+    "seq": (2, [*CP2, "--seq-length", "6"], "--seq-length 6 is not divisible by 2 × --context-parallel-size 2 = 4"),
+    "zero": (2, [*CP2, "--zero-stage", "2"], "--context-parallel-size 2 with --zero-stage 2 is not supported yet"),
+    "compile": (2, [*CP2, "--compile"], "--context-parallel-size 2 with --compile is not supported yet"),
+    "mtp": (2, [*CP2, "--mtp-num-layers", "1"], "--context-parallel-size 2 with --mtp-num-layers 1 is not supported"),
+    "mla": (
+        2,
+        [*CP2, "--multi-latent-attention", "--position-embedding-type", "rope"],
+        "--context-parallel-size 2 with --multi-latent-attention is not supported yet",
+    ),  # fmt: skip
+    "pp": (
+        4,
+        [*CP2, "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--micro-batch-size", "1"],
+        "with --pipeline-model-parallel-size 2 is not supported",
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", CONTEXT_PARALLEL_CASES)
+def test_context_parallel_problems_are_one_line_before_launch(world, monkeypatch, capsys, case):
+    world_size, extra, names = CONTEXT_PARALLEL_CASES[case]
+    monkeypatch.chdir(world)
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    before = snapshot(world)
+    code, out, err = run_cli(train(*extra, "--save", "cp_run"), capsys)
+    assert code not in (0, None), f"exit {code}: {out}{err}"
+    error_lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and names in error_lines[0], err
+    assert "Traceback" not in err and snapshot(world) == before

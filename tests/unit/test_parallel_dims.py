@@ -130,3 +130,36 @@ def test_problems_name_every_flag_and_the_fix():
     assert "not divisible" not in text  # the etp problem is reported, not a consequence of it
     deepspeed_style = ParallelDims(world_size=8, dp=2, tp=4, ep=4, etp=4).problems()
     assert any("data-parallel size 2 is not divisible by --moe-expert-parallel-size 4" in p for p in deepspeed_style)
+
+
+def test_context_parallel_layout_is_megatrons_order():
+    """Megatron's rank order with context parallelism, fastest first: tp, cp, dp, pp. World 8, tp 2, cp 2 → TP
+    [0, 1], …; CP [0, 2], [1, 3], [4, 6], [5, 7]; DP [0, 4], [1, 5], …; the gradient replicas (dp × cp) of each TP
+    index [0, 2, 4, 6], [1, 3, 5, 7]."""
+    d = ParallelDims(world_size=8, dp=2, tp=2, cp=2)
+    assert d.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert d.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert d.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert d.groups("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]] and d.sizes["dp_cp"] == 4
+    for rank in range(8):
+        c = d.coordinates(rank)
+        assert d.rank_of(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp) == rank
+    # EP folded over dp × cp: world 4, cp 2, ep 2 → EP = the CP pairs [0, 1], [2, 3]; EDP [0, 2], [1, 3]
+    folded = ParallelDims(world_size=4, dp=2, cp=2, ep=2)
+    assert folded.groups("cp") == folded.groups("ep") == [[0, 1], [2, 3]]
+    assert folded.groups("edp") == [[0, 2], [1, 3]] and folded.problems([4]) == []
+    # EP over all four replicas spans data- and context-parallel ranks
+    assert ParallelDims(world_size=4, dp=2, cp=2, ep=4).groups("ep") == [[0, 1, 2, 3]]
+
+
+def test_context_parallel_problems():
+    assert ParallelDims(world_size=2, dp=1, cp=2).problems() == []
+    world = ParallelDims(world_size=3, dp=1, cp=2).problems()
+    assert world == [
+        "world size 3 is not divisible by --tensor-model-parallel-size 1 × --pipeline-model-parallel-size 1 × "
+        "--context-parallel-size 2; change the process count or the degrees"
+    ]
+    assert ParallelDims(world_size=2, dp=1, cp=0).problems() == ["--context-parallel-size must be >= 1, got 0"]
+    ep = ParallelDims(world_size=4, dp=1, cp=2, tp=2, ep=3).problems([6])
+    assert any("data- × context- × tensor-parallel size 4 is not divisible by --moe-expert-parallel-size 3" in p
+               for p in ep)  # fmt: skip

@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
         # the vocabulary `moetron train` would use: the tokenizer's, unless --vocab-size is set (same rule as train)
         resolve_vocab_size(cfg, explicit)
     p = cfg.parallel  # default: the fewest GPUs the parallel degrees need (EP may span the TP ranks)
-    fewest = math.lcm(p.moe_expert_parallel_size, p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    fewest = math.lcm(p.moe_expert_parallel_size, model_parallel)
     gpus = args.gpus if args.gpus is not None else fewest
     if gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {gpus}")

@@ -7,6 +7,10 @@ so a checkpoint restores it exactly and it stays valid when the data-parallel si
 
 With `num_workers > 0` a background thread pool reads the next micro-batches ahead (the order is unchanged;
 reading is numpy and mmap, which release the GIL for the copies).
+
+Context parallelism: the `cp_size` ranks of one data-parallel replica read the same samples (the block of their
+`dp_rank`; no rank reads more than its replica's samples) and keep their zigzag chunks of each sequence
+(`local_chunks`, applied to the inputs and to the labels after the one-token shift, `data/context_chunks.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from moetron.data.context_chunks import take_zigzag
+
 
 class DistributedBatchLoader:
     """Micro-batches `[mbs, seq_length + 1]` (int64) of `dataset` for data-parallel rank `dp_rank` of `dp_size`.
@@ -26,9 +32,12 @@ class DistributedBatchLoader:
     """
 
     def __init__(self, dataset, micro_batch_size: int, dp_rank: int, dp_size: int, consumed_samples: int = 0,
-                 num_workers: int = 0, prefetch: int = 2):  # fmt: skip
+                 num_workers: int = 0, prefetch: int = 2, cp_rank: int = 0, cp_size: int = 1):  # fmt: skip
         if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"bad loader shape: micro_batch_size={micro_batch_size}, rank {dp_rank} of {dp_size}")
+        if not 0 <= cp_rank < cp_size:
+            raise ValueError(f"bad loader shape: context-parallel rank {cp_rank} of {cp_size}")
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         if consumed_samples < 0:
             raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
         self.dataset = dataset
@@ -66,6 +75,11 @@ class DistributedBatchLoader:
         """The dataset indices this rank reads in the step that starts at global position `consumed`."""
         start = consumed + self.dp_rank * self.micro_batch_size
         return np.arange(start, start + self.micro_batch_size, dtype=np.int64)
+
+    def local_chunks(self, x_BT: torch.Tensor) -> torch.Tensor:
+        """This context-parallel rank's zigzag chunks of `x_BT` (inputs `batch[:, :-1]` or labels `batch[:, 1:]`
+        of a micro-batch); `x_BT` itself without context parallelism."""
+        return take_zigzag(x_BT, self.cp_rank, self.cp_size)
 
     def _read(self, consumed: int) -> torch.Tensor:
         samples = [np.asarray(self.dataset[int(i)], dtype=np.int64) for i in self.rank_indices(consumed)]

@@ -19,11 +19,16 @@ Attention dropout draws from a stream of its own (`moetron.model.rng`), so the l
 dropout, the router's random token selection) never depend on how many attention probabilities there are. A
 tensor-parallel shard holds only some heads: its `stream_shard` key (set by tensor parallelism) makes the shards
 draw independent masks (SDPA draws inside the kernel, so a head shard cannot reproduce the one-process masks).
+
+`attend_fn` (None by default) replaces the causal SDPA call of a training forward: context parallelism
+(`parallel/cp/`) hands in a function with SDPA's signature that attends to keys held by other ranks, so this
+module never runs a collective itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +79,8 @@ class SelfAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.dropout_p = cfg.attention_dropout
         self.stream_shard: tuple = ()  # extra key of the attention-dropout stream (tensor parallelism: the shard)
+        # causal attention over keys of other ranks (context parallelism): (q, k, v, dropout_p=, enable_gqa=) → y
+        self.attend_fn: Callable[..., torch.Tensor] | None = None
         qkv_channels = (cfg.num_attention_heads + 2 * cfg.kv_heads) * self.head_dim
         qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias
         self.query_key_value = nn.Linear(cfg.hidden_size, qkv_channels, bias=qkv_bias)
@@ -133,7 +140,22 @@ class SelfAttention(nn.Module):
     def attend(self, q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, past: int) -> torch.Tensor:
         """Causal SDPA where query t sits at absolute position `past + t`."""
         dropout_p = self.dropout_p if self.training else 0.0
+        if self.attend_fn is not None and past == 0:
+            k_BKSD, v_BKSD, gqa = grouped_kv(k_BKSD, v_BKSD, self.queries_per_group)
+            return self.attend_fn(q_BHTD, k_BKSD, v_BKSD, dropout_p=dropout_p, **gqa)
         return causal_attention(q_BHTD, k_BKSD, v_BKSD, past, dropout_p, self.queries_per_group)
+
+
+def grouped_kv(
+    k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, queries_per_group: int
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """K/V heads and SDPA's keyword for `queries_per_group` query heads per K/V head: `enable_gqa` where this torch
+    has it, else the K/V heads repeated."""
+    if queries_per_group == 1:
+        return k_BKSD, v_BKSD, {}
+    if _SDPA_HAS_GQA:
+        return k_BKSD, v_BKSD, {"enable_gqa": True}
+    return k_BKSD.repeat_interleave(queries_per_group, 1), v_BKSD.repeat_interleave(queries_per_group, 1), {}
 
 
 def causal_attention(
@@ -154,13 +176,7 @@ def causal_attention(
         if T > 1:
             query_pos_T = torch.arange(past, past + T, device=q_BHTD.device)
             mask_TS = torch.arange(S, device=q_BHTD.device)[None, :] <= query_pos_T[:, None]
-    gqa = {}
-    if queries_per_group > 1:
-        if _SDPA_HAS_GQA:
-            gqa = {"enable_gqa": True}
-        else:
-            k_BKSD = k_BKSD.repeat_interleave(queries_per_group, dim=1)
-            v_BKSD = v_BKSD.repeat_interleave(queries_per_group, dim=1)
+    k_BKSD, v_BKSD, gqa = grouped_kv(k_BKSD, v_BKSD, queries_per_group)
     return F.scaled_dot_product_attention(
         q_BHTD, k_BKSD, v_BKSD, attn_mask=mask_TS, dropout_p=dropout_p, is_causal=is_causal, **gqa
     )

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +107,9 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i) for i in range(cfg.num_layers)})
         self.final_layernorm = build_norm(cfg)
         self.recompute_layers = cfg.checkpoint_activations  # activation checkpointing (parallel.apply_ac sets it)
+        # (T, device) → the absolute positions of the T tokens a forward receives; None: 0 … T−1. Context
+        # parallelism (parallel/cp/) sets it: a rank holds two distant chunks of every sequence.
+        self.sequence_positions: Callable[[int, torch.device], torch.Tensor] | None = None
         self.output_layer = None
         if cfg.untie_embeddings_and_output_weights:
             self.output_layer = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size(), bias=False)
@@ -167,6 +170,8 @@ class GPTModel(nn.Module):
         """
         end = past + tokens_BT.shape[1]
         positions_T = torch.arange(past, end, device=tokens_BT.device)
+        if self.sequence_positions is not None and past == 0:
+            positions_T = self.sequence_positions(tokens_BT.shape[1], tokens_BT.device)
         x_BTC = self.word_embeddings(tokens_BT)
         rope = None
         if self.position_embeddings is not None:

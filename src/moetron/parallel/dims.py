@@ -1,11 +1,14 @@
 """Parallel degrees and every rank's coordinates: checked before any process group exists, then one mesh.
 
-`world = pp · dp · tp`. Ranks are laid out as Megatron does: tensor-parallel peers are neighbours, then data
-parallelism, then pipeline stages (the dense mesh `(pp, dp, tp)` in row-major order; Megatron-LM's
-world 16, tp 2, pp 4 gives TP [0, 1], [2, 3], …; PP [0, 4, 8, 12], …; DP [0, 2], [1, 3], [4, 6], …).
+`world = pp · dp · cp · tp`. Ranks are laid out as Megatron does: tensor-parallel peers are neighbours, then
+context parallelism, then data parallelism, then pipeline stages (the dense mesh `(pp, dp, cp, tp)` in row-major
+order; Megatron-LM's world 16, tp 2, pp 4 gives TP [0, 1], [2, 3], …; PP [0, 4, 8, 12], …; DP [0, 2], [1, 3],
+[4, 6], …). Context-parallel peers hold different parts of the same sequences and identical weights, so for the
+gradients they are data-parallel replicas too: dense gradients are averaged over `dp_cp` (the dp × cp ranks of one
+TP index, Megatron's "data-parallel group with context parallelism"), and experts fold over dp × cp.
 
 Experts are laid out over the same ranks of each pipeline stage as the expert mesh `(pp, edp, ep, etp)`, with
-`edp · ep · etp = dp · tp`:
+`edp · ep · etp = dp · cp · tp` (below, dp stands for dp · cp when context parallelism is on):
   etp = tp   experts split by tensor parallelism like the dense MLP; expert parallelism is drawn from the
              data-parallel ranks (`dp % ep == 0`), DeepSpeed's layout: world 16, tp 2, ep 4 → EP [0, 2, 4, 6],
              EDP [0, 8]; with tp = 1 it is DeepSpeed's default "E+D" (EP [0, 1], [2, 3], …; EDP {0, 2, 4, …}).
@@ -23,7 +26,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-DENSE_DIMS = ("pp", "dp", "tp")
+DENSE_DIMS = ("pp", "dp", "cp", "tp")
+# Flattened dimensions: the ranks that are replicas for the dense gradients (data- and context-parallel peers)
+FLATTENED_DIMS = {"dp_cp": ("dp", "cp")}
 EXPERT_DIMS = ("pp", "edp", "ep", "etp")
 
 
@@ -37,6 +42,7 @@ class Coordinates:
     edp: int = 0
     ep: int = 0
     etp: int = 0
+    cp: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ class ParallelDims:
     ep: int = 1
     etp: int = 1  # expert tensor parallelism: 1 (folding) or tp
     sequence_parallel: bool = False  # norms and dropout on sequence shards between the TP regions (needs tp > 1)
+    cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence (two zigzag chunks)
 
     @property
     def sp(self) -> bool:
@@ -57,11 +64,12 @@ class ParallelDims:
     @property
     def edp(self) -> int:
         """Expert-data-parallel size: replicas of each expert shard within a pipeline stage."""
-        return (self.dp * self.tp) // (self.ep * self.etp) if self.ep * self.etp else 0
+        return (self.dp * self.cp * self.tp) // (self.ep * self.etp) if self.ep * self.etp else 0
 
     @property
     def sizes(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "edp": self.edp, "ep": self.ep, "etp": self.etp}
+        return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp, "edp": self.edp, "ep": self.ep,
+                "etp": self.etp, "dp_cp": self.dp * self.cp}  # fmt: skip
 
     # ---------------------------------------------------------------- validation
     def problems(self, experts_per_layer: Sequence[int] | None = None) -> list[str]:
@@ -73,17 +81,19 @@ class ParallelDims:
             "pp": "--pipeline-model-parallel-size",
             "ep": "--moe-expert-parallel-size",
             "etp": "--expert-tensor-parallel-size",
+            "cp": "--context-parallel-size",
         }
         for name, flag in flags.items():
             value = getattr(self, name)
             if value < 1:
                 p.append(f"{flag} must be >= 1, got {value}")
-        if min(self.tp, self.pp, self.ep, self.etp) < 1:
+        if min(self.tp, self.pp, self.ep, self.etp, self.cp) < 1:
             return p
-        if self.world_size % (self.tp * self.pp):
+        if self.world_size % (self.tp * self.pp * self.cp):
+            cp = f" × --context-parallel-size {self.cp}" if self.cp > 1 else ""
             p.append(
                 f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {self.tp} × "
-                f"--pipeline-model-parallel-size {self.pp}; change the process count or the degrees"
+                f"--pipeline-model-parallel-size {self.pp}{cp}; change the process count or the degrees"
             )
         if experts_per_layer is not None and not any(e > 1 for e in experts_per_layer):
             return p + self._no_moe_problems()
@@ -107,17 +117,19 @@ class ParallelDims:
                 f"--expert-tensor-parallel-size {self.etp} must be 1 (experts not split by TP) or equal "
                 f"--tensor-model-parallel-size {self.tp}"
             )
-        elif self.etp == self.tp and self.tp > 1 and self.dp % self.ep:
+        elif self.etp == self.tp and self.tp > 1 and (self.dp * self.cp) % self.ep:
+            replicas = self.dp * self.cp
             p.append(
-                f"data-parallel size {self.dp} is not divisible by --moe-expert-parallel-size {self.ep}; with "
+                f"data-parallel size {replicas} is not divisible by --moe-expert-parallel-size {self.ep}; with "
                 f"--expert-tensor-parallel-size {self.etp} experts are sharded over data-parallel ranks, so use a "
-                f"divisor of {self.dp} (or --expert-tensor-parallel-size 1 to let EP span TP ranks)"
+                f"divisor of {replicas} (or --expert-tensor-parallel-size 1 to let EP span TP ranks)"
             )
-        elif (self.dp * self.tp) % (self.ep * self.etp):
-            span = "data-parallel" if self.tp == 1 else "data- × tensor-parallel"
+        elif (self.dp * self.cp * self.tp) % (self.ep * self.etp):
+            span = "data-parallel" if self.cp == 1 else "data- × context-parallel"
+            span = span if self.tp == 1 else span.replace("-parallel", "-") + " × tensor-parallel"
             p.append(
-                f"{span} size {self.dp * self.tp} is not divisible by --moe-expert-parallel-size {self.ep}; "
-                f"experts are sharded over those ranks, so use a divisor of {self.dp * self.tp}"
+                f"{span} size {self.dp * self.cp * self.tp} is not divisible by --moe-expert-parallel-size "
+                f"{self.ep}; experts are sharded over those ranks, so use a divisor of {self.dp * self.cp * self.tp}"
             )
         bad = sorted({e for e in experts_per_layer if e > 1 and e % self.ep})
         if bad:
@@ -129,30 +141,33 @@ class ParallelDims:
 
     # ---------------------------------------------------------------- coordinates (pure arithmetic)
     def coordinates(self, rank: int) -> Coordinates:
-        stage_size = self.dp * self.tp
+        stage_size = self.dp * self.cp * self.tp
         pp, in_stage = divmod(rank, stage_size)
-        dp, tp = divmod(in_stage, self.tp)
+        dp, in_replica = divmod(in_stage, self.cp * self.tp)
+        cp, tp = divmod(in_replica, self.tp)
         edp, rest = divmod(in_stage, self.ep * self.etp)
         ep, etp = divmod(rest, self.etp)
-        return Coordinates(pp=pp, dp=dp, tp=tp, edp=edp, ep=ep, etp=etp)
+        return Coordinates(pp=pp, dp=dp, tp=tp, edp=edp, ep=ep, etp=etp, cp=cp)
 
     def rank_of(self, **coords: int) -> int:
-        """The global rank at the given dense (pp, dp, tp) or expert (pp, edp, ep, etp) coordinates."""
+        """The global rank at the given dense (pp, dp, cp, tp) or expert (pp, edp, ep, etp) coordinates."""
         if set(coords) <= set(DENSE_DIMS):
             c = {d: coords.get(d, 0) for d in DENSE_DIMS}
-            return (c["pp"] * self.dp + c["dp"]) * self.tp + c["tp"]
+            return ((c["pp"] * self.dp + c["dp"]) * self.cp + c["cp"]) * self.tp + c["tp"]
         c = {d: coords.get(d, 0) for d in EXPERT_DIMS}
-        return c["pp"] * self.dp * self.tp + (c["edp"] * self.ep + c["ep"]) * self.etp + c["etp"]
+        return c["pp"] * self.dp * self.cp * self.tp + (c["edp"] * self.ep + c["ep"]) * self.etp + c["etp"]
 
     def groups(self, name: str) -> list[list[int]]:
-        """Every group of dimension `name` ("pp", "dp", "tp", "edp", "ep", "etp"), as sorted rank lists."""
-        dims = DENSE_DIMS if name in DENSE_DIMS else EXPERT_DIMS
-        if name not in dims:
+        """Every group of dimension `name` ("pp", "dp", "cp", "tp", "edp", "ep", "etp", or "dp_cp": the dp × cp
+        ranks of one pipeline stage and TP index), as sorted rank lists."""
+        spans = FLATTENED_DIMS.get(name, (name,))
+        dims = DENSE_DIMS if set(spans) <= set(DENSE_DIMS) else EXPERT_DIMS
+        if not set(spans) <= set(dims):
             raise ValueError(f"unknown parallel dimension {name!r}; one of {DENSE_DIMS + EXPERT_DIMS}")
         out: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):
             c = self.coordinates(rank)
-            key = tuple(getattr(c, d) for d in dims if d != name)
+            key = tuple(getattr(c, d) for d in dims if d not in spans)
             out.setdefault(key, []).append(rank)
         return sorted(out.values())
 

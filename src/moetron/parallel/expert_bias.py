@@ -35,13 +35,14 @@ def update_expert_biases(model: nn.Module, step_applied: bool, mesh: ParallelMes
 
 def sync_router_loads(model: nn.Module, mesh: ParallelMesh) -> None:
     """Sum every router's routes-per-expert over the data-parallel ranks before the bias update. Routers see the
-    tokens of their data-parallel rank; tensor-parallel peers route the same tokens, so the sum runs over dp only."""
-    if mesh.size("dp") == 1 or model.cfg.moe_router_bias_update_rate == 0:
+    tokens of their data-parallel rank; tensor-parallel peers route the same tokens, so the sum runs over dp only
+    (and context-parallel peers, whose tokens are other parts of the same sequences: dp_cp)."""
+    if mesh.size("dp_cp") == 1 or model.cfg.moe_router_bias_update_rate == 0:
         return
     loads = [moe.router.load_since_update_E for moe in model.moe_layers()]
     if not loads:
         return
     flat = torch.cat(loads)
-    with Site("the router-load all-reduce", mesh.group("dp"), "data-parallel"):
-        dist.all_reduce(flat, group=mesh.group("dp"))
+    with Site("the router-load all-reduce", mesh.group("dp_cp"), "data-parallel"):
+        dist.all_reduce(flat, group=mesh.group("dp_cp"))
     torch._foreach_copy_(loads, list(flat.split([t.numel() for t in loads])))

@@ -18,6 +18,7 @@
   3. apply_ep       keep this rank's `E / ep` experts, install the all-to-all dispatcher (ep/apply_ep.py);
   4. apply_moe_tp   each TP rank dispatches its share of the tokens through that dispatcher, or (expert TP)
                     keeps a slice of every expert's ffn channels (tp/moe.py);
+     apply_cp       context parallelism: zigzag positions, attention over the whole sequence (cp/apply_cp.py);
   5. apply_ac       recompute each layer in backward (activation_checkpoint.py);
   6. apply_compile  `torch.compile` each transformer block (compile.py);
   7. materialise on the device and initialise: weights are drawn per parameter name and per GLOBAL expert id
@@ -51,6 +52,7 @@ from moetron.model.gpt import GPTModel
 from moetron.model.loss import HeadLoss, fuses_head, language_model_loss, make_head_loss
 from moetron.parallel.activation_checkpoint import apply_ac
 from moetron.parallel.compile import apply_compile
+from moetron.parallel.cp.apply_cp import apply_cp
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.dp.replicate import DataParallel, apply_dp
 from moetron.parallel.dp.zero_spec import REPLICATED, ZeroSpec
@@ -181,6 +183,7 @@ def build_local_model(
     apply_tp(model, mesh)
     apply_ep(model, mesh, expert_replicas)
     apply_moe_tp(model, mesh)
+    apply_cp(model, mesh)
     apply_ac(model, cfg.checkpoint_activations)
     split_backward = layout is not None and layout.splits_backward
     apply_compile(model, compile_blocks, device, zero.compute_dtype, split_backward)

@@ -94,9 +94,10 @@ def adapted_expert_parallel(cfg: RunConfig, gpus: int) -> int | None:
     ep = cfg.parallel.moe_expert_parallel_size
     dims = cfg.dims(gpus)
     counts = [e for e in cfg.model.experts_per_layer() if e > 1]
-    if ep < 1 or (dims.dp % ep == 0 and all(e % ep == 0 for e in counts)):
+    replicas = dims.dp * dims.cp  # experts fold over data- and context-parallel ranks
+    if ep < 1 or (replicas % ep == 0 and all(e % ep == 0 for e in counts)):
         return None
-    limit = math.gcd(dims.dp, *counts)
+    limit = math.gcd(replicas, *counts)
     return max(d for d in range(1, min(ep, limit) + 1) if limit % d == 0)
 
 
@@ -105,7 +106,7 @@ def step_time(cfg: RunConfig, dims: ParallelDims, device: Accelerator, mfu: floa
     per_token = flops_per_token(cfg.model, cfg.model.seq_length)
     recompute = 4 / 3 if cfg.model.checkpoint_activations else 1.0  # one more forward pass
     # TP ranks share each token's FLOPs (the replicated norms, routers and shared experts are small)
-    tokens_per_device = cfg.global_batch(dims.dp) * cfg.model.seq_length / (dims.dp * dims.tp)
+    tokens_per_device = cfg.global_batch(dims.dp) * cfg.model.seq_length / (dims.dp * dims.tp * dims.cp)
     return tokens_per_device * per_token * recompute / (device.peak_tflops * 1e12 * mfu), per_token
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from moetron.config import RunConfig
 from moetron.parallel.dims import ParallelDims
+from moetron.plan.context_parallel import gathered_kv_bytes, per_rank_sequence
 from moetron.plan.memory_terms import (
     LocalParams,
     MemoryEstimate,
@@ -32,6 +33,7 @@ def estimate_memory(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda
     (with pipeline parallelism: of the heaviest pipeline rank, see `plan/pipeline_parallel.py`)."""
     if dims.pp > 1:
         return max((s.memory for s in plan_stages(cfg, dims, device_kind)), key=lambda m: m.peak)
-    activations = activation_bytes(cfg, dims, device_kind)
-    return assemble(cfg, dims, local_parameters(cfg.model, dims), activations, logits_bytes(cfg, dims, device_kind),
-                    all_to_all_bytes(cfg, dims))  # fmt: skip
+    local = per_rank_sequence(cfg, dims)  # context parallelism: this rank's seq / cp tokens of every sequence
+    activations = activation_bytes(local, dims, device_kind) + gathered_kv_bytes(cfg, dims, compute_bytes(cfg))
+    return assemble(cfg, dims, local_parameters(cfg.model, dims), activations, logits_bytes(local, dims, device_kind),
+                    all_to_all_bytes(local, dims))  # fmt: skip

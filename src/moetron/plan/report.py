@@ -72,8 +72,9 @@ def describe_layout(plan: Plan) -> str:
     stage = plan.memory.zero_stage
     zero = f", ZeRO stage {stage} (dense state 1/{d.dp}, expert state 1/{d.edp} per GPU)" if stage else ""
     pipeline = f", {pipeline_words(plan)}" if d.pp > 1 else ""
+    context = f", context parallel {d.cp} (seq {plan.cfg.model.seq_length // d.cp} per GPU)" if d.cp > 1 else ""
     return (
-        f"{plan.gpus} GPU(s): data parallel {d.dp}{tensor}, expert parallel {d.ep}{experts}{zero}{pipeline}; "
+        f"{plan.gpus} GPU(s): data parallel {d.dp}{tensor}{context}, expert parallel {d.ep}{experts}{zero}{pipeline}; "
         "micro batch "
         f"{t.micro_batch_size} × {plan.accumulation_steps} accumulation step(s) × {d.dp} = global batch "
         f"{plan.cfg.global_batch(d.dp)}, seq {plan.cfg.model.seq_length}"
@@ -85,8 +86,8 @@ def memory_lines(plan: Plan) -> list[str]:
     ckpt = ", checkpointed" if m.checkpoint_activations else ""
     fill = {
         "dtype": precision(plan),
-        "activations": f"micro batch {plan.cfg.train.micro_batch_size} × seq {m.seq_length}{ckpt}",
-        "tokens": plan.cfg.train.micro_batch_size * m.seq_length,
+        "activations": f"micro batch {plan.cfg.train.micro_batch_size} × seq {m.seq_length // plan.dims.cp}{ckpt}",
+        "tokens": plan.cfg.train.micro_batch_size * m.seq_length // plan.dims.cp,
         "lm_loss": lm_head.describe(plan.cfg, plan.device.kind, plan.dims),
         **zero_labels(plan),
     }

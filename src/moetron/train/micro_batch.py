@@ -16,7 +16,15 @@ class MicroBatch:
 
     @classmethod
     def from_loader(cls, loader, device: torch.device) -> MicroBatch:
-        """The loader's next `[mbs, seq + 1]` batch, split into inputs and next-token labels."""
+        """The loader's next `[mbs, seq + 1]` batch, split into inputs and next-token labels (under context
+        parallelism: this rank's chunks of both, `loader.local_chunks`)."""
         first = loader.next_first_sample
         batch = loader.next_micro_batch().to(device, non_blocking=True)
-        return cls(batch[:, :-1], batch[:, 1:], first)
+        return cls(local_chunks(loader, batch[:, :-1]), local_chunks(loader, batch[:, 1:]), first)
+
+
+def local_chunks(loader, x_BT: torch.Tensor) -> torch.Tensor:
+    """This context-parallel rank's part of `x_BT` (`DistributedBatchLoader.local_chunks`); all of it from a loader
+    that does not split sequences."""
+    split = getattr(loader, "local_chunks", None)
+    return x_BT if split is None else split(x_BT)

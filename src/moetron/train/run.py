@@ -143,6 +143,7 @@ def build_loaders(cfg: RunConfig, env: DistEnv, mesh: ParallelMesh):
     from moetron.data.loader import DistributedBatchLoader
 
     dp, dp_rank = mesh.size("dp"), mesh.coords.dp
+    cp = {"cp_rank": mesh.coords.cp, "cp_size": mesh.size("cp")}  # CP peers: the same samples, their own chunks
     train_ds, valid_ds, _ = build_gpt_datasets(
         cfg.data,
         cfg.model.seq_length,
@@ -154,7 +155,7 @@ def build_loaders(cfg: RunConfig, env: DistEnv, mesh: ParallelMesh):
     if train_ds is None or len(train_ds) == 0:
         raise UserError("the training split is empty; check --data-path and --split (e.g. --split 98,2,0)")
     mbs = cfg.train.micro_batch_size
-    train_loader = DistributedBatchLoader(train_ds, mbs, dp_rank, dp, num_workers=cfg.data.num_workers)
+    train_loader = DistributedBatchLoader(train_ds, mbs, dp_rank, dp, num_workers=cfg.data.num_workers, **cp)
     make_valid = None
     has_valid = valid_ds is not None and len(valid_ds) > 0
     if not has_valid and cfg.train.eval_iters > 0 and env.is_main:
@@ -163,7 +164,7 @@ def build_loaders(cfg: RunConfig, env: DistEnv, mesh: ParallelMesh):
     if has_valid and cfg.train.eval_iters > 0:
 
         def make_valid():
-            return DistributedBatchLoader(valid_ds, mbs, dp_rank, dp)
+            return DistributedBatchLoader(valid_ds, mbs, dp_rank, dp, **cp)
 
     return train_loader, make_valid
 

@@ -192,11 +192,12 @@ def _layout_line(cfg: RunConfig, world_size: int) -> str:
     local = sorted({e // max(d.ep, 1) for e in cfg.model.experts_per_layer() if e > 1})
     experts = f" ({'/'.join(map(str, local))} experts per process)" if local else ""
     sp = " + sequence parallel" if d.sequence_parallel and d.tp > 1 else ""  # ignored at TP 1, as in Megatron
+    context = f", context parallel {d.cp} (seq {cfg.model.seq_length // d.cp} per process)" if d.cp > 1 else ""
     p = cfg.parallel
     zero = effective_stage(p.zero_stage, p.use_distributed_optimizer)
     return (
         f"layout     {world_size} process(es): data parallel {d.dp}, tensor parallel {d.tp}{sp}, pipeline parallel "
-        f"{d.pp}, expert parallel {d.ep}{experts}, ZeRO stage {zero}"
+        f"{d.pp}{context}, expert parallel {d.ep}{experts}, ZeRO stage {zero}"
     )
 
 

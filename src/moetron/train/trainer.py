@@ -108,7 +108,7 @@ class Trainer:
         self.progress = Progress()
         self.metrics = IntervalMetrics(env.device)
         self.health = RoutingHealth.from_config(cfg.train, self.model, env.device)  # routing alarms (on device)
-        self.reduce_mean = mean_over(self.mesh, "dp")
+        self.reduce_mean = mean_over(self.mesh, "dp_cp")  # context-parallel peers' losses are of other tokens
         self.run_dir = cfg.run_dir()
         self.last_saved_iteration: int | None = None
         self.async_saver = AsyncCheckpointer(env) if cfg.train.async_save and cfg.train.save else None

@@ -20,6 +20,7 @@ import torch
 
 from moetron.model.loss import HeadLoss
 from moetron.model.rng import STREAMS
+from moetron.train.micro_batch import local_chunks
 
 
 def perplexity(loss: float) -> float:
@@ -50,7 +51,8 @@ def evaluate(
             first_sample = loader.next_first_sample
             batch = loader.next_micro_batch().to(device, non_blocking=True)
             with STREAMS.micro_batch("valid", first_sample), autocast():
-                out = model(batch[:, :-1], labels_BT=batch[:, 1:], return_logits=False, head_loss=head_loss)
+                tokens_BT, labels_BT = local_chunks(loader, batch[:, :-1]), local_chunks(loader, batch[:, 1:])
+                out = model(tokens_BT, labels_BT=labels_BT, return_logits=False, head_loss=head_loss)
             loss = out.lm_loss.detach().double()
             total = loss if total is None else total + loss
     finally:

@@ -126,9 +126,10 @@ def _replicate(model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh, dd
     experts = registry.named_parameters(model, "expert")
     reducer = None
     if experts and mesh.size("edp") * mesh.size("ep") > 1:
-        reducer = ExpertGradReducer([p for _, p in experts], mesh.group("edp"), divide_by=mesh.size("dp"))
+        # dp_cp: context-parallel peers are gradient replicas too (dp without context parallelism)
+        reducer = ExpertGradReducer([p for _, p in experts], mesh.group("edp"), divide_by=mesh.size("dp_cp"))
     module: nn.Module = model
-    if mesh.size("dp") > 1 and ddp:
+    if mesh.size("dp_cp") > 1 and ddp:
         ignored = [n for n, _ in experts]
         if ignored:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
@@ -138,7 +139,7 @@ def _replicate(model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh, dd
         # No buffer broadcast per forward: the only buffers that change (expert biases) are updated identically on
         # every rank from all-reduced loads, so re-broadcasting them would be a wasted collective.
         module = DistributedDataParallel(
-            model, device_ids=device_ids, process_group=mesh.group("dp"), **_no_forward_buffer_sync()
+            model, device_ids=device_ids, process_group=mesh.group("dp_cp"), **_no_forward_buffer_sync()
         )
     return DataParallel(model, module, reducer)
 

@@ -6,6 +6,8 @@ Shape legend: T tokens, E experts, K routes per token, B sequences of L tokens; 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from moetron.model.moe.routing.decision import RoutingInputError
@@ -17,10 +19,19 @@ def balance_loss(probs_XE: torch.Tensor, route_fraction_XE: torch.Tensor, k: int
     return (probs_XE * route_fraction_XE).sum(-1) * num_experts / k
 
 
-def sequence_aux_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor, seq_len: int | None) -> torch.Tensor:
+def sequence_aux_loss(
+    probs_TE: torch.Tensor,
+    ids_TK: torch.Tensor,
+    seq_len: int | None,
+    sequence_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss: the global formula per sequence, averaged over sequences.
 
     Tokens are the flattening of [B, L] (each sequence contiguous); `seq_len=None` means one sequence.
+    `sequence_mean` (context parallelism: each of N ranks holds L tokens of every sequence) averages the route
+    fractions over the sequence's other parts, so they are the whole sequence's; the loss is then linear in the
+    local mean probabilities, and its mean over the N ranks (what averaging their gradients and reports does) is
+    the whole sequences' loss.
     """
     num_tokens, num_experts = probs_TE.shape
     seq_len = seq_len or num_tokens
@@ -32,7 +43,10 @@ def sequence_aux_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor, seq_len: int
     mask_TE = torch.zeros_like(probs_TE).scatter_(1, ids_TK, 1.0)
     probs_BLE = probs_TE.view(-1, seq_len, num_experts)
     mask_BLE = mask_TE.view(-1, seq_len, num_experts)
-    return balance_loss(probs_BLE.mean(1), mask_BLE.mean(1), ids_TK.shape[1]).mean()
+    fraction_BE = mask_BLE.mean(1)
+    if sequence_mean is not None:
+        fraction_BE = sequence_mean(fraction_BE)
+    return balance_loss(probs_BLE.mean(1), fraction_BE, ids_TK.shape[1]).mean()
 
 
 def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,9 @@ class Router(nn.Module):
         self.num_experts = num_experts
         self.topk = cfg.topk
         self.generic = cfg.uses_generic_path
+        # mean of a per-sequence statistic over the other parts of the same sequences (context parallelism sets
+        # it: a rank routes only its chunks); None: every sequence is whole here
+        self.sequence_mean: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.weight = nn.Parameter(torch.empty(num_experts, cfg.hidden_size, dtype=torch.float32))
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         # Transient (zero after every optimizer step), so it stays out of checkpoints.
@@ -107,7 +111,7 @@ class Router(nn.Module):
         """Replace the path's global aux loss when another type is asked for, and add the z-loss."""
         aux_type = self.cfg.moe_aux_loss_type
         if aux_type == "seq":
-            routing.aux_loss = sequence_aux_loss(routing.probs_TE, routing.expert_ids_TK, seq_len)
+            routing.aux_loss = sequence_aux_loss(routing.probs_TE, routing.expert_ids_TK, seq_len, self.sequence_mean)
         elif aux_type == "none":
             routing.aux_loss = torch.zeros((), dtype=torch.float32, device=logits_TE.device)
         routing.z_loss_source = self._z_loss(routing, logits_TE)

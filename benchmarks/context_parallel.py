@@ -1,0 +1,108 @@
+"""Context parallelism on a small MoE GPT: per-rank activation memory at CP 1 / 2 / 4 for a fixed sequence length,
+the largest sequence length whose activations fit a fixed budget, and `moetron plan`'s prediction beside each.
+
+    python benchmarks/context_parallel.py                       # seq 1024 at CP 1, 2, 4; sweep 512 … 4096
+    python benchmarks/context_parallel.py --seq 2048 --budget-mib 64
+
+Model: 4 layers, hidden 128, 8 heads (4 key/value heads), RoPE, 4 experts every 2nd layer, top-2 dropless; fp32,
+gloo on CPU, one thread per process. Reported per rank:
+  activations  bytes of the tensors autograd saves in one training forward to the last hidden states (parameters
+               excluded, each storage once; the LM head's buffers are the plan's separate logits term), its ratio to
+               CP 1, and the plan's `activations` for the same layout as a ratio to this measurement;
+  largest seq  the longest sequence of the sweep whose measured (and planned) activations fit `--budget-mib`
+               (default: CP 1's measured activations at `--seq`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from moetron.config import RunConfig
+from moetron.data.context_chunks import take_zigzag
+from moetron.parallel.env import init_distributed
+from moetron.parallel.mesh import ParallelMesh
+from moetron.parallel.parallelize import build
+from moetron.plan.memory import estimate_memory
+from process_group import spawn_group
+
+SIZES = (1, 2, 4)
+
+
+def bench_config(seq: int, cp: int) -> RunConfig:
+    cfg = RunConfig()
+    m, t = cfg.model, cfg.train
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.num_key_value_heads = 4, 128, 8, 4
+    m.seq_length, m.position_embedding_type, m.vocab_size = seq, "rope", 4096
+    m.num_experts, m.topk, m.moe_token_dropping = [4], 2, False
+    m.hidden_dropout = m.attention_dropout = 0.0
+    t.micro_batch_size, t.global_batch_size, t.train_iters = 1, 1, 1
+    cfg.parallel.context_parallel_size = cp
+    return cfg
+
+
+def saved_activation_bytes(model: torch.nn.Module, tokens_BT: torch.Tensor) -> int:
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens_BT, return_logits=False)
+    return sum(seen.values())
+
+
+def measure(rank: int, world: int, port: int, seq: int, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    os.environ.update(MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    env = init_distributed(backend="gloo")
+    cfg = bench_config(seq, world)
+    mesh = ParallelMesh.build(cfg.dims(world), env)
+    parallel = build(cfg, mesh, env.device)
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+    local = take_zigzag(tokens, mesh.coords.cp, world)
+    results.put((rank, saved_activation_bytes(parallel.model, local)))
+    env.close()
+
+
+def measured_bytes(seq: int, cp: int) -> int:
+    return max(row[1] for row in spawn_group(measure, cp, (seq,)))
+
+
+def planned_bytes(seq: int, cp: int) -> int:
+    cfg = bench_config(seq, cp)
+    return estimate_memory(cfg, cfg.dims(cp), "cpu").activations
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--sweep", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--budget-mib", type=float, default=None, help="default: CP 1's activations at --seq")
+    args = parser.parse_args()
+    at_seq = {cp: measured_bytes(args.seq, cp) for cp in SIZES}
+    budget = args.budget_mib * 2**20 if args.budget_mib else at_seq[1]
+    print(f"small MoE GPT (4 layers, hidden 128, GQA 8/4, RoPE), micro batch 1, seq {args.seq} (CPU, gloo, per rank)")
+    print("| layout | activations (ratio to CP 1) | plan / measured | largest seq in budget: measured | plan |")
+    print("|---|---|---|---|---|")
+    for cp in SIZES:
+        fits = [s for s in args.sweep if s % (2 * cp) == 0 and measured_bytes(s, cp) <= budget]
+        plan_fits = [s for s in args.sweep if s % (2 * cp) == 0 and planned_bytes(s, cp) <= budget]
+        ratio = planned_bytes(args.seq, cp) / at_seq[cp]
+        print(
+            f"| CP {cp} | {at_seq[cp] / 2**20:.2f} MiB ({at_seq[cp] / at_seq[1]:.2f}) | {ratio:.2f} | "
+            f"{max(fits, default='-')} | {max(plan_fits, default='-')} |"
+        )
+    print(f"budget {budget / 2**20:.2f} MiB per rank; sweep {args.sweep}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Context parallelism: every sequence split over the `cp` ranks (zigzag chunks), attention across the split."""

@@ -1,0 +1,64 @@
+"""`apply_cp`: hand every attention layer the context-parallel attention and the model its zigzag positions.
+
+Under context parallelism a rank's forward receives its two zigzag chunks of every sequence (the loader keeps
+them, `data/loader.py`). Three things change, all installed here from outside the model:
+  - positions: `GPTModel.sequence_positions` gives the absolute position of each local token, so RoPE angles and
+    learned position embeddings are those of the one-process run;
+  - attention: each `SelfAttention.attend_fn` attends to the whole sequence's keys (`attention.py`);
+  - attention dropout: each rank's stream key gets its CP rank (as TP's head shards do), so peers draw
+    independent masks (SDPA draws inside the kernel: no layout can reproduce the one-process masks).
+  - the per-sequence aux loss (`--moe-aux-loss-type seq`): each router's `sequence_mean` averages the route
+    fractions of every sequence over its CP ranks (`SequenceMean`), so the loss is the whole sequences'.
+Everything else is per token and runs on the local tokens as it is. The loss needs no change: every rank holds
+the same number of tokens and the LM loss is a plain mean, so the mean over CP ranks of the local means is the
+mean over the whole sequence (Σ token losses / global token count), and the dense gradients, averaged over the
+dp × cp ranks (`dp_cp`, parallel/dp/replicate.py), are the one-process gradients. MoE layers route their local
+tokens like any others (capacity, random routing draws and the `global` aux loss per rank, as DeepSpeed computes
+them per data-parallel rank: only dropless routing without random draws reproduces the one-process run exactly).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moetron.data.context_chunks import zigzag_positions
+from moetron.model.gpt import GPTModel
+from moetron.parallel.cp.attention import ContextParallelAttention
+from moetron.parallel.diagnosis import Site
+from moetron.parallel.mesh import ParallelMesh
+
+
+def apply_cp(model: GPTModel, mesh: ParallelMesh) -> None:
+    """Install context parallelism on `model` (nothing when cp == 1)."""
+    size = mesh.size("cp")
+    if size == 1:
+        return
+    rank = mesh.coords.cp
+    attend = ContextParallelAttention(mesh.group("cp"), rank, size)
+
+    def sequence_positions(local_length: int, device: torch.device) -> torch.Tensor:
+        return zigzag_positions(local_length * size, rank, size, device)
+
+    model.sequence_positions = sequence_positions
+    for _, layer in model.layer_items():
+        layer.self_attention.attend_fn = attend
+        layer.self_attention.stream_shard += ("cp", rank)
+    for moe in model.moe_layers():
+        moe.router.sequence_mean = SequenceMean(mesh.group("cp"), size)
+
+
+class SequenceMean:
+    """A per-sequence statistic (no gradient) averaged over the CP ranks, each of which holds an equal part of every
+    sequence: an all-reduce, written here because the router's statistic is a plain tensor, not a DTensor."""
+
+    def __init__(self, group, size: int):
+        self.group, self.size = group, size
+        self.site = Site("the context-parallel all-reduce of the sequence aux loss's route fractions", group,
+                         "context-parallel")  # fmt: skip
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.detach().clone()
+        with self.site:
+            dist.all_reduce(out, group=self.group)
+        return out / self.size

@@ -1,0 +1,36 @@
+"""What context parallelism changes in the memory model: each rank holds seq / cp tokens of every sequence, plus
+the whole sequence's keys and values while attending (`parallel/cp/attention.py` all-gathers them).
+
+Every per-token activation term (`memory_terms.py`) is priced at the rank's seq / cp tokens (`per_rank_sequence`),
+as are the LM head's buffers and the all-to-all; `gathered_kv_bytes` adds what CP itself keeps: SDPA saves the
+gathered K and V `[mbs, K, seq, D]` of every layer for its backward (one layer at a time with activation
+checkpointing), and the additive causal mask `[seq / cp, seq]` (compute dtype) is built once and shared by the
+layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moetron.config import RunConfig
+from moetron.parallel.dims import ParallelDims
+
+
+def per_rank_sequence(cfg: RunConfig, dims: ParallelDims) -> RunConfig:
+    """`cfg` with the sequence length one context-parallel rank holds (`cfg` itself without CP): for the
+    per-token terms only, never for parameters (position embeddings keep their size)."""
+    if dims.cp <= 1:
+        return cfg
+    model = dataclasses.replace(cfg.model, seq_length=cfg.model.seq_length // dims.cp)
+    return dataclasses.replace(cfg, model=model)
+
+
+def gathered_kv_bytes(cfg: RunConfig, dims: ParallelDims, compute_bytes: int) -> int:
+    """The gathered keys and values saved for backward (all layers, or one when recomputing), and the mask."""
+    if dims.cp <= 1:
+        return 0
+    m = cfg.model
+    seq = m.seq_length
+    per_layer = 2 * cfg.train.micro_batch_size * m.kv_heads * m.head_dim * seq * compute_bytes
+    layers = 1 if m.checkpoint_activations else m.num_layers
+    return per_layer * layers + (seq // dims.cp) * seq * compute_bytes
