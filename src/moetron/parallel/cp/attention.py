@@ -36,7 +36,7 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group, ctx.size, ctx.site = group, size, site
         x_TBKD = x_BKTD.permute(2, 0, 1, 3).contiguous()  # the collective concatenates along dim 0
         out = x_TBKD.new_empty((size * x_TBKD.shape[0], *x_TBKD.shape[1:]))
-        dist.all_gather_into_tensor(out, x_TBKD, group=group)
+        dist.all_gather_single(out, x_TBKD, group=group)
         return out.permute(1, 2, 0, 3)
 
     @staticmethod
@@ -44,7 +44,7 @@ class _GatherSequence(torch.autograd.Function):
         grad_SBKD = grad_BKSD.permute(2, 0, 1, 3).contiguous()
         out = grad_SBKD.new_empty((grad_SBKD.shape[0] // ctx.size, *grad_SBKD.shape[1:]))
         with ctx.site:
-            dist.reduce_scatter_tensor(out, grad_SBKD, group=ctx.group)
+            dist.reduce_scatter_single(out, grad_SBKD, group=ctx.group)
         return out.permute(1, 2, 0, 3), None, None, None
 
 

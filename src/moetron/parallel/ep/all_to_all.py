@@ -99,7 +99,7 @@ class AllToAllDispatcher:
     def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """counts_RE: the routes every rank of the group sends to every global expert (an all-gather)."""
         counts_RE = counts_E.new_empty(self.ep_size * self.num_experts)  # flat: gloo's all-gather wants 1-D
-        dist.all_gather_into_tensor(counts_RE, counts_E.contiguous(), group=self.group)
+        dist.all_gather_single(counts_RE, counts_E.contiguous(), group=self.group)
         return counts_RE.view(self.ep_size, self.num_experts)
 
     def my_experts(self, x_RE: torch.Tensor) -> torch.Tensor:
