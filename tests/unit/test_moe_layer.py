@@ -210,24 +210,26 @@ def test_take_stats_gives_the_mean_of_the_named_statistics_over_training_forward
     layer.eval()
     layer(torch.randn(B, T, D))  # evaluation forwards are not counted
     total, count = layer.take_stats()
-    assert isinstance(total, MoEStats) and count == 2 and total.values.shape == (4,)
+    assert isinstance(total, MoEStats) and count == 2 and total.values.shape == (MoEStats.WIDTH,)
     mean = total / count
     loads = [a.tokens_per_expert_E.float() for a in auxes]
     torch.testing.assert_close(mean.load_max_over_mean, sum(x.max() / x.mean() for x in loads) / 2)
     torch.testing.assert_close(mean.dropped_fraction, sum(a.dropped_routes / (B * T * 2) for a in auxes).float() / 2)
     torch.testing.assert_close(mean.aux_loss, sum(a.aux_loss.detach() for a in auxes) / 2)
     torch.testing.assert_close(mean.z_loss, sum(a.z_loss.detach() for a in auxes) / 2)
+    assert mean.ep_load_routed.item() == mean.ep_load_computed.item() == 1.0  # one process: one EP rank
     assert layer.take_stats() == (None, 0)  # reset
 
 
 def test_stacked_stats_read_by_name_and_price_the_moe_loss() -> None:
-    a = MoEStats(torch.tensor([1.5, 0.25, 2.0, 4.0]))
-    b = MoEStats(torch.tensor([1.0, 0.0, 1.0, 8.0]))
+    a = MoEStats(torch.tensor([1.5, 0.25, 2.0, 4.0, 1.5, 1.0]))
+    b = MoEStats(torch.tensor([1.0, 0.0, 1.0, 8.0, 2.0, 1.25]))
     stack = MoEStats.stack([a, b])
     assert stack.load_max_over_mean.tolist() == [1.5, 1.0] and stack.dropped_fraction.tolist() == [0.25, 0.0]
     assert MoEStats.from_flat(stack.values.flatten()).z_loss.tolist() == [4.0, 8.0]
     assert stack.moe_loss(0.5, 0.25).item() == 0.5 * 3.0 + 0.25 * 12.0
-    with pytest.raises(ValueError, match="4 values per layer"):
+    assert stack.ep_load_routed.tolist() == [1.5, 2.0] and stack.ep_load_computed.tolist() == [1.0, 1.25]
+    with pytest.raises(ValueError, match="6 values per layer"):
         MoEStats(torch.zeros(2, 3))
 
 

@@ -57,9 +57,11 @@ class DataConfig:
         return p
 
     def tokenizer_file_problems(self) -> list[str]:
-        """Tokenizer files that are named but missing (none named is fine: --vocab-size then sizes the model)."""
+        """Tokenizer files that are named but missing (none named is fine: --vocab-size then sizes the model). A GPT-2
+        BPE tokenizer reads no tokenizer.json, so a --tokenizer-model left from a recipe is not checked then."""
         named = [("--vocab-file", self.vocab_file), ("--merge-file", self.merge_file)]
-        named.append(("--tokenizer-model", self.tokenizer_model))
+        if self.tokenizer_type != "GPT2BPETokenizer":
+            named.append(("--tokenizer-model", self.tokenizer_model))
         return [
             f"{flag} {path}: no such file; give the path of the tokenizer file (see --tokenizer-type)"
             for flag, path in named

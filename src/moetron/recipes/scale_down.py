@@ -87,6 +87,14 @@ def _shrink_model(cfg: RunConfig, given: set[str]) -> None:
     if m.max_position_embeddings:
         _set(m, "max_position_embeddings", m.seq_length, given)
     _set(m, "checkpoint_activations", False, given)  # nothing to save at this size; recomputing only costs time
+    if m.multi_latent_attention:  # the latents and per-head sizes shrink with the width (a DeepSeek-V2-Lite ratio)
+        head = m.hidden_size // m.num_attention_heads
+        if m.q_lora_rank:
+            _set(m, "q_lora_rank", m.hidden_size // 2, given)
+        _set(m, "kv_lora_rank", m.hidden_size // 2, given)
+        _set(m, "qk_head_dim", head, given)
+        _set(m, "qk_pos_emb_head_dim", max(2, head // 2), given)
+        _set(m, "v_head_dim", head, given)
     if is_moe:
         _shrink_moe(cfg, given)
     else:
