@@ -25,6 +25,7 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1  # TP degree (Megatron-DeepSpeed's MP_SIZE): heads, MLP and vocabulary split
     sequence_parallel: bool = False  # with TP: norms and dropout on sequence shards (their activations / TP)
     context_parallel_size: int = 1  # CP degree: every sequence split over CP ranks (two zigzag chunks each)
+    cp_comm_type: str = "all_gather"  # CP attention: all_gather (K/V gathered) | p2p (ring) | a2a (Ulysses, heads)
     pipeline_model_parallel_size: int = 1  # PP degree: pipeline stages on torch.distributed.pipelining
     pipeline_schedule: str | None = None  # 1f1b | interleaved-1f1b | gpipe | zero-bubble (None: 1f1b / interleaved)
     num_layers_per_virtual_pipeline_stage: int | None = None  # interleaving: layers per virtual stage

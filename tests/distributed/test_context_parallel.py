@@ -1,5 +1,7 @@
 """Context parallelism (gloo) against one process: loss curves, CP × EP folded, a CP 2 checkpoint continued on 1
-process, activation memory against the plan (2 processes); CP 2 × TP 2 + SP × EP 2 and its checkpoint (4).
+process, activation memory against the plan (2 processes); CP 2 × TP 2 + SP × EP 2 and its checkpoint (4). Each
+`--cp-comm-type` (all_gather, p2p ring, a2a Ulysses) follows the same curves, and the three attentions agree
+within fp64 rounding on the same inputs.
 
 Every layout trains the same global batch (sequence length 64, zigzag-split over 2 ranks) and must give the
 one-process loss at every step within 1e-4 relative (dropout off: SDPA draws attention masks inside the kernel,
@@ -20,7 +22,10 @@ from launch import run_distributed
 from trainer_support import VOCAB, tiny_config
 
 from moetron.checkpoint import resolve_checkpoint
+from moetron.data.context_chunks import take_zigzag
 from moetron.data.loader import DistributedBatchLoader
+from moetron.parallel.cp.apply_cp import ATTENTIONS
+from moetron.parallel.cp.attention import ContextParallelAttention
 from moetron.parallel.env import DistEnv, init_distributed
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build
@@ -46,7 +51,7 @@ def samples(n: int = 256, seed: int = 0) -> np.ndarray:
     return (starts + np.arange(SEQ + 1)) % VOCAB
 
 
-def cp_config(model: str, cp: int = 1, ep: int = 1, tp: int = 1, save: str | None = None):
+def cp_config(model: str, cp: int = 1, ep: int = 1, tp: int = 1, save: str | None = None, comm: str = "all_gather"):
     cfg = tiny_config(micro_batch_size=MBS, global_batch_size=GLOBAL_BATCH, train_iters=STEPS)
     m, p = cfg.model, cfg.parallel
     m.seq_length, m.hidden_dropout, m.attention_dropout = SEQ, 0.0, 0.0
@@ -54,7 +59,7 @@ def cp_config(model: str, cp: int = 1, ep: int = 1, tp: int = 1, save: str | Non
     for key, value in MODELS[model].items():
         setattr(m, key, value)
     p.context_parallel_size, p.moe_expert_parallel_size = cp, ep
-    p.tensor_model_parallel_size, p.sequence_parallel = tp, tp > 1
+    p.tensor_model_parallel_size, p.sequence_parallel, p.cp_comm_type = tp, tp > 1, comm
     cfg.train.lr_warmup_iters, cfg.train.save = 2, save
     return cfg
 
@@ -108,13 +113,38 @@ def saved_activation_bytes(t: Trainer) -> int:
     return sum(seen.values())
 
 
+def attention_differences(mesh: ParallelMesh) -> dict[str, list[float]]:
+    """Max |difference| of the p2p and a2a attentions' output and input gradients from all_gather's (fp64, GQA 4 / 2
+    heads, one rank's zigzag chunks of a 32-token sequence, the same on every rank)."""
+    rank, size, group = mesh.coords.cp, mesh.size("cp"), mesh.group("cp")
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(2, heads, 32, 8, generator=gen, dtype=torch.float64) for heads in (4, 2, 2, 4)]
+    local = [take_zigzag(x, rank, size, dim=2) for x in full]
+
+    def run(attention) -> list[torch.Tensor]:
+        q, k, v = (x.clone().requires_grad_() for x in local[:3])
+        out = attention(group, rank, size)(q, k, v, enable_gqa=True)
+        out.backward(local[3])
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    want = run(ContextParallelAttention)
+    others = {name: run(ATTENTIONS[name]) for name in ("p2p", "a2a")}
+    return {name: [float((g - w).abs().max()) for g, w in zip(got, want, strict=True)] for name, got in others.items()}
+
+
 def two_process_checks(rank: int, world_size: int, cp_dir: str) -> dict:
     env = init_distributed()
     first = trainer(cp_config("rope-gqa", cp=2), env)
     backends = {name: first.mesh.group(name)._get_backend(torch.device("cpu")) for name in ("cp", "dp_cp")}
     out = {"timeouts": {name: b.options._timeout.total_seconds() for name, b in backends.items()}}
+    out["attention"] = attention_differences(first.mesh)
     out["saved"] = saved_activation_bytes(first)
     out |= {model: run_losses(trainer(cp_config(model, cp=2), env), STEPS) for model in MODELS}
+    for comm in ("p2p", "a2a"):  # the other attentions: the same curves, and their own activation memory
+        ring_or_heads = trainer(cp_config("rope-gqa", cp=2, comm=comm), env)
+        out[f"saved-{comm}"] = saved_activation_bytes(ring_or_heads)
+        out[f"rope-gqa-{comm}"] = run_losses(ring_or_heads, STEPS)
+    out["learned-mha-seq-aux-p2p"] = run_losses(trainer(cp_config("learned-mha-seq-aux", cp=2, comm="p2p"), env), STEPS)
     out["cp2-ep2"] = run_losses(trainer(cp_config("rope-gqa", cp=2, ep=2), env), STEPS)
     first = trainer(cp_config("rope-gqa", cp=2, save=cp_dir), env)
     out["head"] = run_losses(first, HALF)
@@ -139,13 +169,23 @@ def test_context_parallel_follows_one_process(tmp_path):
     # CP 2 / CP 1 ratio is the measured one within 10 % (its absolute terms are checked per layer in test_plan.py)
     configs = {cp: cp_config("rope-gqa", cp=cp) for cp in (1, 2)}
     planned = {cp: estimate_memory(cfg, cfg.dims(cp), "cpu").activations for cp, cfg in configs.items()}
+    for comm in ("p2p", "a2a"):
+        planned[comm] = estimate_memory(cfg := cp_config("rope-gqa", cp=2, comm=comm), cfg.dims(2), "cpu").activations
     for rank, got in enumerate(results):  # the flattened dp × cp group waits as long as every other (launch.py: 2 min)
         assert got["timeouts"] == {"cp": 120.0, "dp_cp": 120.0}, got["timeouts"]
+        for name, differences in got["attention"].items():  # output, dq, dk, dv
+            assert max(differences) < 1e-12, (rank, name, differences)
         assert got["saved"] <= 0.6 * saved, (rank, got["saved"], saved)
         assert got["saved"] / saved == pytest.approx(planned[2] / planned[1], rel=0.1), (rank, got["saved"], saved)
+        for comm in ("p2p", "a2a"):  # neither keeps the gathered K/V nor the mask: less than all_gather, as planned
+            assert got[f"saved-{comm}"] < got["saved"], (rank, comm, got[f"saved-{comm}"], got["saved"])
+            ratio = got[f"saved-{comm}"] / saved
+            assert ratio == pytest.approx(planned[comm] / planned[1], rel=0.1), (rank, comm, ratio)
     for rank, got in enumerate(results):
         for model, want in reference.items():
             assert_curve(got[model], want, f"rank {rank}: {model} at CP 2")
+        for name in ("rope-gqa-p2p", "rope-gqa-a2a", "learned-mha-seq-aux-p2p"):
+            assert_curve(got[name], reference[name.rsplit("-", 1)[0]], f"rank {rank}: {name} at CP 2")
         assert_curve(got["cp2-ep2"], reference["rope-gqa"], f"rank {rank}: CP 2 × EP 2 folded")
         assert_curve(got["head"], reference["rope-gqa"][:HALF], f"rank {rank}: CP 2 before the checkpoint")
     # the CP 2 checkpoint continues on one process as the straight one-process run does
@@ -157,7 +197,8 @@ def four_process_checks(rank: int, world_size: int, cp_dir: str) -> dict:
     first = trainer(cp_config("rope-gqa", cp=2, tp=2, ep=2, save=cp_dir), env)
     head = run_losses(first, HALF)
     first.save()
-    return {"head": head}
+    ring = run_losses(trainer(cp_config("rope-gqa", cp=2, tp=2, ep=2, comm="p2p"), env), HALF)
+    return {"head": head, "p2p": ring}
 
 
 @pytest.mark.distributed
@@ -170,4 +211,5 @@ def test_context_and_tensor_parallel_follow_one_process(tmp_path):
     reference = run_losses(trainer(cp_config("rope-gqa")), STEPS)
     for rank, got in enumerate(run_distributed(four_process_checks, world_size=4, args=(cp_dir,))):
         assert_curve(got["head"], reference[:HALF], f"rank {rank}: CP 2 × TP 2 + SP × EP 2")
+        assert_curve(got["p2p"], reference[:HALF], f"rank {rank}: CP 2 (p2p) × TP 2 + SP × EP 2")
     assert_curve(resumed_losses(cp_config("rope-gqa"), cp_dir), reference[HALF:], "CP 2 × TP 2 → 1 resume")

@@ -144,6 +144,7 @@ def build(cfg: RunConfig, mesh: ParallelMesh, device: torch.device | str) -> Par
         zero=zero,
         layout=layout,
         expert_replicas=cfg.parallel.moe_expert_replicas,
+        cp_comm_type=cfg.parallel.cp_comm_type,
     )
     registry = ParamRegistry.from_model(model)
     record_tp_layouts(model, registry)
@@ -171,6 +172,7 @@ def build_local_model(
     zero: ZeroSpec = REPLICATED,
     layout: PipelineLayout | None = None,
     expert_replicas: int = 0,
+    cp_comm_type: str = "all_gather",
 ) -> GPTModel:
     """Steps 1–7 of `build`: this rank's part of the model, materialised on `device` and initialised from `seed`.
     `build` calls it; on its own it serves a model that is only read at a layout (`checkpoint.open_run(...).model(
@@ -183,7 +185,7 @@ def build_local_model(
     apply_tp(model, mesh)
     apply_ep(model, mesh, expert_replicas)
     apply_moe_tp(model, mesh)
-    apply_cp(model, mesh)
+    apply_cp(model, mesh, cp_comm_type)
     apply_ac(model, cfg.checkpoint_activations)
     split_backward = layout is not None and layout.splits_backward
     apply_compile(model, compile_blocks, device, zero.compute_dtype, split_backward)

@@ -1,11 +1,14 @@
 """What context parallelism changes in the memory model: each rank holds seq / cp tokens of every sequence, plus
-the whole sequence's keys and values while attending (`parallel/cp/attention.py` all-gathers them).
+(`--cp-comm-type all_gather`) the whole sequence's keys and values while attending (`parallel/cp/attention.py`).
 
 Every per-token activation term (`memory_terms.py`) is priced at the rank's seq / cp tokens (`per_rank_sequence`),
 as are the LM head's buffers and the all-to-all; `gathered_kv_bytes` adds what CP itself keeps: SDPA saves the
 gathered K and V `[mbs, K, seq, D]` of every layer for its backward (one layer at a time with activation
 checkpointing), and the additive causal mask `[seq / cp, seq]` (compute dtype) is built once and shared by the
-layers.
+layers. The ring (`p2p`, `parallel/cp/ring.py`) saves what one process saves at seq / cp (q, local k / v, output,
+log-sum-exp) and Ulysses (`a2a`) the same bytes as the whole sequence at 1/cp of the heads, so neither adds a
+term. (Not priced: CPU's math kernel under Ulysses with attention dropout keeps probabilities over the whole
+sequence at 1/cp of the heads, cp times the per-token term's.)
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ def per_rank_sequence(cfg: RunConfig, dims: ParallelDims) -> RunConfig:
 
 
 def gathered_kv_bytes(cfg: RunConfig, dims: ParallelDims, compute_bytes: int) -> int:
-    """The gathered keys and values saved for backward (all layers, or one when recomputing), and the mask."""
-    if dims.cp <= 1:
+    """The gathered keys and values saved for backward (all layers, or one when recomputing), and the mask: under
+    `--cp-comm-type all_gather` only (the ring and Ulysses gather nothing whole-sequence)."""
+    if dims.cp <= 1 or cfg.parallel.cp_comm_type != "all_gather":
         return 0
     m = cfg.model
     seq = m.seq_length

@@ -4,7 +4,9 @@ Under context parallelism a rank's forward receives its two zigzag chunks of eve
 them, `data/loader.py`). Three things change, all installed here from outside the model:
   - positions: `GPTModel.sequence_positions` gives the absolute position of each local token, so RoPE angles and
     learned position embeddings are those of the one-process run;
-  - attention: each `SelfAttention.attend_fn` attends to the whole sequence's keys (`attention.py`);
+  - attention: each `SelfAttention.attend_fn` attends to the whole sequence's keys, by `--cp-comm-type`:
+    `all_gather` (K/V gathered, `attention.py`), `p2p` (K/V blocks around a ring, `ring.py`) or `a2a` (heads
+    exchanged for tokens, `ulysses.py`); all three are exact (the one-process result up to rounding);
   - attention dropout: each rank's stream key gets its CP rank (as TP's head shards do), so peers draw
     independent masks (SDPA draws inside the kernel: no layout can reproduce the one-process masks).
   - the per-sequence aux loss (`--moe-aux-loss-type seq`): each router's `sequence_mean` averages the route
@@ -25,17 +27,22 @@ import torch.distributed as dist
 from moetron.data.context_chunks import zigzag_positions
 from moetron.model.gpt import GPTModel
 from moetron.parallel.cp.attention import ContextParallelAttention
+from moetron.parallel.cp.ring import RingAttention
+from moetron.parallel.cp.ulysses import UlyssesAttention
 from moetron.parallel.diagnosis import Site
 from moetron.parallel.mesh import ParallelMesh
 
+# `--cp-comm-type` → the attention every layer gets (Megatron-Core's names)
+ATTENTIONS = {"all_gather": ContextParallelAttention, "p2p": RingAttention, "a2a": UlyssesAttention}
 
-def apply_cp(model: GPTModel, mesh: ParallelMesh) -> None:
-    """Install context parallelism on `model` (nothing when cp == 1)."""
+
+def apply_cp(model: GPTModel, mesh: ParallelMesh, comm_type: str = "all_gather") -> None:
+    """Install context parallelism on `model` (nothing when cp == 1), attending as `comm_type` says."""
     size = mesh.size("cp")
     if size == 1:
         return
     rank = mesh.coords.cp
-    attend = ContextParallelAttention(mesh.group("cp"), rank, size)
+    attend = ATTENTIONS[comm_type](mesh.group("cp"), rank, size)
 
     def sequence_positions(local_length: int, device: torch.device) -> torch.Tensor:
         return zigzag_positions(local_length * size, rank, size, device)

@@ -8,6 +8,10 @@ parallelism, ZeRO stages 1–3, `--compile`, multi-latent attention, MTP and exp
 one-line reason rather than run wrongly (each needs the split sequence handled in its own code: the pipeline's
 stage inputs and positions, ZeRO's shards over dp only, a compiled block's collectives, MLA's attention, the MTP
 modules' shifted labels, the replica plan's ranks).
+
+`--cp-comm-type` (Megatron-Core's flag and names) picks the attention across the split: `all_gather` (the
+default), `p2p` (ring; no attention dropout: its backward would redraw every block's mask) or `a2a` (Ulysses; this
+rank's query and key/value heads, after tensor parallelism, divisible by the CP size).
 """
 
 from __future__ import annotations
@@ -16,15 +20,18 @@ from moetron.config import RunConfig
 from moetron.parallel.dims import ParallelDims
 
 CP_FLAG = "--context-parallel-size"
+COMM_TYPES = ("all_gather", "p2p", "a2a")
 
 
 def context_parallel_problems(cfg: RunConfig, dims: ParallelDims) -> list[str]:
-    """Every problem the run has with its context-parallel size, each with its fix (none at cp == 1)."""
-    cp = dims.cp
+    """Every problem the run has with its context-parallel size, each with its fix (at cp == 1 only a bad
+    `--cp-comm-type`)."""
+    cp, comm = dims.cp, cfg.parallel.cp_comm_type
+    p = [] if comm in COMM_TYPES else [f"--cp-comm-type {comm!r} is not one of {', '.join(COMM_TYPES)}"]
     if cp <= 1:
-        return []
+        return p
     seq = cfg.model.seq_length
-    p: list[str] = []
+    p += _comm_type_problems(cfg, dims)
     if seq % (2 * cp):
         p.append(
             f"--seq-length {seq} is not divisible by 2 × {CP_FLAG} {cp} = {2 * cp}: every context-parallel rank "
@@ -51,3 +58,24 @@ def _unsupported(cfg: RunConfig, dims: ParallelDims) -> list[tuple[str, str]]:
     if par.moe_expert_replicas:  # the replica plan is made over the expert ranks of dp only
         out.append((f"--moe-expert-replicas {par.moe_expert_replicas}", "use one of the two"))
     return out
+
+
+def _comm_type_problems(cfg: RunConfig, dims: ParallelDims) -> list[str]:
+    """What the chosen `--cp-comm-type` needs beyond the split itself."""
+    m, comm, cp = cfg.model, cfg.parallel.cp_comm_type, dims.cp
+    if comm == "p2p" and m.attention_dropout > 0:
+        return [
+            f"--cp-comm-type p2p with --attention-dropout {m.attention_dropout} is not supported: ring attention "
+            "has no attention dropout; use --attention-dropout 0 or --cp-comm-type all_gather or a2a"
+        ]
+    if comm != "a2a" or m.num_attention_heads % dims.tp or m.kv_heads % dims.tp:
+        return []  # heads indivisible by TP are reported by tensor parallelism's checks
+    heads, kv_heads = m.num_attention_heads // dims.tp, m.kv_heads // dims.tp
+    if heads % cp == 0 and kv_heads % cp == 0:
+        return []
+    tp = f" / --tensor-model-parallel-size {dims.tp}" if dims.tp > 1 else ""
+    return [
+        f"--cp-comm-type a2a needs the query heads ({m.num_attention_heads}{tp} = {heads}) and key/value heads "
+        f"({m.kv_heads}{tp} = {kv_heads}) of a rank divisible by {CP_FLAG} {cp}: each rank attends with 1/{cp} "
+        "of them; use --cp-comm-type p2p or all_gather, or a CP size dividing both"
+    ]
