@@ -141,9 +141,8 @@ def two_process_checks(rank: int, world_size: int, cp_dir: str) -> dict:
     out["saved"] = saved_activation_bytes(first)
     out |= {model: run_losses(trainer(cp_config(model, cp=2), env), STEPS) for model in MODELS}
     for comm in ("p2p", "a2a"):  # the other attentions: the same curves, and their own activation memory
-        ring_or_heads = trainer(cp_config("rope-gqa", cp=2, comm=comm), env)
-        out[f"saved-{comm}"] = saved_activation_bytes(ring_or_heads)
-        out[f"rope-gqa-{comm}"] = run_losses(ring_or_heads, STEPS)
+        out[f"saved-{comm}"] = saved_activation_bytes(trainer(cp_config("rope-gqa", cp=2, comm=comm), env))
+        out[f"rope-gqa-{comm}"] = run_losses(trainer(cp_config("rope-gqa", cp=2, comm=comm), env), STEPS)
     out["learned-mha-seq-aux-p2p"] = run_losses(trainer(cp_config("learned-mha-seq-aux", cp=2, comm="p2p"), env), STEPS)
     out["cp2-ep2"] = run_losses(trainer(cp_config("rope-gqa", cp=2, ep=2), env), STEPS)
     first = trainer(cp_config("rope-gqa", cp=2, save=cp_dir), env)

@@ -4,9 +4,9 @@ Megatron-Core's `--cp-comm-type p2p` (ring attention). Each rank keeps its queri
 every rank's K/V block: at step i it attends to the block of rank `rank − i` while that block travels on to the
 next rank (`batch_isend_irecv`, posted before the step's compute so the two overlap on GPUs). The partial results
 are merged with the online softmax (each block's output and log-sum-exp). Nothing whole-sequence is kept: the
-forward saves q, the local k / v (stacked), the output and its log-sum-exp (`[B, H, T]`, fp32 or wider), and the backward
-passes the blocks around again, recomputing each block's probabilities; each block's dK / dV travel with it and
-reach its owner after the last step. So per layer the saved activations are those of one process at seq / cp,
+forward saves q, the local k / v (stacked), the output and its log-sum-exp (`[B, H, T]`, fp32 or wider), and the
+backward passes the blocks around again, recomputing each block's probabilities; each block's dK / dV travel with
+it and reach its owner after the last step. So per layer the saved activations are those of one process at seq / cp,
 without the all-gather variant's gathered K/V `[B, K, seq, D]` and its `[seq / cp, seq]` mask.
 
 Under the zigzag split (`data/context_chunks.py`) rank r holds chunks (r, 2N−1−r) and every block pair is dense
