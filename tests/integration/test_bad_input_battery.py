@@ -473,6 +473,17 @@ CONTEXT_PARALLEL_CASES = {
         [*CP2, "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--micro-batch-size", "1"],
         "with --pipeline-model-parallel-size 2 is not supported",
     ),  # fmt: skip
+    "comm-type": (2, [*CP2, "--cp-comm-type", "ring"], "--cp-comm-type 'ring' is not one of all_gather, p2p, a2a"),
+    "p2p-dropout": (
+        2,
+        [*CP2, "--cp-comm-type", "p2p", "--attention-dropout", "0.1"],
+        "--cp-comm-type p2p with --attention-dropout 0.1 is not supported",
+    ),  # fmt: skip
+    "a2a-heads": (
+        2,
+        [*CP2, "--cp-comm-type", "a2a", "--num-attention-heads", "4", "--num-key-value-heads", "1"],
+        "--cp-comm-type a2a needs the query heads (4) and key/value heads (1) of a rank divisible by",
+    ),  # fmt: skip
 }
 
 

@@ -8,10 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moetron.config import RunConfig
 from moetron.data.context_chunks import take_zigzag, zigzag_chunk_ids, zigzag_positions
 from moetron.data.loader import DistributedBatchLoader
 from moetron.model.moe.routing.balancing_losses import sequence_aux_loss
 from moetron.parallel.cp.attention import ContextParallelAttention
+from moetron.parallel.cp.ring import zigzag_block
+from moetron.parallel.cp.sizes import context_parallel_problems
 
 
 def test_zigzag_chunks_and_positions_by_hand():
@@ -77,3 +80,58 @@ def test_sequence_aux_loss_over_split_sequences_is_the_whole_sequences():
     ]
     torch.testing.assert_close(torch.stack(losses).mean(), whole)
     assert not torch.allclose(losses[0], whole)  # a part alone is not the whole sequence's loss
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_ring_blocks_are_the_causal_mask_between_zigzag_ranks(size):
+    """Ring attention's dense / causal block pairs (no ragged mask) are exactly key position <= query position."""
+    seq, local = 8 * size, 8
+    for rank in range(size):
+        query_pos = zigzag_positions(seq, rank, size)
+        for src in range(size):
+            key_pos = zigzag_positions(seq, src, size)
+            rows, cols, causal = zigzag_block(rank, src, local)
+            described = torch.zeros(local, local, dtype=torch.bool)
+            block = torch.ones(local, local, dtype=torch.bool)[rows, cols]
+            described[rows, cols] = block.tril() if causal else block
+            assert torch.equal(described, key_pos[None, :] <= query_pos[:, None]), (rank, src)
+
+
+def cp_run(comm: str, heads: int = 4, kv_heads: int = 4, tp: int = 1, attention_dropout: float = 0.0) -> RunConfig:
+    cfg = RunConfig()
+    m, p = cfg.model, cfg.parallel
+    m.num_layers, m.hidden_size, m.seq_length, m.attention_dropout = 2, 32, 64, attention_dropout
+    m.num_attention_heads, m.num_key_value_heads = heads, kv_heads
+    p.context_parallel_size, p.tensor_model_parallel_size, p.cp_comm_type = 2, tp, comm
+    return cfg
+
+
+def test_cp_comm_type_problems_are_found_before_launch():
+    def problems(cfg: RunConfig, world: int = 2) -> list[str]:
+        return context_parallel_problems(cfg, cfg.dims(world))
+
+    for comm in ("all_gather", "p2p", "a2a"):
+        assert problems(cp_run(comm)) == [], comm
+    assert problems(cp_run("all_gather", attention_dropout=0.1)) == problems(cp_run("a2a", attention_dropout=0.1)) == []
+    assert problems(cp_run("p2p", attention_dropout=0.1)) == [
+        "--cp-comm-type p2p with --attention-dropout 0.1 is not supported: ring attention has no attention dropout; "
+        "use --attention-dropout 0 or --cp-comm-type all_gather or a2a"
+    ]
+    # a2a splits this rank's heads, after tensor parallelism: 4 heads / TP 2 = 2 per rank, 2 key/value heads → 1
+    assert problems(cp_run("a2a", kv_heads=2)) == []
+    (only,) = problems(cp_run("a2a", kv_heads=2, tp=2), world=4)
+    assert only.startswith(
+        "--cp-comm-type a2a needs the query heads (4 / --tensor-model-parallel-size 2 = 2) and key/value heads "
+        "(2 / --tensor-model-parallel-size 2 = 1) of a rank divisible by --context-parallel-size 2"
+    )
+    assert problems(cp_run("p2p", kv_heads=2, tp=2), world=4) == []  # the ring attends with any head count
+    # a bad name is reported with every other problem (and even without CP)
+    bad = cp_run("ring")
+    bad.model.seq_length = 6
+    assert problems(bad) == [
+        "--cp-comm-type 'ring' is not one of all_gather, p2p, a2a",
+        "--seq-length 6 is not divisible by 2 × --context-parallel-size 2 = 4: every context-parallel rank holds "
+        "two equal chunks of each sequence; use a multiple of 4",
+    ]
+    bad.parallel.context_parallel_size = 1
+    assert problems(bad, world=1) == ["--cp-comm-type 'ring' is not one of all_gather, p2p, a2a"]

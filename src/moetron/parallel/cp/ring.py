@@ -69,12 +69,18 @@ class RingAttention:
 
     def block_layout(self, step: int, local_length: int) -> tuple[slice, slice, bool]:
         """(local query rows, rows of the visiting K/V block, causal) for the block that arrives at `step`."""
-        src, half = (self.rank - step) % self.size, local_length // 2
-        if src == self.rank:
-            return slice(None), slice(None), True
-        if src < self.rank:
-            return slice(None), slice(0, half), False
-        return slice(half, None), slice(None), False
+        return zigzag_block(self.rank, (self.rank - step) % self.size, local_length)
+
+
+def zigzag_block(rank: int, src: int, local_length: int) -> tuple[slice, slice, bool]:
+    """Which of rank `rank`'s queries see which keys of rank `src` (both holding zigzag chunks of `local_length`
+    tokens): (query rows, key rows, causal within them); every other pair is masked (the module docstring)."""
+    half = local_length // 2
+    if src == rank:
+        return slice(None), slice(None), True
+    if src < rank:
+        return slice(None), slice(0, half), False
+    return slice(half, None), slice(None), False
 
 
 def _wait(requests: list) -> None:

@@ -73,9 +73,13 @@ def _comm_type_problems(cfg: RunConfig, dims: ParallelDims) -> list[str]:
     heads, kv_heads = m.num_attention_heads // dims.tp, m.kv_heads // dims.tp
     if heads % cp == 0 and kv_heads % cp == 0:
         return []
-    tp = f" / --tensor-model-parallel-size {dims.tp}" if dims.tp > 1 else ""
     return [
-        f"--cp-comm-type a2a needs the query heads ({m.num_attention_heads}{tp} = {heads}) and key/value heads "
-        f"({m.kv_heads}{tp} = {kv_heads}) of a rank divisible by {CP_FLAG} {cp}: each rank attends with 1/{cp} "
+        f"--cp-comm-type a2a needs the query heads ({_per_rank(m.num_attention_heads, dims.tp)}) and key/value heads "
+        f"({_per_rank(m.kv_heads, dims.tp)}) of a rank divisible by {CP_FLAG} {cp}: each rank attends with 1/{cp} "
         "of them; use --cp-comm-type p2p or all_gather, or a CP size dividing both"
     ]
+
+
+def _per_rank(heads: int, tp: int) -> str:
+    """A head count and, under tensor parallelism, what one TP rank holds of it."""
+    return f"{heads} / --tensor-model-parallel-size {tp} = {heads // tp}" if tp > 1 else str(heads)
