@@ -7,7 +7,8 @@ static-shape one and the overlapped one (2 and 4 chunks). Outputs, the input and
 (and shared-expert) gradient must be EQUAL (torch.equal), in dropless top-2 (GELU + biases), capacity top-1 (with
 drops) and dropless top-2 SwiGLU with a gated shared expert. The static dispatcher's overflow: a buffer made too
 small on purpose flags the step, `StepGuard` grows it and the re-run equals the plain result; under no_grad the
-uneven path answers.
+uneven path answers. Then two training steps (EP = 2, dropout on, two micro-batches) give the same losses with
+every dispatcher, the static one with a buffer that overflows (the guard re-runs the step with the same samples).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import copy
 import pytest
 import torch
 from launch import run_distributed
+from trainer_support import parallel_trainer, run_losses, tiny_config
 
 from moetron.model.config import ModelConfig
 from moetron.model.moe.layer import MoELayer
+from moetron.parallel.env import init_distributed
 from moetron.parallel.ep.all_to_all import AllToAllDispatcher, shard_layer_experts
 from moetron.parallel.ep.overlap import OverlappedAllToAllDispatcher
 from moetron.parallel.ep.static_all_to_all import StaticAllToAllDispatcher
@@ -106,9 +109,25 @@ def check_overflow_rerun(rank: int) -> float:
     return static.dispatcher.buffer_factor
 
 
+def train_losses(**parallel) -> tuple[list[float], int]:
+    """(2 steps' losses, steps re-run) of a tiny EP = 2 run: dropless top-2, dropout on, 2 micro-batches a step."""
+    cfg = tiny_config(global_batch_size=8, moe_token_dropping=False)
+    cfg.parallel.moe_expert_parallel_size = 2
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    trainer = parallel_trainer(cfg, init_distributed())
+    losses = run_losses(trainer, 2)
+    return losses, trainer.ep_guard.reruns if trainer.ep_guard else 0
+
+
 def all_checks(rank: int, world_size: int) -> dict:
     dropped = {name: check_case(rank, name) for name in CASES}
-    return {"dropped": dropped, "factor": check_overflow_rerun(rank)}
+    plain = train_losses()
+    runs = {
+        "static": train_losses(moe_ep_dispatch="static", moe_ep_buffer_factor=1.0),  # overflows, then re-runs
+        "overlap": train_losses(moe_ep_overlap_chunks=2),
+    }
+    return {"dropped": dropped, "factor": check_overflow_rerun(rank), "plain": plain, "runs": runs}
 
 
 @pytest.mark.distributed
@@ -116,3 +135,8 @@ def test_static_and_overlapped_dispatch_equal_the_plain_one_bit_for_bit():
     results = run_distributed(all_checks, world_size=2)
     assert sum(r["dropped"]["capacity top-1"] for r in results) > 0  # the capacity case really drops routes
     assert results[0]["factor"] == results[1]["factor"] > 0.25  # grown identically on both ranks
+    for result in results:  # training: the same losses, bit for bit, whatever the dispatcher
+        assert result["plain"] == ([*result["plain"][0]], 0)
+        assert result["runs"]["static"][0] == result["plain"][0]
+        assert result["runs"]["static"][1] >= 1  # a buffer of exactly the mean overflowed and the step re-ran
+        assert result["runs"]["overlap"] == result["plain"]

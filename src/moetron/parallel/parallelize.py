@@ -57,6 +57,8 @@ from moetron.parallel.dims import ParallelDims
 from moetron.parallel.dp.replicate import DataParallel, apply_dp
 from moetron.parallel.dp.zero_spec import REPLICATED, ZeroSpec
 from moetron.parallel.ep.apply_ep import apply_ep
+from moetron.parallel.ep.dispatch_spec import PLAIN as PLAIN_EP_DISPATCH
+from moetron.parallel.ep.dispatch_spec import EPDispatchSpec
 from moetron.parallel.grad_norm import global_grad_norm_sq
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
@@ -144,6 +146,7 @@ def build(cfg: RunConfig, mesh: ParallelMesh, device: torch.device | str) -> Par
         zero=zero,
         layout=layout,
         expert_replicas=cfg.parallel.moe_expert_replicas,
+        ep_dispatch=EPDispatchSpec.from_config(cfg.parallel),
     )
     registry = ParamRegistry.from_model(model)
     record_tp_layouts(model, registry)
@@ -171,6 +174,7 @@ def build_local_model(
     zero: ZeroSpec = REPLICATED,
     layout: PipelineLayout | None = None,
     expert_replicas: int = 0,
+    ep_dispatch: EPDispatchSpec = PLAIN_EP_DISPATCH,
 ) -> GPTModel:
     """Steps 1–7 of `build`: this rank's part of the model, materialised on `device` and initialised from `seed`.
     `build` calls it; on its own it serves a model that is only read at a layout (`checkpoint.open_run(...).model(
@@ -181,7 +185,7 @@ def build_local_model(
         model = GPTModel(cfg)
     split_for_pipeline(model, mesh, layout)
     apply_tp(model, mesh)
-    apply_ep(model, mesh, expert_replicas)
+    apply_ep(model, mesh, expert_replicas, ep_dispatch)
     apply_moe_tp(model, mesh)
     apply_cp(model, mesh)
     apply_ac(model, cfg.checkpoint_activations)
