@@ -131,12 +131,13 @@ def all_checks(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_static_and_overlapped_dispatch_equal_the_plain_one_bit_for_bit():
     results = run_distributed(all_checks, world_size=2)
     assert sum(r["dropped"]["capacity top-1"] for r in results) > 0  # the capacity case really drops routes
     assert results[0]["factor"] == results[1]["factor"] > 0.25  # grown identically on both ranks
     for result in results:  # training: the same losses, bit for bit, whatever the dispatcher
-        assert result["plain"] == ([*result["plain"][0]], 0)
+        assert result["plain"][1] == 0
         assert result["runs"]["static"][0] == result["plain"][0]
         assert result["runs"]["static"][1] >= 1  # a buffer of exactly the mean overflowed and the step re-ran
         assert result["runs"]["overlap"] == result["plain"]
