@@ -14,9 +14,10 @@ purpose. Syncs inside C++ kernels are not visible to the counter; the MoE code a
 nonzero, repeat_interleave without output_size) by construction.
 
 Prints one line per mode, `host reads per MoE layer: <mode> <N>`. Expected with grouped_mm: 0 for the three
-local modes, 1 for `EP=2 all-to-all` (two gloo processes; the split sizes' `.tolist()`). With batched, the
-dropless modes read the max load once. tests/unit/test_host_reads.py and tests/distributed/test_host_reads_ep.py
-assert these counts.
+local modes, 1 for `EP=2 all-to-all` (two gloo processes; the split sizes' `.tolist()`), 0 for `EP=2 all-to-all
+static` (`--moe-ep-dispatch static`: B-row blocks per peer; its overflow flag is read once per optimizer step by
+`parallel/ep/static_buffers.py`, not per layer). With batched, the dropless modes read the max load once.
+tests/unit/test_host_reads.py and tests/distributed/test_host_reads_ep.py assert these counts.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # the counter is a test instrument
-from host_sync_steps import EP_MODE, LOCAL_MODES, ep_reads, local_reads  # noqa: E402
+from host_sync_steps import EP_MODES, LOCAL_MODES, ep_reads, local_reads  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +37,8 @@ def main() -> None:
     for mode in LOCAL_MODES:
         print(f"host reads per MoE layer: {mode} {local_reads(mode, args.backend).total}")
     per_rank = ep_reads(args.backend)
-    print(f"host reads per MoE layer: {EP_MODE} {max(sum(kinds.values()) for kinds in per_rank)}")
+    for mode in EP_MODES:
+        print(f"host reads per MoE layer: {mode} {max(sum(by_mode[mode].values()) for by_mode in per_rank)}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = None  # uneven split: layers of the last stage (+ LM head)
     moe_expert_parallel_size: int = 1  # EP degree: divides data-parallel × tensor-parallel ranks (dp·tp % ep == 0)
     moe_expert_replicas: int = 0  # replica slots per EP rank for hot experts, replanned every step (0: off)
+    moe_ep_dispatch: str = "uneven"  # uneven: split sizes read per MoE layer | static: fixed blocks, no host read
+    moe_ep_buffer_factor: float = 1.5  # static, dropless: block rows = factor × T·K / EP at first (grown on overflow)
+    moe_ep_overlap_chunks: int = 1  # > 1: EP all-to-alls overlap expert compute, in chunks of local experts
     expert_tensor_parallel_size: int = 1  # 1: experts whole, EP may span TP ranks (folding); = TP: experts split too
     zero_stage: int = 0  # ZeRO, DeepSpeed's zero_optimization.stage: 1 shards Adam state, 2 + gradients, 3 + weights
     use_distributed_optimizer: bool = False  # Megatron's flag: ZeRO stage 1 (when --zero-stage is lower)

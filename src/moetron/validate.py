@@ -18,6 +18,7 @@ from moetron.fileio import output_dir_problem
 from moetron.model.mtp import mtp_layout_problems
 from moetron.parallel.cp.sizes import context_parallel_problems
 from moetron.parallel.dp.zero_spec import zero_problems
+from moetron.parallel.ep.dispatch_spec import EPDispatchSpec, ep_dispatch_problems
 from moetron.parallel.ep.replica_spec import expert_replica_problems
 from moetron.parallel.pp.stage_layout import pipeline_problems
 from moetron.parallel.tp.sizes import tensor_parallel_problems
@@ -145,6 +146,9 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
         dims,
         cfg.parallel.zero_stage,
         cfg.train.compile,
+    )
+    problems += ep_dispatch_problems(
+        EPDispatchSpec.from_config(cfg.parallel), cfg.model.experts_per_layer(), dims, cfg.parallel, cfg.train.compile
     )
     backend = cfg.parallel.distributed_backend
     if backend not in (None, "gloo", "nccl"):

@@ -1,6 +1,7 @@
 """The MoE layer steps whose host reads benchmarks/host_syncs.py prints and tests/unit/test_host_reads.py and
 tests/distributed/test_host_reads_ep.py assert: one layer (8 experts) forward and backward on the CUDA code path,
-locally in three routing modes and with the all-to-all dispatcher over two gloo processes."""
+locally in three routing modes and with the all-to-all dispatchers (uneven splits, and `--moe-ep-dispatch static`)
+over two gloo processes (one spawned group measures both)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ LOCAL_MODES = {
     "capacity top-1 RTS": dict(topk=1, moe_use_rts=True, moe_noisy_gate_policy="Jitter"),
     "capacity top-2": dict(topk=2),
 }
-EP_MODE = "EP=2 all-to-all"  # dropless top-2, experts split over 2 processes
+# dropless top-2, experts split over 2 processes: the uneven-split dispatcher and the static-shape one
+EP_MODES = {"EP=2 all-to-all": "uneven", "EP=2 all-to-all static": "static"}
 
 
 def layer_config(backend: str, **routing) -> ModelConfig:
@@ -50,27 +52,39 @@ def local_reads(mode: str, backend: str = "grouped_mm") -> HostReadCounter:
     return count_layer_reads(layer, torch.randn(2, TOKENS // 2, HIDDEN, requires_grad=True))
 
 
-def _ep_worker(rank: int, world: int, port: int, backend: str, results) -> None:
+def _ep_layer(backend: str, rank: int, world: int, dispatch: str) -> MoELayer:
     from moetron.parallel.ep.all_to_all import AllToAllDispatcher, shard_layer_experts
+    from moetron.parallel.ep.static_all_to_all import StaticAllToAllDispatcher
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
     layer = MoELayer(layer_config(backend, **LOCAL_MODES["dropless top-2"]), EXPERTS, layer_index=1)
     shard_layer_experts(layer, rank, world)
-    layer.dispatcher = AllToAllDispatcher(EXPERTS, dist.group.WORLD, world, rank)
-    torch.manual_seed(1 + rank)  # different tokens per rank: uneven splits
-    reads = count_layer_reads(layer, torch.randn(1, TOKENS + 8 * rank, HIDDEN, requires_grad=True))
+    kind = StaticAllToAllDispatcher if dispatch == "static" else AllToAllDispatcher
+    layer.dispatcher = kind(EXPERTS, dist.group.WORLD, world, rank)
+    return layer
+
+
+def _ep_worker(rank: int, world: int, port: int, backend: str, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    by_mode = {}
+    for mode, dispatch in EP_MODES.items():
+        layer = _ep_layer(backend, rank, world, dispatch)
+        torch.manual_seed(1 + rank)  # different tokens per rank: uneven splits
+        # the static blocks need one token count on every rank (training's micro-batches have one shape)
+        tokens = TOKENS if dispatch == "static" else TOKENS + 8 * rank
+        reads = count_layer_reads(layer, torch.randn(1, tokens, HIDDEN, requires_grad=True))
+        by_mode[mode] = dict(reads.by_kind)
     dist.barrier()
-    results.put((rank, dict(reads.by_kind)))
+    results.put((rank, by_mode))
     results.close()
     results.join_thread()
     sys.stdout.flush()
     os._exit(0)  # skip gloo's C++ teardown, which sometimes aborts a finished process (see parallel/env.py)
 
 
-def ep_reads(backend: str = "grouped_mm", world: int = 2, timeout: float = 120.0) -> list[dict[str, int]]:
-    """Host reads of each rank of an EP=`world` group (spawned gloo processes), by kind."""
+def ep_reads(backend: str = "grouped_mm", world: int = 2, timeout: float = 120.0) -> list[dict[str, dict[str, int]]]:
+    """Host reads of each rank of an EP=`world` group (spawned gloo processes), by mode (`EP_MODES`), by kind."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with socket.socket() as s:

@@ -57,6 +57,8 @@ from moetron.parallel.dims import ParallelDims
 from moetron.parallel.dp.replicate import DataParallel, apply_dp
 from moetron.parallel.dp.zero_spec import REPLICATED, ZeroSpec
 from moetron.parallel.ep.apply_ep import apply_ep
+from moetron.parallel.ep.dispatch_spec import PLAIN as PLAIN_EP_DISPATCH
+from moetron.parallel.ep.dispatch_spec import EPDispatchSpec
 from moetron.parallel.grad_norm import global_grad_norm_sq
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
@@ -145,6 +147,7 @@ def build(cfg: RunConfig, mesh: ParallelMesh, device: torch.device | str) -> Par
         layout=layout,
         expert_replicas=cfg.parallel.moe_expert_replicas,
         cp_comm_type=cfg.parallel.cp_comm_type,
+        ep_dispatch=EPDispatchSpec.from_config(cfg.parallel),
     )
     registry = ParamRegistry.from_model(model)
     record_tp_layouts(model, registry)
@@ -173,6 +176,7 @@ def build_local_model(
     layout: PipelineLayout | None = None,
     expert_replicas: int = 0,
     cp_comm_type: str = "all_gather",
+    ep_dispatch: EPDispatchSpec = PLAIN_EP_DISPATCH,
 ) -> GPTModel:
     """Steps 1–7 of `build`: this rank's part of the model, materialised on `device` and initialised from `seed`.
     `build` calls it; on its own it serves a model that is only read at a layout (`checkpoint.open_run(...).model(
@@ -183,7 +187,7 @@ def build_local_model(
         model = GPTModel(cfg)
     split_for_pipeline(model, mesh, layout)
     apply_tp(model, mesh)
-    apply_ep(model, mesh, expert_replicas)
+    apply_ep(model, mesh, expert_replicas, ep_dispatch)
     apply_moe_tp(model, mesh)
     apply_cp(model, mesh, cp_comm_type)
     apply_ac(model, cfg.checkpoint_activations)

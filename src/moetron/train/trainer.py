@@ -34,6 +34,7 @@ from moetron.fileio import write_atomic
 from moetron.model.flops import flops_per_token, megatron_tflops, mfu, peak_tflops
 from moetron.model.rng import STREAMS
 from moetron.parallel.env import DistEnv
+from moetron.parallel.ep.static_buffers import StepGuard
 from moetron.parallel.expert_bias import update_expert_biases
 from moetron.parallel.parallelize import ParallelModel
 from moetron.train.executor import MicroBatch, build_executor
@@ -98,6 +99,7 @@ class Trainer:
         self.parallel = parallel
         self.model = self.parallel.model
         self.executor = build_executor(self.parallel, self.autocast, cfg)  # the pipeline's when split into stages
+        self.ep_guard = StepGuard.from_model(self.model)  # --moe-ep-dispatch static: its one check per step
         stepped = self.parallel.optimizer_parameters()  # the weights, or at ZeRO-1 this rank's shards of them
         self.optimizer = build_optimizer(self.model, self.parallel.registry, cfg.train, env.device, stepped, self.mesh)
         self.parallel.attach_optimizer(self.optimizer)
@@ -128,8 +130,7 @@ class Trainer:
     def train_step(self) -> StepResult:
         scale = self.scaler.scale
         stop_flag = StopFlag.start(self.stop, self.mesh, self.env.device)
-        lm_loss = self.executor.forward_backward(self.next_micro_batch, self.num_micro, scale)
-        self.parallel.finish_gradients()
+        lm_loss = self._forward_backward(scale)
         m = self.cfg.model
         sums = StepSums(lm_loss, self.executor.moe_step_stats(), m.moe_loss_coeff, m.moe_z_loss_coeff)
         sums.add_mtp_loss(self.executor.last_mtp_loss)
@@ -148,6 +149,27 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.update(found_overflow=not ok)
         return StepResult(ok, grad_norm, sums)
+
+    def _forward_backward(self, scale: float) -> torch.Tensor:
+        """The step's micro-batches forward and backward, gradients reduced; with --moe-ep-dispatch static, checked
+        once for an overflowed expert-parallel buffer and then re-run exactly (`parallel/ep/static_buffers.py`)."""
+
+        def run_once(next_micro_batch) -> torch.Tensor:
+            lm_loss = self.executor.forward_backward(next_micro_batch, self.num_micro, scale)
+            self.parallel.finish_gradients()
+            return lm_loss
+
+        if self.ep_guard is None:
+            return run_once(self.next_micro_batch)
+        return self.ep_guard.run_exact(self.model, self.next_micro_batch, run_once, self._discard_attempt)
+
+    def _discard_attempt(self) -> None:
+        """Forget an overflowed attempt of the step: its gradients and the routing statistics it added."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        self.executor.moe_step_stats()
+        for moe in self.model.moe_layers():
+            moe.take_routing()
 
     def _account(self, result: StepResult) -> None:
         p, t = self.progress, self.cfg.train

@@ -142,13 +142,19 @@ class MoELayer(nn.Module):
         """y_BTD (the input's shape; the compute dtype) and the layer's MoEAux."""
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
         routing = self.router(x_TD, seq_len=x_BTD.shape[-2] if x_BTD.dim() == 3 else None)
-        x_ND, counts_E, ctx = self.dispatcher.dispatch(x_TD, routing)
-        y_TD = self.dispatcher.combine(self.experts(x_ND, counts_E), ctx)
+        shared_TD = None
+        overlapped = getattr(self.dispatcher, "dispatch_compute_combine", None)
+        if overlapped is not None:  # EP overlap: experts run chunk by chunk between the all-to-alls, shared beside
+            beside = self._shared if self.shared_experts is not None else None
+            y_TD, ctx, shared_TD = overlapped(x_TD, routing, self.experts, beside)
+        else:
+            x_ND, counts_E, ctx = self.dispatcher.dispatch(x_TD, routing)
+            y_TD = self.dispatcher.combine(self.experts(x_ND, counts_E), ctx)
         if self.mlp is not None:
             p_T2 = torch.softmax(self.coefficient(x_TD), dim=-1)
             y_TD = y_TD * p_T2[:, :1] + self.mlp.dense_forward(x_TD) * p_T2[:, 1:]
         if self.shared_experts is not None:
-            y_TD = y_TD + self._shared(x_TD)
+            y_TD = y_TD + (self._shared(x_TD) if shared_TD is None else shared_TD)
         aux = self._aux(routing)
         if self.training and not in_backward():  # not again when activation checkpointing recomputes the layer
             self._add_stats(aux, ep_load_of(ctx))

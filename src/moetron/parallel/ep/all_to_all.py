@@ -15,7 +15,8 @@ semantics), so a capacity-limited layer simply sends fewer rows. With `--disable
 DeepSpeed MAX-all-reduces the capacity over the EP group so that its equal-split `[E, C, M]` buffers line
 up; nothing is dropped in that mode, so the all-reduce changes no value, and uneven splits make it
 unnecessary here. The one host sync per layer and step is the `.tolist()` of the exchanged counts (the
-split sizes must be host integers).
+split sizes must be host integers); `static_all_to_all.py` (`--moe-ep-dispatch static`) removes it with fixed-size
+blocks per peer, and `overlap.py` (`--moe-ep-overlap-chunks`) overlaps the exchange with expert compute.
 
 The counts travel as an all-gather (every rank gets every rank's `counts_E`: [R, E]), not an all-to-all, so
 that every rank also knows how many rows each EP rank's experts receive: the EP load (`moe_ep_load_routed`,
