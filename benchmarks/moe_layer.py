@@ -2,6 +2,7 @@
 
     python benchmarks/moe_layer.py                 # all three shapes
     python benchmarks/moe_layer.py --shapes 0 --reps 5 --threads 0 --clock wall   # all cores, elapsed time
+    python benchmarks/moe_layer.py --shapes 1 --phases   # where moetron's step goes, phase by phase, / floor
 
 Implementations (all SwiGLU experts without biases, the same weights and router weight; fp32; CPU):
   floor                 the expert GEMMs alone on a perfectly balanced, pre-sorted batch of T·k rows (bmm on
@@ -18,11 +19,16 @@ Memory: peak bytes live in torch's CPU allocator between the start of forward an
 (torch.profiler's allocation events, profile_memory=True, summed in time order), minus what was live at
 the start: saved activations, temporaries and gradients, the same accounting for every implementation.
 Gradients are set to None before every step (zero_grad(set_to_none=True)), as in training.
+--phases: instead, moetron's two layers split into phases (forward: router, permute, experts, combine + aux;
+backward: combine, experts, permute, router + input-gradient sum), each a median over --reps steps as a
+fraction of the floor measured alternately with them; clock marks come from module hooks in the forward and
+tensor gradient hooks in the backward, so the layer runs its own code.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -274,6 +280,76 @@ def run_shape(s: Shape, reps: int, warmup: int, clock: Callable[[], float]) -> l
     return rows + [f"<!-- {line} -->" for line in notes + checks]
 
 
+# ---------------------------------------------------------------- phases
+def phase_step(layer: MoELayer, x_BTD: torch.Tensor, grad_BTD: torch.Tensor, clock: Callable[[], float]):
+    """(step, marks): one forward+backward of `layer` that appends (phase boundary, clock) to `marks`."""
+    marks: list[tuple[str, float]] = []
+
+    def mark(name: str) -> None:
+        marks.append((name, clock()))
+
+    def on_grad(name: str) -> Callable[[torch.Tensor], None]:
+        return lambda _grad: mark(name)
+
+    def after_router(_module, _inputs, routing) -> None:
+        mark("router")
+        if routing.weights_TK.requires_grad:
+            routing.weights_TK.register_hook(on_grad("backward: permute"))  # reached after the experts' backward
+
+    def before_experts(_module, inputs) -> None:
+        mark("permute")
+        if inputs[0].requires_grad:
+            inputs[0].register_hook(on_grad("backward: experts"))
+
+    def after_experts(_module, _inputs, y_ND) -> None:
+        mark("experts")
+        y_ND.register_hook(on_grad("backward: combine"))
+
+    layer.router.register_forward_hook(after_router)
+    layer.experts.register_forward_pre_hook(before_experts)
+    layer.experts.register_forward_hook(after_experts)
+
+    def step() -> torch.Tensor:
+        marks.clear()
+        torch.manual_seed(1)
+        mark("start")
+        y_BTD, _aux = layer(x_BTD)
+        mark("combine + aux")
+        y_BTD.backward(grad_BTD)
+        mark("backward: router + input-gradient sum")
+        return y_BTD
+
+    return Step(step, [x_BTD, *layer.parameters()]), marks
+
+
+def run_phases(s: Shape, reps: int, warmup: int, clock: Callable[[], float]) -> list[str]:
+    w = make_weights(s)
+    x_BTD = _leaf(torch.randn(1, s.tokens, s.hidden))
+    grad_BTD = torch.randn(x_BTD.shape)
+    floor = floor_step(s, w)
+    rows = []
+    for dropless in (True, False):
+        step, marks = phase_step(moetron_layer(s, w, dropless), x_BTD, grad_BTD, clock)
+        floor_times, phases = [], {}
+        for rep in range(warmup + reps):
+            floor.clear_grads()
+            start = clock()
+            floor()
+            floor_time = clock() - start
+            step.clear_grads()
+            step()
+            if rep < warmup:
+                continue
+            floor_times.append(floor_time)
+            for (_, before), (name, after) in itertools.pairwise(marks):
+                phases.setdefault(name, []).append(after - before)
+            phases.setdefault("total", []).append(marks[-1][1] - marks[0][1])
+        floor_median = statistics.median(floor_times)
+        kind = "moetron dropless" if dropless else "moetron capacity"
+        rows += [f"| {s} | {kind} | {name} | {statistics.median(t) / floor_median:.3f} |" for name, t in phases.items()]
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", type=int, nargs="*", default=list(range(len(SHAPES))), help="indices into SHAPES")
@@ -281,11 +357,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help=CLOCK_HELP)
+    parser.add_argument("--phases", action="store_true", help="moetron's step split into phases, / floor")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     threads, reps = torch.get_num_threads(), args.reps
     print(f"torch {torch.__version__}, {threads} thread(s), {args.clock} time, fp32 CPU, median of {reps} fwd+bwd\n")
+    if args.phases:
+        print("| shape | implementation | phase | time / floor |")
+        print("|---|---|---|---|")
+        for index in args.shapes:
+            for line in run_phases(SHAPES[index], args.reps, args.warmup, CLOCKS[args.clock]):
+                print(line, flush=True)
+        return
     print("| shape | implementation | time / floor | peak memory / floor |")
     print("|---|---|---|---|")
     for index in args.shapes:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from trainer_support import build_trainer, run_losses, tiny_config
 
 from moetron.model.config import ModelConfig
-from moetron.model.fused_cross_entropy import chunk_tokens, fused_linear_cross_entropy
+from moetron.model.fused_cross_entropy import _softmax_and_label_logp, chunk_tokens, fused_linear_cross_entropy
 from moetron.model.gpt import create_model
 from moetron.model.loss import FusedHeadLoss, LogitsHeadLoss, token_weights
 
@@ -61,6 +61,19 @@ def test_bf16_autocast_runs_the_gemms_in_bf16_and_keeps_fp32_weights_grads():
     loss.backward()
     assert loss.dtype == torch.float32 and x.grad.dtype == w.grad.dtype == torch.float32
     torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_one_exp_pass_gives_log_softmax_at_the_labels_and_the_softmax():
+    g = torch.Generator().manual_seed(3)
+    logits_MV = torch.randn(6, 1000, generator=g) * 8
+    logits_MV[0, 7] = 200.0  # a confident row: the label (0) lies ~200 nats below the max, its softmax is 0
+    logits_MV[1] = 0.0  # a flat row: every probability is 1 / V
+    labels_M1 = torch.tensor([[0], [5], [9], [999], [1], [2]])
+    probs_MV, logp_M1 = _softmax_and_label_logp(logits_MV, labels_M1, torch.empty_like(logits_MV))
+    logp_MV = torch.log_softmax(logits_MV, dim=1)
+    torch.testing.assert_close(logp_M1, logp_MV.gather(1, labels_M1), rtol=1e-6, atol=1e-6)
+    assert torch.isfinite(logp_M1).all() and logp_M1[0, 0] < -150
+    torch.testing.assert_close(probs_MV, logp_MV.exp(), rtol=1e-6, atol=1e-9)
 
 
 def test_a_second_backward_is_refused():
