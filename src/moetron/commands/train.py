@@ -58,15 +58,12 @@ def vocab_problems(cfg: RunConfig, explicit: set[str]) -> list[str]:
 def startup_problems(cfg: RunConfig, explicit: set[str], world_size: int) -> list[str]:
     """Every problem of the run, before any process group: the vocabulary, the config, the checkpoint to load."""
     from moetron.checkpoint.architecture import checkpoint_model_problems
-    from moetron.checkpoint.continuation import continuation_problems
 
     problems = vocab_problems(cfg, explicit)
     vocab_known = not problems and not cfg.data.tokenizer_file_problems()
     problems += validate(cfg, world_size)
     if vocab_known:  # else the model's vocabulary is not the one the run would have: no comparison
         problems += checkpoint_model_problems(cfg)
-    if not problems:  # "nothing to train" only once the run could start at all
-        problems += continuation_problems(cfg, cfg.dims(world_size).dp)
     return problems
 
 
@@ -88,6 +85,10 @@ def checked_config(args: argparse.Namespace, world_size: int) -> tuple[RunConfig
 
         scale_down(cfg, explicit, on_gpu=torch.cuda.is_available())
     problems = startup_problems(cfg, explicit, world_size)
+    if not problems and not args.print_config:  # "nothing to train": only for a run that could start and trains
+        from moetron.checkpoint.continuation import continuation_problems
+
+        problems = continuation_problems(cfg, cfg.dims(world_size).dp)
     if problems:
         raise ConfigError(problems)
     return cfg, explicit
