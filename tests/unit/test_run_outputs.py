@@ -22,3 +22,29 @@ def test_relative_outputs_are_absolute_in_the_saved_config_and_the_banner(tmp_pa
         f"output     run directory {tmp_path / 'checkpoints/moe'}, TensorBoard {tmp_path / 'tensorboard/moe'} "
         f"(relative paths are from {tmp_path})"
     ]
+
+
+class Board:
+    def __init__(self):
+        self.tags: list[str] = []
+
+    def add_scalar(self, tag, value, step):
+        self.tags.append(tag)
+
+
+def test_tensorboard_names_moe_layers_by_their_transformer_layer_index():
+    """As the routing report and the alarms: layer 3 of an --expert-interval 2 model is `layer 3`, not `layer 1`."""
+    from moetron.train.metrics import write_tensorboard_train
+
+    record = {"iteration": 1, "consumed_tokens": 16, "consumed_samples": 2, "tokens_per_sec": 1.0, "lm_loss": 4.0}
+    record |= {"lr": 1e-3, "grad_norm": 1.0, "loss_scale": 1.0, "moe_loss": 0.0, "skipped_steps": 0}
+    record |= {"expert_load_max_over_mean": [1.5, 1.2], "dropped_fraction": [0.1, 0.0], "moe_ep_load_routed": None}
+    board = Board()
+    write_tensorboard_train(board, record, [1, 3])
+    moe = sorted(tag for tag in board.tags if tag.startswith("moe/"))
+    assert moe == [
+        "moe/dropped-fraction layer 1",
+        "moe/dropped-fraction layer 3",
+        "moe/load-max-over-mean layer 1",
+        "moe/load-max-over-mean layer 3",
+    ]
