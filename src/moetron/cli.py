@@ -112,7 +112,30 @@ def report_user_error(err: UserError) -> int:
     or the ranks a recorded failure stopped."""
     if (_is_rank_zero() or getattr(err, "every_rank", False)) and not getattr(err, "quiet", False):
         print(f"error: {err}", file=sys.stderr)
+        if not getattr(err, "every_rank", False) and _under_plain_torchrun():  # a startup error: every rank's
+            print(PLAIN_TORCHRUN_NOTE, file=sys.stderr)
     return getattr(err, "exit_code", 2)
+
+
+def command_parser(command: str, module) -> argparse.ArgumentParser:
+    """The command's own parser. Under torchrun only rank 0 prints its usage and error: every rank parses the same
+    flags and exits 2, and N copies of one mistake would bury it."""
+    parser = argparse.ArgumentParser(prog=f"moetron {command}", description=COMMANDS[command])
+    module.add_arguments(parser)
+    if not _is_rank_zero():
+        parser.error = lambda message: sys.exit(2)
+    return parser
+
+
+PLAIN_TORCHRUN_NOTE = (
+    "(torchrun's report of the failed workers follows; `moetron launch`, its drop-in, checks the config before "
+    "starting any worker and stops at the line above)"
+)
+
+
+def _under_plain_torchrun() -> bool:
+    """A torchrun worker whose launcher is torchrun itself, not `moetron launch` (which marks its workers)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "MOETRON_LAUNCH" not in os.environ
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,9 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(module, "RAW_ARGUMENTS", False):  # `launch`: torchrun's flags, parsed by torchrun
         args = rest
     else:
-        parser = argparse.ArgumentParser(prog=f"moetron {command}", description=COMMANDS[command])
-        module.add_arguments(parser)
-        args = parser.parse_args(rest)
+        args = command_parser(command, module).parse_args(rest)
     try:
         return int(module.run(args) or 0)
     except UserError as err:

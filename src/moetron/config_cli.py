@@ -300,6 +300,7 @@ def load_config(config_path: str | None, overrides: dict) -> tuple[RunConfig, Ex
 # Path fields stored absolute in a saved config, so that it works from any working directory.
 PATH_FIELDS = ("vocab_file", "merge_file", "tokenizer_model", "data_cache_path")
 PREFIX_LIST_FIELDS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+OUTPUT_FIELDS = ("save", "output_dir", "tensorboard_dir")  # where the run writes: the directory it started in
 
 
 def _absolute(path: str) -> str:
@@ -327,11 +328,14 @@ def _is_number(text: str) -> bool:
 
 
 def with_absolute_paths(cfg: RunConfig) -> RunConfig:
-    """A copy of `cfg` whose tokenizer files, data prefixes and cache directory are absolute paths."""
-    data = cfg.data
+    """A copy of `cfg` whose tokenizer files, data prefixes, cache directory and outputs are absolute paths."""
+    data, train = cfg.data, cfg.train
     changes = {name: _absolute(getattr(data, name)) for name in PATH_FIELDS if getattr(data, name)}
     changes |= {name: _absolute_prefixes(getattr(data, name)) for name in PREFIX_LIST_FIELDS if getattr(data, name)}
-    return dataclasses.replace(cfg, data=dataclasses.replace(data, **changes))
+    outputs = {name: _absolute(getattr(train, name)) for name in OUTPUT_FIELDS if getattr(train, name)}
+    return dataclasses.replace(
+        cfg, data=dataclasses.replace(data, **changes), train=dataclasses.replace(train, **outputs)
+    )
 
 
 def to_yaml(cfg: RunConfig, with_intentions: bool = False) -> str:

@@ -164,6 +164,7 @@ CASES = [
     ),  # fmt: skip
     ("train-finetune-own-run", lambda w: train("--save", "run", "--load", "run", "--finetune"), "--finetune --load"),
     # --load into another model (the checkpoint's config.yaml against the run's), with any tensor shapes
+    ("train-load-finished-run", lambda w: train("--load", "run"), "--load run is at iteration 2 and this run stops"),
     ("train-load-fewer-layers", lambda w: train("--load", "moe_ckpt"), "with --num-layers 2 --num-experts 2;"),
     ("train-load-rope", lambda w: train("--load", "run", "--position-embedding-type", "rope"), "learned_absolute;"),
     ("train-load-rmsnorm", lambda w: train("--load", "run", "--normalization", "rmsnorm"), "--normalization layernorm"),
@@ -333,6 +334,13 @@ CASES = [
     ("launch-nproc-word", lambda w: ["launch", "--nproc-per-node", "two", "train"], "--nproc-per-node two: not a"),
     ("launch-no-command", lambda w: ["launch", "--nproc-per-node", "2"], "launch: give torchrun's flags, then a"),
     ("launch-unknown-flag", lambda w: ["launch", "--nprocs", "2", "train"], "unrecognized arguments: --nprocs"),
+    # the command's flags and train's config are checked by the launcher at its world size, before any worker
+    ("launch-train-flag", lambda w: ["launch", "--nproc-per-node", "2", *train("--num-layer", "4")], "--num-layer"),
+    (
+        "launch-train-config",
+        lambda w: ["launch", "--nproc-per-node", "3", *train("--tensor-model-parallel-size", "2")],
+        "world size 3 is not divisible by --tensor-model-parallel-size 2",
+    ),
     # ---- plan
     ("plan-gpus", lambda w: ["plan", "--config", "quickstart", "--gpus", "0"], "--gpus must be >= 1, got 0"),
     ("plan-mfu", lambda w: ["plan", "--config", "quickstart", "--mfu", "30"], "--mfu is a fraction"),

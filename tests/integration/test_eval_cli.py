@@ -133,3 +133,16 @@ def test_wrong_tokenizer_data_is_one_line_error(trained_run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: {prefix}: token id 439 is out of range for the vocabulary of {VOCAB} tokens")
     assert "tokenizer" in err and len(err.strip().splitlines()) == 1
+
+
+def test_progress_goes_to_stderr_and_leaves_stdout_as_it_was(trained_run, tmp_path, capsys, monkeypatch):
+    """A log line per report interval (here every micro-batch) on stderr; stdout is what `--json`-less users parse."""
+    run, _ = trained_run
+    assert main(["eval", "--load", str(run)]) == 0
+    quiet_out, quiet_err = capsys.readouterr()
+    monkeypatch.setattr("moetron.progress.LOG_EVERY_S", 0.0)
+    assert main(["eval", "--load", str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert out == quiet_out and "eval:" not in quiet_err  # a run shorter than the interval prints nothing
+    counts = [line.split()[1] for line in err.splitlines() if line.startswith("eval: ")]
+    assert counts == ["1/4", "2/4", "3/4", "4/4"]  # 2 global batches of 2 micro-batches

@@ -42,6 +42,22 @@ def test_launch_help_names_torchruns_flags(capsys):
     assert "usage: moetron launch [torchrun flags] COMMAND" in out and "--nproc-per-node" in out
 
 
+def test_a_worker_that_said_its_error_gets_no_second_line_from_the_launcher():
+    from moetron.commands.launch import worker_failed
+
+    said = worker_failed(1, 2, None)  # status 2: a UserError the worker printed as its one `error:` line
+    assert said.quiet and said.exit_code == 2
+    crashed = worker_failed(1, 1, None)
+    assert not crashed.quiet and "worker rank 1 exited with status 1 (its error is above)" in str(crashed)
+
+
+def test_launch_world_size_is_nodes_times_workers_unless_elastic():
+    from moetron.commands.launch import launch_world_size, torchrun_args
+
+    assert launch_world_size(torchrun_args(["--nnodes", "2", "--nproc-per-node", "3", "train"])) == 6
+    assert launch_world_size(torchrun_args(["--nnodes", "1:4", "--nproc-per-node", "2", "train"])) is None
+
+
 def wait_for_iterations(run: Path, count: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     metrics = run / "metrics.jsonl"
@@ -96,7 +112,8 @@ def test_sigterm_while_the_workers_start_says_they_were_stopped_by_it(tmp_path):
     above' (it printed none), and the launcher exits like a process stopped by SIGTERM."""
     from moetron.commands.launch import worker_pids
 
-    train = [*TINY, "--data-path", str(tmp_path / "never_read"), "--train-iters", "2"]
+    prefix = write_dataset(tmp_path / "corpus_text_document", documents=60)  # the launcher validates the config
+    train = [*TINY, "--data-path", prefix, "--global-batch-size", "4", "--train-iters", "2"]
     command = [sys.executable, "-m", "moetron", "launch", "--standalone", "--nproc-per-node", "2", "train", *train]
     proc = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -87,6 +87,7 @@ def test_quickstart_end_to_end_with_expert_parallel_then_its_commands(tmp_path):
     commands = printed_commands(out)
     assert set(commands) == {"train", "eval", "generate"}
     assert commands["train"][:3] == ["torchrun", "--nproc-per-node", "2"] and "--load" in commands["train"]
+    assert "--override-opt-param-scheduler" in commands["train"]  # a longer run stretches the finished schedule
     evaluated = moetron(*commands["eval"][1:])
     assert evaluated.returncode == 0, evaluated.stderr
     assert f"validation lm loss {report['valid_loss']:.4f}" in evaluated.stdout

@@ -1,7 +1,10 @@
 import subprocess
 import sys
 
-from moetron.cli import COMMANDS, main
+import pytest
+
+from moetron.cli import COMMANDS, PLAIN_TORCHRUN_NOTE, main, report_user_error
+from moetron.errors import ConfigError
 
 
 def test_help_lists_every_command(capsys):
@@ -15,3 +18,26 @@ def test_unknown_command_is_a_one_line_error():
     proc = subprocess.run([sys.executable, "-m", "moetron", "trian"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "invalid choice: 'trian'" in proc.stderr
+
+
+def test_under_torchrun_only_rank_zero_prints_a_flag_mistake(monkeypatch, capsys):
+    """Every worker parses the same flags: N copies of argparse's usage and error would bury the one line."""
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--num-layer", "4"])
+    assert exit_.value.code == 2 and capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit):
+        main(["train", "--num-layer", "4"])
+    assert "unrecognized arguments: --num-layer" in capsys.readouterr().err
+
+
+def test_a_startup_error_under_plain_torchrun_names_moetron_launch(monkeypatch, capsys):
+    """torchrun's report of the failed workers follows rank 0's line; `moetron launch` would have stopped at it."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert report_user_error(ConfigError(["--hidden-size 33 is not divisible by --num-attention-heads 4"])) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == PLAIN_TORCHRUN_NOTE
+    monkeypatch.setenv("MOETRON_LAUNCH", "1")  # a worker of `moetron launch`: its launcher validated already
+    report_user_error(ConfigError(["--hidden-size 33 is not divisible by --num-attention-heads 4"]))
+    assert PLAIN_TORCHRUN_NOTE not in capsys.readouterr().err

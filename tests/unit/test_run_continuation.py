@@ -16,7 +16,9 @@ from moetron.cli import main
 TOTAL, FIRST = 6, 2
 # the LR decays over a fixed horizon, so the first leg's shorter --train-iters leaves the schedule as it is
 SCHEDULE = ["--lr", "1e-3", "--min-lr", "1e-5", "--lr-decay-iters", str(TOTAL)]
-TIMING = {"tokens_per_sec", "tflops", "mfu"}  # wall-clock numbers: the only fields allowed to differ
+# measured, not computed: wall-clock rates and the process's peak memory (a resumed process starts with a smaller
+# RSS than one that trained from step 1) are the only fields allowed to differ
+TIMING = {"tokens_per_sec", "tflops", "mfu", "peak_memory_gib", "reserved_memory_gib"}
 
 
 def records(run: Path, name: str) -> list[dict]:

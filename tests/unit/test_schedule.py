@@ -128,3 +128,17 @@ def test_loss_scaler_never_below_min():
     for _ in range(5):
         s.update(found_overflow=True)
     assert s.scale == 1.0 and s.at_minimum
+
+
+def test_a_longer_resume_on_a_finished_schedule_says_what_stretches_it():
+    from moetron.train.schedule import ScheduleSpec, finished_schedule_warning
+
+    kept = ScheduleSpec(max_lr=1e-3, min_lr=1e-5, decay_style="cosine", warmup_steps=0, decay_steps=8)
+    longer = ScheduleSpec(max_lr=1e-3, min_lr=1e-5, decay_style="cosine", warmup_steps=0, decay_steps=16)
+    warning = finished_schedule_warning(kept, longer, num_steps=8, num_tokens=0, iteration=4, total_iters=8)
+    assert "iterations 5-8 train at the minimum LR 1e-05" in warning and "add --override-opt-param-scheduler" in warning
+    assert "back up to 0.000505" in warning  # the 16-sample cosine halfway through
+    fixed = finished_schedule_warning(kept, kept, num_steps=8, num_tokens=0, iteration=4, total_iters=8)
+    assert "leave --lr-decay-iters" in fixed  # a fixed horizon the flags repeat: override alone would not help
+    assert finished_schedule_warning(longer, kept, num_steps=8, num_tokens=0, iteration=4, total_iters=8) is None
+    assert finished_schedule_warning(kept, longer, num_steps=8, num_tokens=0, iteration=8, total_iters=8) is None

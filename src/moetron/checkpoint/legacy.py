@@ -27,6 +27,7 @@ from moetron.config_cli import load_config
 from moetron.errors import UserError
 from moetron.model.attention import fuse_qkv
 from moetron.model.gpt import GPTModel
+from moetron.progress import Progress
 
 EXPERT_SEP = "/expert_"
 OPTIM_SEP = "/"
@@ -157,7 +158,7 @@ def convert(load: str, save: str) -> Path:
     iteration = int(state.get("iteration", 0))
     files.prepare_staging(target, iteration)
     tmp = files.staging_dir(target, iteration)
-    tensors = dict(converted_tensors(source, model))
+    tensors = dict(Progress("convert-checkpoint: read", unit="tensors").track(converted_tensors(source, model)))
     with single_process_quiet() as no_dist:
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=no_dist)
     files.write_json(tmp / "state.json", {**state, "format_version": files.FORMAT_VERSION})

@@ -14,10 +14,17 @@ preempted looks failed although every rank saved its checkpoint and exited 0.
 and on the first one forwards it to its workers (every rank agrees to stop after the same step and saves: see
 `train/signals.py`); torchrun then sees its workers succeed and the launcher exits 0, with one line saying why.
 A second signal is torchrun's own shutdown (the workers are stopped; exit status 128 + the signal).
+
+Before torchrun starts, the launcher parses the command's flags and, for `train`, validates its config at the
+launch's world size (`--nnodes` × `--nproc-per-node`): a mistake is the one `error:` line a single-process run
+prints, exit status 2, no worker started (under plain torchrun every worker imports torch to find it, rank 0 says
+it, and torchrun's report of the failed workers follows). A worker that fails with moetron's status 2 said its
+error itself: the launcher adds nothing to it.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -112,6 +119,33 @@ def torchrun_args(argv: list[str]):
     return args
 
 
+LAUNCH_MARK = "MOETRON_LAUNCH"
+
+
+def launch_world_size(args) -> int | None:
+    """How many workers the launch starts in all, or None when elastic (`--nnodes 1:4`: known only at rendezvous)."""
+    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+
+    min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    if min_nodes != max_nodes:
+        return None
+    return max_nodes * determine_local_world_size(args.nproc_per_node)
+
+
+def check_before_launch(args) -> None:
+    """Parse the command's flags here (argparse's usage and one error line, exit 2) and run the command's own
+    `check_before_launch(parsed, world_size)` where it has one (`train`: every config problem at once)."""
+    from moetron.cli import _module_name, command_parser
+
+    command, *flags = args.training_script_args
+    module = importlib.import_module(_module_name(command))
+    parsed = command_parser(command, module).parse_args(flags)
+    check = getattr(module, "check_before_launch", None)
+    world_size = launch_world_size(args)
+    if check is not None and world_size is not None:
+        check(parsed, world_size)
+
+
 def check_nproc_per_node(value: str) -> None:
     """Checked before torchrun starts: it reads the flag later (a traceback for `abc`, an AssertionError of its
     agent for 0)."""
@@ -152,6 +186,8 @@ def run(argv: list[str]) -> int:
         torchrun_parser().print_help()
         return 0
     args = torchrun_args(argv)
+    check_before_launch(args)
+    os.environ[LAUNCH_MARK] = "1"  # the workers' errors say nothing of plain torchrun (`moetron.cli`)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -169,12 +205,16 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-class LaunchFailed(UserError):
-    """A worker failed. The launcher exits with the worker's status (128 + the signal that stopped it)."""
+USER_ERROR_STATUS = 2  # `moetron.cli`'s exit status for a UserError, which the failing worker has printed
 
-    def __init__(self, message: str, exit_code: int):
+
+class LaunchFailed(UserError):
+    """A worker failed. The launcher exits with the worker's status (128 + the signal that stopped it); `quiet`
+    where the worker's own `error:` line says it all."""
+
+    def __init__(self, message: str, exit_code: int, quiet: bool = False):
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code, self.quiet = exit_code, quiet
 
 
 def worker_failed(rank: int, exitcode: int, received: str | None) -> LaunchFailed:
@@ -189,4 +229,6 @@ def worker_failed(rank: int, exitcode: int, received: str | None) -> LaunchFaile
             why += " (no checkpoint to save yet)"
         return LaunchFailed(f"moetron launch: {why}", 128 - exitcode)
     after = f" after {received} (an error of its own, if any, is above)" if received else " (its error is above)"
-    return LaunchFailed(f"moetron launch: worker rank {rank} exited with status {exitcode}{after}", exitcode or 1)
+    said = exitcode == USER_ERROR_STATUS and received is None
+    message = f"moetron launch: worker rank {rank} exited with status {exitcode}{after}"
+    return LaunchFailed(message, exitcode or 1, quiet=said)

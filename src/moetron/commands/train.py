@@ -77,17 +77,32 @@ def planned_peak_bytes(cfg: RunConfig, world_size: int, device_type: str) -> flo
         return None
 
 
-def run(args: argparse.Namespace) -> int:
-    from moetron.parallel.env import init_distributed, world_size_from_env
-
+def checked_config(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, set[str]]:
+    """The run's config and the fields given explicitly, or a `ConfigError` naming every startup problem."""
     cfg, explicit = load_config(args.config, cli_overrides(args))
     if args.scale_down:
         import torch
 
         scale_down(cfg, explicit, on_gpu=torch.cuda.is_available())
-    problems = startup_problems(cfg, explicit, world_size_from_env())
+    problems = startup_problems(cfg, explicit, world_size)
+    if not problems and not args.print_config:  # "nothing to train": only for a run that could start and trains
+        from moetron.checkpoint.continuation import continuation_problems
+
+        problems = continuation_problems(cfg, cfg.dims(world_size).dp)
     if problems:
         raise ConfigError(problems)
+    return cfg, explicit
+
+
+def check_before_launch(args: argparse.Namespace, world_size: int) -> None:
+    """`moetron launch` runs this before torchrun starts a worker (see `commands/launch.py`)."""
+    checked_config(args, world_size)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moetron.parallel.env import init_distributed, world_size_from_env
+
+    cfg, explicit = checked_config(args, world_size_from_env())
     if args.print_config:
         from moetron.config_cli import to_yaml
 

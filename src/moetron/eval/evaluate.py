@@ -17,6 +17,7 @@ import functools
 from pathlib import Path
 
 from moetron.errors import UserError
+from moetron.progress import Progress
 from moetron.train.validation import evaluate, perplexity
 
 EVAL_VOCAB_FIX = (
@@ -79,11 +80,14 @@ def evaluate_checkpoint(load: str, data_path: str | None = None, eval_iters: int
     # the run's head + loss (one process: no vocabulary shards, no pipeline), as its trainer evaluated
     head = make_head_loss(fuses_head(cfg.train.fused_cross_entropy, vocab_parallel=False, splits_backward=False))
     losses = []
+    progress = Progress("eval", iters * dp, "micro-batches")
     STREAMS.configure(cfg.train.seed)  # random routing draws keyed by sample, exactly as in the trainer
     with model.inference_routing(dropless=True) if dropless else contextlib.nullcontext():
         for rank in range(dp):  # the trainer's data-parallel ranks, one after the other
             loader = DistributedBatchLoader(valid, cfg.train.micro_batch_size, rank, dp)
-            losses.append(evaluate(recorder, loader, iters, autocast, head_loss=head)["valid_loss"])
+            result = evaluate(recorder, loader, iters, autocast, head_loss=head, on_micro_batch=progress.advance)
+            losses.append(result["valid_loss"])
+    progress.close()
     loss = sum(losses) / dp
     report = [r.to_dict() for r in recorder.report()]
     return {

@@ -45,6 +45,7 @@ from moetron.interchange.remote_code import write_remote_code
 from moetron.interchange.safetensors_stream import plan_shards, write_shards
 from moetron.interchange.tokenizer_files import check_tokenizer_files, export_tokenizer
 from moetron.model.config import ModelConfig
+from moetron.progress import Progress
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -198,7 +199,8 @@ def _write(
         (name, tuple(t.shape)) for r in rules for name, t in zip(r.hf, r.to_hf(ckpt.meta(r.moetron)), strict=True)
     ]
     shards = plan_shards(entries, torch_dtype, max_shard_bytes)
-    write_shards(out, shards, torch_dtype, _tensors(ckpt, rules))
+    progress = Progress("export", len(entries), "tensors")
+    write_shards(out, shards, torch_dtype, progress.track(_tensors(ckpt, rules)))
     config.update(dtype=DTYPE_NAMES[dtype], torch_dtype=DTYPE_NAMES[dtype])
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {"bos_token_id": tokens.bos, "eos_token_id": tokens.eos})

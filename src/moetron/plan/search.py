@@ -34,6 +34,7 @@ from moetron.parallel.tp.sizes import tensor_parallel_problems
 from moetron.plan.cost_model import DEFAULT_EFFICIENCY, Network, StepCost, step_cost
 from moetron.plan.estimate import Plan, layout_problems, make_plan
 from moetron.plan.hardware import Accelerator
+from moetron.progress import Progress
 
 STRUCTURE = ("tp", "sp", "pp", "virtual_layers", "ep", "etp", "zero")  # Layout fields `structures` enumerates
 # Layout fields taken from the command line as given, never varied: {ParallelConfig field: Layout field}
@@ -260,7 +261,8 @@ def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficie
     fixed, base, given = fixed or {}, base or cfg, given or []
     gbs = search_global_batch(cfg, gpus)
     result = SearchResult([], 0, 0, 0)
-    for structure in structures(cfg, gpus, net.gpus_per_node, fixed):
+    layouts = list(structures(cfg, gpus, net.gpus_per_node, fixed))  # cheap to list: the total for the progress
+    for structure in Progress("plan --search", len(layouts), "layouts").track(layouts):
         dp = gpus // (structure.tp * structure.pp)
         per_rank = gbs // dp if gbs % dp == 0 else 0
         sizes = [(ckpt, mbs) for ckpt in (False, True) for mbs in divisors(per_rank) or [max(gbs // max(dp, 1), 1)]]

@@ -235,7 +235,7 @@ def continuation_commands(run_dir: Path, config: Path, nproc: int, train_iters: 
     run, cfg = shlex.quote(str(run_dir)), shlex.quote(str(config))
     launcher = "moetron train" if nproc == 1 else f"torchrun --nproc-per-node {nproc} -m moetron train"
     return [
-        f"{launcher} --config {cfg} --load {run} --train-iters {2 * train_iters}",
+        f"{launcher} --config {cfg} --load {run} --train-iters {2 * train_iters} --override-opt-param-scheduler",
         f"moetron eval --load {run} --plots-dir {shlex.quote(str(run_dir / 'plots'))}",
         f"moetron generate --load {run} --prompt {shlex.quote(SAMPLE_PROMPTS[0])} --max-new-tokens 60",
     ]

@@ -200,6 +200,7 @@ class RunLogger:
         if self.run_dir:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.tb = open_tensorboard(tensorboard_dir) if is_main and tensorboard_dir else None
+        self.moe_layers: list[int] | None = None  # the MoE layers' indices, for TensorBoard's tags (set by the trainer)
         self.bar = None
         if is_main and sys.stdout.isatty():
             from tqdm import tqdm
@@ -237,7 +238,7 @@ class RunLogger:
         self._append("metrics.jsonl", {**{k: record[k] for k in METRIC_KEYS}, **optional})
         self.print(console_line(record, self.total_iters, eta_s))
         if self.tb is not None:
-            write_tensorboard_train(self.tb, record)
+            write_tensorboard_train(self.tb, record, self.moe_layers)
 
     def log_eval(self, record: dict) -> None:
         if not self.is_main:
@@ -282,8 +283,12 @@ def add_scalar_vs(tb, tag: str, value: float, record: dict) -> None:
     tb.add_scalar(f"{tag} vs tokens", value, record["consumed_tokens"])
 
 
-def write_tensorboard_train(tb, m: dict) -> None:
-    """Megatron's tag names (reference §4.10): value vs iteration, and the `vs samples` / `vs tokens` variants."""
+def write_tensorboard_train(tb, m: dict, moe_layers: list[int] | None = None) -> None:
+    """Megatron's tag names (reference §4.10): value vs iteration, and the `vs samples` / `vs tokens` variants.
+
+    Per-MoE-layer tags name the transformer layer's index (`moe_layers`, 0-based), as the routing report, its plots
+    and the routing alarms do — not the MoE layer's rank among MoE layers (layer 3 of `--expert-interval 2` is
+    `layer 3`, not `layer 1`)."""
     it, tokens = m["iteration"], m["consumed_tokens"]
     scalars = {
         "learning-rate/learning-rate": m["lr"],
@@ -302,6 +307,8 @@ def write_tensorboard_train(tb, m: dict) -> None:
     if m.get("moe_ep_load_routed") is not None:
         tb.add_scalar("moe/ep-load-routed", m["moe_ep_load_routed"], it)
         tb.add_scalar("moe/ep-load-computed", m["moe_ep_load_computed"], it)
-    for layer, (load, dropped) in enumerate(zip(m["expert_load_max_over_mean"], m["dropped_fraction"], strict=True)):
+    loads = m["expert_load_max_over_mean"]
+    names = moe_layers if moe_layers is not None and len(moe_layers) == len(loads) else range(len(loads))
+    for layer, load, dropped in zip(names, loads, m["dropped_fraction"], strict=True):
         tb.add_scalar(f"moe/load-max-over-mean layer {layer}", load, it)
         tb.add_scalar(f"moe/dropped-fraction layer {layer}", dropped, it)

@@ -50,30 +50,7 @@ class LRScheduler:
         self.step(0, 0)
 
     def get_lr(self) -> float:
-        s = self.spec
-        if s.warmup_tokens is None:
-            if s.warmup_steps > 0 and self.num_steps <= s.warmup_steps:
-                return s.max_lr * self.num_steps / s.warmup_steps
-        elif s.warmup_tokens > 0 and self.num_tokens <= s.warmup_tokens:
-            return s.max_lr * self.num_tokens / s.warmup_tokens
-        if s.decay_style == "constant":
-            return s.max_lr
-        if s.decay_tokens is None:
-            progress, warmup, decay = self.num_steps, s.warmup_steps, s.decay_steps
-        else:
-            progress, warmup, decay = self.num_tokens, s.warmup_tokens or 0, s.decay_tokens
-        if progress > decay:
-            return s.min_lr
-        if s.decay_style == "inverse-square-root":
-            lr = s.max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(progress, 1))
-            return max(s.min_lr, lr)
-        ratio = (progress - warmup) / max(decay - warmup, 1)
-        ratio = min(max(ratio, 0.0), 1.0)
-        if s.decay_style == "linear":
-            coeff = 1.0 - ratio
-        else:
-            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return s.min_lr + coeff * (s.max_lr - s.min_lr)
+        return lr_at(self.spec, self.num_steps, self.num_tokens)
 
     def step(self, increment_samples: int, consumed_tokens: int) -> float:
         """Advance by one optimizer step of `increment_samples` samples; `consumed_tokens` is the running total."""
@@ -106,6 +83,68 @@ class LRScheduler:
                 self.spec = saved
         self.step(0, self.num_tokens)
         return note
+
+
+def lr_at(s: ScheduleSpec, num_steps: int, num_tokens: int) -> float:
+    """The LR of schedule `s` after `num_steps` samples and `num_tokens` tokens (the rules of the module docstring)."""
+    if s.warmup_tokens is None:
+        if s.warmup_steps > 0 and num_steps <= s.warmup_steps:
+            return s.max_lr * num_steps / s.warmup_steps
+    elif s.warmup_tokens > 0 and num_tokens <= s.warmup_tokens:
+        return s.max_lr * num_tokens / s.warmup_tokens
+    if s.decay_style == "constant":
+        return s.max_lr
+    progress, warmup, decay = _decay_progress(s, num_steps, num_tokens)
+    if progress > decay:
+        return s.min_lr
+    if s.decay_style == "inverse-square-root":
+        lr = s.max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(progress, 1))
+        return max(s.min_lr, lr)
+    ratio = (progress - warmup) / max(decay - warmup, 1)
+    ratio = min(max(ratio, 0.0), 1.0)
+    if s.decay_style == "linear":
+        coeff = 1.0 - ratio
+    else:
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return s.min_lr + coeff * (s.max_lr - s.min_lr)
+
+
+def _decay_progress(s: ScheduleSpec, num_steps: int, num_tokens: int) -> tuple[int, int, int]:
+    """(progress, warmup, decay horizon) in the decay's unit: tokens when token-based, else samples."""
+    if s.decay_tokens is None:
+        return num_steps, s.warmup_steps, s.decay_steps
+    return num_tokens, s.warmup_tokens or 0, s.decay_tokens
+
+
+def finished(s: ScheduleSpec, num_steps: int, num_tokens: int) -> bool:
+    """Whether a decaying schedule has reached its horizon: every later step runs at `min_lr`."""
+    progress, _, decay = _decay_progress(s, num_steps, num_tokens)
+    return s.decay_style in ("linear", "cosine") and progress >= decay
+
+
+def finished_schedule_warning(
+    used: ScheduleSpec, flags: ScheduleSpec, num_steps: int, num_tokens: int, iteration: int, total_iters: int
+) -> str | None:
+    """A resume that trains on (`iteration` < `total_iters`) with a schedule already at its horizon would spend
+    every remaining iteration at the minimum LR (the quickstart's `--train-iters 1200` on a 600-iteration run):
+    what to pass instead, or None when the schedule in use still decays."""
+    if iteration >= total_iters or not finished(used, num_steps, num_tokens):
+        return None
+    head = (
+        f"warning: the LR schedule in use ({describe(used)}) is finished at iteration {iteration}: iterations "
+        f"{iteration + 1}-{total_iters} train at the minimum LR {used.min_lr:g}; "
+    )
+    if used != flags and not finished(flags, num_steps, num_tokens):
+        restart = lr_at(flags, num_steps, num_tokens)
+        return head + (
+            f"add --override-opt-param-scheduler to stretch it to this run's flags ({describe(flags)}; Megatron's "
+            f"--override-opt_param-scheduler: the LR goes back up to {restart:.3g} and decays to {flags.min_lr:g} by "
+            f"iteration {total_iters})"
+        )
+    return head + (
+        "leave --lr-decay-iters / --lr-decay-samples / --lr-decay-tokens unset (the decay then spans --train-iters) "
+        "or give a longer one, with --override-opt-param-scheduler"
+    )
 
 
 def describe(spec: ScheduleSpec) -> str:

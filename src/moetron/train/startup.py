@@ -233,6 +233,15 @@ def _threads_line() -> str:
     )
 
 
+def _output_line(cfg: RunConfig) -> str:
+    """Where the run writes, absolute: a recipe's relative `save` / `tensorboard_dir` are from the current directory."""
+    run, board = cfg.run_dir(), cfg.train.tensorboard_dir
+    where = [f"run directory {os.path.abspath(run)}" if run else "no run directory"]
+    if board:
+        where.append(f"TensorBoard {os.path.abspath(board)}")
+    return f"output     {', '.join(where)} (relative paths are from {os.getcwd()})"
+
+
 def startup_banner(cfg: RunConfig, world_size: int, device_type: str = "cpu", explicit: set[str] | None = None) -> str:
     """Lines that say what is about to run: model size, layout, batch and run length, LR schedule, precision.
 
@@ -254,6 +263,8 @@ def startup_banner(cfg: RunConfig, world_size: int, device_type: str = "cpu", ex
     ]
     if device_type == "cpu":
         lines.append(_threads_line())
+    if cfg.run_dir() or t.tensorboard_dir:
+        lines.append(_output_line(cfg))
     replaced = getattr(explicit, "replaced", {}) if explicit is not None else {}
     if replaced:
         dropped = ", ".join(f"{name}: {value}" for name, value in replaced.items())

@@ -45,7 +45,7 @@ from moetron.train.peak_memory import GIB, MemorySnapshots, peak_memory
 from moetron.train.precision import autocast_context, build_loss_scaler
 from moetron.train.reduce import mean_over
 from moetron.train.routing_health import RoutingHealth
-from moetron.train.schedule import LRScheduler, build_schedule_spec
+from moetron.train.schedule import LRScheduler, build_schedule_spec, finished_schedule_warning
 from moetron.train.signals import StopFlag, StopSignal
 
 
@@ -199,6 +199,7 @@ class Trainer:
         """Run to the stopping criterion (or a signal); returns the process exit code."""
         t = self.cfg.train
         self.logger = RunLogger(self.run_dir, t.tensorboard_dir, self.env.is_main, self.total_iters)
+        self.logger.moe_layers = self.cfg.model.moe_layer_indices()
         self.logger.forget_after(self.progress.iteration)  # a resumed run redoes what came after its checkpoint
         self._write_run_config()
         self.model.train()
@@ -393,7 +394,11 @@ class Trainer:
         view = self.checkpoint_view()
         state = load_checkpoint(path, view, optimizer, load_rng=not t.no_load_rng, rank=self.env.rank)
         self.progress = Progress(**{f.name: int(state[f.name]) for f in dataclasses.fields(Progress)})
+        flags = self.scheduler.spec
         note = self.scheduler.load_state_dict(state["scheduler"], override=t.override_opt_param_scheduler)
+        s = self.scheduler  # a finished schedule kept for more iterations: the warning says what to pass instead
+        it = self.progress.iteration
+        note = finished_schedule_warning(s.spec, flags, s.num_steps, s.num_tokens, it, self.total_iters) or note
         if note:
             self.logger_print(f" {note}")
         self.scaler.load_state_dict(state["loss_scaler"])

@@ -35,11 +35,13 @@ def evaluate(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     all_reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
     head_loss: HeadLoss | None = None,
+    on_micro_batch: Callable[[], None] | None = None,
 ) -> dict:
     """Mean LM loss over `iters` micro-batches from `loader.next_micro_batch()` (tokens [B, T+1]).
 
     The model is put in eval mode (dropout off, eval capacity factor) and restored to its previous mode.
     `head_loss`: the LM head + loss the run trains with (`ParallelModel.head_loss`); None: the model's fused head.
+    `on_micro_batch`: called after each micro-batch (`moetron eval`'s progress line).
     Returns {"valid_loss", "valid_ppl", "micro_batches"}.
     """
     was_training = model.training
@@ -55,6 +57,8 @@ def evaluate(
                 out = model(tokens_BT, labels_BT=labels_BT, return_logits=False, head_loss=head_loss)
             loss = out.lm_loss.detach().double()
             total = loss if total is None else total + loss
+            if on_micro_batch is not None:
+                on_micro_batch()
     finally:
         model.train(was_training)
     if total is None:
