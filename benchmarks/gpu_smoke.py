@@ -1,30 +1,37 @@
-"""GPU smoke test: bf16 training of a 1.3B-MoE128 slice on one GPU, in one command, in under 10 minutes.
+"""GPU smoke test: bf16 training of a Qwen3-30B-A3B-shaped slice on one GPU, in one command, in under 10 minutes.
 
-    python benchmarks/gpu_smoke.py                  # on a CUDA machine (sized for one H200); skips without CUDA
-    python benchmarks/gpu_smoke.py --layers 4       # a deeper slice where memory allows
-    python benchmarks/gpu_smoke.py --device cpu --tiny   # the same code path on CPU with a tiny model (tests)
+    python benchmarks/gpu_smoke.py                        # on a CUDA machine; skips without CUDA
+    python benchmarks/gpu_smoke.py --dry-run              # the slice it would train on a 139 GiB H200 (no GPU needed)
+    python benchmarks/gpu_smoke.py --recipe gpt-1.3B-moe128 --layers 4   # the older 1.3B-MoE128 slice
+    python benchmarks/gpu_smoke.py --device cpu --tiny    # the same code path on CPU with a tiny model (tests)
 
-The model is the `gpt-1.3B-moe128` recipe (hidden 2048, 16 heads, seq 2048, 128 GELU experts of 8192 on every 2nd
-layer, top-1, capacity factor 1.0, DeepSpeed routing) cut to `--layers` layers (default 2: one dense, one MoE layer,
-4.5B parameters; 16 bytes each with fp32 master weights, gradients and AdamW state: 72 GB). It trains with
-`--bf16 --compile`, `torch._grouped_mm` experts (`--moe-expert-backend grouped_mm`: the grouped kernel on sm90/sm100)
-and SDPA restricted to the flash backend (an error if flash cannot run), and prints:
-  - tokens/s over the timed steps after warm-up (compilation included in the warm-up), and MFU against the device's
-    bf16 peak (moetron.model.flops: 989 TFLOP/s for H200) with moetron's FLOPs/token formula;
+The model is a recipe's (default `qwen3-30B-A3B`: hidden 2048, 32 query heads of 128 over 4 KV heads, QK norm, 128
+SwiGLU experts of 768 in every layer, dropless top-8, vocab 151936, seq 4096) cut to the most layers that fit the
+GPU: the largest count whose `moetron plan` estimate on one GPU (bf16 compute, fp32 master weights, gradients and
+AdamW state: 16 bytes per parameter, plus activations and the CUDA context) stays within 90% of the device's memory
+(`--layers` sets it instead; `--dry-run` prints the choice for `--gpu-memory`, default an H200's 139 GiB, and
+exits). It trains with `--bf16 --compile`, `torch._grouped_mm` experts (`--moe-expert-backend grouped_mm`: the
+grouped kernel on sm90/sm100) and SDPA restricted to the flash backend (an error if flash cannot run), and prints:
+  - tokens/s over the timed steps after warm-up (compilation included in the warm-up), the achieved TFLOP/s and MFU
+    against the device's bf16 peak (moetron.model.flops: 989 TFLOP/s for H200) with moetron's FLOPs/token formula,
+    beside a published reference where there is one (Qwen3-30B-A3B: NeMo AutoModel's 28% MFU on 8 × H100, BF16);
   - peak GPU memory (`torch.cuda.max_memory_allocated`);
   - host syncs per step, counted with `torch.cuda.set_sync_debug_mode("warn")` over one timed step, with where they
     come from (the trainer's design: exactly one, the gradient-norm read);
   - the first `--check-steps` losses against the same run in fp32 on the CPU (same seed, hence the same weights —
     moetron's init is layout- and device-free — and the same batches), with their relative differences.
-Without CUDA (and without `--device cpu`) it prints one `gpu_smoke: skipped — …` line and exits 0.
+Without CUDA (and without `--device cpu` or `--dry-run`) it prints one `gpu_smoke: skipped — …` line and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import time
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -33,14 +40,38 @@ from moetron.model.flops import count_parameters, flops_per_token, peak_tflops
 from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build
+from moetron.plan.estimate import make_plan
+from moetron.plan.hardware import GIB, Accelerator, parse_memory
 from moetron.train.trainer import Trainer
 
-SLICE_FLAGS = "--config gpt-1.3B-moe128 --no-checkpoint-activations --micro-batch-size {mbs} --global-batch-size {mbs}"
-SLICE_FLAGS += " --num-layers {layers} --train-iters 1000 --hidden-dropout 0 --attention-dropout 0 --eval-iters 0"
-SLICE_FLAGS += " --log-interval 1000000 --lr-warmup-iters 0 --lr-decay-style constant --no-fp16"
-SLICE_FLAGS += " --moe-expert-parallel-size 1"
-TINY_FLAGS = " --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 --num-experts 8"
-TINY_FLAGS += " --vocab-size 512"
+# one GPU, one micro-batch per step, no data files, nothing saved: what the slice changes in the recipe
+SLICE_FLAGS = "--config {recipe} --micro-batch-size {mbs} --global-batch-size {mbs} --num-layers {layers}"
+SLICE_FLAGS += " --train-iters 1000 --hidden-dropout 0 --attention-dropout 0 --eval-iters 0 --log-interval 1000000"
+SLICE_FLAGS += " --lr-warmup-iters 0 --lr-decay-style constant --no-fp16 --moe-expert-parallel-size 1 --zero-stage 0"
+SLICE_FLAGS += " --no-checkpoint-activations"
+HEADROOM = 0.9  # of the device's memory the plan may fill: the allocator's fragmentation and compile's workspaces
+
+
+@dataclass(frozen=True)
+class Recipe:
+    tiny_flags: str  # the same family at a size a CPU test runs in seconds
+    micro_batch_size: int  # sequences per step on one GPU (enough rows per expert for the grouped GEMM)
+    reference: str = ""  # a published MFU of the full model, printed beside ours
+
+
+RECIPES = {
+    "qwen3-30B-A3B": Recipe(
+        " --hidden-size 64 --num-attention-heads 4 --num-key-value-heads 2 --kv-channels 16 --seq-length 64"
+        " --max-position-embeddings 64 --num-experts 8 --topk 2 --moe-ffn-hidden-size 32 --vocab-size 512",
+        micro_batch_size=2,
+        reference="NeMo AutoModel's published MFU for Qwen3-30B-A3B on 8 × H100, BF16: 28%",
+    ),
+    "gpt-1.3B-moe128": Recipe(
+        " --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 --num-experts 8"
+        " --vocab-size 512",
+        micro_batch_size=8,
+    ),
+}
 
 
 class RandomLoader:
@@ -63,18 +94,60 @@ class RandomLoader:
         return {"consumed_samples": self.i * self.mbs}
 
 
-def run_config(args: argparse.Namespace, device: torch.device, precise: bool):
+def slice_config(args: argparse.Namespace, layers: int, device_type: str, precise: bool):
     """The slice's RunConfig: bf16 + compile + grouped_mm on the accelerator, fp32 eager for the CPU reference."""
-    flags = SLICE_FLAGS.format(mbs=args.micro_batch_size, layers=args.layers) + (TINY_FLAGS if args.tiny else "")
+    flags = SLICE_FLAGS.format(recipe=args.recipe, mbs=micro_batch_size(args), layers=layers)
+    flags += RECIPES[args.recipe].tiny_flags if args.tiny else ""
     if not precise:
         flags += " --bf16" + (" --compile" if args.compile else "")
-        flags += " --moe-expert-backend grouped_mm" if device.type == "cuda" else ""
+        flags += " --moe-expert-backend grouped_mm" if device_type == "cuda" else ""
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
     parser.add_argument("--config")
     parsed = parser.parse_args(flags.split())
     cfg, _ = load_config(parsed.config, cli_overrides(parsed))
     return cfg
+
+
+def micro_batch_size(args: argparse.Namespace) -> int:
+    return args.micro_batch_size or RECIPES[args.recipe].micro_batch_size
+
+
+def planned_bytes(args: argparse.Namespace, layers: int, device: Accelerator) -> int:
+    """What `moetron plan` says one GPU needs for the bf16 slice of `layers` layers (peak + CUDA context)."""
+    return make_plan(with_layers(bf16_slice(args), layers), 1, device).needed_bytes
+
+
+@functools.cache
+def _bf16_slice(recipe: str, mbs: int, tiny: bool, compile_: bool):
+    args = argparse.Namespace(recipe=recipe, micro_batch_size=mbs, tiny=tiny, compile=compile_)
+    return slice_config(args, 1, "cuda", precise=False)
+
+
+def bf16_slice(args: argparse.Namespace):
+    """The GPU run's config (1 layer; `with_layers` sets the count), parsed once: planning many counts stays cheap."""
+    return _bf16_slice(args.recipe, micro_batch_size(args), args.tiny, args.compile)
+
+
+def with_layers(cfg, layers: int):
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers))
+
+
+def fitting_layers(args: argparse.Namespace, memory_bytes: int) -> tuple[int, int]:
+    """(the most layers of the recipe whose planned memory fits HEADROOM of `memory_bytes`, that plan's bytes);
+    0 layers when not even one fits. Planning only: nothing is allocated."""
+    device = Accelerator("one GPU", memory_bytes, peak_tflops("H200") or 1.0)
+    best, best_bytes = 0, 0
+    for layers in range(1, recipe_layers(args.recipe) + 1):  # memory grows with every layer: stop at the first miss
+        needed = planned_bytes(args, layers, device)
+        if needed > HEADROOM * memory_bytes:
+            break
+        best, best_bytes = layers, needed
+    return best, best_bytes
+
+
+def recipe_layers(recipe: str) -> int:
+    return load_config(recipe, {})[0].model.num_layers
 
 
 def build_trainer(cfg, device: torch.device) -> Trainer:
@@ -122,15 +195,41 @@ def losses(trainer: Trainer, steps: int) -> list[float]:
     return [float(trainer.train_step().sums.losses[0]) for _ in range(steps)]
 
 
-def speed_run(args: argparse.Namespace, device: torch.device) -> list[str]:
-    cfg = run_config(args, device, precise=False)
+def describe(cfg, recipe: str, device: str) -> str:
     counts = count_parameters(cfg.model)
-    lines = [
-        f"model: {cfg.model.num_layers} layers of gpt-1.3B-moe128 ({counts.total / 1e6:,.1f}M parameters, "
+    return (
+        f"model: {cfg.model.num_layers} layers of {recipe} ({counts.total / 1e6:,.1f}M parameters, "
         f"{counts.active / 1e6:,.1f}M active), micro-batch {cfg.train.micro_batch_size} × {cfg.model.seq_length} "
         f"tokens, bf16={cfg.train.bf16}, compile={cfg.train.compile}, experts={cfg.model.moe_expert_backend}, "
         f"device {device}"
-    ]
+    )
+
+
+def speed_lines(args: argparse.Namespace, cfg, tokens_per_s: float, device: torch.device) -> list[str]:
+    """tokens/s, achieved TFLOP/s and MFU (moetron's FLOPs/token formula) with the recipe's published reference."""
+    achieved = flops_per_token(cfg.model) * tokens_per_s / 1e12
+    peak = peak_tflops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    mfu = f"{achieved / peak:.1%} of {peak:g}" if peak else "n/a (unknown peak)"
+    lines = [f"tokens/s {tokens_per_s:.0f}, {achieved:.1f} TFLOP/s, MFU {mfu} TFLOP/s bf16"]
+    reference = RECIPES[args.recipe].reference
+    if reference:
+        lines.append(f"  beside: {reference} (the full model over 8 GPUs; this is a slice of its layers on one)")
+    return lines
+
+
+def slice_layers(args: argparse.Namespace, device: torch.device) -> int:
+    """`--layers`, or the most that fit this GPU (the CPU test path: 2)."""
+    if args.layers:
+        return args.layers
+    if device.type != "cuda":
+        return 2
+    layers, _ = fitting_layers(args, torch.cuda.get_device_properties(device).total_memory)
+    return max(layers, 1)
+
+
+def speed_run(args: argparse.Namespace, device: torch.device) -> list[str]:
+    cfg = slice_config(args, slice_layers(args, device), device.type, precise=False)
+    lines = [describe(cfg, args.recipe, str(device))]
     started = time.perf_counter()
     trainer = build_trainer(cfg, device)
     if device.type == "cuda":
@@ -147,35 +246,51 @@ def speed_run(args: argparse.Namespace, device: torch.device) -> list[str]:
         synchronize(device)
         elapsed = time.perf_counter() - start
         syncs, where = count_host_syncs(trainer, device)
-    tokens_per_s = args.steps * cfg.train.micro_batch_size * cfg.model.seq_length / elapsed
-    achieved = flops_per_token(cfg.model) * tokens_per_s / 1e12
-    peak = peak_tflops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
-    mfu = f"{achieved / peak:.1%} of {peak:g}" if peak else "n/a (unknown peak)"
-    lines.append(f"tokens/s {tokens_per_s:.0f}, {achieved:.1f} TFLOP/s, MFU {mfu} TFLOP/s bf16")
+    lines += speed_lines(args, cfg, args.steps * cfg.train.micro_batch_size * cfg.model.seq_length / elapsed, device)
     if device.type == "cuda":
         lines.append(f"peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
         lines.append(f"host syncs per step: {syncs} ({', '.join(f'{k} ×{v}' for k, v in where.items()) or 'none'})")
     del trainer
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return lines + check_against_cpu(args, checked)
+    return lines + check_against_cpu(args, cfg.model.num_layers, checked)
 
 
-def check_against_cpu(args: argparse.Namespace, accelerated: list[float]) -> list[str]:
+def check_against_cpu(args: argparse.Namespace, layers: int, accelerated: list[float]) -> list[str]:
     if args.skip_cpu_check or not accelerated:
         return ["loss check against CPU fp32: skipped"]
     cpu_device = torch.device("cpu")
-    cpu = losses(build_trainer(run_config(args, cpu_device, precise=True), cpu_device), len(accelerated))
+    cpu = losses(build_trainer(slice_config(args, layers, "cpu", precise=True), cpu_device), len(accelerated))
     worst = max(abs(a - c) / abs(c) for a, c in zip(accelerated, cpu, strict=True))
     pairs = ", ".join(f"{a:.4f}/{c:.4f}" for a, c in zip(accelerated, cpu, strict=True))
     return [f"losses bf16 vs CPU fp32, first {len(cpu)} steps: {pairs}; max relative difference {worst:.2e}"]
 
 
+def dry_run(args: argparse.Namespace) -> list[str]:
+    """The slice `--gpu-memory` holds, from the plan alone: what a GPU run would train."""
+    memory = parse_memory(args.gpu_memory)
+    layers, needed = fitting_layers(args, memory)
+    if layers == 0:
+        return [f"gpu_smoke: not even one layer of {args.recipe} fits {args.gpu_memory} (planned, {HEADROOM:.0%})"]
+    cfg = slice_config(args, layers, "cuda", precise=False)
+    full = recipe_layers(args.recipe)
+    return [
+        describe(cfg, args.recipe, "cuda (planned)"),
+        f"slice: {layers} of {full} layers; planned {needed / GIB:.1f} GiB of {memory / GIB:.0f} GiB "
+        f"(≤ {HEADROOM:.0%}); {layers + 1} layers would need "
+        f"{planned_bytes(args, layers + 1, Accelerator('one GPU', memory, 1.0)) / GIB:.1f} GiB",
+        f"FLOPs/token {flops_per_token(cfg.model) / 1e9:.2f} G (moetron's formula, the MFU's numerator)",
+    ]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default; skipped without CUDA) or cpu (with --tiny)")
-    parser.add_argument("--layers", type=int, default=2, help="layers of the 1.3B-MoE128 model (every 2nd is MoE)")
-    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--recipe", choices=list(RECIPES), default="qwen3-30B-A3B", help="the model to slice")
+    parser.add_argument("--layers", type=int, default=None, help="layers of the slice (default: the most that fit)")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the recipe's entry in RECIPES")
+    parser.add_argument("--gpu-memory", default="139GiB", help="with --dry-run: the memory to plan the slice for")
+    parser.add_argument("--dry-run", action="store_true", help="print the slice the plan fits, allocate nothing")
     parser.add_argument("--warmup", type=int, default=5, help="steps before timing (compilation happens here)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--check-steps", type=int, default=3, help="first steps compared with CPU fp32")
@@ -187,6 +302,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.dry_run:
+        for line in dry_run(args):
+            print(line, flush=True)
+        return 0
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print(f"gpu_smoke: skipped — no CUDA device (torch {torch.__version__}, cuda {torch.version.cuda})")

@@ -39,3 +39,27 @@ def test_the_flow_runs_on_cpu_with_a_tiny_model(capsys, monkeypatch):
     assert "bf16=True" in out and "tokens/s" in out
     worst = float(re.search(r"max relative difference (\S+)", out).group(1))
     assert worst < 1e-2  # bf16 against fp32, same weights and batches
+
+
+def test_the_qwen3_slice_is_the_most_layers_the_plan_fits_at_the_real_shape(monkeypatch):
+    """Planned at the real Qwen3-30B-A3B shape on a 139 GiB H200, nothing allocated: the slice keeps the recipe's
+    widths and routing and is cut to the largest layer count within the headroom (one more would not fit)."""
+    monkeypatch.syspath_prepend(REPO / "benchmarks")
+    import gpu_smoke
+
+    args = gpu_smoke.parse_args(["--dry-run"])  # --gpu-memory 139GiB: an H200's
+    memory = 139 * 2**30
+    lines = gpu_smoke.dry_run(args)
+    layers = int(re.match(r"slice: (\d+) of 48 layers", lines[1]).group(1))
+    cfg = gpu_smoke.slice_config(args, layers, "cuda", precise=False)
+    full = gpu_smoke.load_config("qwen3-30B-A3B", {})[0].model
+    assert 1 <= layers < full.num_layers and cfg.model.num_layers == layers
+    shape = ("hidden_size", "num_attention_heads", "num_key_value_heads", "kv_channels", "num_experts", "topk")
+    shape += ("moe_ffn_hidden_size", "vocab_size", "seq_length")
+    assert {k: getattr(cfg.model, k) for k in shape} == {k: getattr(full, k) for k in shape}
+    assert cfg.train.bf16 and cfg.model.moe_expert_backend == "grouped_mm"
+    assert cfg.parallel.moe_expert_parallel_size == 1
+    device = gpu_smoke.Accelerator("one GPU", memory, 1.0)
+    assert gpu_smoke.planned_bytes(args, layers, device) <= gpu_smoke.HEADROOM * memory
+    assert gpu_smoke.planned_bytes(args, layers + 1, device) > gpu_smoke.HEADROOM * memory
+    assert 1 <= gpu_smoke.fitting_layers(args, 80 * 2**30)[0] < layers  # a smaller GPU holds fewer layers
