@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,6 +35,9 @@ from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build
 from moetron.plan.memory import estimate_memory
 from process_group import spawn_group
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # the measure is a test instrument
+from saved_tensors import saved_tensor_bytes  # noqa: E402
 
 SIZES = (1, 2, 4)
 
@@ -53,19 +58,8 @@ def bench_config(seq: int, cp: int, comm: str = "all_gather") -> RunConfig:
 
 
 def saved_activation_bytes(model: torch.nn.Module, tokens_BT: torch.Tensor) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-        return tensor
-
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens_BT, return_logits=False)
-    return sum(seen.values())
+    return saved_tensor_bytes(model, lambda: model(tokens_BT, return_logits=False))
 
 
 def measure(rank: int, world: int, port: int, seq: int, results) -> None:

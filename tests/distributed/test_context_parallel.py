@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from launch import run_distributed
+from saved_tensors import saved_tensor_bytes
 from trainer_support import VOCAB, tiny_config
 
 from moetron.checkpoint import resolve_checkpoint
@@ -97,20 +98,8 @@ def resumed_losses(cfg, path: str, env: DistEnv | None = None) -> list[float]:
 def saved_activation_bytes(t: Trainer) -> int:
     """Bytes of the non-parameter tensors autograd saves in one training forward to the last hidden states (each
     storage once): the activations `moetron plan` prices, on this rank."""
-    model = t.model
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-        return tensor
-
     tokens = t.next_micro_batch().tokens_BT
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        model(tokens, return_logits=False)
-    return sum(seen.values())
+    return saved_tensor_bytes(t.model, lambda: t.model(tokens, return_logits=False))
 
 
 def attention_differences(mesh: ParallelMesh) -> dict[str, list[float]]:

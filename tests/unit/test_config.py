@@ -134,3 +134,25 @@ def test_print_config_shows_the_resolved_yaml(tmp_path, capsys):
     assert printed["data"]["data_path"] == [str(prefix)]
     assert main(["train", "--fp16", "--bf16", "--data-path", str(prefix), "--train-iters", "1"]) == 2
     assert "--fp16 and --bf16 are both set" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "tokenizer_type, checked",
+    [
+        ("GPT2BPETokenizer", ["--vocab-file", "--merge-file"]),
+        ("HFTokenizer", ["--tokenizer-model"]),
+        ("SentencePieceTokenizer", ["--vocab-file", "--merge-file", "--tokenizer-model"]),  # unknown: every file
+    ],
+)
+def test_only_the_files_a_tokenizer_type_reads_are_checked(tmp_path, tokenizer_type, checked):
+    from moetron.data.config import DataConfig
+
+    missing = {flag: str(tmp_path / flag.strip("-")) for flag in ("--vocab-file", "--merge-file", "--tokenizer-model")}
+    d = DataConfig(tokenizer_type=tokenizer_type, vocab_file=missing["--vocab-file"])
+    d.merge_file, d.tokenizer_model = missing["--merge-file"], missing["--tokenizer-model"]
+    assert d.tokenizer_file_problems() == [
+        f"{flag} {missing[flag]}: no such file; give the path of the tokenizer file (see --tokenizer-type)"
+        for flag in checked
+    ]
+    (tmp_path / "vocab-file").touch()  # a file that is there is never a problem
+    assert "--vocab-file" not in " ".join(d.tokenizer_file_problems())

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from data_helpers import make_tiny_tokenizer, tiny_tokenizer_flags
+from saved_tensors import saved_tensor_bytes
 
 from moetron.cli import main
 from moetron.config import RunConfig
@@ -47,20 +48,9 @@ def saved_bytes(cfg: RunConfig, dtype: torch.dtype | None) -> int:
     torch.manual_seed(0)
     model = create_model(cfg.model)
     model.train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-        return tensor
-
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length))
-    autocast = torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        model(tokens, labels_BT=tokens)
-    return sum(seen.values())
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        return saved_tensor_bytes(model, lambda: model(tokens, labels_BT=tokens))
 
 
 @pytest.mark.parametrize(

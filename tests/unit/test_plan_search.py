@@ -100,6 +100,36 @@ def test_ring_and_bubble_terms():
     assert piped.bubble == pytest.approx(1 / 5) and cost.bubble == pytest.approx(cost.compute / 4)
 
 
+def test_the_gradient_reduction_of_a_pipelined_rank_is_its_tensor_parallel_share():
+    cfg, _ = load_config("gpt-6.7B", {"pipeline_model_parallel_size": 8, "tensor_model_parallel_size": 2})
+    plan = make_plan(cfg, 64, accelerator("A100-80GB"))
+    reduced = cost_model._rank_parameters(plan)  # what the dp term reduces: the heaviest stage GPU's parameters
+    assert 4 * reduced.total == pytest.approx(max(s.memory.weights for s in plan.stages), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "recipe, fixed",
+    [
+        ("gpt-6.7B", ["--micro-batch-size", "1", "--checkpoint-activations", "--sequence-parallel"]),
+        ("gpt-1.3B-moe128", ["--micro-batch-size", "1", "--checkpoint-activations", "--moe-expert-parallel-size", "8"]),
+    ],
+)
+def test_the_seed_recipes_on_64_gpus_offer_zero_with_tensor_and_pipeline_parallelism(recipe, fixed, capsys):
+    """Issue 22: `plan --search` on 64 × 80 GB lists ZeRO × TP × PP rows (micro batch, checkpointing and, for the MoE,
+    EP fixed only to keep the test short), each one a command `moetron train` accepts, and the top row fits."""
+    argv = ["plan", "--config", recipe, "--gpus", "64", "--gpu-type", "A100-80GB", "--search", "--json"]
+    assert main([*argv, "--top", "400", *fixed]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    products = [r for r in rows if r["layout"]["zero"] >= 1 and r["layout"]["tp"] > 1 and r["layout"]["pp"] > 1]
+    assert products, [r["words"] for r in rows]
+    assert rows[0]["needed_bytes"] <= accelerator("A100-80GB").memory_bytes
+    cfg, _ = load_config(recipe, {})
+    ignored = set(cfg.data.problems()) | set(output_problems(cfg))  # the recipe's example corpus and run paths
+    for row in (rows[0], products[0]):
+        applied, _ = load_config(recipe, flag_overrides(row["flags"]))
+        assert [p for p in validate(applied, 64) if p not in ignored] == [], row["flags"]
+
+
 def test_data_parallel_groups_across_nodes_use_the_inter_node_link():
     net = cost_model.network(16, 2, "A100-80GB")
     assert net.gpus_per_node == 8

@@ -14,6 +14,7 @@ import json
 
 import pytest
 import torch
+from host_read_counter import HostReadCounter
 from trainer_support import build_trainer, tiny_config
 
 from moetron.train.routing_health import RoutingHealth, mean_distribution_entropy, routing_health_problems
@@ -80,7 +81,23 @@ def test_each_alarm_fires_once_from_a_collapsed_run_and_none_from_a_healthy_one(
 def test_alarms_turn_off_with_zero_flags(tmp_path, capsys):
     flags = dict(moe_dead_expert_steps=0, moe_collapse_entropy=0.0, moe_aux_hacking_window=0)
     records, alarms = train_and_read(health_config(tmp_path, **flags), capsys, collapsed=True)
-    assert alarms == [] and all(r["routing_alarms"] == [] and r["moe_dead_experts"] == [0] for r in records)
+    assert alarms == [] and len(records) == STEPS
+    # nothing was tracked, so nothing is reported: no dead-expert count, no entropy (a dense model's empty fields)
+    assert all(r["routing_alarms"] == r["moe_dead_experts"] == r["moe_routing_entropy"] == [] for r in records)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_observe_step_does_nothing_with_every_alarm_off(tmp_path, on):
+    off = dict(moe_dead_expert_steps=0, moe_collapse_entropy=0.0, moe_aux_hacking_window=0)
+    trainer = build_trainer(health_config(tmp_path, **({} if on else off)))
+    trainer.model.train()
+    trainer.model(trainer.next_micro_batch().tokens_BT, return_logits=False)  # the MoE layers sum their routing
+    with HostReadCounter() as reads:
+        trainer.health.observe_step(trainer.model)
+    assert reads.total == 0, reads.by_kind  # on or off, the step's observation stays on the device
+    untaken = [moe.take_routing() is not None for moe in trainer.model.moe_layers()]
+    assert untaken == [not on] * len(untaken)  # off: the layers' routing was not even taken
+    assert (trainer.health.pack() is None) == (not on)  # off: nothing rides on the interval's all-reduce
 
 
 def test_dead_expert_needs_every_data_parallel_rank_idle():

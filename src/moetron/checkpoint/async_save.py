@@ -31,8 +31,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moetron.checkpoint import files
-from moetron.checkpoint.rng_files import save_rng
-from moetron.checkpoint.state import GlobalView, _attempt, _fail_everywhere_if_any, single_process_quiet
+from moetron.checkpoint.state import (
+    GlobalView,
+    _attempt,
+    _fail_everywhere_if_any,
+    save_rank_rng,
+    single_process_quiet,
+    stage_checkpoint,
+    write_shared_files,
+)
 from moetron.errors import UserError
 from moetron.parallel.diagnosis import Site
 
@@ -71,15 +78,11 @@ class AsyncCheckpointer:
         """Start the save of `iteration` (after the previous one has finished); returns the path it will publish."""
         self.wait()
         run_dir = Path(run_dir)
-        with Site(f"the checkpoint barrier of the save of iteration {iteration}"):
-            if env.is_main:
-                files.prepare_staging(run_dir, iteration)
-            env.barrier()
-        tmp = files.staging_dir(run_dir, iteration)
+        tmp = stage_checkpoint(run_dir, iteration, env)
         with Site(f"the checkpoint save of iteration {iteration} (staging)"):
             failure = _attempt(lambda: _write_small_files(tmp, state, config_yaml, env))
             _fail_everywhere_if_any(env, failure, run_dir, iteration, discard=tmp)
-            tensors = {**view.model_state(), **view.optimizer_state(optimizer)}
+            tensors = view.state(optimizer)
             writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
             with single_process_quiet() as no_dist:
                 future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group, no_dist=no_dist)
@@ -125,8 +128,6 @@ class AsyncCheckpointer:
 
 def _write_small_files(tmp: Path, state: dict, config_yaml: str, env) -> None:
     """What the synchronous save writes beside DCP's files, of this step: this rank's RNG, and (rank 0) the rest."""
-    save_rng(tmp / "rng" / f"rank_{env.rank:05d}.safetensors")
+    save_rank_rng(tmp, env)
     if env.is_main:
-        files.write_json(tmp / "state.json", {"format_version": files.FORMAT_VERSION, **state})
-        (tmp / "config.yaml").write_text(config_yaml)
-        files._fsync_file(tmp / "config.yaml")
+        write_shared_files(tmp, state, config_yaml)

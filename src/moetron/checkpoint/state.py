@@ -124,6 +124,10 @@ class GlobalView:
         """`model.<name>` → global tensor, for every parameter and persistent buffer."""
         return {f"model.{name}": self.tensor(name, t) for name, t in self.model.state_dict().items()}
 
+    def state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """What a trainer checkpoint holds: `model_state` and `optimizer_state` in one dict."""
+        return {**self.model_state(), **self.optimizer_state(optimizer)}
+
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         """`optim.<parameter>.<key>` → global tensor, for every tensor the optimizer keeps per parameter."""
         named = self.model.named_parameters() if self.optimizer_params is None else self.optimizer_params
@@ -192,11 +196,7 @@ def save_checkpoint(
     A write that fails on any rank (a full disk, a vanished mount) fails the save on every rank with one line:
     the staging directory is removed, `latest` still names the previous checkpoint, which stays intact."""
     run_dir = Path(run_dir)
-    with Site(f"the checkpoint barrier of the save of iteration {iteration}"):
-        if env.is_main:
-            files.prepare_staging(run_dir, iteration)
-        env.barrier()
-    tmp = files.staging_dir(run_dir, iteration)
+    tmp = stage_checkpoint(run_dir, iteration, env)
     with Site(f"the checkpoint save of iteration {iteration} (DCP's collectives)"):
         failure = _attempt(lambda: _write_shards(tmp, view, optimizer, state, config_yaml, env))
         _fail_everywhere_if_any(env, failure, run_dir, iteration, discard=tmp)
@@ -205,10 +205,25 @@ def save_checkpoint(
     return run_dir / files.iteration_dir_name(iteration)
 
 
+def stage_checkpoint(run_dir: Path, iteration: int, env) -> Path:
+    """The start of every trainer save, synchronous (`save_checkpoint`) or not (`async_save.py`), on every rank:
+    rank 0 makes a fresh staging directory for `iteration`, and no rank writes into it before it exists (a
+    barrier). Returns the staging directory."""
+    with Site(f"the checkpoint barrier of the save of iteration {iteration}"):
+        if env.is_main:
+            files.prepare_staging(run_dir, iteration)
+        env.barrier()
+    return files.staging_dir(run_dir, iteration)
+
+
 def _write_shards(tmp: Path, view: GlobalView, optimizer, state: dict, config_yaml: str, env) -> None:
+    save_rank_rng(tmp, env)
+    write_files(tmp, view.state(optimizer), state, config_yaml, shared_files=env.is_main)
+
+
+def save_rank_rng(tmp: Path, env) -> None:
+    """This rank's RNG file into the staging directory `tmp`."""
     save_rng(tmp / "rng" / f"rank_{env.rank:05d}.safetensors")
-    tensors = {**view.model_state(), **view.optimizer_state(optimizer)}
-    write_files(tmp, tensors, state, config_yaml, shared_files=env.is_main)
 
 
 def write_files(tmp: Path, tensors: dict[str, torch.Tensor], state: dict, config_yaml: str, shared_files: bool) -> None:
@@ -218,9 +233,14 @@ def write_files(tmp: Path, tensors: dict[str, torch.Tensor], state: dict, config
     with single_process_quiet() as no_dist:
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=no_dist)
     if shared_files:
-        files.write_json(tmp / "state.json", {"format_version": files.FORMAT_VERSION, **state})
-        (tmp / "config.yaml").write_text(config_yaml)
-        files._fsync_file(tmp / "config.yaml")
+        write_shared_files(tmp, state, config_yaml)
+
+
+def write_shared_files(tmp: Path, state: dict, config_yaml: str) -> None:
+    """(one process of the save) state.json and config.yaml into the staging directory `tmp`, fsynced."""
+    files.write_json(tmp / "state.json", {"format_version": files.FORMAT_VERSION, **state})
+    (tmp / "config.yaml").write_text(config_yaml)
+    files._fsync_file(tmp / "config.yaml")
 
 
 def _attempt(write) -> BaseException | None:

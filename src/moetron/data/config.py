@@ -16,6 +16,14 @@ import os
 from dataclasses import dataclass, field
 
 SPLIT_FLAGS = {"train": "--train-data-path", "valid": "--valid-data-path", "test": "--test-data-path"}
+# The files each --tokenizer-type reads (`data/tokenizer.py`'s build_tokenizer), as (flag, DataConfig field): only
+# these are checked, so a file flag a recipe sets for another tokenizer type never fails a run that ignores it.
+TOKENIZER_FILES: dict[str, tuple[tuple[str, str], ...]] = {
+    "GPT2BPETokenizer": (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file")),
+    "HFTokenizer": (("--tokenizer-model", "tokenizer_model"),),
+}
+# an unknown type (refused when the tokenizer is built) is checked for every file it might mean
+ANY_TOKENIZER_FILES = tuple(dict.fromkeys(f for files in TOKENIZER_FILES.values() for f in files))
 
 
 @dataclass
@@ -57,11 +65,11 @@ class DataConfig:
         return p
 
     def tokenizer_file_problems(self) -> list[str]:
-        """Tokenizer files that are named but missing (none named is fine: --vocab-size then sizes the model). A GPT-2
-        BPE tokenizer reads no tokenizer.json, so a --tokenizer-model left from a recipe is not checked then."""
-        named = [("--vocab-file", self.vocab_file), ("--merge-file", self.merge_file)]
-        if self.tokenizer_type != "GPT2BPETokenizer":
-            named.append(("--tokenizer-model", self.tokenizer_model))
+        """Tokenizer files that `tokenizer_type` reads, named but missing (none named is fine: --vocab-size then
+        sizes the model). Files of other tokenizer types are not checked (see TOKENIZER_FILES)."""
+        named = [
+            (flag, getattr(self, name)) for flag, name in TOKENIZER_FILES.get(self.tokenizer_type, ANY_TOKENIZER_FILES)
+        ]
         return [
             f"{flag} {path}: no such file; give the path of the tokenizer file (see --tokenizer-type)"
             for flag, path in named

@@ -61,7 +61,7 @@ from moetron.errors import UserError
 from moetron.model.flops import flops_per_token
 from moetron.parallel.pp.stage_layout import MULTI_STAGE, PipelineLayout
 from moetron.plan.memory import compute_bytes, routed_rows
-from moetron.plan.pipeline_parallel import stage_parameters
+from moetron.plan.pipeline_parallel import stage_parameters, tensor_parallel_share
 from moetron.plan.tensor_parallel import activation_split
 
 DEFAULT_EFFICIENCY = 0.5  # of the peak, for the matmuls (Narayanan et al. 2021: 52 % on A100s)
@@ -262,11 +262,13 @@ def _dp_seconds(plan, net: Network, compute: float) -> float:
 
 
 def _rank_parameters(plan):
-    """`LocalParams` of the GPU whose reduction is largest: the heaviest pipeline stage's, or the whole rank's."""
+    """`LocalParams` of the GPU whose reduction is largest: the heaviest pipeline stage's (its tensor-parallel
+    share, as the memory plan holds it), or the whole rank's."""
     if not plan.stages:
         return plan.local
     heaviest = max(plan.stages, key=lambda s: s.memory.weights)
-    return stage_parameters(plan.cfg.model, heaviest.layers, heaviest.first, heaviest.last, plan.dims.ep)
+    stage = stage_parameters(plan.cfg.model, heaviest.layers, heaviest.first, heaviest.last, plan.dims.ep)
+    return tensor_parallel_share(stage, plan.cfg.model, plan.dims)
 
 
 def _pp_seconds(plan, net: Network) -> float:

@@ -4,7 +4,8 @@ Everything follows what moetron's trainer actually keeps (train/trainer.py, trai
 
   weights       fp32 parameters, 4 B each; they are also the master copy (no separate fp32 master).
   gradients     fp32, 4 B per parameter; DDP adds a bucket copy (4 B) of every parameter it reduces.
-  optimizer     AdamW exp_avg + exp_avg_sq, fp32: 8 B per parameter (fused kernel: no temporaries).
+  optimizer     AdamW exp_avg + exp_avg_sq, fp32: 8 B per parameter (fused kernel: no temporaries); --optimizer
+                muon: 4 B (one momentum buffer) per hidden-matrix parameter (`plan/optimizer_state.py`).
   weight casts  fp16/bf16 copies of the matmul weights that autocast (and the experts) make: 2 B each.
   activations   per layer, from the tensors autograd saves (counted with saved_tensors_hooks while writing
                 this model; `tests/unit/test_plan.py` keeps the counts honest): the fp32 residual stream
@@ -41,6 +42,7 @@ from moetron.model.config import ModelConfig
 from moetron.model.flops import attention_params, count_parameters, embedding_params, mlp_params, moe_layer_params
 from moetron.parallel.dims import ParallelDims
 from moetron.plan.lm_head import lm_loss_bytes
+from moetron.plan.optimizer_state import model_adamw
 from moetron.plan.tensor_parallel import WHOLE, Split, activation_split, shard_parameters
 from moetron.plan.zero import zero_memory
 
@@ -53,6 +55,8 @@ class LocalParams:
     experts: int  # of which routed experts (num_experts / EP per MoE layer)
     replicated: int  # of which replicated on every data-parallel rank (all but sharded experts)
     matmul: int  # of which are matmul weights (cast to fp16/bf16 under autocast)
+    adamw: int  # of which no hidden matrix: AdamW's under --optimizer muon too (plan/optimizer_state.py)
+    adamw_experts: int  # of which routed experts' (their biases)
 
 
 @dataclass(frozen=True)
@@ -93,9 +97,9 @@ def local_parameters(model: ModelConfig, dims: ParallelDims) -> LocalParams:
             matmul += routed // dims.ep + other - model.hidden_size * num_experts  # the router runs in fp32
         else:
             matmul += mlp_params(model, model.ffn_size)
-    return shard_parameters(
-        LocalParams(counts.total - counts.expert + experts, experts, replicated, matmul), model, dims
-    )
+    adamw, adamw_experts = model_adamw(model, dims.ep)
+    local = LocalParams(counts.total - counts.expert + experts, experts, replicated, matmul, adamw, adamw_experts)
+    return shard_parameters(local, model, dims)
 
 
 def routed_rows(model: ModelConfig, num_experts: int, tokens: int, ep: int) -> int:

@@ -14,7 +14,7 @@ count of chunk forwards + 1 (each a 1/v of the rank's layers); the logits and lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from moetron.config import RunConfig
 from moetron.model.config import ModelConfig
@@ -22,6 +22,7 @@ from moetron.model.flops import attention_params, attention_score_flops, mlp_par
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.pp.stage_layout import MULTI_STAGE, PipelineLayout
 from moetron.plan import memory_terms as mem
+from moetron.plan.optimizer_state import layer_adamw
 from moetron.plan.tensor_parallel import activation_split, shard_parameters
 
 
@@ -72,18 +73,22 @@ def stage_parameters(model: ModelConfig, layers: tuple[int, ...], first: bool, l
     experts_per_layer = model.experts_per_layer()
     vocab = model.padded_vocab_size() * model.hidden_size
     untied = model.untie_embeddings_and_output_weights
-    total = experts = matmul = 0
+    total = experts = matmul = adamw = adamw_experts = 0
     for i in layers:
         t, e, mm = layer_params(model, experts_per_layer[i], ep)
         total, experts, matmul = total + t, experts + e, matmul + mm
+        a, ae = layer_adamw(model, experts_per_layer[i], ep)
+        adamw, adamw_experts = adamw + a, adamw_experts + ae
+    root = 0  # embeddings, final norm, head: every one AdamW's under Muon too
     if first:
         learned = model.position_embedding_type == "learned_absolute"
-        total += vocab + (model.max_positions * model.hidden_size if learned else 0)
+        root += vocab + (model.max_positions * model.hidden_size if learned else 0)
         matmul += vocab if untied else 0
     if last:
-        total += norm_params(model) + (vocab if untied or not first else 0)
+        root += norm_params(model) + (vocab if untied or not first else 0)
         matmul += vocab
-    return mem.LocalParams(total, experts, total - (experts if ep > 1 else 0), matmul)
+    total, adamw = total + root, adamw + root
+    return mem.LocalParams(total, experts, total - (experts if ep > 1 else 0), matmul, adamw, adamw_experts)
 
 
 def tensor_parallel_share(stage: mem.LocalParams, model: ModelConfig, dims: ParallelDims) -> mem.LocalParams:
@@ -98,7 +103,7 @@ def tensor_parallel_share(stage: mem.LocalParams, model: ModelConfig, dims: Para
         full = getattr(whole, field)
         return int(getattr(stage, field) * getattr(split, field) / full) if full else 0
 
-    return mem.LocalParams(share("total"), share("experts"), share("replicated"), share("matmul"))
+    return mem.LocalParams(*(share(f.name) for f in fields(mem.LocalParams)))
 
 
 def stage_flops_per_token(model: ModelConfig, layers: tuple[int, ...], last: bool, seq: int) -> float:

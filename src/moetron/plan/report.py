@@ -14,13 +14,19 @@ MEMORY_ROWS = [  # (MemoryEstimate field, label)
     ("weights", "weights (fp32; also the master copy{sharded_weights})"),
     ("gradients", "gradients (fp32{sharded_gradients})"),
     ("ddp_buckets", "DDP gradient buckets (fp32)"),
-    ("optimizer", "Adam moments exp_avg + exp_avg_sq (fp32{sharded_optimizer})"),
+    ("optimizer", "{optimizer_state} (fp32{sharded_optimizer})"),
     ("weight_casts", "{dtype} copies of the matmul weights"),
     ("gathered", "{gathered}"),
     ("activations", "activations ({activations})"),
     ("logits", "{lm_loss}"),
     ("all_to_all", "all-to-all send/receive buffers"),
 ]
+
+
+OPTIMIZER_STATE = {  # --optimizer → what its state row holds (plan/optimizer_state.py)
+    "adam": "Adam moments exp_avg + exp_avg_sq",
+    "muon": "Muon momentum + Adam moments of the rest",
+}
 
 
 def precision(plan: Plan) -> str:
@@ -89,6 +95,7 @@ def memory_lines(plan: Plan) -> list[str]:
         "activations": f"micro batch {plan.cfg.train.micro_batch_size} × seq {m.seq_length // plan.dims.cp}{ckpt}",
         "tokens": plan.cfg.train.micro_batch_size * m.seq_length // plan.dims.cp,
         "lm_loss": lm_head.describe(plan.cfg, plan.device.kind, plan.dims),
+        "optimizer_state": OPTIMIZER_STATE[plan.cfg.train.optimizer],
         **zero_labels(plan),
     }
     lines = [f"  {'memory per GPU':<52} {'GiB':>8}"]
@@ -118,7 +125,7 @@ def format_plan(plan: Plan, suggestions: list[Suggestion], source: str = "", lar
         f"  model      {describe_model(plan)}",
         f"  layout     {describe_layout(plan)}",
         f"  precision  {precision(plan)}"
-        + ("" if precision(plan) == "fp32" else " autocast; fp32 weights, grads and Adam"),
+        + ("" if precision(plan) == "fp32" else f" autocast; fp32 weights, grads and {t.optimizer.capitalize()}"),
         f"  FLOPs      {human(plan.flops_per_token)} per token (6·active + attention, forward + backward)",
         f"  KV cache   {kv_cache_words(plan)}",
         *([f"  device     {plan.device.assumed}"] if plan.device.assumed else []),

@@ -98,12 +98,14 @@ def shard_parameters(local, model: ModelConfig, dims: ParallelDims):
     dense_saved = dense - dense // dims.tp
     expert_saved = (experts // dims.ep - experts // (dims.ep * dims.etp)) if dims.etp > 1 else 0
     saved = dense_saved + expert_saved
+    vocab = model.padded_vocab_size() * model.hidden_size * (2 if model.untie_embeddings_and_output_weights else 1)
     return replace(
         local,
         total=local.total - saved,
         experts=local.experts - expert_saved,
         replicated=local.replicated - dense_saved - (expert_saved if dims.ep == 1 else 0),
         matmul=local.matmul - saved,
+        adamw=local.adamw - (vocab - vocab // dims.tp),  # the vocabulary rows (norms and biases: counted whole)
     )
 
 

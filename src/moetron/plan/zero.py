@@ -3,7 +3,8 @@ gradients, optimizer state and buffers; everything else — activations, logits,
 
 Sharded = dense parameters / dp + this rank's routed experts / edp (`parallel/dp/zero_spec.py`), all fp32.
 
-    stage 0   weights 4·P, gradients 4·P (+ DDP buckets), Adam 8·P                        (P: this rank's parameters)
+    stage 0   weights 4·P, gradients 4·P (+ DDP buckets), Adam 8·P (Muon: 4·matrices + 8·the rest; P: this rank's
+              parameters)
     stage 1   Adam 8·sharded; after the step the all-gather bucket (parallel/dp/sharded_optimizer.py)
     stage 2   weights, gradients and Adam 4/4/8·sharded; during the step every block and the experts gathered
               whole in the compute dtype, the root (embeddings, final norm, head) in fp32 (parallel/dp/fsdp.py)
@@ -27,6 +28,7 @@ from moetron.model.flops import attention_params, embedding_params, mlp_params, 
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.dp.sharded_optimizer import BUCKET_ELEMENTS
 from moetron.parallel.dp.zero_spec import effective_stage
+from moetron.plan.optimizer_state import state_bytes
 
 if TYPE_CHECKING:
     from moetron.plan.memory_terms import LocalParams
@@ -37,7 +39,7 @@ class ZeroMemory:
     stage: int
     weights: int  # fp32 weights this rank keeps between steps
     gradients: int  # fp32 gradients after the backward
-    optimizer: int  # Adam's exp_avg + exp_avg_sq
+    optimizer: int  # --optimizer's state (plan/optimizer_state.py): Adam's exp_avg + exp_avg_sq, Muon's momentum
     ddp_buckets: int
     weight_casts: int  # autocast's half-precision copies of matmul weights
     gathered_in_backward: int  # stages 2–3: weights gathered whole at the start of the backward
@@ -80,14 +82,25 @@ def zero_memory(cfg: RunConfig, dims: ParallelDims, params: LocalParams, c: int)
     ddp = 4 * params.replicated if dims.dp > 1 else 0
     casts = 2 * params.matmul if c == 2 else 0
     if stage == 0:
-        return ZeroMemory(0, 4 * total, 4 * total, 8 * total, ddp, casts, 0, 0)
+        return ZeroMemory(0, 4 * total, 4 * total, optimizer_state(cfg, dims, params, 0), ddp, casts, 0, 0)
     sharded = sharded_parameters(total, experts, dims)
+    optimizer = optimizer_state(cfg, dims, params, stage)
     if stage == 1:
         bucket = min(BUCKET_ELEMENTS, max(total - experts, experts))  # the largest bucket: dense or experts
         gather = 4 * (bucket + math.ceil(bucket / dims.dp))  # its receive + send buffers
-        return ZeroMemory(1, 4 * total, 4 * total, 8 * sharded, ddp, casts, 0, gather)
+        return ZeroMemory(1, 4 * total, 4 * total, optimizer, ddp, casts, 0, gather)
     casts, gathered = fsdp_gathered(cfg, dims, params, stage, c)
-    return ZeroMemory(stage, 4 * sharded, 4 * sharded, 8 * sharded, 0, casts, gathered, 0)
+    return ZeroMemory(stage, 4 * sharded, 4 * sharded, optimizer, 0, casts, gathered, 0)
+
+
+def optimizer_state(cfg: RunConfig, dims: ParallelDims, params: LocalParams, stage: int) -> int:
+    """Bytes of `--optimizer`'s state on a rank holding `params` (`plan/optimizer_state.py`), sharded from stage 1
+    like the parameters (dense over dp, experts over edp)."""
+    total, adamw = params.total, params.adamw
+    if stage:
+        total = sharded_parameters(params.total, params.experts, dims)
+        adamw = sharded_parameters(params.adamw, params.adamw_experts, dims)
+    return state_bytes(cfg.train.optimizer, total, adamw)
 
 
 def fsdp_gathered(cfg: RunConfig, dims: ParallelDims, params: LocalParams, stage: int, c: int) -> tuple[int, int]:

@@ -21,7 +21,9 @@
   cannot grow.) The 1.5 floor keeps a balanced router's noise from raising it.
 
 Each alarm prints once when it starts (and again only after it has cleared), and is listed in the `routing_alarms`
-field of every metrics record while it holds. The step counters restart at a resume (they are not checkpointed), so
+field of every metrics record while it holds. With all three thresholds 0 the alarms are off and nothing is tracked:
+no work per step, nothing added to the interval's all-reduce, and the health fields are empty lists (as for a dense
+model) rather than numbers nobody measured. The step counters restart at a resume (they are not checkpointed), so
 a dead expert is reported again at most `--moe-dead-expert-steps` steps after it.
 
 Shape legend: E experts of a layer.
@@ -69,8 +71,15 @@ class RoutingHealth:
         layers = [(moe.layer_index, moe.num_experts) for moe in model.moe_layers()]
         return cls(layers, t.moe_dead_expert_steps, t.moe_collapse_entropy, t.moe_aux_hacking_window, device)
 
+    @property
+    def enabled(self) -> bool:
+        """Whether any alarm is on (a threshold not 0) in a model with MoE layers."""
+        return bool(self.layers) and bool(self.dead_steps or self.collapse_entropy or self.window)
+
     # ------------------------------------------------------------ every step (device only)
     def observe_step(self, model) -> None:
+        if not self.enabled:
+            return  # every alarm off: no device work, no host read (the layers' own running sums stay unread)
         for i, moe in enumerate(model.moe_layers()):
             routing_2E = moe.take_routing()
             if routing_2E is None:
@@ -81,7 +90,7 @@ class RoutingHealth:
     # ------------------------------------------------------------ every log interval
     def pack(self) -> torch.Tensor | None:
         """fp64 [Σ 2E]: per layer the flags "idle for the dead-expert steps", then the summed mean probabilities."""
-        if not self.layers:
+        if not self.enabled:
             return None
         parts = [(idle >= max(self.dead_steps, 1)).double() for idle in self.idle_E] + self.probs_E
         return torch.cat(parts)
