@@ -85,7 +85,7 @@ def test_a_second_backward_is_refused():
 
 
 def test_chunk_rule():
-    assert chunk_tokens(768, 128, 50304, torch.device("cpu")) == 64  # ~8 MiB of logits, at least 64 rows
+    assert chunk_tokens(768, 128, 50304, torch.device("cpu")) == 256  # ~8 MiB of logits, at least 256 rows
     assert chunk_tokens(768, 128, 512, torch.device("cpu")) == 4096
     assert chunk_tokens(65536, 2048, 50304, torch.device("cuda")) == 2622  # ⌈V/C⌉ = 25 chunks
     assert chunk_tokens(2048, 2048, 50304, torch.device("cuda")) == 1024
