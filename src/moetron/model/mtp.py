@@ -31,7 +31,7 @@ from moetron.model.norm import build_norm
 from moetron.model.rng import STREAMS
 
 
-def mtp_layout_problems(cfg: ModelConfig, tp: int, pp: int) -> list[str]:
+def mtp_layout_problems(cfg: ModelConfig, tp: int, pp: int, sp: bool = False) -> list[str]:
     """The layouts the MTP modules do not run under yet, one line each (validate() reports them before launch)."""
     if not cfg.mtp_num_layers:
         return []
@@ -42,10 +42,10 @@ def mtp_layout_problems(cfg: ModelConfig, tp: int, pp: int) -> list[str]:
             f"{flag} with --pipeline-model-parallel-size {pp} is not supported yet (the MTP modules would sit on the "
             f"last stage); use --pipeline-model-parallel-size 1 or --mtp-num-layers 0"
         )
-    if tp > 1:
+    if tp > 1 and sp:
         p.append(
-            f"{flag} with --tensor-model-parallel-size {tp} is not supported yet (the MTP modules are not split "
-            f"over the tensor-parallel ranks); use --tensor-model-parallel-size 1 or --mtp-num-layers 0"
+            f"{flag} with --sequence-parallel is not supported yet (each MTP module rolls whole sequences; its "
+            f"input would be a sequence shard); drop --sequence-parallel or use --mtp-num-layers 0"
         )
     return p
 
