@@ -37,10 +37,10 @@ def mtp_layout_problems(cfg: ModelConfig, tp: int, pp: int, sp: bool = False) ->
         return []
     p: list[str] = []
     flag = f"--mtp-num-layers {cfg.mtp_num_layers}"
-    if pp > 1:
+    if pp > 1 and tp > 1:
         p.append(
-            f"{flag} with --pipeline-model-parallel-size {pp} is not supported yet (the MTP modules would sit on the "
-            f"last stage); use --pipeline-model-parallel-size 1 or --mtp-num-layers 0"
+            f"{flag} with --pipeline-model-parallel-size {pp} and --tensor-model-parallel-size {tp} together is not "
+            f"supported yet (each works alone); use one of the two, or --mtp-num-layers 0"
         )
     if tp > 1 and sp:
         p.append(
