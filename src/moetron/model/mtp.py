@@ -31,23 +31,18 @@ from moetron.model.norm import build_norm
 from moetron.model.rng import STREAMS
 
 
-def mtp_layout_problems(cfg: ModelConfig, tp: int, pp: int, sp: bool = False) -> list[str]:
-    """The layouts the MTP modules do not run under yet, one line each (validate() reports them before launch)."""
-    if not cfg.mtp_num_layers:
+def mtp_layout_problems(cfg: ModelConfig, sp: bool) -> list[str]:
+    """The layouts the MTP modules do not run under yet, one line each (validate() reports them before launch).
+    Tensor parallelism (the modules on the main layers' TP plan, `parallel/tp/apply_tp.py`) and pipeline
+    parallelism (the modules on the last stage, `parallel/pp/split.py`) run; context parallelism is refused by
+    `parallel/cp/sizes.py`; sequence parallelism (`sp`: on, with tp > 1) here."""
+    if not cfg.mtp_num_layers or not sp:
         return []
-    p: list[str] = []
-    flag = f"--mtp-num-layers {cfg.mtp_num_layers}"
-    if pp > 1 and tp > 1:
-        p.append(
-            f"{flag} with --pipeline-model-parallel-size {pp} and --tensor-model-parallel-size {tp} together is not "
-            f"supported yet (each works alone); use one of the two, or --mtp-num-layers 0"
-        )
-    if tp > 1 and sp:
-        p.append(
-            f"{flag} with --sequence-parallel is not supported yet (each MTP module rolls whole sequences; its "
-            f"input would be a sequence shard); drop --sequence-parallel or use --mtp-num-layers 0"
-        )
-    return p
+    return [
+        f"--mtp-num-layers {cfg.mtp_num_layers} with --sequence-parallel is not supported yet (each MTP module "
+        f"shifts whole sequences, and its input would be a sequence shard); drop --sequence-parallel or use "
+        f"--mtp-num-layers 0"
+    ]
 
 
 class MTPModule(nn.Module):
