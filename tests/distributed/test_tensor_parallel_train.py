@@ -231,6 +231,8 @@ def test_tensor_parallel_training_and_checkpoints(tmp_path):
         torch.testing.assert_close(r["modern"], modern_losses, rtol=1e-4, atol=0)
         check_curve(r["qk_norm"], qk_norm_reference, "qk-layernorm tp2-sp")
         check_curve(r["mtp"], mtp_reference, "mtp tp2")
+        mtp_cfg = mtp(tp_config("top2-dropless", tp=2))
+        assert r["mtp"]["params"] == local_parameters(mtp_cfg.model, mtp_cfg.dims(2)).total  # the plan counts them
     for r in two:  # exact resume at TP = 2: bit-identical to the uninterrupted TP = 2 run
         assert r["resume"]["head"] + r["resume"]["losses"] == r[("tp2", ROUTER)]["losses"]
         # TP = 1 → 2: the same validation loss, and the loaded optimizer state continues the one-process curve
