@@ -39,6 +39,7 @@ from trainer_support import MemoryLoader, parallel_model, random_samples, tiny_c
 
 from moetron.checkpoint import resolve_checkpoint
 from moetron.parallel.env import DistEnv, init_distributed
+from moetron.plan.pipeline_parallel import plan_stages
 from moetron.train.trainer import Trainer
 
 STEPS, SAVE_AT, MBS, GBS = 12, 6, 2, 8
@@ -152,7 +153,8 @@ def two_process_checks(rank: int, world_size: int, tmp: str) -> dict:
     odd = pp_trainer(pp_config(2, **ODD), env)
     out["odd"], out["odd_biases"] = curve(odd, 6), biases(odd)
     out["odd_layers"] = [i for i, _ in odd.model.layer_items()]
-    out["mtp"] = curve(pp_trainer(pp_config(2, **MTP), env), 10)
+    mtp = pp_trainer(pp_config(2, **MTP), env)
+    out["mtp"], out["mtp_params"] = curve(mtp, 10), sum(p.numel() for p in mtp.model.parameters())
     out["mtp_odd"] = curve(pp_trainer(pp_config(2, "zero-bubble", 1, **MTP_ODD), env), 6)
     out["sigterm_iteration"] = sigterm_run(env, f"{tmp}/sigterm")
     return out
@@ -228,6 +230,8 @@ def test_pipeline_parallel_training_and_checkpoints(tmp_path):
         for r in two:
             assert_same_curve(r[run], want)  # on every stage: the MTP loss is all-reduced like the LM loss
     assert two[0]["mtp"]["lm"] != ref["lm"][:10] and min(two[0]["mtp"]["mtp"]) > 0  # MTP trained and was logged
+    mtp_cfg = pp_config(2, **MTP)  # the plan: the MTP modules and the embedding tables on the last stage
+    assert [r["mtp_params"] for r in two] == [s.memory.weights // 4 for s in plan_stages(mtp_cfg, mtp_cfg.dims(2))]
     stopped = two[0]["sigterm_iteration"]
     assert stopped == two[1]["sigterm_iteration"] and 4 <= stopped < STEPS
     assert (tmp_path / "sigterm" / "latest").read_text().strip() == f"iter_{stopped:07d}"
