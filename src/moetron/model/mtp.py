@@ -14,8 +14,10 @@ D losses; the trainer adds `--mtp-loss-scaling-factor` times it to the LM loss (
 
 Each module's transformer layer is a dense one (its MLP has --ffn-hidden-size channels), even in a MoE model
 (DeepSeek-V3's MTP layer is a MoE layer; moetron's MoE statistics, expert parallelism and expert-bias updates cover
-the main layers only). Generation never runs the modules. They are built by `GPTModel` (which hands in its layer
-class), so this module imports nothing of the model's own.
+the main layers only). Generation never runs the modules. Layouts: data, tensor (the layer on the main layers'
+TP plan, the shared head vocab-parallel: `parallel/tp/apply_tp.py`) and pipeline parallelism (the modules on the
+last stage with copies of the embeddings: `parallel/pp/split.py`); not yet sequence or context parallelism.
+They are built by `GPTModel` (which hands in its layer class), so this module imports nothing of the model's own.
 """
 
 from __future__ import annotations
