@@ -130,7 +130,7 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
     problems = list(dims.problems(cfg.model.experts_per_layer()))
     problems += cfg.model.problems()
     problems += tensor_parallel_problems(cfg.model, dims)
-    problems += mtp_layout_problems(cfg.model, dims.tp, dims.pp)
+    problems += mtp_layout_problems(cfg.model, dims.sp)
     problems += context_parallel_problems(cfg, dims)
     problems += cfg.data.problems()
     problems += train_problems(cfg, dims.dp)

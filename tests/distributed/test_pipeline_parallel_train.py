@@ -12,12 +12,16 @@ Two spawned groups carry every check (spawning is the expensive part):
                         copies stay equal; validation loss; a checkpoint at step 6 resumes exactly (bit-identical);
                         fp16 with overflowing loss scales (skipped steps) and an untied, uneven (1 + 3 layers),
                         RoPE model with aux-loss-free expert biases follow their one-process runs; SIGTERM on one
-                        stage stops both after the same step with one checkpoint.
+                        stage stops both after the same step with one checkpoint; two DeepSeek-V3 MTP modules
+                        on the last stage (tied head, learned positions: both ends' copies summed) under 1F1B, and
+                        one under zero bubble with an untied head and RoPE, follow their one-process curves (lm
+                        loss, logged mtp_loss, gradient norm).
   4 processes:          PP = 2 × EP = 2 (DP = 2) follows the one-process curve of the same global batch and saves;
                         so does zero bubble × DP = 2 (EP = 1: experts reduced over EDP = 2); PP = 4 loads the
                         PP = 2 checkpoint (validation loss) and continues like the one-process run; PP = 2 ×
                         TP = 2 with sequence parallelism follows the one-process curve (attention dropout off:
-                        head shards draw their own masks) and saves.
+                        head shards draw their own masks) and saves; so does PP = 2 × TP = 2 with two MTP
+                        modules on the last stage (4 steps, no sequence parallelism: validate() refuses it).
 This process loads the PP = 2, PP = 2 × EP = 2 and PP = 2 × TP = 2 checkpoints at PP = 1: the same validation loss,
 and training from step 6 continues on the one-process curve (optimizer state included).
 """
@@ -35,6 +39,7 @@ from trainer_support import MemoryLoader, parallel_model, random_samples, tiny_c
 
 from moetron.checkpoint import resolve_checkpoint
 from moetron.parallel.env import DistEnv, init_distributed
+from moetron.plan.pipeline_parallel import plan_stages
 from moetron.train.trainer import Trainer
 
 STEPS, SAVE_AT, MBS, GBS = 12, 6, 2, 8
@@ -76,8 +81,10 @@ def curve(trainer: Trainer, steps: int, save_at: int | None = None) -> dict[str,
         result = trainer.train_step()
         trainer._account(result)
         lm, moe = result.sums.losses.tolist()
-        for key, value in zip(out, (lm, moe, result.grad_norm, float(result.ok)), strict=True):
+        for key, value in zip(("lm", "moe", "norm", "ok"), (lm, moe, result.grad_norm, float(result.ok)), strict=True):
             out[key].append(value)
+        if result.sums.mtp_loss is not None:  # --mtp-num-layers: the logged mtp_loss
+            out.setdefault("mtp", []).append(float(result.sums.mtp_loss))
         if trainer.progress.iteration == save_at:
             trainer.save()
     return out
@@ -110,6 +117,9 @@ ODD = {
     "decoder_last_pipeline_num_layers": 3,
     "moe_router_bias_update_rate": 0.01,
 }
+MTP = {"mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.5}  # multi-token prediction on the last stage
+MTP_ODD = {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5, "untie_embeddings_and_output_weights": True}
+MTP_ODD["position_embedding_type"] = "rope"
 
 
 def sigterm_run(env: DistEnv, save_dir: str) -> int:
@@ -143,12 +153,16 @@ def two_process_checks(rank: int, world_size: int, tmp: str) -> dict:
     odd = pp_trainer(pp_config(2, **ODD), env)
     out["odd"], out["odd_biases"] = curve(odd, 6), biases(odd)
     out["odd_layers"] = [i for i, _ in odd.model.layer_items()]
+    mtp = pp_trainer(pp_config(2, **MTP), env)
+    out["mtp"], out["mtp_params"] = curve(mtp, 10), sum(p.numel() for p in mtp.model.parameters())
+    out["mtp_odd"] = curve(pp_trainer(pp_config(2, "zero-bubble", 1, **MTP_ODD), env), 6)
     out["sigterm_iteration"] = sigterm_run(env, f"{tmp}/sigterm")
     return out
 
 
 # ---------------------------------------------------------------- 4 processes
 PP_TP = {"tensor_model_parallel_size": 2, "sequence_parallel": True, "attention_dropout": 0.0}
+PP_TP_MTP = {"tensor_model_parallel_size": 2, "attention_dropout": 0.0, **MTP}  # the vocab-parallel shared head
 
 
 def four_process_checks(rank: int, world_size: int, tmp: str) -> dict:
@@ -163,6 +177,7 @@ def four_process_checks(rank: int, world_size: int, tmp: str) -> dict:
     out["pp2tp2"] = curve(tp, STEPS)
     tp.save()
     out["pp2tp2_valid"] = valid_loss(tp)
+    out["pp2tp2_mtp"] = curve(pp_trainer(pp_config(2, **PP_TP_MTP), env), 4)
     pp4 = pp_trainer(pp_config(4), env)
     out["pp4_layers"] = [i for i, _ in pp4.model.layer_items()]
     pp4.load(resolve_checkpoint(f"{tmp}/pp2"))
@@ -178,7 +193,7 @@ def close(got: list[float], want: list[float], rtol: float = 1e-4) -> None:
 
 
 def assert_same_curve(got: dict, want: dict) -> None:
-    for key in ("lm", "moe", "norm"):
+    for key in ("lm", "moe", "norm", *(["mtp"] if "mtp" in want else [])):
         close(got[key], want[key])
     assert got["ok"] == want["ok"]
 
@@ -210,6 +225,13 @@ def test_pipeline_parallel_training_and_checkpoints(tmp_path):
     for layer, bias in {**two[0]["odd_biases"], **two[1]["odd_biases"]}.items():
         torch.testing.assert_close(bias, biases(odd)[layer])
     assert any(b.abs().sum() > 0 for b in two[1]["odd_biases"].values())  # the biases really moved
+    for run, overrides, steps in (("mtp", MTP, 10), ("mtp_odd", MTP_ODD, 6)):
+        want = curve(pp_trainer(pp_config(1, **overrides)), steps)
+        for r in two:
+            assert_same_curve(r[run], want)  # on every stage: the MTP loss is all-reduced like the LM loss
+    assert two[0]["mtp"]["lm"] != ref["lm"][:10] and min(two[0]["mtp"]["mtp"]) > 0  # MTP trained and was logged
+    mtp_cfg = pp_config(2, **MTP)  # the plan: the MTP modules and the embedding tables on the last stage
+    assert [r["mtp_params"] for r in two] == [s.memory.weights // 4 for s in plan_stages(mtp_cfg, mtp_cfg.dims(2))]
     stopped = two[0]["sigterm_iteration"]
     assert stopped == two[1]["sigterm_iteration"] and 4 <= stopped < STEPS
     assert (tmp_path / "sigterm" / "latest").read_text().strip() == f"iter_{stopped:07d}"
@@ -236,8 +258,10 @@ def test_pipeline_parallel_training_and_checkpoints(tmp_path):
         assert r["pp4_valid"] == pytest.approx(ref_valid, rel=1e-5)
         assert_same_curve(r["pp4_resumed"], {k: v[SAVE_AT:] for k, v in ref.items()})
     no_attention_dropout = curve(pp_trainer(pp_config(1, attention_dropout=0.0)), STEPS)
+    mtp_tp = curve(pp_trainer(pp_config(1, attention_dropout=0.0, **MTP)), 4)
     for r in four:
         assert_same_curve(r["pp2tp2"], no_attention_dropout)
+        assert_same_curve(r["pp2tp2_mtp"], mtp_tp)
     back = pp_trainer(pp_config(1, attention_dropout=0.0))
     back.load(resolve_checkpoint(f"{tmp}/pp2tp2"))
     assert valid_loss(back) == pytest.approx(four[0]["pp2tp2_valid"], rel=1e-5)

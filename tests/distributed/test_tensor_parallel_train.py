@@ -14,7 +14,8 @@ Two spawned groups carry every check (spawning is the expensive part):
                of a model built whole and split by `parallelize`; 4 steps of a GQA / RoPE / SwiGLU / RMSNorm model with
                an untied head and a shared expert at TP = 2 + SP × EP = 2; the same model with Qwen3's per-head
                QK RMSNorm (--qk-layernorm) at TP = 2 + SP, its 12 steps and first gradients (the norm weights'
-               summed over the head shards) against one process.
+               summed over the head shards) against one process; two DeepSeek-V3 MTP modules (--mtp-num-layers 2,
+               loss factor 0.5) at TP = 2: 12 steps and first gradients (the MTP weights' too) against one process.
   4 processes: DP = 2 × TP = 2 × EP = 2 (folded), and with expert tensor parallelism (ETP = 2), sequence
                parallelism and activation checkpointing; the TP = 2 checkpoint loads at TP = 4.
 Between and after the groups this process loads the TP = 2 checkpoint at TP = 1 (the round trip).
@@ -109,6 +110,12 @@ def qk_norm(cfg):
     return cfg
 
 
+def mtp(cfg):
+    """Two multi-token-prediction modules (model/mtp.py) whose loss weighs enough to move the LM curve."""
+    cfg.model.mtp_num_layers, cfg.model.mtp_loss_scaling_factor = 2, 0.5
+    return cfg
+
+
 def curve(cfg, env: DistEnv | None = None) -> dict:
     trainer = parallel_trainer(cfg, env)
     grads = first_step_grads(trainer)
@@ -166,6 +173,7 @@ def two_process_checks(rank: int, world_size: int, tp1_dir: str, tp2_dir: str) -
     out["compiled"] = compiled
     out["modern"] = run_losses(parallel_trainer(modern(tp_config("top2-dropless", tp=2, sp=True, ep=2)), env), 4)
     out["qk_norm"] = curve(qk_norm(tp_config("top2-dropless", tp=2, sp=True)), env)
+    out["mtp"] = curve(mtp(tp_config("top2-dropless", tp=2)), env)
     return out
 
 
@@ -208,6 +216,8 @@ def test_tensor_parallel_training_and_checkpoints(tmp_path):
     straight = reference[ROUTER]["losses"]
     modern_losses = run_losses(parallel_trainer(modern(tp_config("top2-dropless"))), 4)
     qk_norm_reference = curve(qk_norm(tp_config("top2-dropless")))
+    mtp_reference = curve(mtp(tp_config("top2-dropless")))
+    assert mtp_reference["losses"] != reference["top2-dropless"]["losses"]  # the MTP gradient reached the trunk
 
     two = run_distributed(two_process_checks, world_size=2, args=(tp1_dir, tp2_dir), timeout=1200)
     for layout in TWO:
@@ -220,6 +230,9 @@ def test_tensor_parallel_training_and_checkpoints(tmp_path):
         torch.testing.assert_close(r["compiled"], compiled, rtol=1e-4, atol=0)
         torch.testing.assert_close(r["modern"], modern_losses, rtol=1e-4, atol=0)
         check_curve(r["qk_norm"], qk_norm_reference, "qk-layernorm tp2-sp")
+        check_curve(r["mtp"], mtp_reference, "mtp tp2")
+        mtp_cfg = mtp(tp_config("top2-dropless", tp=2))
+        assert r["mtp"]["params"] == local_parameters(mtp_cfg.model, mtp_cfg.dims(2)).total  # the plan counts them
     for r in two:  # exact resume at TP = 2: bit-identical to the uninterrupted TP = 2 run
         assert r["resume"]["head"] + r["resume"]["losses"] == r[("tp2", ROUTER)]["losses"]
         # TP = 1 → 2: the same validation loss, and the loaded optimizer state continues the one-process curve

@@ -365,19 +365,20 @@ CASES = [
         "--qk-layernorm-scope all_heads with --tensor-model-parallel-size 2 is not supported",
     ),  # fmt: skip
     (
-        "plan-mtp-pipeline",  # refused before launch until the MTP modules run on the last stage
+        "plan-mtp-sequence-parallel",  # refused before launch: the MTP modules shift whole sequences
         lambda w: [
             "plan",
             "--config",
             "quickstart",
             "--gpus",
             "2",
-            "--pipeline-model-parallel-size",
+            "--tensor-model-parallel-size",
             "2",
+            "--sequence-parallel",
             "--mtp-num-layers",
             "1",
         ],
-        "--mtp-num-layers 1 with --pipeline-model-parallel-size 2 is not supported yet",
+        "--mtp-num-layers 1 with --sequence-parallel is not supported yet",
     ),  # fmt: skip
     # ---- quickstart
     ("quickstart-nproc", lambda w: ["quickstart", "--nproc", "3"], "--nproc 3"),

@@ -92,10 +92,11 @@ def test_training_with_mtp_logs_mtp_loss_and_trains_the_trunk(tmp_path, capsys):
 
 def test_unsupported_layouts_are_refused_in_one_line_each():
     cfg = ModelConfig(mtp_num_layers=1)
-    pp, tp = mtp_layout_problems(cfg, tp=2, pp=2)
-    assert pp.startswith("--mtp-num-layers 1 with --pipeline-model-parallel-size 2 is not supported yet")
-    assert tp.startswith("--mtp-num-layers 1 with --tensor-model-parallel-size 2 is not supported yet")
-    assert mtp_layout_problems(ModelConfig(), tp=2, pp=2) == []
+    (sp,) = mtp_layout_problems(cfg, sp=True)
+    assert sp.startswith("--mtp-num-layers 1 with --sequence-parallel is not supported yet")
+    # TP and PP run (tests/distributed/test_tensor_parallel_train.py, test_pipeline_parallel_train.py)
+    assert mtp_layout_problems(cfg, sp=False) == []
+    assert mtp_layout_problems(ModelConfig(), sp=True) == []
     bad = ModelConfig(seq_length=16, mtp_num_layers=16, mtp_loss_scaling_factor=-1.0).problems()
     assert "--mtp-num-layers must be in [0, --seq-length 16), got 16" in bad
     assert "--mtp-loss-scaling-factor must be a finite value >= 0, got -1.0" in bad

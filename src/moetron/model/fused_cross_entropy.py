@@ -31,9 +31,9 @@ from moetron.model.autocast_dtype import autocast_dtype
 # CPU: one chunk's fp32 logits are ~8 MiB, so that they stay in cache between the GEMM, the softmax and the two
 # gradient GEMMs, but at least 256 rows: every chunk re-reads the whole [C, V] head weight three times, and at
 # V = 50k a 64-row floor (12 chunks for 768 tokens) made the GEMMs memory-bound — at two threads the logits GEMM
-# cost 45% more CPU than at one, and a training step was 24% slower than with 256 rows (benchmarks/e2e.py, RESULTS). GPU: the
-# chunk's logits are about as large as the whole input x_NC (Liger-Kernel's rule: ⌈V / C⌉ chunks), at least 1024
-# rows, so the GEMMs stay large while the memory stays O(N·C).
+# cost 45% more CPU than at one, and a training step was 24% slower than with 256 rows (benchmarks/e2e.py, RESULTS).
+# GPU: the chunk's logits are about as large as the whole input x_NC (Liger-Kernel's rule: ⌈V / C⌉ chunks), at
+# least 1024 rows, so the GEMMs stay large while the memory stays O(N·C).
 CPU_CHUNK_BYTES = 8 * 2**20
 MIN_CPU_ROWS, MIN_GPU_ROWS = 256, 1024
 

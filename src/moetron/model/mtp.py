@@ -14,8 +14,10 @@ D losses; the trainer adds `--mtp-loss-scaling-factor` times it to the LM loss (
 
 Each module's transformer layer is a dense one (its MLP has --ffn-hidden-size channels), even in a MoE model
 (DeepSeek-V3's MTP layer is a MoE layer; moetron's MoE statistics, expert parallelism and expert-bias updates cover
-the main layers only). Generation never runs the modules. They are built by `GPTModel` (which hands in its layer
-class), so this module imports nothing of the model's own.
+the main layers only). Generation never runs the modules. Layouts: data, tensor (the layer on the main layers'
+TP plan, the shared head vocab-parallel: `parallel/tp/apply_tp.py`) and pipeline parallelism (the modules on the
+last stage with copies of the embeddings: `parallel/pp/split.py`); not yet sequence or context parallelism.
+They are built by `GPTModel` (which hands in its layer class), so this module imports nothing of the model's own.
 """
 
 from __future__ import annotations
@@ -31,23 +33,18 @@ from moetron.model.norm import build_norm
 from moetron.model.rng import STREAMS
 
 
-def mtp_layout_problems(cfg: ModelConfig, tp: int, pp: int) -> list[str]:
-    """The layouts the MTP modules do not run under yet, one line each (validate() reports them before launch)."""
-    if not cfg.mtp_num_layers:
+def mtp_layout_problems(cfg: ModelConfig, sp: bool) -> list[str]:
+    """The layouts the MTP modules do not run under yet, one line each (validate() reports them before launch).
+    Tensor parallelism (the modules on the main layers' TP plan, `parallel/tp/apply_tp.py`) and pipeline
+    parallelism (the modules on the last stage, `parallel/pp/split.py`) run; context parallelism is refused by
+    `parallel/cp/sizes.py`; sequence parallelism (`sp`: on, with tp > 1) here."""
+    if not cfg.mtp_num_layers or not sp:
         return []
-    p: list[str] = []
-    flag = f"--mtp-num-layers {cfg.mtp_num_layers}"
-    if pp > 1:
-        p.append(
-            f"{flag} with --pipeline-model-parallel-size {pp} is not supported yet (the MTP modules would sit on the "
-            f"last stage); use --pipeline-model-parallel-size 1 or --mtp-num-layers 0"
-        )
-    if tp > 1:
-        p.append(
-            f"{flag} with --tensor-model-parallel-size {tp} is not supported yet (the MTP modules are not split "
-            f"over the tensor-parallel ranks); use --tensor-model-parallel-size 1 or --mtp-num-layers 0"
-        )
-    return p
+    return [
+        f"--mtp-num-layers {cfg.mtp_num_layers} with --sequence-parallel is not supported yet (each MTP module "
+        f"shifts whole sequences, and its input would be a sequence shard); drop --sequence-parallel or use "
+        f"--mtp-num-layers 0"
+    ]
 
 
 class MTPModule(nn.Module):

@@ -69,12 +69,15 @@ def layer_adamw(model: ModelConfig, num_experts: int, ep: int) -> tuple[int, int
     return dense + routed, routed
 
 
+def mtp_module_adamw(model: ModelConfig) -> int:
+    """AdamW's parameters of one MTP module: its five norms and its dense layer's (eh_proj is a matrix: Muon's)."""
+    return 5 * norm_params(model) + attention_adamw(model) + mlp_adamw(model, model.ffn_size)
+
+
 def model_adamw(model: ModelConfig, ep: int) -> tuple[int, int]:
     """(AdamW's parameters of the whole model on a rank holding E / `ep` of each MoE layer's experts, of which
     routed experts'): embeddings and head, the final norm, every layer's and every MTP module's."""
-    total = embedding_params(model) + norm_params(model)
-    mtp = 5 * norm_params(model) + attention_adamw(model) + mlp_adamw(model, model.ffn_size)  # eh_proj: a matrix
-    total += model.mtp_num_layers * mtp
+    total = embedding_params(model) + norm_params(model) + model.mtp_num_layers * mtp_module_adamw(model)
     experts = 0
     for num_experts in model.experts_per_layer():
         layer, routed = layer_adamw(model, num_experts, ep)

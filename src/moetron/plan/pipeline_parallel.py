@@ -18,11 +18,18 @@ from dataclasses import dataclass, fields, replace
 
 from moetron.config import RunConfig
 from moetron.model.config import ModelConfig
-from moetron.model.flops import attention_params, attention_score_flops, mlp_params, moe_layer_params, norm_params
+from moetron.model.flops import (
+    attention_params,
+    attention_score_flops,
+    mlp_params,
+    moe_layer_params,
+    mtp_module_params,
+    norm_params,
+)
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.pp.stage_layout import MULTI_STAGE, PipelineLayout
 from moetron.plan import memory_terms as mem
-from moetron.plan.optimizer_state import layer_adamw
+from moetron.plan.optimizer_state import layer_adamw, mtp_module_adamw
 from moetron.plan.tensor_parallel import activation_split, shard_parameters
 
 
@@ -87,6 +94,14 @@ def stage_parameters(model: ModelConfig, layers: tuple[int, ...], first: bool, l
     if last:
         root += norm_params(model) + (vocab if untied or not first else 0)
         matmul += vocab
+    if last and model.mtp_num_layers:  # the MTP modules (pp/split.py), and the embeddings they look tokens up in
+        module = mtp_module_params(model)
+        total += model.mtp_num_layers * module
+        adamw += model.mtp_num_layers * mtp_module_adamw(model)
+        matmul += model.mtp_num_layers * (module - 5 * norm_params(model))
+        if not first:
+            learned = model.position_embedding_type == "learned_absolute"
+            root += (vocab if untied else 0) + (model.max_positions * model.hidden_size if learned else 0)
     total, adamw = total + root, adamw + root
     return mem.LocalParams(total, experts, total - (experts if ep > 1 else 0), matmul, adamw, adamw_experts)
 
@@ -117,7 +132,9 @@ def stage_flops_per_token(model: ModelConfig, layers: tuple[int, ...], last: boo
         else:
             active += mlp_params(model, model.ffn_size)
     active += model.padded_vocab_size() * model.hidden_size if last else 0
-    return float(6 * active + len(layers) * attention_score_flops(model, seq))
+    mtp = model.mtp_num_layers if last else 0  # each MTP module: its layer and projection, and the head once more
+    active += mtp * (mtp_module_params(model) - 5 * norm_params(model) + model.padded_vocab_size() * model.hidden_size)
+    return float(6 * active + (len(layers) + mtp) * attention_score_flops(model, seq))
 
 
 def stage_activation_bytes(cfg: RunConfig, dims: ParallelDims, stage: tuple[int, ...], first: bool, last: bool,

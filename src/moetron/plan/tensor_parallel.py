@@ -73,6 +73,8 @@ def split_parameters(model: ModelConfig) -> tuple[int, int]:
             experts += num_experts * (expert_mlp_params(model, model.expert_ffn_size) - bias)  # all but b2
         else:
             dense += mlp_params(model, model.ffn_size) - bias
+    # each MTP module's dense layer follows the main layers' plan (its norms and eh_proj stay whole)
+    dense += model.mtp_num_layers * (_head_split_attention_params(model) + mlp_params(model, model.ffn_size) - bias)
     return dense, experts
 
 

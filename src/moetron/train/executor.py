@@ -73,8 +73,11 @@ class LocalExecutor:
         return total
 
     def _mtp_inputs(self, mb: MicroBatch) -> dict:
-        """The labels the MTP modules need (none without --mtp-num-layers: the model's call stays as it was)."""
-        return {"mtp_labels_BT": mb.labels_BT} if self.parallel.model.mtp is not None else {}
+        """The labels the MTP modules need, and the layout's head loss for their shared head (vocab-parallel under
+        TP); none without --mtp-num-layers: the model's call stays as it was."""
+        if self.parallel.model.mtp is None:
+            return {}
+        return {"mtp_labels_BT": mb.labels_BT, "head_loss": self.parallel.head_loss}
 
     def moe_step_stats(self) -> MoEStats | None:
         """[L_moe] of the last step's MoE layers (`train.metrics.moe_step_stats`)."""

@@ -18,6 +18,13 @@ name). After the backward their gradients are summed over the two ranks (Megatro
 copies take the same optimizer step — the one-process gradient — and stay equal; the last stage's copy is left
 out of the gradient norm (counted once) and both save it under one name (DCP writes it once).
 
+Multi-token prediction (--mtp-num-layers, model/mtp.py) runs on the last stage, where Megatron-Core puts it: the
+MTP modules sit in the last stage module (`mtp.layers.<k>`), which runs them on its last layer's output when the
+pipeline executor hands it the micro-batch's tokens and labels (`mtp_batch`; every rank reads every micro-batch)
+and queues their loss for the executor's loss function (`mtp_losses`). The MTP modules embed shifted tokens with
+the model's embeddings, so the last stage holds `word_embeddings` (and learned `position_embeddings`) even when
+the head is untied, and their gradients are summed with the first stage's copies like the tied embedding's.
+
 Data parallelism wraps each stage module on its own (`apply_dp`: DDP over dp, the expert reducer over edp);
 torch's stage runs DDP's `no_sync` for all but a stage's last backward, and `MoetronStage` arms the expert
 reducer for that same backward. ZeRO composes: at stage 1 each stage's optimizer slices are taken after the tied
@@ -28,6 +35,7 @@ recipe, `dp/fsdp.py` `shard_stage`), whose gradients torch's stage reduce-scatte
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moetron.model.gpt import GPTModel
+from moetron.model.loss import HeadLoss
 from moetron.parallel.dp.replicate import DataParallel, apply_dp
 from moetron.parallel.dp.zero_spec import REPLICATED, ZeroSpec
 from moetron.parallel.mesh import ParallelMesh
@@ -42,6 +51,12 @@ from moetron.parallel.params import ParamRegistry
 from moetron.parallel.pp.stage_layout import PipelineLayout
 
 TIED_EMBEDDING = "word_embeddings.weight"  # the first stage's embedding, the last stage's head when tied
+SHARED_POSITIONS = "position_embeddings.weight"  # learned positions: the last stage's MTP modules add them too
+
+
+def last_stage_embeds(model: GPTModel) -> bool:
+    """Whether the last stage needs the embedding tables: the tied head, or the MTP modules' shifted tokens."""
+    return not model.cfg.untie_embeddings_and_output_weights or bool(model.cfg.mtp_num_layers)
 
 
 def split_for_pipeline(model: GPTModel, mesh: ParallelMesh, layout: PipelineLayout | None) -> None:
@@ -55,13 +70,13 @@ def split_for_pipeline(model: GPTModel, mesh: ParallelMesh, layout: PipelineLayo
     for name in [n for n in model.layers if n not in keep]:
         del model.layers[name]
     first, last = layout.holds_first(rank), layout.holds_last(rank)
-    if not first:
+    if not first and not (last and model.mtp is not None):
         model.position_embeddings = None
     if not last:
         model.final_layernorm = None
         model.output_layer = None
-    tied = not model.cfg.untie_embeddings_and_output_weights
-    if not first and not (last and tied):
+        model.mtp = None
+    if not first and not (last and last_stage_embeds(model)):
         model.word_embeddings = None
 
 
@@ -77,12 +92,18 @@ class StageModule(nn.Module):
         if first:
             self.word_embeddings = model.word_embeddings
             self.position_embeddings = model.position_embeddings
+        self.mtp_batch: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None  # the executor's
+        self.mtp_head_loss: HeadLoss | None = None
+        self.mtp_losses: list[torch.Tensor] = []  # each training forward's MTP loss, until the loss function takes it
         if last:
             self.final_layernorm = model.final_layernorm
-            if not model.cfg.untie_embeddings_and_output_weights:
+            if last_stage_embeds(model):
                 self.word_embeddings = model.word_embeddings
-            else:
+            if model.output_layer is not None:
                 self.output_layer = model.output_layer
+            if model.mtp is not None:
+                self.mtp = model.mtp
+                self.position_embeddings = model.position_embeddings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: tokens [B, T] (first stage) or hidden states [B, T, C]; returns [B, T, C] or (last stage, unless
@@ -93,6 +114,9 @@ class StageModule(nn.Module):
         else:
             rope = model.rope_angles(torch.arange(x.shape[1], device=x.device))
         x = model.run_layers(x, rope, layers=self.layers)
+        batch = self.mtp_batch() if self.last and self.mtp_batch is not None else None
+        if batch is not None:  # training: the MTP modules on the last layer's output (evaluation never runs them)
+            self.mtp_losses.append(model.mtp.loss(model, x, *batch, self.mtp_head_loss))
         return model.logits(x) if self.last and not self.emit_hidden else x
 
 
@@ -106,6 +130,7 @@ class PipelineParts:
     modules: list[StageModule]
     data_parallel: list[DataParallel]
     tied_embedding: nn.Parameter | None = None  # held by the first and the last stage's ranks: grads summed
+    shared_positions: nn.Parameter | None = None  # learned positions with MTP: on both ends too, grads summed
     embedding_group: object | None = None
     dense_after_backward: list[nn.Parameter] | None = None  # zero-bubble: dense grads reduced here, not by DDP
 
@@ -122,7 +147,7 @@ class PipelineParts:
         last stage's copy of the tied embeddings, or at ZeRO-1 its shard: the same name)."""
         if self.tied_embedding is None or self.holds_first:
             return set()
-        return {id(p) for name, p in self.optimizer_parameters() if name == TIED_EMBEDDING}
+        return {id(p) for name, p in self.optimizer_parameters() if name in (TIED_EMBEDDING, SHARED_POSITIONS)}
 
     # ------------------------------------------------------------ DataParallel's interface, for the trainer
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:  # noqa: ARG002 - the stages arm it
@@ -148,10 +173,12 @@ class PipelineParts:
         every stage's reductions (last: at ZeRO-1 that takes the optimizer's slices of the whole gradients)."""
         if self.dense_after_backward:
             mean_gradients(self.dense_after_backward, self.mesh.group("dp"), self.mesh.size("dp"))
-        if self.embedding_group is not None:
-            grad = self.tied_embedding.grad
+        for shared in (self.tied_embedding, self.shared_positions) if self.embedding_group is not None else ():
+            if shared is None:
+                continue
+            grad = shared.grad
             if grad is None:
-                grad = self.tied_embedding.grad = torch.zeros_like(self.tied_embedding)
+                grad = shared.grad = torch.zeros_like(shared)
             dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.embedding_group)
         for dp in self.data_parallel:
             dp.finish_gradients()
@@ -180,11 +207,13 @@ def apply_pp(
     parts = PipelineParts(layout, mesh, indices, modules, data_parallel)
     if split_backward:
         parts.dense_after_backward = [p for m in modules for _, p in registry.named_parameters(m, "dense")]
-    if not model.cfg.untie_embeddings_and_output_weights:
+    if last_stage_embeds(model):
         group = embedding_group(mesh, layout)  # collective: every rank takes part
         if model.word_embeddings is not None:  # this rank holds the first or the last stage
             # `_parameters`: the parameter itself (under tensor parallelism `.weight` reads a DTensor view of it)
             parts.tied_embedding, parts.embedding_group = model.word_embeddings._parameters["weight"], group
+        if model.position_embeddings is not None and model.cfg.mtp_num_layers:
+            parts.shared_positions = model.position_embeddings._parameters["weight"]
     return parts
 
 

@@ -14,6 +14,9 @@
                              no rank ever holds the full [B, T, V] logits
     norms, routers, experts  replicated (experts: see tp/moe.py, applied after expert parallelism)
     q/k_layernorm            per-head QK norm on this rank's heads, weight replicated, gradient summed over tp
+    MTP modules (model/mtp)  each one's transformer layer as the main (dense) layers; enorm, hnorm, eh_proj replicated;
+                             its final norm hands the shared vocab-parallel head a replicated DTensor, as the model's
+                             does (`_mtp_plan`; not with sequence parallelism: validate() refuses it)
 
 With `--sequence-parallel` (Megatron's SP) the residual stream between the TP regions holds seq / tp positions:
 norms run on sequence shards (`SequenceParallel`), each attention / MLP / MoE input is all-gathered
@@ -107,6 +110,16 @@ def _layer_plan(layer: TransformerLayer, sp: bool) -> dict:
     return plan
 
 
+def _mtp_plan() -> dict:
+    """An MTP module's own parts: its final norm's output meets the vocabulary-sharded head weight (the
+    vocab-parallel loss then reads sharded logits); the norms and eh_proj stay replicated."""
+    return {
+        "final_layernorm": PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False
+        )
+    }
+
+
 def _head_projections(layer: TransformerLayer) -> list[str]:
     """The attention projections whose output channels are whole heads (column-parallel)."""
     attention = layer.self_attention
@@ -165,13 +178,16 @@ def apply_tp(model: GPTModel, mesh: ParallelMesh) -> None:
             output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False
         )
         parallelize_module(model.final_layernorm, tp_mesh, gather)
-    for _, layer in model.layer_items():
+    mtp_modules = list(model.mtp.layers.values()) if getattr(model, "mtp", None) is not None else []
+    for layer in [layer for _, layer in model.layer_items()] + [m.transformer_layer for m in mtp_modules]:
         parallelize_module(layer, tp_mesh, _layer_plan(layer, sp))
         layer.self_attention.stream_shard = ("tp", rank)
         if isinstance(layer.self_attention, MultiLatentAttention):
             layer.self_attention.shared_key_hook = summed_over_shards(tp_mesh)
         if sp:
             layer.hidden_dropout = SequenceShardDropout(layer.hidden_dropout.p, rank, tp)
+    for module in mtp_modules:
+        parallelize_module(module, tp_mesh, _mtp_plan())
     for module in model.modules():
         localize_parameters(module, rank, tp)
 
