@@ -133,6 +133,32 @@ def test_expert_by_expert_swiglu_matches_the_loop_backend_values_and_gradients()
     assert torch.equal(outs[0][2][1], torch.zeros(16, 32))
 
 
+def test_expert_by_expert_swiglu_is_bitwise_the_autograd_graph_of_its_per_expert_ops():
+    """Saved silu/product and the in-place backward change no bit against autograd on the same mm calls."""
+    from moetron.model.moe.experts.cpu_kernels import ExpertByExpertSwiGLU
+
+    experts, counts = _swiglu_experts("grouped_mm"), [3, 0, 5, 1]  # row 9 is a dropped route (the tail)
+    weights = [experts.w1_EDF, experts.w3_EDF, experts.w2_EFD]
+    x_ND, grad_ND = torch.randn(10, 16), torch.randn(10, 16)
+
+    def reference(x, w1, w3, w2):
+        rows = [
+            torch.mm(torch.nn.functional.silu(torch.mm(x_e, w1[e])) * torch.mm(x_e, w3[e]), w2[e])
+            for e, x_e in enumerate(x[:9].split(counts))
+        ]
+        return torch.cat([*rows, torch.zeros(1, 16)])
+
+    results = []
+    for run in (lambda *leaves: ExpertByExpertSwiGLU.apply(*leaves, counts), reference):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x_ND, *weights)]
+        y = run(*leaves)
+        y.backward(grad_ND)
+        results.append([y.detach(), *(t.grad for t in leaves)])
+    for ours, expected in zip(*results, strict=True):
+        assert torch.equal(ours, expected)
+    assert torch.equal(results[0][0][9], torch.zeros(16)) and torch.equal(results[0][1][9], torch.zeros(16))
+
+
 def test_expert_by_expert_swiglu_expanded_gradient_and_bf16_autocast():
     experts = _swiglu_experts("grouped_mm")
     x_ND = torch.randn(6, 16, requires_grad=True)

@@ -62,7 +62,9 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
     Expert by expert, an expert's rows and activations are reused from cache by its next GEMM: ~10% less
     CPU time than the grouped projections (or one bmm per projection) at E=64, D=128, F=256.
     Same per-expert mm calls on the same operands as the grouped_mm fallback, so the same values.
-    Saves x·w1 and x·w3 only; silu(x·w1) and the product are recomputed per expert in the backward.
+    Saves what autograd would (x·w1, x·w3, silu(x·w1) and the product, per expert): recomputing the last two in
+    the backward, as this did before, was one silu and one mul per expert more, and measured ~3.5% slower on the
+    whole layer at E=64, for two [N, F] activations less (16 MiB there; benchmarks/RESULTS.md, "MoE layer").
     """
 
     @staticmethod
@@ -71,7 +73,7 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
         y_ND[sum(counts) :].zero_()  # rows past the counts (dropped routes) are not computed
         # Per-expert activation tensors, not one [N, F] buffer: allocations past glibc's 32 MiB mmap ceiling
         # get fresh pages every step, and faulting them in cost more system time than the GEMMs they feed.
-        a_list, b_list = [], []
+        a_list, b_list, silu_list, h_list = [], [], [], []
         # Views made in bulk (split/unbind): the per-expert Python work is a visible cost at E = 128.
         for x_e, y_e, w1_DF, w3_DF, w2_FD in zip(
             _per_expert(x_ND, counts),
@@ -80,11 +82,15 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
             strict=True,
         ):
             a_e, b_e = torch.mm(x_e, w1_DF), torch.mm(x_e, w3_DF)
-            torch.mm(torch.nn.functional.silu(a_e) * b_e, w2_FD, out=y_e)
+            silu_e = torch.nn.functional.silu(a_e)
+            h_e = silu_e * b_e
+            torch.mm(h_e, w2_FD, out=y_e)
             a_list.append(a_e)
             b_list.append(b_e)
+            silu_list.append(silu_e)
+            h_list.append(h_e)
         ctx.save_for_backward(x_ND, w1_EDF, w3_EDF, w2_EFD)
-        ctx.activations, ctx.counts = (a_list, b_list), counts
+        ctx.activations, ctx.counts = (a_list, b_list, silu_list, h_list), counts
         return y_ND
 
     @staticmethod
@@ -109,12 +115,13 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
             grad_w2.unbind(0),
             strict=True,
         )
-        for g_e, x_e, a_e, b_e, gx_e, w1_FD, w3_FD, w2_DF, gw1_DF, gw3_DF, gw2_FD in per_expert:
-            silu_e = torch.nn.functional.silu(a_e)
-            torch.mm((silu_e * b_e).t(), g_e, out=gw2_FD)
+        for g_e, x_e, a_e, b_e, silu_e, h_e, gx_e, w1_FD, w3_FD, w2_DF, gw1_DF, gw3_DF, gw2_FD in per_expert:
+            torch.mm(h_e.t(), g_e, out=gw2_FD)
             dh_e = torch.mm(g_e, w2_DF)
-            db_e = dh_e * silu_e  # the autograd graph's MulBackward and SiluBackward, op for op
-            da_e = torch.ops.aten.silu_backward(dh_e * b_e, a_e)
+            # The autograd graph's MulBackward and SiluBackward, op for op (same products, so the same bits), in
+            # place on the saved silu and on dh: both are dead after this, and fresh [n, F] buffers cost more.
+            db_e = silu_e.mul_(dh_e)
+            da_e = torch.ops.aten.silu_backward(dh_e.mul_(b_e), a_e)
             x_DN = x_e.t()
             torch.mm(x_DN, da_e, out=gw1_DF)
             torch.mm(x_DN, db_e, out=gw3_DF)
