@@ -66,15 +66,7 @@ def cpu_allocator_defaults(environ: dict | None = None, torch_imported: bool | N
     present or `CUDA_VISIBLE_DEVICES` empty (a GPU run keeps PyTorch's default). Returns whether it set it.
     The kernel must allow huge pages (`/sys/kernel/mm/transparent_hugepage/enabled`: always or madvise).
     """
-    environ = os.environ if environ is None else environ
-    torch_imported = "torch" in sys.modules if torch_imported is None else torch_imported
-    if torch_imported or "THP_MEM_ALLOC_ENABLE" in environ:
-        return False
-    hidden = environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")
-    if not hidden and any(os.path.exists(node) for node in GPU_DEVICE_NODES):
-        return False
-    environ["THP_MEM_ALLOC_ENABLE"] = "1"
-    return True
+    return _set_on_a_cpu_before_torch(environ, torch_imported, {"THP_MEM_ALLOC_ENABLE": "1"})
 
 
 def cpu_thread_defaults(environ: dict | None = None, torch_imported: bool | None = None) -> bool:
@@ -87,14 +79,24 @@ def cpu_thread_defaults(environ: dict | None = None, torch_imported: bool | None
     thread count. Only before torch is imported (the OpenMP runtime reads it once), when the user has set neither
     `OMP_WAIT_POLICY` nor `OMP_NUM_THREADS` (their choice wins), and with no GPU present. Returns whether it set it.
     """
+    return _set_on_a_cpu_before_torch(
+        environ, torch_imported, {"OMP_WAIT_POLICY": "PASSIVE"}, user_choices=("OMP_NUM_THREADS",)
+    )
+
+
+def _set_on_a_cpu_before_torch(
+    environ: dict | None, torch_imported: bool | None, values: dict[str, str], user_choices: tuple[str, ...] = ()
+) -> bool:
+    """Set `values` in the environment unless torch is already imported (its runtime read them once), the user set
+    any of them or of `user_choices` (their choice wins), or a GPU is present and visible. Returns whether it set."""
     environ = os.environ if environ is None else environ
     torch_imported = "torch" in sys.modules if torch_imported is None else torch_imported
-    if torch_imported or "OMP_WAIT_POLICY" in environ or "OMP_NUM_THREADS" in environ:
+    if torch_imported or any(name in environ for name in (*values, *user_choices)):
         return False
     hidden = environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")
     if not hidden and any(os.path.exists(node) for node in GPU_DEVICE_NODES):
         return False
-    environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    environ.update(values)
     return True
 
 
