@@ -164,7 +164,7 @@ CASES = [
     ),  # fmt: skip
     ("train-finetune-own-run", lambda w: train("--save", "run", "--load", "run", "--finetune"), "--finetune --load"),
     # --load into another model (the checkpoint's config.yaml against the run's), with any tensor shapes
-    ("train-load-finished-run", lambda w: train("--load", "run"), "--load run is at iteration 2 and this run stops"),
+    ("train-load-stop-before", lambda w: train("--load", "run", "--train-iters", "1"), "--load run is at iteration 2"),
     ("train-load-fewer-layers", lambda w: train("--load", "moe_ckpt"), "with --num-layers 2 --num-experts 2;"),
     ("train-load-rope", lambda w: train("--load", "run", "--position-embedding-type", "rope"), "learned_absolute;"),
     ("train-load-rmsnorm", lambda w: train("--load", "run", "--normalization", "rmsnorm"), "--normalization layernorm"),

@@ -1,10 +1,11 @@
 """Training on from a finished run: the LR schedule stretched to the new stop (Megatron's
 `--override-opt_param-scheduler`), a warning when a longer run would keep the finished one, and no silent
-"success" when there is nothing left to train."""
+"success" when the stop is before the checkpoint (a finished run resumed as it was exits 0 with one line)."""
 
 from __future__ import annotations
 
 import json
+import shlex
 
 import numpy as np
 import pytest
@@ -57,11 +58,29 @@ def test_train_iters_beyond_the_checkpoint_stretches_the_schedule_with_override(
     assert lrs(stretched)[5] > 4e-4 and lrs(stretched)[8] == pytest.approx(1e-4)
 
 
-def test_a_stop_at_or_before_the_checkpoint_is_refused_with_the_continuation_command(finished_run, capsys):
+def test_a_stop_before_the_checkpoint_is_refused_with_the_continuation_flags(finished_run, capsys):
     base, flags = finished_run
     code = main(["train", *flags, "--train-iters", "3", "--load", str(base / "run"), "--save", str(base / "run")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("error:") == 1, err
-    assert "is at iteration 4 and this run stops at iteration 3: nothing to train" in err
+    assert "is at iteration 4 and this run stops at iteration 3, before it: nothing to train" in err
     assert "--train-iters 8 --override-opt-param-scheduler" in err
     assert sorted(p.name for p in (base / "run").glob("iter_*")) == ["iter_0000004"]  # nothing written
+
+
+def test_a_finished_run_resumed_as_it_was_exits_0_with_the_command_that_trains_longer(finished_run, capsys, tmp_path):
+    """A requeue of a finished job (the same --train-iters, --load = --save): zero iterations and exit 0, as
+    Megatron; one line on stderr whose command really trains on, with the schedule stretched."""
+    base, flags = finished_run
+    run = base / "run"
+    before = sorted(p.name for p in run.iterdir()), (run / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["train", *flags, "--train-iters", "4", "--load", str(run), "--save", str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and "error" not in err and "warning" not in err, err
+    assert err.startswith(f"run already finished at iteration 4 (--load {run}); nothing to train; to train longer: ")
+    assert (sorted(p.name for p in run.iterdir()), (run / "metrics.jsonl").read_text()) == before  # untouched
+    command = shlex.split(err.split("to train longer: ", 1)[1])
+    assert command[:2] == ["moetron", "train"] and command[-2:] == ["8", "--override-opt-param-scheduler"]
+    assert main([*command[1:], "--save", str(tmp_path / "longer")]) == 0  # (its own --save would extend `run`)
+    assert sorted(lrs(tmp_path / "longer")) == [5, 6, 7, 8] and lrs(tmp_path / "longer")[5] > 4e-4  # stretched

@@ -12,6 +12,8 @@ against the model (its saved config.yaml).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from moetron.config import RunConfig
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
@@ -102,11 +104,19 @@ def check_before_launch(args: argparse.Namespace, world_size: int) -> None:
 def run(args: argparse.Namespace) -> int:
     from moetron.parallel.env import init_distributed, world_size_from_env
 
-    cfg, explicit = checked_config(args, world_size_from_env())
+    world_size = world_size_from_env()
+    cfg, explicit = checked_config(args, world_size)
     if args.print_config:
         from moetron.config_cli import to_yaml
 
         print(to_yaml(cfg, with_intentions=True), end="")
+        return 0
+    from moetron.checkpoint.continuation import finished_run_note
+
+    note = finished_run_note(cfg, world_size)
+    if note is not None:  # a finished run resumed as it was (a requeue): Megatron's zero iterations and exit 0
+        if os.environ.get("RANK", "0") in ("", "0"):  # every rank knows it; rank 0 says it
+            print(note, file=sys.stderr)
         return 0
     from moetron.train.failures import own_errors
     from moetron.train.run import run_training
