@@ -1,4 +1,4 @@
-"""Shared fixtures: paths to ../shared data (tests that need it skip when it is absent)."""
+"""Shared fixtures: paths to ../shared data (tests that need it skip when it is absent), one intra-op thread."""
 
 from __future__ import annotations
 
@@ -67,3 +67,16 @@ def gpt2_files() -> tuple[Path, Path]:
 @pytest.fixture
 def shakespeare() -> Path:
     return _require(SHARED_DATA / "tinyshakespeare" / "input.txt")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny shapes in this process: one intra-op thread is fastest and steadiest (a second thread only adds wake-up
+    latency, and on a busy 2-core machine OpenMP's spinning threads make small ops ~100x slower). Every unit test
+    (tests/unit/conftest.py) and the in-process training of the integration tests use it."""
+    import torch  # here, not at the top: collecting the tests that need no torch stays light
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from moetron.cli import main
 
@@ -141,7 +140,7 @@ for _block in readme_blocks():
 
 # ---------------------------------------------------------------------------- the newcomer's directory
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, one_thread):  # one thread: the in-process commands' tiny shapes
     vocab, merges = SHARED_DATA / "gpt2" / "gpt2-vocab.json", SHARED_DATA / "gpt2" / "gpt2-merges.txt"
     shakespeare = SHARED_DATA / "tinyshakespeare" / "input.txt"
     if not (vocab.exists() and shakespeare.exists()):
@@ -164,10 +163,7 @@ def world(tmp_path_factory):
     (root / "prompts.txt").write_text("Return the\nThe king\n")
     (root / "mds").mkdir()
     (root / "mds" / "checkpoint").symlink_to(MDS_CHECKPOINT)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes on a shared machine: one thread is fastest (tests/unit/conftest.py)
-    yield root
-    torch.set_num_threads(previous)
+    return root
 
 
 def _preprocess(prefix: Path, paragraphs: list[str], vocab: Path, merges: Path) -> None:

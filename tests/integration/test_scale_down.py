@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from cli_support import shakespeare_corpus_flags
 
 from moetron.cli import main
@@ -25,6 +24,7 @@ from moetron.train.run import resolve_vocab_size
 from moetron.train.startup import startup_banner, startup_warnings
 
 RECIPES = list_recipes()
+pytestmark = pytest.mark.usefixtures("one_thread")  # in-process training of tiny shapes (tests/conftest.py)
 SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"  # ../shared beside the checkout
 
 
@@ -93,15 +93,6 @@ def _corpus_file(directory: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------- training, in process
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """In-process training of tiny shapes: one intra-op thread is fastest on a shared machine (tests/unit/conftest)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def data_flags(tmp_path_factory):
     vocab, merges = SHARED_DATA / "gpt2" / "gpt2-vocab.json", SHARED_DATA / "gpt2" / "gpt2-merges.txt"

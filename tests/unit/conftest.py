@@ -1,13 +1,8 @@
-"""Unit tests run tiny shapes: one intra-op thread is fastest and steadiest (a second thread only adds wake-up
-latency, and on a busy 2-core machine OpenMP's spinning threads make small ops ~100x slower)."""
+"""Unit tests run tiny shapes: every one with one intra-op thread (`one_thread`, tests/conftest.py)."""
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+def unit_tests_on_one_thread(one_thread):
     yield
-    torch.set_num_threads(previous)
