@@ -119,7 +119,8 @@ def test_yaml_vocab_size_that_differs_from_the_tokenizer_is_an_error(workdir, to
     assert main([*argv, "--print-config"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --config gpt-125M-moe64: vocab_size 50257 differs from the tokenizer's 300 tokens")
-    assert "delete vocab_size from the YAML" in err and "--vocab-size 50257" in err and len(err.splitlines()) == 1
+    assert "pass --vocab-size 300 (a flag wins" in err and "delete vocab_size" in err and len(err.splitlines()) == 1
+    assert print_config(capsys, *argv[1:], "--vocab-size", "300")["model"]["vocab_size"] == 300  # the fix it names
 
 
 def test_explicit_vocab_size_below_the_tokenizers_is_an_error(workdir, tok, capsys):

@@ -23,6 +23,8 @@ checkpoint all read them from there, never from the global rank.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -127,9 +129,14 @@ class ParallelDims:
         elif (self.dp * self.cp * self.tp) % (self.ep * self.etp):
             span = "data-parallel" if self.cp == 1 else "data- × context-parallel"
             span = span if self.tp == 1 else span.replace("-parallel", "-") + " × tensor-parallel"
+            size = self.dp * self.cp * self.tp
+            # the easy fix named as a flag: the largest EP that divides these ranks and every layer's experts
+            fits = math.gcd(size, *(e for e in experts_per_layer if e > 1))
+            stages = f" (world size {self.world_size} over {self.pp} pipeline stages)" if self.pp > 1 else ""
             p.append(
-                f"{span} size {self.dp * self.cp * self.tp} is not divisible by --moe-expert-parallel-size "
-                f"{self.ep}; experts are sharded over those ranks, so use a divisor of {self.dp * self.cp * self.tp}"
+                f"{span} size {size}{stages} is not divisible by --moe-expert-parallel-size {self.ep}; experts "
+                f"are sharded over those ranks: pass --moe-expert-parallel-size {fits}"
+                + (" (every rank holds all experts)" if fits == 1 else f" (a divisor of {size})")
             )
         bad = sorted({e for e in experts_per_layer if e > 1 and e % self.ep})
         if bad:

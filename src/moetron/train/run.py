@@ -68,9 +68,9 @@ def resolve_vocab_size(cfg: RunConfig, explicit: set[str]) -> None:
     if "vocab_size" in yaml_names(explicit) and given != size:
         source = getattr(explicit, "config_path", None) or "the config file"
         raise UserError(
-            f"--config {source}: vocab_size {given} differs from the tokenizer's {size} tokens ({files}); delete "
-            f"vocab_size from the YAML to use the tokenizer's size, or pass --vocab-size {max(given, size)} to "
-            f"pad the embedding on purpose"
+            f"--config {source}: vocab_size {given} differs from the tokenizer's {size} tokens ({files}); pass "
+            f"--vocab-size {size} (a flag wins over the config file; a larger value pads the embedding on purpose), "
+            f"or delete vocab_size from the config file"
         )
     cfg.model.vocab_size = size
 
