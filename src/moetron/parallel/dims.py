@@ -24,7 +24,6 @@ checkpoint all read them from there, never from the global rank.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 
