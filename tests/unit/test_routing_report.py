@@ -10,7 +10,14 @@ import pytest
 import torch
 from random_tokens import RandomTokenLoader
 
-from moetron.eval.plots import expert_load_heatmap, loss_curves, matplotlib_missing, read_jsonl
+from moetron.eval.plots import (
+    expert_load_heatmap,
+    heatmap_colours,
+    load_ratios,
+    loss_curves,
+    matplotlib_missing,
+    read_jsonl,
+)
 from moetron.eval.routing_report import RoutingRecorder, _LayerSums, format_table
 from moetron.model.config import ModelConfig
 from moetron.model.gpt import create_model
@@ -86,6 +93,10 @@ def test_statistics_of_known_counts():
     assert r.dropped_fraction == 0.25 and r.dead_experts == [2, 3] and r.aux_loss == 1.5
     table = format_table([r])
     assert "dead: [2, 3]" in table and "25.00%" in table and "6 2 0 0" in table
+    # one line each on reading CV, entropy and the aux loss, with this report's expert count filled in
+    legend = {line.split()[0]: line for line in table.splitlines() if line.startswith("  ") and "layer" not in line}
+    assert "0 = perfectly even, 1.73 = all on one of the 4" in legend["CV"]  # sqrt(E - 1)
+    assert "log E (a uniform router)" in legend["entropy"] and "1.0 = balanced" in legend["aux"]
     assert json.loads(json.dumps(r.to_dict()))["tokens_per_expert"] == [6, 2, 0, 0]
 
 
@@ -105,6 +116,22 @@ def test_plots_are_pngs(tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(read_jsonl(tmp_path / "eval.jsonl")) == 1  # the torn line of a killed run is skipped
     assert loss_curves(tmp_path / "empty", tmp_path / "none.png") is None
+
+
+def test_the_heatmap_is_centred_on_the_balanced_share():
+    """White at 1/E of a layer's routes, red above, blue below, whatever the layer's expert count (a pyramid)."""
+    if matplotlib_missing():
+        pytest.skip("matplotlib is not installed")
+    routing = [{"layer": 1, "tokens_per_expert": [4, 4, 4, 4]}, {"layer": 3, "tokens_per_expert": [0, 1, 2, 3] * 2}]
+    ratios = load_ratios(routing)
+    assert ratios[0][:4] == [1.0] * 4
+    assert ratios[1] == pytest.approx([0, 2 / 3, 4 / 3, 2] * 2)
+    rgba, norm, _ = heatmap_colours(ratios)
+    assert float(norm(1.0)) == 0.5  # the colour scale's middle is the balanced share
+    assert (rgba[0, :4, :3] > 0.9).all()  # balanced: white
+    assert all(math.isnan(v) for v in ratios[0][4:]) and (rgba[0, 4:, 3] == 0).all()  # no such expert: none
+    hot, cold, dead = rgba[1, 3], rgba[1, 1], rgba[1, 0]
+    assert hot[0] > hot[2] and cold[2] > cold[0] and dead[2] > dead[0] and dead[:3].sum() < cold[:3].sum()
 
 
 def test_missing_matplotlib_gives_the_install_hint(monkeypatch):

@@ -42,21 +42,49 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def expert_load_heatmap(routing: list[dict], path: Path) -> Path:
-    """Layers × experts heatmap of each expert's share of its layer's routes (1/E = balanced)."""
-    plt = _pyplot()
+def load_ratios(routing: list[dict]) -> list[list[float]]:
+    """Each expert's routes / its layer's balanced share (1 = exactly 1/E of the routes), NaN past a layer's last
+    expert (a pyramid's layers of 4 and 8 experts share one grid)."""
     width = max((len(r["tokens_per_expert"]) for r in routing), default=1)
-    shares = []
+    ratios = []
     for r in routing:
-        total = max(sum(r["tokens_per_expert"]), 1)
-        row = [n / total for n in r["tokens_per_expert"]]
-        shares.append(row + [float("nan")] * (width - len(row)))  # pyramid MoE: fewer experts in some layers
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.4 * width + 2), max(2.0, 0.5 * len(shares) + 1.5)))
-    image = ax.imshow(shares or [[float("nan")]], aspect="auto", cmap="viridis")
+        counts = r["tokens_per_expert"]
+        balanced = max(sum(counts), 1) / len(counts)
+        ratios.append([n / balanced for n in counts] + [float("nan")] * (width - len(counts)))
+    return ratios
+
+
+def heatmap_colours(ratios: list[list[float]]):
+    """(RGBA per cell, norm, colormap): diverging from white at the balanced share 1 (red above, blue below, dark
+    blue a dead expert, transparent no expert), on one scale for every layer, so 1 never sits mid-colour."""
+    import matplotlib
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+
+    values = np.array(ratios or [[float("nan")]], dtype=float)
+    top = max(float(np.nanmax(values)) if np.isfinite(values).any() else 0.0, 2.0)  # at least 0 … 1 … 2
+    norm, cmap = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=top), matplotlib.colormaps["RdBu_r"]
+    rgba = cmap(norm(np.nan_to_num(values, nan=1.0)))
+    rgba[np.isnan(values)] = (0.0, 0.0, 0.0, 0.0)
+    return rgba, norm, cmap
+
+
+def expert_load_heatmap(routing: list[dict], path: Path) -> Path:
+    """Layers × experts heatmap of each expert's routes against the balanced share, centred on it (white = 1/E)."""
+    plt = _pyplot()
+    from matplotlib.cm import ScalarMappable
+
+    ratios = load_ratios(routing)
+    rgba, norm, cmap = heatmap_colours(ratios)
+    width = len(rgba[0])
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.4 * width + 2), max(2.0, 0.5 * len(ratios) + 1.5)))
+    ax.imshow(rgba, aspect="auto")
     ax.set_yticks(range(len(routing)), [f"layer {r['layer']}" for r in routing])
     ax.set_xlabel("expert")
-    ax.set_title("share of routes per expert (balanced = 1/E)")
-    fig.colorbar(image, ax=ax)
+    ax.set_title("routes per expert / balanced share (white: 1 = 1/E)")
+    bar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax)
+    top = int(norm.vmax)  # ticks inside the scale (one past vmax would stretch the bar's axis)
+    bar.set_ticks([0.0, 0.5, 1.0, *range(2, top + 1, max(1, (top - 1) // 4))])
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -136,7 +136,8 @@ class RoutingRecorder(nn.Module):
 
 
 def format_table(report: list[LayerReport]) -> str:
-    """The report as a console table, one row per MoE layer, then the tokens per expert of each layer."""
+    """The report as a console table, one row per MoE layer, a line on reading CV, entropy and the aux loss each,
+    then the tokens per expert of each layer."""
     if not report:
         return "routing report: the model has no MoE layer"
     header = (
@@ -151,8 +152,22 @@ def format_table(report: list[LayerReport]) -> str:
             f"{r.dropped_fraction:>8.2%} {entropy:>14} {len(r.dead_experts):>5} {r.aux_loss:>9.4f} "
             f"{f'{r.ep_load_routed:.3f}→{r.ep_load_computed:.3f}':>24}"
         )
+    lines += legend(report)
     lines.append("routes per expert (before dropping):")
     for r in report:
         dead = f"  dead: {r.dead_experts}" if r.dead_experts else ""
         lines.append(f"  layer {r.layer}: {' '.join(str(n) for n in r.tokens_per_expert)}{dead}")
     return "\n".join(lines)
+
+
+def legend(report: list[LayerReport]) -> list[str]:
+    """One line each for the three columns a newcomer cannot read off the numbers: what 0 / 1 / the maximum mean."""
+    experts = "/".join(str(e) for e in sorted({r.num_experts for r in report}))
+    spread = "/".join(f"{math.sqrt(e - 1):.2f}" for e in sorted({r.num_experts for r in report}))
+    return [
+        f"  CV        std/mean of the routes per expert: 0 = perfectly even, {spread} = all on one of the {experts}",
+        "  entropy   of the router's probabilities per token, nats, / its most, log E (a uniform router): near "
+        "log E = no preference yet; low = confident (whether the choices spread: max/mean, CV)",
+        "  aux loss  the load-balancing loss before --moe-loss-coeff, E·Σ mean probability × route fraction: 1.0 = "
+        "balanced, E = one expert takes everything",
+    ]
