@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -235,6 +236,38 @@ def test_cli_table_and_json(capsys):
     assert data["micro_batch_size"] == 2 and data["accumulation_steps"] == 4
     assert data["largest_micro_batch"] == 8  # 16 would need a global batch of 32 on 2 GPUs
     assert data["memory"]["peak"] + data["device"]["context_bytes"] == data["needed_bytes"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--micro-batch-size", "8"], ["--micro-batch-size", "8", "--zero-stage", "1"], ["--zero-stage", "3"],
+     ["--micro-batch-size", "8", "--pipeline-model-parallel-size", "2", "--moe-expert-parallel-size", "1"]],
+)  # fmt: skip
+def test_the_memory_rows_add_up_to_the_peak_or_say_what_is_not_there(flags, capsys):
+    """Each row is its term at its largest; the peak one moment. Without accumulation only the LM head's gradients
+    exist at the start of backward: the rows then add up to more, and one line says by how much and why."""
+    argv = ["plan", "--config", SEED, "--gpus", "2", "--gpu-type", "4090", *flags]
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    memory, held = data["memory"], data["memory_at_peak"]
+    assert sum(held.values()) == memory["peak"] and all(0 <= held[k] <= memory[k] for k in held)
+    assert main(argv) == 0
+    table = capsys.readouterr().out.splitlines()
+    first = table.index(next(t for t in table if "memory per GPU" in t))
+    peak = next(t for t in table if "needed at the peak" in t)
+    rows = [float(t.split()[-1]) for t in table[first + 1 : table.index(peak)] if "pipeline rank" not in t]
+    rows = rows[: len(rows) - len(data["pipeline"]["stages"])] if data["pipeline"] else rows  # PP: per-rank lines
+    notes = [line for line in table if "(the rows add up to" in line]
+    over = (sum(memory[k] for k in held) - memory["peak"]) / GIB
+    assert len(notes) == (over >= 0.01)
+    if notes:
+        assert "gradients exist (the LM head's" in notes[0]
+        stated = float(re.search(r"add up to (\d+\.\d\d) GiB", notes[0]).group(1))
+        assert stated == pytest.approx(sum(rows), abs=0.006 * len(rows)) and stated > float(peak.split()[-1])
+    else:  # the printed rows add up to the printed peak, within their rounding
+        assert sum(rows) == pytest.approx(float(peak.split()[-1]), abs=0.006 * len(rows))
+    if flags == ["--micro-batch-size", "8"]:
+        assert notes and held["gradients"] < memory["gradients"]  # no accumulation: the case the note is for
 
 
 def test_only_gpu_memory_describes_a_gpu_of_that_size(capsys):

@@ -7,6 +7,7 @@ from moetron.plan import lm_head
 from moetron.plan.advice import Suggestion
 from moetron.plan.estimate import Plan
 from moetron.plan.hardware import GIB, with_article
+from moetron.plan.peak_parts import held_at_peak, overlap_note
 from moetron.plan.pipeline_parallel import pipeline_dict, pipeline_words, stage_lines
 from moetron.plan.zero import describe
 
@@ -109,6 +110,8 @@ def memory_lines(plan: Plan) -> list[str]:
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     room = plan.device.memory_bytes - plan.needed_bytes
     lines.append(f"  {f'needed at the peak ({mem.phase})':<52} {gib(plan.needed_bytes):>8}")
+    note = overlap_note(mem, gib, plan.device.context_bytes)  # the rows: each term at its largest; the peak: a moment
+    lines += [note] if note else []
     lines.append(
         f"  {'available on ' + with_article(plan.device.name):<52} {gib(plan.device.memory_bytes):>8}   → {verdict} "
         f"({gib(abs(room))} GiB {'free' if room >= 0 else 'short'})"
@@ -214,6 +217,7 @@ def plan_dict(plan: Plan, suggestions: list[Suggestion], source: str = "", large
         "flops_per_token": plan.flops_per_token,
         "kv_cache_bytes_per_token": kv_cache_bytes_per_token(plan.cfg.model, 2),
         "memory": plan.memory.to_dict(),
+        "memory_at_peak": held_at_peak(plan.memory),  # each row's bytes at the peak's moment: they add up to it
         "needed_bytes": plan.needed_bytes,
         "fits": plan.fits,
         "mfu_assumed": plan.mfu,
