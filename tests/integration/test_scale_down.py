@@ -57,6 +57,7 @@ def test_a_pyramid_keeps_its_shape_and_the_banner_lists_the_changes():
     scaled_line = next(line for line in banner.splitlines() if line.startswith("scaled     "))
     assert "num_experts 64/64/64/64/64/64/64/64/64/64/128/128→4/8" in scaled_line
     assert "fp16 True→False" in scaled_line and "train_iters 858306→20" in scaled_line
+    assert "train_tokens 300000000000→unset" in scaled_line and "None" not in banner  # no None noise
     assert cfg.train.save.endswith("-scaled-down") and cfg.train.tensorboard_dir == f"{cfg.train.save}/tensorboard"
     assert "precision  fp32 on cpu" in banner and "warmup 2 iterations" in banner
 

@@ -195,6 +195,8 @@ def _snapshot(cfg: RunConfig) -> dict[str, object]:
 
 
 def _show(value) -> str:
+    if value is None:  # a field scale-down cleared (the recipe's token horizons, its save interval): not "None"
+        return "unset"
     if isinstance(value, list):
         return "/".join(map(str, value))
     if isinstance(value, float):
