@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from cli_support import shakespeare_corpus_flags
 
 from moetron.cli import main
@@ -22,6 +23,7 @@ from moetron.recipes import list_recipes
 from moetron.recipes.scale_down import ITERS, scale_down
 from moetron.train.run import resolve_vocab_size
 from moetron.train.startup import startup_banner, startup_warnings
+from moetron.train.tensorboard_dir import tensorboard_follows_the_run
 
 RECIPES = list_recipes()
 pytestmark = pytest.mark.usefixtures("one_thread")  # in-process training of tiny shapes (tests/conftest.py)
@@ -137,6 +139,31 @@ def test_twenty_iterations_without_a_warning_and_the_loss_falls(recipe, tmp_path
     valid = [e["valid_loss"] for e in read_jsonl(tmp_path / "run" / "eval.jsonl")]
     assert len(valid) == 2 and valid[1] < valid[0]
 
+
+
+def test_a_recipes_tensorboard_dir_follows_a_save_given_on_the_command_line(tmp_path, capsys, data_flags):
+    """One TensorBoard directory per run: the recipe's relative tensorboard/NAME goes inside `--save RUN` (two runs
+    of one recipe never share it); a flag, an absolute path (a run's own config.yaml) or no --save keep theirs."""
+    base = ["train", "--config", "gpt-125M-moe64", "--moe-expert-parallel-size", "1", *data_flags, "--print-config"]
+
+    def board(*flags: str) -> str:
+        assert main([*base, *flags]) == 0
+        return yaml.safe_load(capsys.readouterr().out)["train"]["tensorboard_dir"]
+
+    assert board("--save", str(tmp_path / "a")) == str(tmp_path / "a" / "tensorboard")
+    assert board("--save", str(tmp_path / "b")) == str(tmp_path / "b" / "tensorboard")
+    assert board() == str(Path.cwd() / "tensorboard" / "gpt-125M-moe64")  # the recipe's own pair of paths
+    assert board("--save", str(tmp_path / "a"), "--tensorboard-dir", "tb") == str(Path.cwd() / "tb")
+    cfg, explicit = load_config("gpt-125M-moe64", {"save": "runs/a"})
+    tensorboard_follows_the_run(cfg, explicit)
+    banner = startup_banner(cfg, 8, "cpu", explicit)
+    assert "replaced the config file's tensorboard_dir: tensorboard/gpt-125M-moe64" in banner
+    assert f"TensorBoard {Path.cwd() / 'runs' / 'a' / 'tensorboard'}" in banner
+    saved = tmp_path / "config.yaml"
+    saved.write_text("train:\n  tensorboard_dir: /elsewhere/tb\n")  # a run's saved config: absolute, kept
+    cfg, explicit = load_config(str(saved), {"save": "runs/c"})
+    tensorboard_follows_the_run(cfg, explicit)
+    assert cfg.train.tensorboard_dir == "/elsewhere/tb"
 
 def test_without_scale_down_every_schedule_warning_comes_at_once():
     """The recipe shrunk by hand: its token warmup AND its token decay are longer than the run, said together (the

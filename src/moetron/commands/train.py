@@ -19,6 +19,7 @@ from moetron.config import RunConfig
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
 from moetron.errors import ConfigError, UserError
 from moetron.recipes.scale_down import scale_down
+from moetron.train.tensorboard_dir import tensorboard_follows_the_run
 from moetron.validate import validate
 
 HELP = "Train a GPT / MoE GPT (single process or under torchrun)."
@@ -86,6 +87,7 @@ def checked_config(args: argparse.Namespace, world_size: int) -> tuple[RunConfig
         import torch
 
         scale_down(cfg, explicit, on_gpu=torch.cuda.is_available())
+    tensorboard_follows_the_run(cfg, explicit)  # a recipe's tensorboard/NAME, with --save given: inside that run
     problems = startup_problems(cfg, explicit, world_size)
     if not problems and not args.print_config:  # "nothing to train": only for a run that could start and trains
         from moetron.checkpoint.continuation import continuation_problems
