@@ -4,6 +4,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import sys
 import types
@@ -236,7 +237,7 @@ class RecordingWriter:
         pass
 
 
-def test_tensorboard_uses_megatrons_tag_names(monkeypatch, tmp_path):
+def test_tensorboard_uses_megatrons_tag_names(monkeypatch, tmp_path, capsys):
     tensorboard = types.ModuleType("torch.utils.tensorboard")
     tensorboard.SummaryWriter = RecordingWriter
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", tensorboard)
@@ -257,6 +258,8 @@ def test_tensorboard_uses_megatrons_tag_names(monkeypatch, tmp_path):
     assert steps["steps-vs-samples/steps-vs-samples"] == samples
     assert steps["steps-vs-tokens/steps-vs-tokens"] == tokens
     assert "moe/load-max-over-mean layer 1" in steps and "iteration-time/tokens-per-sec" in steps  # layer 1 is MoE
+    log = [line for line in capsys.readouterr().out.splitlines() if line.startswith(" iteration")]
+    assert all(re.search(r"\| load max/mean 1:\d+\.\d\d \| dropped 1:\d\.\d{3} \|", line) for line in log), log
     values = {tag: value for tag, value, _ in RecordingWriter.scalars}
     ppl, loss = values["lm-loss-validation/lm loss validation ppl"], values["lm-loss-validation/lm loss validation"]
     assert ppl == pytest.approx(math.exp(loss), rel=1e-6)

@@ -168,7 +168,15 @@ def format_eta(seconds: float) -> str:
     return str(datetime.timedelta(seconds=int(max(seconds, 0))))
 
 
-def console_line(m: dict, total_iters: int, eta_s: float) -> str:
+def per_layer(values: list[float], layers: list[int] | None, digits: int) -> str:
+    """`1:1.86,3:2.82`: each MoE layer's value after its 0-based layer index, the numbering of the routing report,
+    TensorBoard's tags and the alarms (bare values when the indices are not known)."""
+    if layers is None or len(layers) != len(values):
+        return ",".join(f"{v:.{digits}f}" for v in values)
+    return ",".join(f"{layer}:{v:.{digits}f}" for layer, v in zip(layers, values, strict=True))
+
+
+def console_line(m: dict, total_iters: int, eta_s: float, moe_layers: list[int] | None = None) -> str:
     parts = [
         f" iteration {m['iteration']:>7d}/{total_iters}",
         f"consumed tokens {m['consumed_tokens']}",
@@ -184,8 +192,8 @@ def console_line(m: dict, total_iters: int, eta_s: float) -> str:
     if "peak_memory_gib" in m:
         parts.append(memory_text(m))
     if m["expert_load_max_over_mean"]:
-        parts.append("load max/mean " + ",".join(f"{v:.2f}" for v in m["expert_load_max_over_mean"]))
-        parts.append("dropped " + ",".join(f"{v:.3f}" for v in m["dropped_fraction"]))
+        parts.append("load max/mean " + per_layer(m["expert_load_max_over_mean"], moe_layers, 2))
+        parts.append("dropped " + per_layer(m["dropped_fraction"], moe_layers, 3))
     parts += [f"skipped {m['skipped_steps']}", f"ETA {format_eta(eta_s)}"]
     return " | ".join(parts)
 
@@ -236,7 +244,7 @@ class RunLogger:
             return
         optional = {k: record[k] for k in OPTIONAL_METRIC_KEYS if k in record}
         self._append("metrics.jsonl", {**{k: record[k] for k in METRIC_KEYS}, **optional})
-        self.print(console_line(record, self.total_iters, eta_s))
+        self.print(console_line(record, self.total_iters, eta_s, self.moe_layers))
         if self.tb is not None:
             write_tensorboard_train(self.tb, record, self.moe_layers)
 
