@@ -12,6 +12,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 
 from moetron import __version__
 from moetron.errors import UserError
@@ -112,11 +113,27 @@ def report_user_error(err: UserError) -> int:
     that an error may be one rank's alone (rank 1's corrupt RNG file): `train/failures.py` marks those `every_rank`,
     said by the rank they happened on (`error: rank 1: …`), and `quiet` where another rank said the same message
     or the ranks a recorded failure stopped."""
+    if not (_is_rank_zero() or getattr(err, "every_rank", False) or getattr(err, "quiet", False)):
+        if "TORCHELASTIC_RUN_ID" in os.environ and _still_running_after(STARTUP_ERROR_WAIT_S):
+            print(f"error: rank {os.environ.get('RANK')}: {err}", file=sys.stderr)  # rank 0 did not fail: say it
+        return getattr(err, "exit_code", 2)
     if (_is_rank_zero() or getattr(err, "every_rank", False)) and not getattr(err, "quiet", False):
         print(f"error: {err}", file=sys.stderr)
         if not getattr(err, "every_rank", False) and _under_plain_torchrun():  # a startup error: every rank's
             print(PLAIN_TORCHRUN_NOTE, file=sys.stderr)
     return getattr(err, "exit_code", 2)
+
+
+# A torchrun worker other than rank 0 with a startup error waits this long before exiting: exiting first let
+# torchrun stop rank 0 before it printed the error (a plain `torchrun` run with a config error showed only
+# torchrun's report, no `error:` line). Rank 0's exit makes torchrun stop the waiting ranks; a rank still running
+# after the wait had an error rank 0 did not (a file missing on its node only) and says it itself.
+STARTUP_ERROR_WAIT_S = 30.0
+
+
+def _still_running_after(seconds: float) -> bool:
+    time.sleep(seconds)
+    return True
 
 
 def command_parser(command: str, module) -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@ import sys
 
 import pytest
 
+from moetron import cli
 from moetron.cli import COMMANDS, PLAIN_TORCHRUN_NOTE, main, report_user_error
 from moetron.errors import ConfigError
 
@@ -41,3 +42,18 @@ def test_a_startup_error_under_plain_torchrun_names_moetron_launch(monkeypatch, 
     monkeypatch.setenv("MOETRON_LAUNCH", "1")  # a worker of `moetron launch`: its launcher validated already
     report_user_error(ConfigError(["--hidden-size 33 is not divisible by --num-attention-heads 4"]))
     assert PLAIN_TORCHRUN_NOTE not in capsys.readouterr().err
+
+
+def test_a_startup_error_on_another_rank_waits_for_rank_0_to_say_it(monkeypatch, capsys):
+    """Under torchrun rank 1 must not exit before rank 0 printed the error (torchrun would stop rank 0 first): it
+    waits, and says the error itself only if it is still running, i.e. rank 0 did not fail the same way."""
+    waited = []
+    monkeypatch.setattr(cli.time, "sleep", waited.append)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert report_user_error(ConfigError(["--data-path d: not found"])) == 2
+    assert waited == [cli.STARTUP_ERROR_WAIT_S]
+    assert capsys.readouterr().err == "error: rank 1: --data-path d: not found\n"
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # not a torchrun worker (a test's own RANK): no wait, nothing said
+    assert report_user_error(ConfigError(["x"])) == 2 and waited == [cli.STARTUP_ERROR_WAIT_S]
+    assert capsys.readouterr().err == ""
