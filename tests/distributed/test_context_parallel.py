@@ -1,5 +1,6 @@
 """Context parallelism (gloo) against one process: loss curves, CP × EP folded, a CP 2 checkpoint continued on 1
-process, activation memory against the plan (2 processes); CP 2 × TP 2 + SP × EP 2 and its checkpoint (4). Each
+process, activation memory against the plan (2 processes); CP 2 × TP 2 + SP × EP 2 at ZeRO 0 and 3, CP 2 × DP 2
+at ZeRO 1 and 3, CP 2 × PP 2, and the checkpoints (4: curves and gradient norms). Each
 `--cp-comm-type` (all_gather, p2p ring, a2a Ulysses) follows the same curves, and the three attentions agree
 within fp64 rounding on the same inputs.
 
@@ -207,6 +208,10 @@ def four_process_checks(rank: int, world_size: int, cp_dir: str) -> dict:
     ring = trainer(cp_config("rope-gqa", cp=2, tp=2, ep=2, comm="p2p", zero=3, save=f"{cp_dir}/p2p-zero3"), env)
     out["p2p-zero3"] = run_curve(ring, HALF)
     ring.save()
+    # CP 2 × PP 2 (1F1B): each stage runs the micro-batches' zigzag chunks, the later stage at their positions
+    out["pp2"] = run_curve(trainer(cp_config("rope-gqa", cp=2, pp=2), env), HALF)
+    # the later stage's RoPE positions when sequence parallelism hands it T / tp tokens (no CP: the same code path)
+    out["pp2-tp2-sp"] = run_curve(trainer(cp_config("rope-gqa", pp=2, tp=2), env), HALF)
     return out
 
 
@@ -214,7 +219,7 @@ def four_process_checks(rank: int, world_size: int, cp_dir: str) -> dict:
 @pytest.mark.slow
 def test_context_and_tensor_parallel_follow_one_process(tmp_path):
     """CP 2 × TP 2 with sequence parallelism × EP 2 folded (4 processes), at ZeRO 0 and 3; CP 2 × DP 2 at ZeRO 1
-    and 3: the one-process curve and gradient norm, and each checkpoint continues on one process."""
+    and 3; CP 2 × PP 2: the one-process curve and gradient norm, and each checkpoint continues on one process."""
     torch.set_num_threads(1)
     cp_dir = str(tmp_path)
     reference = run_curve(trainer(cp_config("rope-gqa")), STEPS)
@@ -222,7 +227,8 @@ def test_context_and_tensor_parallel_follow_one_process(tmp_path):
     for rank, got in enumerate(run_distributed(four_process_checks, world_size=4, args=(cp_dir,))):
         assert_curve(got["head"], losses[:HALF], f"rank {rank}: CP 2 × TP 2 + SP × EP 2")
         for name, what in (("zero1", "CP 2 × DP 2, ZeRO-1"), ("zero3", "CP 2 × DP 2, ZeRO-3"),
-                           ("p2p-zero3", "CP 2 (p2p) × TP 2 + SP × EP 2, ZeRO-3")):  # fmt: skip
+                           ("p2p-zero3", "CP 2 (p2p) × TP 2 + SP × EP 2, ZeRO-3"), ("pp2", "CP 2 × PP 2"),
+                           ("pp2-tp2-sp", "PP 2 × TP 2 + SP, RoPE")):  # fmt: skip
             assert_curve(got[name]["loss"], losses[:HALF], f"rank {rank}: {what}")
             assert_curve(got[name]["norm"], norms[:HALF], f"rank {rank}: {what}: gradient norm")
     for name in ("tp", "zero3", "p2p-zero3"):

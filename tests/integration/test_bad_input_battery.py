@@ -480,11 +480,6 @@ CONTEXT_PARALLEL_CASES = {
         [*CP2, "--multi-latent-attention", "--position-embedding-type", "rope"],
         "--context-parallel-size 2 with --multi-latent-attention is not supported yet",
     ),  # fmt: skip
-    "pp": (
-        4,
-        [*CP2, "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--micro-batch-size", "1"],
-        "with --pipeline-model-parallel-size 2 is not supported",
-    ),  # fmt: skip
     "comm-type": (2, [*CP2, "--cp-comm-type", "ring"], "--cp-comm-type 'ring' is not one of all_gather, p2p, a2a"),
     "p2p-dropout": (
         2,

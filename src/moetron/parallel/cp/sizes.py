@@ -3,11 +3,12 @@
 `--context-parallel-size N` (Megatron's flag) splits every sequence over N ranks in 2·N zigzag chunks, so the
 sequence length must be a multiple of 2·N. The layouts it composes with today: data parallelism at every ZeRO
 stage (the dense gradients averaged, and at stages 1–3 the dense state sharded, over dp × cp: `dp_cp`), expert
-parallelism (folded over dp × cp) and tensor parallelism with or without sequence parallelism (TP splits the heads
-each CP rank attends with; SP the CP rank's tokens). Pipeline parallelism, `--compile`, multi-latent attention,
-MTP and expert replicas are refused with a one-line reason rather than run wrongly (each needs the split sequence
-handled in its own code: the pipeline's stage inputs and positions, a compiled block's collectives, MLA's
-attention, the MTP modules' shifted labels, the replica plan's ranks).
+parallelism (folded over dp × cp), tensor parallelism with or without sequence parallelism (TP splits the heads
+each CP rank attends with; SP the CP rank's tokens) and pipeline parallelism (every stage runs the micro-batches'
+zigzag chunks; a later stage takes their positions from `GPTModel.sequence_positions`, pp/split.py). `--compile`,
+multi-latent attention, MTP and expert replicas are refused with a one-line reason rather than run wrongly (each
+needs the split sequence handled in its own code: a compiled block's collectives, MLA's attention, the MTP
+modules' shifted labels, the replica plan's ranks).
 
 `--cp-comm-type` (Megatron-Core's flag and names) picks the attention across the split: `all_gather` (the
 default), `p2p` (ring; no attention dropout: its backward would redraw every block's mask) or `a2a` (Ulysses; this
@@ -44,8 +45,6 @@ def context_parallel_problems(cfg: RunConfig, dims: ParallelDims) -> list[str]:
 def _unsupported(cfg: RunConfig, dims: ParallelDims) -> list[tuple[str, str]]:
     """(what the run asks for, the fix) for every option context parallelism does not compose with yet."""
     par, out = cfg.parallel, []
-    if dims.pp > 1:
-        out.append((f"--pipeline-model-parallel-size {dims.pp}", "use one of the two"))
     if cfg.train.compile:
         out.append(("--compile", "drop --compile (the attention's collectives are not compiled)"))
     if cfg.model.multi_latent_attention:  # MLA's attention has no context-parallel path: it would see its chunks only
