@@ -1,5 +1,6 @@
 """Context parallelism (gloo) against one process: loss curves, CP × EP folded, a CP 2 checkpoint continued on 1
-process, activation memory against the plan (2 processes); CP 2 × TP 2 + SP × EP 2 and its checkpoint (4). Each
+process, activation memory against the plan (2 processes); CP 2 × TP 2 + SP × EP 2 at ZeRO 0 and 3, CP 2 × DP 2
+at ZeRO 1 and 3, CP 2 × PP 2, and the checkpoints (4: curves and gradient norms). Each
 `--cp-comm-type` (all_gather, p2p ring, a2a Ulysses) follows the same curves, and the three attentions agree
 within fp64 rounding on the same inputs.
 
@@ -52,7 +53,10 @@ def samples(n: int = 256, seed: int = 0) -> np.ndarray:
     return (starts + np.arange(SEQ + 1)) % VOCAB
 
 
-def cp_config(model: str, cp: int = 1, ep: int = 1, tp: int = 1, save: str | None = None, comm: str = "all_gather"):
+def cp_config(
+    model: str, cp: int = 1, ep: int = 1, tp: int = 1, save: str | None = None, comm: str = "all_gather", zero: int = 0,
+    pp: int = 1,
+):  # fmt: skip
     cfg = tiny_config(micro_batch_size=MBS, global_batch_size=GLOBAL_BATCH, train_iters=STEPS)
     m, p = cfg.model, cfg.parallel
     m.seq_length, m.hidden_dropout, m.attention_dropout = SEQ, 0.0, 0.0
@@ -61,6 +65,7 @@ def cp_config(model: str, cp: int = 1, ep: int = 1, tp: int = 1, save: str | Non
         setattr(m, key, value)
     p.context_parallel_size, p.moe_expert_parallel_size = cp, ep
     p.tensor_model_parallel_size, p.sequence_parallel, p.cp_comm_type = tp, tp > 1, comm
+    p.zero_stage, p.pipeline_model_parallel_size = zero, pp
     cfg.train.lr_warmup_iters, cfg.train.save = 2, save
     return cfg
 
@@ -77,16 +82,25 @@ def trainer(cfg, env: DistEnv | None = None) -> Trainer:
     return Trainer(cfg, env, parallel, loader, None, config_yaml="# test\n")
 
 
-def run_losses(t: Trainer, steps: int) -> list[float]:
+def run_losses(t: Trainer, steps: int, norms: list[float] | None = None) -> list[float]:
     """`steps` optimizer steps; each step's LM loss as the trainer logs it (averaged over the data- and
-    context-parallel ranks by its `reduce_mean`: a CP rank's own loss is that of its chunks only)."""
+    context-parallel ranks by its `reduce_mean`: a CP rank's own loss is that of its chunks only), and each step's
+    global gradient norm (before clipping) appended to `norms` when given."""
     out = []
     t.model.train()
     for _ in range(steps):
         result = t.train_step()
         t._account(result)
         out.append(float(t.reduce_mean(result.sums.losses)[0]))
+        if norms is not None:
+            norms.append(result.grad_norm)
     return out
+
+
+def run_curve(t: Trainer, steps: int) -> dict[str, list[float]]:
+    """The losses and gradient norms of `steps` optimizer steps."""
+    norms: list[float] = []
+    return {"loss": run_losses(t, steps, norms), "norm": norms}
 
 
 def resumed_losses(cfg, path: str, env: DistEnv | None = None) -> list[float]:
@@ -182,22 +196,40 @@ def test_context_parallel_follows_one_process(tmp_path):
 
 def four_process_checks(rank: int, world_size: int, cp_dir: str) -> dict:
     env = init_distributed()
-    first = trainer(cp_config("rope-gqa", cp=2, tp=2, ep=2, save=cp_dir), env)
-    head = run_losses(first, HALF)
+    first = trainer(cp_config("rope-gqa", cp=2, tp=2, ep=2, save=f"{cp_dir}/tp"), env)
+    out = {"head": run_losses(first, HALF)}
     first.save()
-    ring = run_losses(trainer(cp_config("rope-gqa", cp=2, tp=2, ep=2, comm="p2p"), env), HALF)
-    return {"head": head, "p2p": ring}
+    # CP 2 × DP 2 with ZeRO: the dense state sharded over the 4 dp × cp ranks, the gradients reduced over them
+    out["zero1"] = run_curve(trainer(cp_config("rope-gqa", cp=2, zero=1), env), HALF)
+    zero3 = trainer(cp_config("rope-gqa", cp=2, zero=3, save=f"{cp_dir}/zero3"), env)
+    out["zero3"] = run_curve(zero3, HALF)
+    zero3.save()
+    # the ring under TP + SP × EP at ZeRO-3: TP shards sharded again over dp × cp, saved as their global tensors
+    ring = trainer(cp_config("rope-gqa", cp=2, tp=2, ep=2, comm="p2p", zero=3, save=f"{cp_dir}/p2p-zero3"), env)
+    out["p2p-zero3"] = run_curve(ring, HALF)
+    ring.save()
+    # CP 2 × PP 2 (1F1B): each stage runs the micro-batches' zigzag chunks, the later stage at their positions
+    out["pp2"] = run_curve(trainer(cp_config("rope-gqa", cp=2, pp=2), env), HALF)
+    # the later stage's RoPE positions when sequence parallelism hands it T / tp tokens (no CP: the same code path)
+    out["pp2-tp2-sp"] = run_curve(trainer(cp_config("rope-gqa", pp=2, tp=2), env), HALF)
+    return out
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_context_and_tensor_parallel_follow_one_process(tmp_path):
-    """CP 2 × TP 2 with sequence parallelism × EP 2 folded (4 processes): the one-process curve, and its checkpoint
-    continues on one process."""
+    """CP 2 × TP 2 with sequence parallelism × EP 2 folded (4 processes), at ZeRO 0 and 3; CP 2 × DP 2 at ZeRO 1
+    and 3; CP 2 × PP 2: the one-process curve and gradient norm, and each checkpoint continues on one process."""
     torch.set_num_threads(1)
-    cp_dir = str(tmp_path / "cp2tp2")
-    reference = run_losses(trainer(cp_config("rope-gqa")), STEPS)
+    cp_dir = str(tmp_path)
+    reference = run_curve(trainer(cp_config("rope-gqa")), STEPS)
+    losses, norms = reference["loss"], reference["norm"]
     for rank, got in enumerate(run_distributed(four_process_checks, world_size=4, args=(cp_dir,))):
-        assert_curve(got["head"], reference[:HALF], f"rank {rank}: CP 2 × TP 2 + SP × EP 2")
-        assert_curve(got["p2p"], reference[:HALF], f"rank {rank}: CP 2 (p2p) × TP 2 + SP × EP 2")
-    assert_curve(resumed_losses(cp_config("rope-gqa"), cp_dir), reference[HALF:], "CP 2 × TP 2 → 1 resume")
+        assert_curve(got["head"], losses[:HALF], f"rank {rank}: CP 2 × TP 2 + SP × EP 2")
+        for name, what in (("zero1", "CP 2 × DP 2, ZeRO-1"), ("zero3", "CP 2 × DP 2, ZeRO-3"),
+                           ("p2p-zero3", "CP 2 (p2p) × TP 2 + SP × EP 2, ZeRO-3"), ("pp2", "CP 2 × PP 2"),
+                           ("pp2-tp2-sp", "PP 2 × TP 2 + SP, RoPE")):  # fmt: skip
+            assert_curve(got[name]["loss"], losses[:HALF], f"rank {rank}: {what}")
+            assert_curve(got[name]["norm"], norms[:HALF], f"rank {rank}: {what}: gradient norm")
+    for name in ("tp", "zero3", "p2p-zero3"):
+        assert_curve(resumed_losses(cp_config("rope-gqa"), f"{cp_dir}/{name}"), losses[HALF:], f"{name} → 1 resume")

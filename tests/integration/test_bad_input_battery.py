@@ -473,18 +473,12 @@ CP2 = ("--context-parallel-size", "2")
 # parallelism cannot run, refused before launch (the world size is read before any process group exists)
 CONTEXT_PARALLEL_CASES = {
     "seq": (2, [*CP2, "--seq-length", "6"], "--seq-length 6 is not divisible by 2 × --context-parallel-size 2 = 4"),
-    "zero": (2, [*CP2, "--zero-stage", "2"], "--context-parallel-size 2 with --zero-stage 2 is not supported yet"),
     "compile": (2, [*CP2, "--compile"], "--context-parallel-size 2 with --compile is not supported yet"),
     "mtp": (2, [*CP2, "--mtp-num-layers", "1"], "--context-parallel-size 2 with --mtp-num-layers 1 is not supported"),
     "mla": (
         2,
         [*CP2, "--multi-latent-attention", "--position-embedding-type", "rope"],
         "--context-parallel-size 2 with --multi-latent-attention is not supported yet",
-    ),  # fmt: skip
-    "pp": (
-        4,
-        [*CP2, "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--micro-batch-size", "1"],
-        "with --pipeline-model-parallel-size 2 is not supported",
     ),  # fmt: skip
     "comm-type": (2, [*CP2, "--cp-comm-type", "ring"], "--cp-comm-type 'ring' is not one of all_gather, p2p, a2a"),
     "p2p-dropout": (

@@ -135,3 +135,15 @@ def test_cp_comm_type_problems_are_found_before_launch():
     ]
     bad.parallel.context_parallel_size = 1
     assert problems(bad, world=1) == ["--cp-comm-type 'ring' is not one of all_gather, p2p, a2a"]
+
+
+def test_context_parallel_composes_with_zero_and_pipelines():
+    """ZeRO 1–3 shard the dense state over dp × cp (parallel/dp/) and pipeline stages run the zigzag chunks: neither
+    is refused under CP."""
+    for stage in (1, 2, 3):
+        cfg = cp_run("all_gather")
+        cfg.parallel.zero_stage = stage
+        assert context_parallel_problems(cfg, cfg.dims(4)) == [], stage
+    cfg = cp_run("all_gather")
+    cfg.parallel.pipeline_model_parallel_size = 2  # pipeline stages run the zigzag chunks (pp/split.py)
+    assert context_parallel_problems(cfg, cfg.dims(4)) == []

@@ -101,7 +101,7 @@ class GlobalView:
         (dp, tp) mesh, replicated over dp; experts split by expert TP over (edp, ep, etp), experts on dim 0. The
         global shape is the config's (the padded vocabulary does not depend on TP), so any TP size reads it.
 
-        Under ZeRO the shard is itself a DTensor `Shard(d)` over dp (edp for experts) of the TP-local tensor: its
+        Under ZeRO the shard is itself a DTensor `Shard(d)` over dp_cp (edp for experts) of the TP-local tensor: its
         placement on that mesh dimension becomes `Shard(d)`, or `_StridedShard(d, split_factor)` when the later mesh
         dimensions split d too (TP, EP split first, then ZeRO each of their blocks: FSDP2 + TP's placement)."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -112,7 +112,9 @@ class GlobalView:
             shape[0] = info.num_global_experts
             names, placements = ("edp", "ep", "etp"), [Replicate(), Shard(0), Shard(info.tp_dim)]
         else:
-            names, placements = ("dp", "tp"), [Replicate(), Shard(info.tp_dim)]
+            # a ZeRO shard is over the dense gradients' replicas: dp × cp under context parallelism (dp without)
+            names = ("dp_cp" if isinstance(local, DTensor) else "dp", "tp")
+            placements = [Replicate(), Shard(info.tp_dim)]
         if isinstance(local, DTensor):
             placements[0] = _zero_placement(local, names, placements[1:], self.mesh)
             local = local.to_local()

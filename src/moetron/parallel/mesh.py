@@ -14,6 +14,7 @@ single-process code never touches `torch.distributed`.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,12 @@ class ParallelMesh:
             return None
         if names == ("dp_cp",):  # without context parallelism the same ranks as dp: no group of its own
             return self.flattened["dp_cp"] if self.dims.cp > 1 else self.dense["dp"]
+        if "dp_cp" in names and self.dims.cp == 1:
+            names = tuple("dp" if n == "dp_cp" else n for n in names)
+        elif "dp_cp" in names:  # e.g. (dp_cp, tp): a ZeRO shard of a TP shard as its global tensor (checkpoint)
+            with warnings.catch_warnings():  # torch 2.13 still slices a flattened dim from the root, and warns
+                warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
+                return self.dense[names]
         root = self.dense if set(names) <= set(DENSE_DIMS) else self.experts
         return root[names[0]] if len(names) == 1 else root[names]
 

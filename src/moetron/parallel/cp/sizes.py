@@ -1,12 +1,13 @@
 """What context parallelism needs of a run, as pure arithmetic: its problems, found before launch.
 
 `--context-parallel-size N` (Megatron's flag) splits every sequence over N ranks in 2·N zigzag chunks, so the
-sequence length must be a multiple of 2·N. The layouts it composes with today: data parallelism at ZeRO stage 0
-(the dense gradients averaged over dp × cp), expert parallelism (folded over dp × cp) and tensor parallelism with or
-without sequence parallelism (TP splits the heads each CP rank attends with; SP the CP rank's tokens). Pipeline
-parallelism, ZeRO stages 1–3, `--compile`, multi-latent attention, MTP and expert replicas are refused with a
-one-line reason rather than run wrongly (each needs the split sequence handled in its own code: the pipeline's
-stage inputs and positions, ZeRO's shards over dp only, a compiled block's collectives, MLA's attention, the MTP
+sequence length must be a multiple of 2·N. The layouts it composes with today: data parallelism at every ZeRO
+stage (the dense gradients averaged, and at stages 1–3 the dense state sharded, over dp × cp: `dp_cp`), expert
+parallelism (folded over dp × cp), tensor parallelism with or without sequence parallelism (TP splits the heads
+each CP rank attends with; SP the CP rank's tokens) and pipeline parallelism (every stage runs the micro-batches'
+zigzag chunks; a later stage takes their positions from `GPTModel.sequence_positions`, pp/split.py). `--compile`,
+multi-latent attention, MTP and expert replicas are refused with a one-line reason rather than run wrongly (each
+needs the split sequence handled in its own code: a compiled block's collectives, MLA's attention, the MTP
 modules' shifted labels, the replica plan's ranks).
 
 `--cp-comm-type` (Megatron-Core's flag and names) picks the attention across the split: `all_gather` (the
@@ -44,11 +45,6 @@ def context_parallel_problems(cfg: RunConfig, dims: ParallelDims) -> list[str]:
 def _unsupported(cfg: RunConfig, dims: ParallelDims) -> list[tuple[str, str]]:
     """(what the run asks for, the fix) for every option context parallelism does not compose with yet."""
     par, out = cfg.parallel, []
-    if dims.pp > 1:
-        out.append((f"--pipeline-model-parallel-size {dims.pp}", "use one of the two"))
-    if par.zero_stage > 0 or par.use_distributed_optimizer:
-        stage = f"--zero-stage {par.zero_stage}" if par.zero_stage > 0 else "--use-distributed-optimizer"
-        out.append((stage, "use --zero-stage 0 (ZeRO shards over the data-parallel ranks only)"))
     if cfg.train.compile:
         out.append(("--compile", "drop --compile (the attention's collectives are not compiled)"))
     if cfg.model.multi_latent_attention:  # MLA's attention has no context-parallel path: it would see its chunks only

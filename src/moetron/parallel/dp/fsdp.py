@@ -5,13 +5,15 @@ One FSDP2 group per unit, bottom-up (each group is all-gathered and reduce-scatt
     experts of a MoE layer   over the expert-data-parallel mesh `edp` (only where it is not the dp group: with
                              ep > 1, or under TP folding, where edp spans the TP peers' disjoint token shares;
                              else they are ordinary members of their block's group), gradients summed over edp
-                             and divided by the FULL dp: the all-to-all already brought every expert-parallel
+                             and divided by the FULL dp (× cp): the all-to-all already brought every expert-parallel
                              peer's tokens into them (the same rule as `ExpertGradReducer`; `expert_reduction`
                              says who divides)
     router of a MoE layer    its own group with an fp32 policy under bf16/fp16, so routing never sees rounded
                              weights (the router upcasts its input itself)
-    transformer block        over the data-parallel mesh `dp`
-    the root (embeddings, final norm, output layer)   over `dp`, fp32 (see below)
+    transformer block        over the data-parallel mesh `dp_cp` (dp, or dp × cp under context parallelism:
+                             CP peers hold other tokens of the same samples, so they are gradient replicas too,
+                             Megatron-Core's distributed optimizer over dp × cp)
+    the root (embeddings, final norm, output layer)   over `dp_cp`, fp32 (see below)
 
 `reshard_after_forward`: True at stage 3 (a block's weights exist whole only while it runs forward or
 backward: DeepSpeed's ZeRO-3), False at stage 2 (gathered once per step, kept until the backward is done:
@@ -95,7 +97,7 @@ def expert_reduction(backend: str, edp: int, dp: int) -> ExpertReduction:
 
 
 def mesh_expert_reduction(mesh: ParallelMesh) -> ExpertReduction:
-    return expert_reduction(dist.get_backend(mesh.group("edp")), mesh.size("edp"), mesh.size("dp"))
+    return expert_reduction(dist.get_backend(mesh.group("edp")), mesh.size("edp"), mesh.size("dp_cp"))
 
 
 def experts_have_own_group(mesh: ParallelMesh) -> bool:
@@ -128,17 +130,17 @@ def shard_block(layer: TransformerLayer, mesh: ParallelMesh, spec: ZeroSpec) -> 
             if reduction.force_sum:
                 moe.experts.set_force_sum_reduction_for_comms(True)
         if spec.compute_dtype != torch.float32:
-            fully_shard(moe.router, mesh=mesh.submesh("dp"), reshard_after_forward=reshard, mp_policy=fp32)
-    placement = expert_placement(mesh.size("dp"), expert_ids)
+            fully_shard(moe.router, mesh=mesh.submesh("dp_cp"), reshard_after_forward=reshard, mp_policy=fp32)
+    placement = expert_placement(mesh.size("dp_cp"), expert_ids)
     fully_shard(
-        layer, mesh=mesh.submesh("dp"), reshard_after_forward=reshard, mp_policy=blocks, shard_placement_fn=placement
+        layer, mesh=mesh.submesh("dp_cp"), reshard_after_forward=reshard, mp_policy=blocks, shard_placement_fn=placement
     )
 
 
 def shard_root(model: GPTModel, mesh: ParallelMesh, spec: ZeroSpec) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(model, mesh=mesh.submesh("dp"), reshard_after_forward=False, mp_policy=policies(spec)[1])
+    fully_shard(model, mesh=mesh.submesh("dp_cp"), reshard_after_forward=False, mp_policy=policies(spec)[1])
 
 
 def fully_shard_model(model: GPTModel, mesh: ParallelMesh, spec: ZeroSpec) -> None:
@@ -223,7 +225,7 @@ def shard_stage(stage: nn.Module, mesh: ParallelMesh, spec: ZeroSpec) -> None:
     for layer in stage.layers.values():
         if not is_sharded(layer):
             shard_block(layer, mesh, spec)
-    fully_shard(stage, mesh=mesh.submesh("dp"), reshard_after_forward=False, mp_policy=policies(spec)[1])
+    fully_shard(stage, mesh=mesh.submesh("dp_cp"), reshard_after_forward=False, mp_policy=policies(spec)[1])
 
 
 def apply_fsdp(module: nn.Module, mesh: ParallelMesh, spec: ZeroSpec) -> ShardedDataParallel:

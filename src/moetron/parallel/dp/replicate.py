@@ -116,7 +116,7 @@ def apply_dp(
     replicated = _replicate(model, registry, mesh, ddp)
     if not zero.shards_optimizer:
         return replicated
-    groups = [(mesh.submesh("dp"), registry.named_parameters(model, "dense"))]
+    groups = [(mesh.submesh("dp_cp"), registry.named_parameters(model, "dense"))]
     groups.append((mesh.submesh("edp"), registry.named_parameters(model, "expert")))
     shards = OptimizerShards([(m, named) for m, named in groups if named])
     return ShardedOptimizerDataParallel(model, replicated.module, replicated.expert_reducer, shards)

@@ -1,9 +1,10 @@
 """ZeRO stage 1 (Megatron's `--use-distributed-optimizer`): optimizer state sharded, gradients and weights whole.
 
-Gradients are reduced exactly as at stage 0 (DDP over `dp` for dense parameters, the expert reducer over `edp`),
+Gradients are reduced exactly as at stage 0 (DDP over `dp_cp` for dense parameters, the expert reducer over `edp`),
 so every rank holds the whole reduced gradient. Each rank then owns one slice of every parameter (of the tensor
 it holds: under tensor parallelism its TP shard, under pipelining its stage's parameters) — dense
-ones split over the data-parallel group, routed experts over their expert-data-parallel group — and the
+ones split over the data-parallel group (dp × cp under context parallelism), routed experts over their
+expert-data-parallel group — and the
 optimizer steps only that slice, keeping Adam's moments for it alone (1/dp of dense and 1/edp of expert state).
 After the step one flat all-gather per group and bucket brings every rank's updated slices back into the whole
 weights.

@@ -7,9 +7,10 @@
     stage 2   + gradients reduce-scattered   (parallel/dp/fsdp.py: FSDP2, weights gathered once per step)
     stage 3   + weights sharded              (parallel/dp/fsdp.py: FSDP2, weights gathered per layer, freed after)
 
-Dense tensors are sharded over the data-parallel group, routed experts over their expert-data-parallel group
-(the ranks holding the same experts), so at EP = ep each expert's state is split edp ways. The optimizer always
-keeps fp32 weights (the master copy); bf16/fp16 compute dtype is what stages 2–3 gather in.
+Dense tensors are sharded over the data-parallel group (`dp_cp`: dp × cp under context parallelism), routed
+experts over their expert-data-parallel group (the ranks holding the same experts), so at EP = ep each expert's
+state is split edp ways. The optimizer always keeps fp32 weights (the master copy); bf16/fp16 compute dtype is
+what stages 2–3 gather in.
 """
 
 from __future__ import annotations

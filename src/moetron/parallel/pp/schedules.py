@@ -73,7 +73,8 @@ def pipeline_stages(
     """One stage per local stage module. Shapes are given (static metadata), so torch runs no trial forward:
     one would count routing statistics, touch the expert-bias loads and run DDP's forward outside a step."""
     model = parts.modules[0]._model[0]
-    B, T, cfg = micro_batch_size, seq_length, model.cfg
+    # context parallelism: a rank runs its seq / cp tokens of every sequence (two zigzag chunks), end to end
+    B, T, cfg = micro_batch_size, seq_length // parts.mesh.size("cp"), model.cfg
     tokens = torch.empty(B, T, dtype=torch.long, device="meta")
     # the fp32 residual stream; requires_grad: gradients flow back across the boundary. Sequence parallelism sends
     # each tensor-parallel rank's sequence shard to its peer of the next stage (same tp coordinate)

@@ -25,7 +25,7 @@ and queues their loss for the executor's loss function (`mtp_losses`). The MTP m
 the model's embeddings, so the last stage holds `word_embeddings` (and learned `position_embeddings`) even when
 the head is untied, and their gradients are summed with the first stage's copies like the tied embedding's.
 
-Data parallelism wraps each stage module on its own (`apply_dp`: DDP over dp, the expert reducer over edp);
+Data parallelism wraps each stage module on its own (`apply_dp`: DDP over dp × cp, the expert reducer over edp);
 torch's stage runs DDP's `no_sync` for all but a stage's last backward, and `MoetronStage` arms the expert
 reducer for that same backward. ZeRO composes: at stage 1 each stage's optimizer slices are taken after the tied
 embedding's sum (`finish_gradients`); at stages 2–3 each stage module is an FSDP2 root of its own (torchtitan's
@@ -95,6 +95,8 @@ class StageModule(nn.Module):
         self.mtp_batch: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None  # the executor's
         self.mtp_head_loss: HeadLoss | None = None
         self.mtp_losses: list[torch.Tensor] = []  # each training forward's MTP loss, until the loss function takes it
+        # a later stage receives [B, T / tp, C] under sequence parallelism: the tokens it runs are tp times that
+        self.sequence_shards = 1
         if last:
             self.final_layernorm = model.final_layernorm
             if last_stage_embeds(model):
@@ -112,12 +114,21 @@ class StageModule(nn.Module):
         if self.first:
             x, rope = model.embed(x)
         else:
-            rope = model.rope_angles(torch.arange(x.shape[1], device=x.device))
+            rope = model.rope_angles(self.positions(x.shape[1] * self.sequence_shards, x.device))
         x = model.run_layers(x, rope, layers=self.layers)
         batch = self.mtp_batch() if self.last and self.mtp_batch is not None else None
         if batch is not None:  # training: the MTP modules on the last layer's output (evaluation never runs them)
             self.mtp_losses.append(model.mtp.loss(model, x, *batch, self.mtp_head_loss))
         return model.logits(x) if self.last and not self.emit_hidden else x
+
+    def positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """The absolute positions of the `length` tokens a later stage runs: 0 … length − 1, or under context
+        parallelism those of this rank's zigzag chunks (`GPTModel.sequence_positions`, as the first stage's
+        `embed` uses)."""
+        model = self._model[0]
+        if model.sequence_positions is not None:
+            return model.sequence_positions(length, device)
+        return torch.arange(length, device=device)
 
 
 @dataclass
@@ -172,7 +183,7 @@ class PipelineParts:
         embedding's gradient (under ZeRO 2–3 its dp shard: both copies' shards hold the same rows), then finish
         every stage's reductions (last: at ZeRO-1 that takes the optimizer's slices of the whole gradients)."""
         if self.dense_after_backward:
-            mean_gradients(self.dense_after_backward, self.mesh.group("dp"), self.mesh.size("dp"))
+            mean_gradients(self.dense_after_backward, self.mesh.group("dp_cp"), self.mesh.size("dp_cp"))
         for shared in (self.tied_embedding, self.shared_positions) if self.embedding_group is not None else ():
             if shared is None:
                 continue
@@ -199,10 +210,12 @@ def apply_pp(
     indices = layout.stages_of(rank)
     last = layout.num_stages - 1
     modules = [StageModule(model, layout.stage_layers[s], s == 0, s == last, emit_hidden) for s in indices]
+    for module in modules:
+        module.sequence_shards = mesh.size("tp") if mesh.dims.sp else 1
     # zero-bubble computes weight gradients with autograd.grad and adds them to .grad itself: DDP's hooks would
     # never fire, so the dense gradients are averaged after the schedule instead (experts: the reducer's finish;
     # FSDP2: torch's stage reduce-scatters after the last micro-batch itself)
-    split_backward = layout.splits_backward and mesh.size("dp") > 1 and not zero.uses_fsdp
+    split_backward = layout.splits_backward and mesh.size("dp_cp") > 1 and not zero.uses_fsdp
     data_parallel = [apply_dp(m, registry, mesh, zero, ddp=not split_backward) for m in modules]
     parts = PipelineParts(layout, mesh, indices, modules, data_parallel)
     if split_backward:
@@ -228,11 +241,12 @@ def embedding_group(mesh: ParallelMesh, layout: PipelineLayout):
         return mesh.group("pp") if mine else None
     dims, found = mesh.dims, None
     for dp in range(dims.dp):
-        for tp in range(dims.tp):
-            ranks = [dims.rank_of(pp=first, dp=dp, tp=tp), dims.rank_of(pp=last, dp=dp, tp=tp)]
-            group = dist.new_group(ranks)
-            if mine and (dp, tp) == (mesh.coords.dp, mesh.coords.tp):
-                found = group
+        for cp in range(dims.cp):
+            for tp in range(dims.tp):
+                ranks = [dims.rank_of(pp=first, dp=dp, cp=cp, tp=tp), dims.rank_of(pp=last, dp=dp, cp=cp, tp=tp)]
+                group = dist.new_group(ranks)
+                if mine and (dp, cp, tp) == (mesh.coords.dp, mesh.coords.cp, mesh.coords.tp):
+                    found = group
     return found
 
 
