@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from moetron.parallel.diagnosis import Site
 from moetron.parallel.dp.base import DataParallel
+from moetron.parallel.dp.exact_buckets import reduce_in_a_fixed_order
 from moetron.parallel.dp.fsdp import apply_fsdp
 from moetron.parallel.dp.sharded_optimizer import OptimizerShards
 from moetron.parallel.dp.zero_spec import REPLICATED, ZeroSpec
@@ -141,6 +142,7 @@ def _replicate(model: nn.Module, registry: ParamRegistry, mesh: ParallelMesh, dd
         module = DistributedDataParallel(
             model, device_ids=device_ids, process_group=mesh.group("dp_cp"), **_no_forward_buffer_sync()
         )
+        reduce_in_a_fixed_order(module)  # the same sums on every step of every process: resume bit-exact
     return DataParallel(model, module, reducer)
 
 
