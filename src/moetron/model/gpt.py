@@ -49,7 +49,7 @@ from moetron.model.moe.layer import MoEAux, MoELayer
 from moetron.model.mtp import MultiTokenPrediction
 from moetron.model.norm import build_norm
 from moetron.model.rng import STREAMS
-from moetron.model.rotary import rotary_angles
+from moetron.model.rotary import rotary_angles, yarn_of
 
 
 @dataclass
@@ -191,7 +191,8 @@ class GPTModel(nn.Module):
         stage without the embedding recomputes them from the sequence length."""
         if self.cfg.position_embedding_type == "learned_absolute":
             return None
-        return rotary_angles(positions_T, self.cfg.rotary_dim, self.cfg.rotary_base, self.cfg.rotary_compat)
+        cfg = self.cfg
+        return rotary_angles(positions_T, cfg.rotary_dim, cfg.rotary_base, cfg.rotary_compat, yarn_of(cfg))
 
     def run_layers(
         self,
