@@ -91,6 +91,7 @@ KINDS: dict[str, str] = {
     "moe_expert_backend": FREE,
     "mtp_num_layers": FUNCTION,  # the MTP modules' weights (generation ignores them; training needs them)
     "mtp_loss_scaling_factor": TRAINING,
+    "mtp_dense_layers": FUNCTION,  # the MTP layers' MLP: MoE (like the last layer) or dense
     # ---- routing: how experts are scored and picked (function), how many tokens they take and how routing is
     # trained (training); capacity only drops tokens, it does not change what a kept token computes
     "topk": FUNCTION,
@@ -148,6 +149,7 @@ EFFECTIVE: dict[str, Callable[[ModelConfig], object]] = {
     "num_experts": _experts,
     **{name: _latent(name) for name in LATENT_SIZES},
     "max_position_embeddings": lambda m: m.max_positions,
+    "mtp_dense_layers": lambda m: m.mtp_layer_experts() == 1 if m.mtp_num_layers else None,
 }
 
 # Rules on values derived from several fields, for fields that are not FUNCTION themselves; None: not applicable.

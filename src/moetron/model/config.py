@@ -83,6 +83,9 @@ class ModelConfig(RouterConfig):
     # ---- multi-token prediction (DeepSeek-V3's sequential MTP modules; Megatron-Core's flags, model/mtp.py) ----
     mtp_num_layers: int = 0  # D modules after the last layer: module k predicts the token k + 1 ahead (training only)
     mtp_loss_scaling_factor: float = 0.1  # the MTP loss added to the LM loss: factor × mean over the D modules
+    # each module's layer is a MoE layer like the last main layer (DeepSeek-V3's MTP block; Megatron-Core builds it
+    # from the decoder's layer spec); True: a dense layer of --ffn-hidden-size channels instead
+    mtp_dense_layers: bool = False
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -135,6 +138,20 @@ class ModelConfig(RouterConfig):
 
     def moe_layer_indices(self) -> list[int]:
         return [i for i, e in enumerate(self.experts_per_layer()) if e > 1]
+
+    def mtp_layer_experts(self) -> int:
+        """Experts of each MTP module's layer (model/mtp.py): the last main layer's, 1 (dense) with
+        --mtp-dense-layers or without MTP."""
+        if not self.mtp_num_layers or self.mtp_dense_layers or self.expert_interval < 1:
+            return 1
+        return self.experts_per_layer()[-1]
+
+    def routed_layer_indices(self) -> list[int]:
+        """The MoE layers' indices, the MTP modules' MoE layers included (num_layers + k − 1 for depth k): the rows
+        of the per-layer routing statistics (`GPTModel.moe_layers()`)."""
+        if self.mtp_layer_experts() == 1:
+            return self.moe_layer_indices()
+        return self.moe_layer_indices() + list(range(self.num_layers, self.num_layers + self.mtp_num_layers))
 
     # ------------------------------------------------------------------ validation
     def problems(self) -> list[str]:
