@@ -4,6 +4,9 @@ halves; with and without a query latent); a moetron MLA model exports to the nat
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 from interchange_support import ARCHITECTURES, VOCAB, run_config, tiny_checkpoint, tokens
@@ -14,6 +17,7 @@ from moetron.eval.generate import load_model
 from moetron.interchange.hf_architectures import DEEPSEEK_V3, GLM4_MOE, find_architecture
 from moetron.interchange.hf_export import export_hf
 from moetron.interchange.hf_import import import_hf
+from moetron.model.gpt import GPTModel
 
 transformers = pytest.importorskip("transformers", reason="checked against transformers' DeepseekV3ForCausalLM")
 
@@ -87,3 +91,46 @@ def test_dense_mla_model_exports_as_remote_code_with_its_logits_and_cache(tmp_pa
         torch.testing.assert_close(hf(x).logits, model(x).logits[..., :VOCAB], atol=1e-5, rtol=0)
     prompt = tokens(1, 5, seed=3)
     assert greedy_hf(hf, prompt, 8) == greedy_moetron(model, prompt, 8)
+
+
+# DeepSeek's own config.json spelling (transformers 4's `rope_scaling`, `type`), YaRN over 8 positions: of the two
+# rotary pairs one keeps its frequency and one is interpolated; mscale != mscale_all_dim puts a factor on cos / sin,
+# and mscale_all_dim corrects the softmax scale (DeepSeek-V3's real config: factor 40, 4096, 32 / 1, 1.0 / 1.0)
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 0.8}  # fmt: skip
+
+
+def test_deepseek_v3_with_yarn_imports_and_exports_with_its_logits(tmp_path, monkeypatch):
+    monkeypatch.setitem(CONFIGS, "deepseek_v3", ("DeepseekV3", {**TINY_V3, "initializer_range": 0.2}))
+    hf = random_hf_model("deepseek_v3")  # large weights: the scaled positions show in the logits
+    save_with_tokenizer(hf, tmp_path / "hf", tmp_path)
+    config_path = tmp_path / "hf" / "config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("rope_parameters", None)
+    config_path.write_text(json.dumps({**config, "rope_theta": 1e4, "rope_scaling": YARN}))
+    hf = load_hf(tmp_path / "hf")  # transformers reads the same file
+    assert hf.config.rope_parameters["rope_type"] == "yarn" and hf.model.layers[0].self_attn.scaling != 14**-0.5
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "run"))
+    model, cfg, _ = load_model(str(tmp_path / "run"), "cpu")
+    m = cfg.model
+    assert (m.rope_type, m.rotary_scaling_factor, m.original_max_position_embeddings) == ("yarn", 4.0, 8)
+    assert (m.beta_fast, m.beta_slow, m.mscale, m.mscale_all_dim) == (32.0, 1.0, 1.0, 0.8)
+    x = tokens()
+    with torch.no_grad():
+        want = hf(x).logits
+        torch.testing.assert_close(model(x).logits[..., :VOCAB], want, atol=1e-4, rtol=0)
+        plain = dataclasses.replace(m, rope_type="rope", rotary_scaling_factor=1.0,
+                                    original_max_position_embeddings=None, mscale_all_dim=0.0)  # fmt: skip
+        assert (model(x).logits - load_model_as(model, plain)(x).logits).abs().max() > 1e-2  # YaRN changed them
+    export_hf(str(tmp_path / "run"), str(tmp_path / "back"))
+    back = load_hf(tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_scaling"]["type"] == "yarn"
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, want, atol=1e-4, rtol=0)
+
+
+def load_model_as(model, cfg):
+    """The same weights under another model config."""
+    other = GPTModel(cfg)
+    other.load_state_dict(model.state_dict())
+    return other.eval()

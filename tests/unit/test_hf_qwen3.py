@@ -4,6 +4,7 @@ recipes are Qwen3-MoE models (the real size's config.json is the published one).
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -16,6 +17,8 @@ from moetron.eval.generate import GenerationOptions, generate_batch, load_model
 from moetron.interchange.hf_architectures import QWEN3_MOE, Tokens, find_architecture
 from moetron.interchange.hf_export import export_hf
 from moetron.interchange.hf_import import import_hf
+from moetron.model.config import ModelConfig
+from moetron.model.rotary import rotary_angles, yarn_of
 from moetron.recipes import resolve_config_path
 
 transformers = pytest.importorskip("transformers", reason="checked against transformers itself")
@@ -79,3 +82,24 @@ def test_qwen3_recipes_are_qwen3_moe_models(recipe):
     if recipe == "qwen3-30B-A3B":
         hf = QWEN3_MOE.hf_config(cfg.model, Tokens())
         assert {key: hf[key] for key in PUBLISHED_30B_A3B} == PUBLISHED_30B_A3B
+
+
+def test_qwen3_yarn_config_imports_to_transformers_rotary_angles():
+    """Qwen3's YaRN (`rope_parameters` without mscale: transformers' attention factor 0.1·ln s + 1 on cos and sin)
+    gives moetron the same angles as transformers' rotary embedding, and exports back to the same settings."""
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 8}
+    hf_config = transformers.Qwen3MoeConfig(**{**TINY_QWEN3, "rope_parameters": yarn})
+    fields = QWEN3_MOE.model_fields(hf_config.to_dict())
+    assert (fields["rope_type"], fields["mscale"], fields["mscale_all_dim"]) == ("yarn", 1.0, 0.0)
+    cfg = ModelConfig(**{**fields, "seq_length": 16})
+    positions = torch.arange(32)
+    x = torch.zeros(1, 32, 1)
+    want_cos, want_sin = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeRotaryEmbedding(hf_config)(
+        x, positions[None]
+    )
+    cos, sin = rotary_angles(positions, cfg.rotary_dim, cfg.rotary_base, yarn=yarn_of(cfg))
+    torch.testing.assert_close(cos, want_cos[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin, want_sin[0], atol=1e-6, rtol=0)
+    assert abs(cos[0, 0].item() - (0.1 * math.log(4.0) + 1)) < 1e-6  # the attention factor is there
+    exported = QWEN3_MOE.hf_config(cfg, Tokens())["rope_parameters"]
+    assert {k: exported[k] for k in yarn} == yarn and "attention_factor" not in exported

@@ -94,6 +94,9 @@ def test_rope_rotates_only_the_decoupled_channels():
         ({"q_lora_rank": -1}, "--q-lora-rank must be >= 0"),
         ({"num_key_value_heads": 2}, "--num-key-value-heads 2 has no meaning with --multi-latent-attention"),
         ({"qk_layernorm": True}, "--qk-layernorm True has no meaning"),
+        ({"rope_type": "yarn"}, "--rope-type yarn needs --original-max-position-embeddings"),
+        ({"rope_type": "yarn", "original_max_position_embeddings": 8, "beta_slow": 0.0}, "--beta-slow must be"),
+        ({"rope_type": "ntk"}, "--rope-type 'ntk' is not one of rope, yarn"),
     ],
 )
 def test_config_problems_name_the_flag(overrides, message):
@@ -106,6 +109,12 @@ def test_latent_sizes_without_mla_are_refused_not_ignored():
     assert problems == [
         "--q-lora-rank 0 has no effect without --multi-latent-attention; add --multi-latent-attention or drop it",
         "--kv-lora-rank 512 has no effect without --multi-latent-attention; add --multi-latent-attention or drop it",
+    ]
+
+
+def test_yarn_settings_without_yarn_are_refused_not_ignored():
+    assert ModelConfig(mscale_all_dim=1.0).problems() == [
+        "--mscale-all-dim 1.0 has no effect without --rope-type yarn; add --rope-type yarn or drop it"
     ]
 
 

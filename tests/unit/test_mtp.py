@@ -66,19 +66,23 @@ def test_generation_ignores_the_mtp_modules():
     assert generate_batch(model, prompt, options) == with_modules
 
 
-def mtp_config(depths: int, factor: float = 0.1, **train):
+def mtp_config(depths: int, factor: float = 0.1, dense: bool = False, **train):
     cfg = tiny_config(train_iters=4, hidden_dropout=0.1, **train)
     cfg.model.position_embedding_type, cfg.model.normalization = "rope", "rmsnorm"
     cfg.model.mtp_num_layers, cfg.model.mtp_loss_scaling_factor = depths, factor
+    cfg.model.mtp_dense_layers = dense
     return cfg
 
 
 def test_training_with_mtp_logs_mtp_loss_and_trains_the_trunk(tmp_path, capsys):
     torch.set_num_threads(1)
-    # factor 0: the modules run but send no gradient to the trunk, so the LM curve is the plain one bit for bit
-    # (without clipping: the global norm would sum the modules' zero gradients in another order)
+    # factor 0 with dense MTP layers: the modules run but send no gradient to the trunk, so the LM curve is the plain
+    # one bit for bit (without clipping: the global norm would sum the modules' zero gradients in another order)
     unclipped = run_losses(build_trainer(mtp_config(0, clip_grad=0.0)), 4)
-    assert run_losses(build_trainer(mtp_config(1, factor=0.0, clip_grad=0.0)), 4) == unclipped
+    assert run_losses(build_trainer(mtp_config(1, factor=0.0, dense=True, clip_grad=0.0)), 4) == unclipped
+    # a MoE MTP layer's aux loss is a loss of its own (not scaled by the factor): it reaches the trunk through its
+    # router's input, as in Megatron-Core
+    assert run_losses(build_trainer(mtp_config(1, factor=0.0, clip_grad=0.0)), 4) != unclipped
     plain = run_losses(build_trainer(mtp_config(0)), 4)
     trainer = build_trainer(mtp_config(2, factor=0.5, save=str(tmp_path / "run"), log_interval=2))
     assert trainer.train() == 0
@@ -88,6 +92,27 @@ def test_training_with_mtp_logs_mtp_loss_and_trains_the_trunk(tmp_path, capsys):
     assert all(r["mtp_loss"] > 0 for r in records) and records[-1]["mtp_loss"] < records[0]["mtp_loss"]
     lm = [r["lm_loss"] for r in records]
     assert lm != [sum(plain[0:2]) / 2, sum(plain[2:4]) / 2]  # the MTP gradient reached the trunk
+
+
+def test_mtp_layers_are_moe_layers_like_the_last_layer_and_route_with_the_others():
+    """DeepSeek-V3's MTP block is a MoE block: keyed after the main layers, listed with them (expert bias updates,
+    routing statistics), its aux loss attached to its output; --mtp-dense-layers keeps a dense one."""
+    model = mtp_model(depths=2, moe_router_score_function="sigmoid", moe_router_bias_update_rate=1e-3)
+    layers = [m.transformer_layer for m in model.mtp.layers.values()]
+    assert all(layer.is_moe and layer.mlp.num_experts == 4 for layer in layers)
+    assert [moe.layer_index for moe in model.moe_layers()] == model.cfg.routed_layer_indices() == [1, 2, 3]
+    batch = random_samples(3, seed=5)
+    model.train()
+    out = model(batch[:, :-1], labels_BT=batch[:, 1:], mtp_labels_BT=batch[:, 1:])
+    (out.lm_loss + out.mtp_loss).backward()
+    assert all(layer.mlp.router.weight.grad.abs().sum() > 0 for layer in layers)
+    assert all(layer.mlp.router.load_since_update_E.sum() > 0 for layer in layers)  # what the bias update reads
+    dense = mtp_model(depths=2, mtp_dense_layers=True)
+    assert not any(m.transformer_layer.is_moe for m in dense.mtp.layers.values())
+    assert dense.cfg.routed_layer_indices() == [1]
+    (ep,) = mtp_layout_problems(model.cfg, sp=False, ep=2)
+    assert ep.startswith("--mtp-num-layers 2 with MoE MTP layers under --moe-expert-parallel-size 2 is not")
+    assert mtp_layout_problems(dense.cfg, sp=False, ep=2) == []
 
 
 def test_unsupported_layouts_are_refused_in_one_line_each():

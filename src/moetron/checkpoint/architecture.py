@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from moetron.config import RunConfig
 
 FUNCTION, TRAINING, FREE = "function", "training", "free"
+YARN_SETTINGS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                 "mscale_all_dim")  # fmt: skip
 
 KINDS: dict[str, str] = {
     # ---- the dense GPT
@@ -55,6 +57,10 @@ KINDS: dict[str, str] = {
     "position_embedding_type": FUNCTION,
     "rotary_base": FUNCTION,
     "rotary_compat": FUNCTION,  # Megatron-DeepSpeed PR #441 angles: another function of the same weights
+    # YaRN: the same weights at other frequencies. A context extension is a training phase of its own (DeepSeek's:
+    # pretrain plain, then a --finetune with --rope-type yarn), so: refused on a resume, allowed with --finetune
+    "rope_type": TRAINING,
+    **dict.fromkeys(YARN_SETTINGS, TRAINING),
     "swiglu": FUNCTION,
     "add_bias_linear": FUNCTION,
     "add_qkv_bias": FUNCTION,
@@ -85,6 +91,7 @@ KINDS: dict[str, str] = {
     "moe_expert_backend": FREE,
     "mtp_num_layers": FUNCTION,  # the MTP modules' weights (generation ignores them; training needs them)
     "mtp_loss_scaling_factor": TRAINING,
+    "mtp_dense_layers": FUNCTION,  # the MTP layers' MLP: MoE (like the last layer) or dense
     # ---- routing: how experts are scored and picked (function), how many tokens they take and how routing is
     # trained (training); capacity only drops tokens, it does not change what a kept token computes
     "topk": FUNCTION,
@@ -122,6 +129,11 @@ def _latent(name: str) -> Callable[[ModelConfig], object]:
     return lambda m: (getattr(m, name) or None) if m.multi_latent_attention else None
 
 
+def _yarn(name: str) -> Callable[[ModelConfig], object]:
+    """A YaRN setting means nothing without --rope-type yarn."""
+    return lambda m: getattr(m, name) if m.rope_type == "yarn" else None
+
+
 # Values as the model uses them (defaults resolved; None: the field does not apply to that model), compared when
 # the values given differ; fields not listed compare as given.
 EFFECTIVE: dict[str, Callable[[ModelConfig], object]] = {
@@ -133,9 +145,11 @@ EFFECTIVE: dict[str, Callable[[ModelConfig], object]] = {
     "rotary_base": lambda m: m.rotary_base if m.position_embedding_type == "rope" else None,
     "rotary_compat": lambda m: m.rotary_compat if m.position_embedding_type == "rope" else None,
     "qk_layernorm_scope": lambda m: m.qk_layernorm_scope if m.qk_layernorm else None,
+    **{name: _yarn(name) for name in YARN_SETTINGS},
     "num_experts": _experts,
     **{name: _latent(name) for name in LATENT_SIZES},
     "max_position_embeddings": lambda m: m.max_positions,
+    "mtp_dense_layers": lambda m: m.mtp_layer_experts() == 1 if m.mtp_num_layers else None,
 }
 
 # Rules on values derived from several fields, for fields that are not FUNCTION themselves; None: not applicable.

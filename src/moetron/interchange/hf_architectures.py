@@ -35,6 +35,7 @@ from moetron.interchange.hf_architecture_base import (
 )
 from moetron.interchange.hf_deepseek_v3 import mla_fields, mla_hf_config, mla_problems, mla_rules, rope_interleaved
 from moetron.interchange.hf_gpt2 import GPT2
+from moetron.interchange.hf_rope import hf_rope_keys, hf_rope_parameters
 from moetron.interchange.hf_tensor_rules import Rule, per_expert, qkv, same, single_expert, vocab_rows
 from moetron.model.config import ModelConfig
 
@@ -147,8 +148,7 @@ class LlamaFamily(Architecture):
             "hidden_act": "silu",
             "max_position_embeddings": cfg.max_positions,
             "rms_norm_eps": cfg.layernorm_epsilon,
-            "rope_theta": cfg.rotary_base,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base},
+            **hf_rope_keys(cfg),
             "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
             "attention_dropout": cfg.attention_dropout,
             "initializer_range": cfg.init_method_std,
@@ -201,12 +201,8 @@ class LlamaFamily(Architecture):
                 topk_group=cfg.topk_groups if cfg.num_expert_groups > 1 else 1,
                 routed_scaling_factor=cfg.moe_router_topk_scaling_factor,
             )
-            out["rope_parameters"] = {**self.hf_rope(cfg), "partial_rotary_factor": 1.0}
+            out["rope_parameters"] = {**hf_rope_parameters(cfg), "partial_rotary_factor": 1.0}
         return out
-
-    @staticmethod
-    def hf_rope(cfg: ModelConfig) -> dict:
-        return {"rope_type": "default", "rope_theta": cfg.rotary_base}
 
     # ------------------------------------------------------------ import: config.json → ModelConfig fields
     def model_fields(self, hf: dict) -> dict:

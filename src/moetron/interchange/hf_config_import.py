@@ -1,16 +1,18 @@
 """A Hugging Face `config.json` → moetron `ModelConfig` fields (the way back of `Architecture.hf_config`).
 
 Everything the transformers model does at inference is carried over exactly (the import test compares logits);
-options moetron cannot express (RoPE scaling, sliding-window attention, QKV clipping, partial rotary, other
-activations) stop the import with one line naming the option. Training-only choices a `config.json` does not
-record are set to the model family's published recipe and said so in the written config.yaml's comments:
-dropout 0, dropless routing, the family's aux-loss coefficient; DeepSeek-V3-style models keep updating the
-selection-only expert bias (`--moe-router-bias-update-rate 1e-3`, DeepSeek-V3's rate) with a sequence-wise aux loss.
+options moetron cannot express (RoPE scalings other than YaRN, `hf_rope.py`; sliding-window attention, QKV
+clipping, partial rotary, other activations) stop the import with one line naming the option. Training-only
+choices a `config.json` does not record are set to the model family's published recipe and said so in the written
+config.yaml's comments: dropout 0, dropless routing, the family's aux-loss coefficient; DeepSeek-V3-style models
+keep updating the selection-only expert bias (`--moe-router-bias-update-rate 1e-3`, DeepSeek-V3's rate) with a
+sequence-wise aux loss.
 """
 
 from __future__ import annotations
 
 from moetron.errors import UserError
+from moetron.interchange.hf_rope import rope_fields
 
 SEQ_LENGTH_CAP = 4096  # the training --seq-length written for models whose position limit is larger
 
@@ -27,18 +29,6 @@ def _get(hf: dict, key: str, flag_hint: str = ""):
     if key not in hf or hf[key] is None:
         raise UserError(f"config.json has no {key!r}{flag_hint}; is it a complete Hugging Face config?")
     return hf[key]
-
-
-def rope_theta(hf: dict, problems: list[str]) -> float:
-    """RoPE base from `rope_parameters` (transformers 5) or `rope_theta` / `rope_scaling` (transformers 4)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        problems.append(f"rope_type {kind!r} (RoPE scaling) has no moetron equivalent; only plain RoPE imports")
-    if float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
-        problems.append("partial_rotary_factor != 1 (RoPE on part of each head) has no moetron equivalent")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
 def common_fields(hf: dict, heads_key: str, problems: list[str]) -> dict:
@@ -74,7 +64,7 @@ def llama_family_fields(arch, hf: dict) -> dict:
         "seq_length": min(max_pos, SEQ_LENGTH_CAP),
         "normalization": "rmsnorm",
         "position_embedding_type": "rope",
-        "rotary_base": rope_theta(hf, p),
+        **rope_fields(hf, p, mla=arch.mla),
         "swiglu": True,
         "layernorm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
         "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", arch.model_type == "llama"),

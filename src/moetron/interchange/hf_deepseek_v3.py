@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from moetron.errors import UserError
+from moetron.interchange.hf_rope import hf_rope_parameters
 from moetron.interchange.hf_tensor_rules import Rule, same
 from moetron.model.config import ModelConfig
 
@@ -107,7 +108,7 @@ def mla_hf_config(cfg: ModelConfig) -> dict:
         "qk_rope_head_dim": cfg.qk_pos_emb_head_dim,
         "v_head_dim": cfg.v_head_dim,
         "rope_interleave": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base},
+        "rope_parameters": hf_rope_parameters(cfg),
         "attention_bias": False,
     }
 

@@ -165,9 +165,11 @@ def causal_attention(
     past: int,
     dropout_p: float = 0.0,
     queries_per_group: int = 1,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal SDPA where query t sits at absolute position `past + t` (keys 0 … past + T − 1); K key/value heads
-    serve `queries_per_group` query heads each. The value head dim may differ from the query/key one (MLA)."""
+    serve `queries_per_group` query heads each. The value head dim may differ from the query/key one (MLA).
+    `scale`: the softmax scale (None: SDPA's 1/sqrt(head dim))."""
     T, S = q_BHTD.shape[2], k_BKSD.shape[2]
     mask_TS, is_causal = None, True
     if past > 0:
@@ -178,5 +180,5 @@ def causal_attention(
             mask_TS = torch.arange(S, device=q_BHTD.device)[None, :] <= query_pos_T[:, None]
     k_BKSD, v_BKSD, gqa = grouped_kv(k_BKSD, v_BKSD, queries_per_group)
     return F.scaled_dot_product_attention(
-        q_BHTD, k_BKSD, v_BKSD, attn_mask=mask_TS, dropout_p=dropout_p, is_causal=is_causal, **gqa
+        q_BHTD, k_BKSD, v_BKSD, attn_mask=mask_TS, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa
     )

@@ -43,6 +43,15 @@ class ModelConfig(RouterConfig):
     # and keys rotated by the angle cos(mθ), not mθ; see model/rotary.py), for checkpoints trained with it. No
     # transformers class computes it (native export refuses; remote-code export carries it).
     rotary_compat: str = "none"
+    # RoPE scaling (Megatron-LM's --rope-type; model/rotary.py): rope = plain | yarn = YaRN's frequencies and attention
+    # factor (DeepSeek-V2/V3's context extension); the yarn_* settings below are Megatron-Core's names
+    rope_type: str = "rope"
+    rotary_scaling_factor: float = 1.0  # YaRN's context extension factor s
+    original_max_position_embeddings: int | None = None  # YaRN: the pretraining length the frequencies were fit to
+    beta_fast: float = 32.0  # YaRN: pairs turning more often than this over that length keep their frequency
+    beta_slow: float = 1.0  # YaRN: pairs turning less often than this are interpolated (divided by s)
+    mscale: float = 1.0  # YaRN's attention factor mscale(s, mscale) / mscale(s, mscale_all_dim) on cos and sin
+    mscale_all_dim: float = 0.0  # ... and MLA's softmax scale × mscale(s, mscale_all_dim)² (0: neither)
     swiglu: bool = False  # SwiGLU MLPs instead of GELU
     add_bias_linear: bool = True  # False: no biases in attention and MLP linears (modern models)
     add_qkv_bias: bool = False  # a bias in the QKV projection even without --add-bias-linear (Qwen2)
@@ -74,6 +83,9 @@ class ModelConfig(RouterConfig):
     # ---- multi-token prediction (DeepSeek-V3's sequential MTP modules; Megatron-Core's flags, model/mtp.py) ----
     mtp_num_layers: int = 0  # D modules after the last layer: module k predicts the token k + 1 ahead (training only)
     mtp_loss_scaling_factor: float = 0.1  # the MTP loss added to the LM loss: factor × mean over the D modules
+    # each module's layer is a MoE layer like the last main layer (DeepSeek-V3's MTP block; Megatron-Core builds it
+    # from the decoder's layer spec); True: a dense layer of --ffn-hidden-size channels instead
+    mtp_dense_layers: bool = False
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -127,6 +139,20 @@ class ModelConfig(RouterConfig):
     def moe_layer_indices(self) -> list[int]:
         return [i for i, e in enumerate(self.experts_per_layer()) if e > 1]
 
+    def mtp_layer_experts(self) -> int:
+        """Experts of each MTP module's layer (model/mtp.py): the last main layer's, 1 (dense) with
+        --mtp-dense-layers or without MTP."""
+        if not self.mtp_num_layers or self.mtp_dense_layers or self.expert_interval < 1:
+            return 1
+        return self.experts_per_layer()[-1]
+
+    def routed_layer_indices(self) -> list[int]:
+        """The MoE layers' indices, the MTP modules' MoE layers included (num_layers + k − 1 for depth k): the rows
+        of the per-layer routing statistics (`GPTModel.moe_layers()`)."""
+        if self.mtp_layer_experts() == 1:
+            return self.moe_layer_indices()
+        return self.moe_layer_indices() + list(range(self.num_layers, self.num_layers + self.mtp_num_layers))
+
     # ------------------------------------------------------------------ validation
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -156,6 +182,7 @@ class ModelConfig(RouterConfig):
                 f"--rotary-compat {self.rotary_compat} changes rotary embeddings, but --position-embedding-type is "
                 f"{self.position_embedding_type!r}; set it to rope or drop --rotary-compat"
             )
+        p.extend(self.rope_scaling_problems())
         if self.expert_interval < 1:
             p.append(f"--expert-interval must be >= 1, got {self.expert_interval}")
         slots = self.num_moe_layer_slots() if self.expert_interval >= 1 else 0
@@ -170,6 +197,7 @@ class ModelConfig(RouterConfig):
             ("normalization", ("layernorm", "rmsnorm")),
             ("position_embedding_type", ("learned_absolute", "rope")),
             ("rotary_compat", ROTARY_COMPAT),
+            ("rope_type", ("rope", "yarn")),
             ("mlp_type", ("standard", "residual")),
             ("qk_layernorm_scope", ("head", "all_heads")),
             ("moe_expert_backend", ("auto", "grouped_mm", "batched", "loop")),
@@ -187,6 +215,41 @@ class ModelConfig(RouterConfig):
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 p.append(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        return p
+
+    def rope_scaling_problems(self) -> list[str]:
+        """What --rope-type yarn needs (rotary positions, a pretraining length, positive sizes); its settings
+        changed without it would do nothing."""
+        names = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                 "mscale_all_dim")  # fmt: skip
+        if self.rope_type != "yarn":
+            defaults = ModelConfig.__dataclass_fields__
+            return [
+                f"--{n.replace('_', '-')} {getattr(self, n)} has no effect without --rope-type yarn; add "
+                f"--rope-type yarn or drop it"
+                for n in names
+                if getattr(self, n) != defaults[n].default
+            ]
+        p: list[str] = []
+        if self.position_embedding_type != "rope":
+            p.append(
+                f"--rope-type yarn scales rotary positions, but --position-embedding-type is "
+                f"{self.position_embedding_type!r}; set it to rope"
+            )
+        if self.rotary_compat != "none":
+            p.append(f"--rope-type yarn with --rotary-compat {self.rotary_compat} is not supported; drop one of them")
+        if not self.original_max_position_embeddings or self.original_max_position_embeddings < 1:
+            p.append(
+                "--rope-type yarn needs --original-max-position-embeddings (the length the model was pretrained at, "
+                "e.g. 4096 for DeepSeek-V3)"
+            )
+        for n in ("rotary_scaling_factor", "beta_fast", "beta_slow"):
+            if not 0.0 < getattr(self, n) < float("inf"):
+                flag = "--" + n.replace("_", "-")
+                p.append(f"{flag} must be a finite value > 0 with --rope-type yarn, got {getattr(self, n)}")
+        for n in ("mscale", "mscale_all_dim"):
+            if not 0.0 <= getattr(self, n) < float("inf"):
+                p.append(f"--{n.replace('_', '-')} must be a finite value >= 0, got {getattr(self, n)}")
         return p
 
     def unused_latent_sizes(self) -> list[str]:

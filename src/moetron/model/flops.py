@@ -113,15 +113,26 @@ def count_parameters(cfg: ModelConfig) -> ParamCounts:
         else:
             dense += mlp_params(cfg, cfg.ffn_size)
     dense += cfg.mtp_num_layers * mtp_module_params(cfg)
+    mtp_routed, mtp_experts = mtp_module_routed_params(cfg), cfg.mtp_layer_experts()
+    expert += cfg.mtp_num_layers * mtp_routed
+    active_expert += cfg.mtp_num_layers * (mtp_routed * cfg.topk // mtp_experts)
     total = embedding + dense + expert
     return ParamCounts(total, embedding + dense + active_expert, embedding, expert, dense)
 
 
 def mtp_module_params(cfg: ModelConfig) -> int:
-    """One multi-token-prediction module (model/mtp.py): enorm, hnorm, the 2h → h projection, a dense transformer
-    layer and its final norm; the embedding and the head are the model's."""
-    h = cfg.hidden_size
-    return 5 * norm_params(cfg) + 2 * h * h + attention_params(cfg) + mlp_params(cfg, cfg.ffn_size)
+    """One multi-token-prediction module (model/mtp.py) without its routed experts: enorm, hnorm, the 2h → h
+    projection, its transformer layer (a dense MLP, or a MoE layer's router and shared experts) and its final norm;
+    the embedding and the head are the model's."""
+    h, experts = cfg.hidden_size, cfg.mtp_layer_experts()
+    mlp = mlp_params(cfg, cfg.ffn_size) if experts == 1 else moe_layer_params(cfg, experts)[1]
+    return 5 * norm_params(cfg) + 2 * h * h + attention_params(cfg) + mlp
+
+
+def mtp_module_routed_params(cfg: ModelConfig) -> int:
+    """The routed experts of one MTP module's MoE layer (0 when it is dense)."""
+    experts = cfg.mtp_layer_experts()
+    return 0 if experts == 1 else moe_layer_params(cfg, experts)[0]
 
 
 def flops_per_token(cfg: ModelConfig, seq_length: int | None = None) -> float:

@@ -49,7 +49,7 @@ from moetron.model.moe.layer import MoEAux, MoELayer
 from moetron.model.mtp import MultiTokenPrediction
 from moetron.model.norm import build_norm
 from moetron.model.rng import STREAMS
-from moetron.model.rotary import rotary_angles
+from moetron.model.rotary import rotary_angles, yarn_of
 
 
 @dataclass
@@ -113,9 +113,10 @@ class GPTModel(nn.Module):
         self.output_layer = None
         if cfg.untie_embeddings_and_output_weights:
             self.output_layer = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size(), bias=False)
-        self.mtp = None  # multi-token prediction (model/mtp.py): dense layers after the last one, training only
+        self.mtp = None  # multi-token prediction (model/mtp.py): layers after the last one, training only
         if cfg.mtp_num_layers:
-            self.mtp = MultiTokenPrediction(cfg, lambda index: TransformerLayer(cfg, index, num_experts=1))
+            experts = cfg.mtp_layer_experts()  # MoE like the last layer (DeepSeek-V3), or --mtp-dense-layers
+            self.mtp = MultiTokenPrediction(cfg, lambda index: TransformerLayer(cfg, index, num_experts=experts))
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -191,7 +192,8 @@ class GPTModel(nn.Module):
         stage without the embedding recomputes them from the sequence length."""
         if self.cfg.position_embedding_type == "learned_absolute":
             return None
-        return rotary_angles(positions_T, self.cfg.rotary_dim, self.cfg.rotary_base, self.cfg.rotary_compat)
+        cfg = self.cfg
+        return rotary_angles(positions_T, cfg.rotary_dim, cfg.rotary_base, cfg.rotary_compat, yarn_of(cfg))
 
     def run_layers(
         self,
@@ -248,8 +250,12 @@ class GPTModel(nn.Module):
         return [(int(name), layer) for name, layer in self.layers.items()]
 
     def moe_layers(self) -> list[MoELayer]:
-        """The MoE layers, in layer order."""
-        return [layer.mlp for layer in self.layers.values() if layer.is_moe]
+        """The MoE layers, in layer order, then the MTP modules' (so expert parallelism, tensor parallelism's
+        dispatchers, the expert-bias updates and the routing statistics cover them: `cfg.routed_layer_indices()`)."""
+        layers = [layer.mlp for layer in self.layers.values() if layer.is_moe]
+        if self.mtp is not None:
+            layers += [m.transformer_layer.mlp for m in self.mtp.layers.values() if m.transformer_layer.is_moe]
+        return layers
 
     def set_inference_routing(self, dropless: bool) -> None:
         """dropless=True: every MoE router keeps all tokens (capacity = the largest expert load), so that

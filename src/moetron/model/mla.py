@@ -14,8 +14,8 @@ Rq / Rkv the query / key-value latent ranks, Dn `--qk-head-dim` (channels withou
 
 The latent norms are RMSNorms with DeepSeek's fixed epsilon 1e-6 (`LATENT_NORM_EPS`: DeepSeek's code and
 transformers' DeepseekV3Attention use it whatever `rms_norm_eps` is), so a moetron MLA model is exactly a
-DeepseekV3ForCausalLM attention. The softmax scale is DeepSeek's 1/sqrt(Dn + Dr); YaRN's mscale correction is not
-implemented (it only applies with YaRN RoPE scaling, which moetron does not have; importing such a model stops).
+DeepseekV3ForCausalLM attention. The softmax scale is DeepSeek's 1/sqrt(Dn + Dr), times YaRN's mscale(s,
+--mscale-all-dim)² with --rope-type yarn (`model/rotary.py`, DeepSeek's correction as Megatron-Core applies it).
 
 The KV cache (`KVCache` with keys = the normalised latent `[B, 1, L, Rkv]`, values = the rotated shared key
 `[B, 1, L, Dr]`) holds Rkv + Dr numbers per token and layer instead of 2·H·D; keys and values are expanded from it
@@ -41,7 +41,7 @@ from moetron.model.config import ModelConfig
 from moetron.model.kv_cache import KVCache
 from moetron.model.norm import RMSNorm
 from moetron.model.rng import STREAMS
-from moetron.model.rotary import apply_rotary
+from moetron.model.rotary import apply_rotary, yarn_of, yarn_softmax_factor
 
 LATENT_NORM_EPS = 1e-6
 
@@ -54,6 +54,7 @@ class MultiLatentAttention(nn.Module):
         self.layer_index = layer_index
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         self.kv_rank = cfg.kv_lora_rank
+        self.softmax_scale = yarn_softmax_factor(yarn_of(cfg)) / (self.nope_dim + self.rope_dim) ** 0.5
         self.dropout_p = cfg.attention_dropout
         self.stream_shard: tuple = ()  # extra key of the attention-dropout stream (tensor parallelism: the shard)
         # tensor parallelism: identity forward, sum over the head shards backward (see the module docstring)
@@ -115,7 +116,8 @@ class MultiLatentAttention(nn.Module):
         q_BHTD = torch.cat([q_nope_BHTD, q_rope_BHTD], dim=-1)
         with self.dropout_stream():
             dropout_p = self.dropout_p if self.training else 0.0
-            y_BHTD = causal_attention(q_BHTD, k_BHSD.to(q_BHTD.dtype), v_BHSD.to(q_BHTD.dtype), past, dropout_p)
+            k_BHSD, v_BHSD = k_BHSD.to(q_BHTD.dtype), v_BHSD.to(q_BHTD.dtype)
+            y_BHTD = causal_attention(q_BHTD, k_BHSD, v_BHSD, past, dropout_p, scale=self.softmax_scale)
         return self.dense(y_BHTD.transpose(1, 2).reshape(B, T, -1))
 
     def dropout_stream(self) -> contextlib.AbstractContextManager:

@@ -12,11 +12,15 @@ The shifted tokens and labels are the micro-batch's rolled left by k; the k posi
 tokens past the sequence are masked out of loss_k (Megatron-Core's `roll_tensor`). The MTP loss is the mean of the
 D losses; the trainer adds `--mtp-loss-scaling-factor` times it to the LM loss (Megatron-Core: factor / D × Σ).
 
-Each module's transformer layer is a dense one (its MLP has --ffn-hidden-size channels), even in a MoE model
-(DeepSeek-V3's MTP layer is a MoE layer; moetron's MoE statistics, expert parallelism and expert-bias updates cover
-the main layers only). Generation never runs the modules. Layouts: data, tensor (the layer on the main layers'
-TP plan, the shared head vocab-parallel: `parallel/tp/apply_tp.py`) and pipeline parallelism (the modules on the
-last stage with copies of the embeddings: `parallel/pp/split.py`); not yet sequence or context parallelism.
+Each module's transformer layer is built like the last main layer: a MoE layer in a MoE model (DeepSeek-V3's MTP
+block is one; Megatron-Core builds it from the decoder's layer spec), keyed as layer num_layers + k − 1 (its router's
+random draws, its row in the routing statistics). Its aux loss reaches its router the way every MoE layer's does
+(attached to its output, `moe/aux_loss.py`), its selection-only expert bias is updated with the others
+(`GPTModel.moe_layers()` lists it), and `--mtp-dense-layers` makes it a dense layer of --ffn-hidden-size channels.
+`GPTOutput.moe_loss` (a report) sums the main layers' aux losses only. Generation never runs the modules.
+Layouts: data, tensor (the layer on the main layers' TP plan, the shared head vocab-parallel:
+`parallel/tp/apply_tp.py`) and pipeline parallelism (the modules on the last stage with copies of the embeddings:
+`parallel/pp/split.py`); not yet sequence or context parallelism, nor a MoE MTP layer under expert parallelism.
 They are built by `GPTModel` (which hands in its layer class), so this module imports nothing of the model's own.
 """
 
@@ -33,18 +37,28 @@ from moetron.model.norm import build_norm
 from moetron.model.rng import STREAMS
 
 
-def mtp_layout_problems(cfg: ModelConfig, sp: bool) -> list[str]:
+def mtp_layout_problems(cfg: ModelConfig, sp: bool, ep: int = 1, fsdp_expert_group: bool = False) -> list[str]:
     """The layouts the MTP modules do not run under yet, one line each (validate() reports them before launch).
     Tensor parallelism (the modules on the main layers' TP plan, `parallel/tp/apply_tp.py`) and pipeline
     parallelism (the modules on the last stage, `parallel/pp/split.py`) run; context parallelism is refused by
-    `parallel/cp/sizes.py`; sequence parallelism (`sp`: on, with tp > 1) here."""
-    if not cfg.mtp_num_layers or not sp:
-        return []
-    return [
-        f"--mtp-num-layers {cfg.mtp_num_layers} with --sequence-parallel is not supported yet (each MTP module "
-        f"shifts whole sequences, and its input would be a sequence shard); drop --sequence-parallel or use "
-        f"--mtp-num-layers 0"
-    ]
+    `parallel/cp/sizes.py`; sequence parallelism (`sp`: on, with tp > 1) here. A MoE MTP layer is not yet placed by
+    expert parallelism (`ep` > 1) nor given its own expert group by ZeRO-2/3's FSDP (`fsdp_expert_group`: sharded
+    with experts reduced over another group than the dense parameters, `parallel/dp/fsdp.py`)."""
+    p: list[str] = []
+    if cfg.mtp_num_layers and sp:
+        p.append(
+            f"--mtp-num-layers {cfg.mtp_num_layers} with --sequence-parallel is not supported yet (each MTP module "
+            f"shifts whole sequences, and its input would be a sequence shard); drop --sequence-parallel or use "
+            f"--mtp-num-layers 0"
+        )
+    if cfg.mtp_layer_experts() > 1 and (ep > 1 or fsdp_expert_group):
+        layout = f"--moe-expert-parallel-size {ep}" if ep > 1 else "ZeRO stage 2/3 with experts in their own group"
+        p.append(
+            f"--mtp-num-layers {cfg.mtp_num_layers} with MoE MTP layers under {layout} is not supported yet (the "
+            f"MTP modules' experts are not sharded like the main layers'); add --mtp-dense-layers or use "
+            f"--moe-expert-parallel-size 1"
+        )
+    return p
 
 
 class MTPModule(nn.Module):

@@ -70,8 +70,8 @@ def layer_adamw(model: ModelConfig, num_experts: int, ep: int) -> tuple[int, int
 
 
 def mtp_module_adamw(model: ModelConfig) -> int:
-    """AdamW's parameters of one MTP module: its five norms and its dense layer's (eh_proj is a matrix: Muon's)."""
-    return 5 * norm_params(model) + attention_adamw(model) + mlp_adamw(model, model.ffn_size)
+    """AdamW's parameters of one MTP module: its three own norms and its layer's (eh_proj is a matrix: Muon's)."""
+    return 3 * norm_params(model) + layer_adamw(model, model.mtp_layer_experts(), 1)[0]
 
 
 def model_adamw(model: ModelConfig, ep: int) -> tuple[int, int]:

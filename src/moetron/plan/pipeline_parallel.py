@@ -24,6 +24,7 @@ from moetron.model.flops import (
     mlp_params,
     moe_layer_params,
     mtp_module_params,
+    mtp_module_routed_params,
     norm_params,
 )
 from moetron.parallel.dims import ParallelDims
@@ -95,10 +96,11 @@ def stage_parameters(model: ModelConfig, layers: tuple[int, ...], first: bool, l
         root += norm_params(model) + (vocab if untied or not first else 0)
         matmul += vocab
     if last and model.mtp_num_layers:  # the MTP modules (pp/split.py), and the embeddings they look tokens up in
-        module = mtp_module_params(model)
-        total += model.mtp_num_layers * module
+        module, routed = mtp_module_params(model), mtp_module_routed_params(model)  # MoE MTP: ep 1 (validated)
+        total += model.mtp_num_layers * (module + routed)
+        experts += model.mtp_num_layers * routed
         adamw += model.mtp_num_layers * mtp_module_adamw(model)
-        matmul += model.mtp_num_layers * (module - 5 * norm_params(model))
+        matmul += model.mtp_num_layers * (module - 5 * norm_params(model) + routed)
         if not first:
             learned = model.position_embedding_type == "learned_absolute"
             root += (vocab if untied else 0) + (model.max_positions * model.hidden_size if learned else 0)
@@ -134,6 +136,7 @@ def stage_flops_per_token(model: ModelConfig, layers: tuple[int, ...], last: boo
     active += model.padded_vocab_size() * model.hidden_size if last else 0
     mtp = model.mtp_num_layers if last else 0  # each MTP module: its layer and projection, and the head once more
     active += mtp * (mtp_module_params(model) - 5 * norm_params(model) + model.padded_vocab_size() * model.hidden_size)
+    active += mtp * (mtp_module_routed_params(model) * model.topk // model.mtp_layer_experts())
     return float(6 * active + (len(layers) + mtp) * attention_score_flops(model, seq))
 
 

@@ -73,8 +73,13 @@ def split_parameters(model: ModelConfig) -> tuple[int, int]:
             experts += num_experts * (expert_mlp_params(model, model.expert_ffn_size) - bias)  # all but b2
         else:
             dense += mlp_params(model, model.ffn_size) - bias
-    # each MTP module's dense layer follows the main layers' plan (its norms and eh_proj stay whole)
-    dense += model.mtp_num_layers * (_head_split_attention_params(model) + mlp_params(model, model.ffn_size) - bias)
+    # each MTP module's layer follows the main layers' plan (its norms and eh_proj stay whole)
+    mtp_experts = model.mtp_layer_experts()
+    dense += model.mtp_num_layers * _head_split_attention_params(model)
+    if mtp_experts > 1:
+        experts += model.mtp_num_layers * mtp_experts * (expert_mlp_params(model, model.expert_ffn_size) - bias)
+    else:
+        dense += model.mtp_num_layers * (mlp_params(model, model.ffn_size) - bias)
     return dense, experts
 
 

@@ -69,7 +69,7 @@ class PipelineExecutor:
             if module.last and self.model.mtp is not None:
                 module.mtp_batch, module.mtp_head_loss, self._mtp_stage = self._mtp_batch, self.head_loss, module
         self._moe_stats: MoEStats | None = None
-        moe_indices = self.model.cfg.moe_layer_indices()
+        moe_indices = self.model.cfg.routed_layer_indices()
         self._moe_rows = {layer: row for row, layer in enumerate(moe_indices)}  # global layer → MoE-layer row
         stages = pipeline_stages(
             self.parts, self.device, micro_batch_size, seq_length, logits_dtype, self._micro_batch_context

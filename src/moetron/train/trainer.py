@@ -199,7 +199,7 @@ class Trainer:
         """Run to the stopping criterion (or a signal); returns the process exit code."""
         t = self.cfg.train
         self.logger = RunLogger(self.run_dir, t.tensorboard_dir, self.env.is_main, self.total_iters)
-        self.logger.moe_layers = self.cfg.model.moe_layer_indices()
+        self.logger.moe_layers = self.cfg.model.routed_layer_indices()
         self.logger.forget_after(self.progress.iteration)  # a resumed run redoes what came after its checkpoint
         self._write_run_config()
         self.model.train()
