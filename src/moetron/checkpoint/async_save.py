@@ -99,8 +99,9 @@ class AsyncCheckpointer:
             tensors = view.state(optimizer)
             writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
             with single_process_quiet() as no_dist:
+                stager = self.stager()
                 response = dcp.async_save(
-                    tensors, storage_writer=writer, process_group=self.group, no_dist=no_dist, async_stager=self.stager()
+                    tensors, storage_writer=writer, process_group=self.group, no_dist=no_dist, async_stager=stager
                 )
         del tensors  # views of the live weights: the staging thread holds them until its copy is done
         self._staging = response.staging_completion
