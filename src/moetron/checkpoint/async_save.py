@@ -179,4 +179,3 @@ def _attempt_any(wait) -> BaseException | None:
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's is a BaseException; said by `wait`
         return err
     return None
-
