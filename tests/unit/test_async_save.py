@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from trainer_support import build_trainer, run_losses, tiny_config
 
 from moetron.checkpoint import files as ckpt
@@ -63,6 +64,7 @@ def test_async_checkpoints_are_the_synchronous_ones_and_a_resumed_run_the_uninte
 
 
 def test_latest_moves_after_the_background_write_which_holds_the_step_it_copied(tmp_path, monkeypatch):
+    """The copy and the write are both held back: training goes on, its optimizer update waiting for the copy."""
     trainer = build_trainer(tiny_config(save=str(tmp_path), async_save=True))
     run_losses(trainer, 2)
     weights_at_2 = {k: v.clone() for k, v in trainer.model.state_dict().items()}
@@ -74,6 +76,13 @@ def test_latest_moves_after_the_background_write_which_holds_the_step_it_copied(
         return real_write(self, plan, planner)
 
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held_write)
+    copied, real_stage = threading.Event(), StateDictStager.stage
+
+    def held_copy(self, state_dict, **kwargs):  # the staging copy, in its thread, starts only once `copied` is set
+        assert copied.wait(60), "the test never released the copy"
+        return real_stage(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(StateDictStager, "stage", held_copy)
 
     def publish(run, it, keep):
         events.append(f"publish {it}")
@@ -88,6 +97,7 @@ def test_latest_moves_after_the_background_write_which_holds_the_step_it_copied(
     trainer.save()  # returns with the write held in the background
     assert trainer.async_saver.in_flight and (tmp_path / ".tmp_iter_0000002").is_dir()
     assert not (tmp_path / "latest").exists() and not (tmp_path / "iter_0000002").exists()
+    threading.Timer(0.2, copied.set).start()  # the next step's optimizer update waits for the copy
     run_losses(trainer, 1)  # training goes on, changing the weights the write was given a copy of
     threading.Timer(0.2, release.set).start()
     trainer.save()  # waits for the write of iteration 2 before it starts the one of 3

@@ -143,6 +143,8 @@ class Trainer:
         if self.stop_agreed and self.stop is not None and not self.stop.requested:
             self.stop.requested = "received a stop request on another rank"
         ok = grad_norm == grad_norm and grad_norm != float("inf")
+        if self.async_saver is not None:  # the first writes to saved tensors since a save: its copy must be done
+            self.async_saver.before_update()
         if ok:
             self.optimizer.step()
         update_expert_biases(self.model, step_applied=ok, mesh=self.mesh)
