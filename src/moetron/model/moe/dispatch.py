@@ -110,8 +110,9 @@ def unpermute(
     if kept_R is not None:
         weights_R = torch.where(kept_R, weights_R, 0.0)  # the gradient of a tail row's weight is 0, not 0·NaN
         token_R = torch.where(kept_R, token_R, num_tokens)  # the sink row
-    rows = num_tokens + (kept_R is not None)
-    y_TD = WeightedIndexAdd.apply(y_RD.to(acc_dtype), weights_R, token_R, rows)[:num_tokens]
+    if kept_R is None:  # no sink row, so no slice: a slice's backward is a zero fill and a copy of [T + 1, D]
+        return WeightedIndexAdd.apply(y_RD.to(acc_dtype), weights_R, token_R, num_tokens).to(y_RD.dtype)
+    y_TD = WeightedIndexAdd.apply(y_RD.to(acc_dtype), weights_R, token_R, num_tokens + 1)[:num_tokens]
     return y_TD.to(y_RD.dtype)
 
 
@@ -158,7 +159,7 @@ def ep_load_of(ctx: Any) -> torch.Tensor | None:
 @dataclass
 class LocalContext:
     order_R: torch.Tensor  # flat route index of each sorted row
-    kept_R: torch.Tensor  # bool: the sorted row is a kept route (the experts computed it)
+    kept_R: torch.Tensor | None  # bool: the sorted row is a kept route (the experts computed it); None: all are
     weights_TK: torch.Tensor
     num_tokens: int
 
@@ -171,11 +172,18 @@ class LocalDispatcher:
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, ExpertCounts, LocalContext]:
         x_RD, counts_E, order_R, kept_R = permute(x_TD, routing.expert_ids_TK, routing.kept_TK, self.num_experts)
-        ctx = LocalContext(order_R, kept_R, routing.weights_TK, x_TD.shape[0])
+        ctx = LocalContext(order_R, self._kept_rows(routing, kept_R), routing.weights_TK, x_TD.shape[0])
         return x_RD, ExpertCounts(counts_E, routing.host_capacity), ctx
 
     def combine(self, y_RD: torch.Tensor, ctx: LocalContext) -> torch.Tensor:
         return unpermute(y_RD, ctx.order_R, ctx.weights_TK, ctx.num_tokens, ctx.kept_R)
+
+    @staticmethod
+    def _kept_rows(routing: Routing, kept_R: torch.Tensor) -> torch.Tensor | None:
+        """`kept_R`, or None where no route can be dropped: dropless routing (its capacity is a device value,
+        the max load, so every route fits; `Routing.capacity_source`) leaves no tail, and `unpermute` then
+        needs neither the masks nor the sink row."""
+        return kept_R if routing.host_capacity is not None else None
 
     def __repr__(self) -> str:
         return f"LocalDispatcher(num_experts={self.num_experts})"

@@ -17,7 +17,10 @@ from collections.abc import Callable
 import torch
 
 _HUGE_PAGE = 2 << 20
-_OWN_MAPPING_BYTES = 32 << 20  # glibc serves larger blocks from a fresh mmap every time (its mmap ceiling)
+# Blocks of at least two huge pages (so that one aligned 2 MiB page lies inside) get the hint: glibc serves blocks
+# over 32 MiB from a fresh mmap every time, and returns smaller heap blocks to the kernel too whenever a free
+# leaves more than its trim threshold (2x the largest block it mmapped, <= 64 MiB) at the top of the heap.
+_HINT_BYTES = 2 * _HUGE_PAGE
 _MADV_HUGEPAGE = 14
 
 
@@ -39,13 +42,15 @@ def empty_for_gradient(like: torch.Tensor) -> torch.Tensor:
 
     An [E, D, F] weight gradient is a fresh mmap every step (zero_grad(set_to_none=True) frees it), and
     faulting it in 4 KiB at a time cost ~25 ms per 64 MiB here — a fifth of the layer's step at E=128.
-    With the MADV_HUGEPAGE hint the kernel maps 2 MiB pages: ~6x less. Only a hint: it changes no value,
-    and anything unexpected leaves the plain allocation. (torch's THP_MEM_ALLOC_ENABLE does the same for
-    every allocation, but must be set before torch starts.)
+    With the MADV_HUGEPAGE hint the kernel maps 2 MiB pages: ~6x less. Smaller blocks fault too: at E=8,
+    D=512, F=1024 the 16 MiB gradients come from the heap, which glibc trims when zero_grad frees them, and the
+    next backward faulted 16-20K pages back in (~50 ms system time of a ~1.3 s step; `benchmarks/RESULTS.md`).
+    Only a hint: it changes no value, and anything unexpected leaves the plain allocation. (torch's
+    THP_MEM_ALLOC_ENABLE does the same for every allocation, but must be set before torch starts.)
     """
     out = torch.empty_like(like)
     nbytes = out.numel() * out.element_size()
-    madvise = _madvise() if out.device.type == "cpu" and nbytes >= _OWN_MAPPING_BYTES else None
+    madvise = _madvise() if out.device.type == "cpu" and nbytes >= _HINT_BYTES else None
     if madvise is not None:
         start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE  # the 2 MiB-aligned interior of the buffer
         end = (out.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
@@ -98,7 +103,7 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
     def backward(ctx, grad_ND):
         x_ND, w1_EDF, w3_EDF, w2_EFD = ctx.saved_tensors
         counts = ctx.counts
-        grad_x = x_ND.new_empty(x_ND.shape) if ctx.needs_input_grad[0] else None
+        grad_x = empty_for_gradient(x_ND) if ctx.needs_input_grad[0] else None
         if grad_x is not None:
             grad_x[sum(counts) :].zero_()
         grad_w1, grad_w3, grad_w2 = (empty_for_gradient(w) for w in (w1_EDF, w3_EDF, w2_EFD))
