@@ -16,6 +16,7 @@ import time
 
 from moetron import __version__
 from moetron.errors import UserError
+from moetron.progress import on_rank_zero
 
 COMMANDS: dict[str, str] = {
     "quickstart": "Build a corpus, tokenizer and data, train a small MoE GPT, evaluate and generate.",
@@ -101,11 +102,6 @@ def _set_on_a_cpu_before_torch(
     return True
 
 
-def _is_rank_zero() -> bool:
-    """True outside torchrun and on its global rank 0."""
-    return os.environ.get("RANK", "0") in ("", "0")
-
-
 def report_user_error(err: UserError) -> int:
     """Print `error: <message>` once and return the exit status (2, or the error's own `exit_code`).
 
@@ -113,11 +109,12 @@ def report_user_error(err: UserError) -> int:
     that an error may be one rank's alone (rank 1's corrupt RNG file): `train/failures.py` marks those `every_rank`,
     said by the rank they happened on (`error: rank 1: …`), and `quiet` where another rank said the same message
     or the ranks a recorded failure stopped."""
-    if not (_is_rank_zero() or getattr(err, "every_rank", False) or getattr(err, "quiet", False)):
-        if "TORCHELASTIC_RUN_ID" in os.environ and _still_running_after(STARTUP_ERROR_WAIT_S):
+    if not (on_rank_zero() or getattr(err, "every_rank", False) or getattr(err, "quiet", False)):
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            time.sleep(STARTUP_ERROR_WAIT_S)  # torchrun stops this rank here when rank 0 failed the same way
             print(f"error: rank {os.environ.get('RANK')}: {err}", file=sys.stderr)  # rank 0 did not fail: say it
         return getattr(err, "exit_code", 2)
-    if (_is_rank_zero() or getattr(err, "every_rank", False)) and not getattr(err, "quiet", False):
+    if (on_rank_zero() or getattr(err, "every_rank", False)) and not getattr(err, "quiet", False):
         print(f"error: {err}", file=sys.stderr)
         if not getattr(err, "every_rank", False) and _under_plain_torchrun():  # a startup error: every rank's
             print(PLAIN_TORCHRUN_NOTE, file=sys.stderr)
@@ -131,17 +128,12 @@ def report_user_error(err: UserError) -> int:
 STARTUP_ERROR_WAIT_S = 30.0
 
 
-def _still_running_after(seconds: float) -> bool:
-    time.sleep(seconds)
-    return True
-
-
 def command_parser(command: str, module) -> argparse.ArgumentParser:
     """The command's own parser. Under torchrun only rank 0 prints its usage and error: every rank parses the same
     flags and exits 2, and N copies of one mistake would bury it."""
     parser = argparse.ArgumentParser(prog=f"moetron {command}", description=COMMANDS[command])
     module.add_arguments(parser)
-    if not _is_rank_zero():
+    if not on_rank_zero():
         parser.error = lambda message: sys.exit(2)
     return parser
 

@@ -42,7 +42,7 @@ class Progress:
     ):
         self.label, self.total, self.unit = label, total, unit
         self.stream = sys.stderr if stream is None else stream
-        self.enabled = os.environ.get("RANK", "0") in ("", "0") if enabled is None else enabled
+        self.enabled = on_rank_zero() if enabled is None else enabled
         self.terminal = self.enabled and _is_terminal(self.stream)
         self.every_s = REDRAW_S if self.terminal else LOG_EVERY_S if log_every_s is None else log_every_s
         self.done, self.start = 0, time.monotonic()
@@ -92,6 +92,12 @@ class Progress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def on_rank_zero() -> bool:
+    """True outside torchrun and on its global rank 0 (torchrun's RANK): the process that prints a command's
+    messages, before any process group exists."""
+    return os.environ.get("RANK", "0") in ("", "0")
 
 
 def _is_terminal(stream: TextIO) -> bool:

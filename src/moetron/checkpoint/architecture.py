@@ -32,15 +32,13 @@ from typing import TYPE_CHECKING
 
 from moetron.checkpoint.files import resolve_checkpoint
 from moetron.errors import UserError
-from moetron.model.config import ModelConfig
+from moetron.model.config import YARN_SETTINGS, ModelConfig
 from moetron.model.moe.routing.router_config import RouterConfig
 
 if TYPE_CHECKING:
     from moetron.config import RunConfig
 
 FUNCTION, TRAINING, FREE = "function", "training", "free"
-YARN_SETTINGS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-                 "mscale_all_dim")  # fmt: skip
 
 KINDS: dict[str, str] = {
     # ---- the dense GPT

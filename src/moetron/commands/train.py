@@ -12,12 +12,12 @@ against the model (its saved config.yaml).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from moetron.config import RunConfig
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
 from moetron.errors import ConfigError, UserError
+from moetron.progress import on_rank_zero
 from moetron.recipes.scale_down import scale_down
 from moetron.train.tensorboard_dir import tensorboard_follows_the_run
 from moetron.validate import validate
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
     note = finished_run_note(cfg, world_size)
     if note is not None:  # a finished run resumed as it was (a requeue): Megatron's zero iterations and exit 0
-        if os.environ.get("RANK", "0") in ("", "0"):  # every rank knows it; rank 0 says it
+        if on_rank_zero():  # every rank knows it; rank 0 says it
             print(note, file=sys.stderr)
         return 0
     from moetron.train.failures import own_errors

@@ -15,6 +15,9 @@ from moetron.model.moe.routing.router_config import RouterConfig
 
 # ModelConfig.rotary_compat's values: standard RoPE, or Megatron-DeepSpeed's since its PR #441 (model/rotary.py).
 ROTARY_COMPAT = ("none", "megatron-deepspeed-441")
+# --rope-type yarn's settings (model/rotary.py): meaningless without it
+YARN_SETTINGS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                 "mscale_all_dim")  # fmt: skip
 
 
 @dataclass
@@ -220,14 +223,12 @@ class ModelConfig(RouterConfig):
     def rope_scaling_problems(self) -> list[str]:
         """What --rope-type yarn needs (rotary positions, a pretraining length, positive sizes); its settings
         changed without it would do nothing."""
-        names = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-                 "mscale_all_dim")  # fmt: skip
         if self.rope_type != "yarn":
             defaults = ModelConfig.__dataclass_fields__
             return [
                 f"--{n.replace('_', '-')} {getattr(self, n)} has no effect without --rope-type yarn; add "
                 f"--rope-type yarn or drop it"
-                for n in names
+                for n in YARN_SETTINGS
                 if getattr(self, n) != defaults[n].default
             ]
         p: list[str] = []

@@ -107,8 +107,8 @@ def rotary_angles(
         # Megatron-DeepSpeed rotated by its cos table taken as angles (see the module docstring); in fp32 this is
         # its function bit for bit. Under --bf16/--fp16 it rounded cos(mθ) to that precision before taking cos/sin.
         angles_TD = angles_TD.cos()
-    if yarn is not None and yarn.attention_factor() != 1.0:
-        factor = yarn.attention_factor()
+    factor = 1.0 if yarn is None else yarn.attention_factor()
+    if factor != 1.0:
         return angles_TD.cos() * factor, angles_TD.sin() * factor
     return angles_TD.cos(), angles_TD.sin()
 

@@ -27,8 +27,8 @@ def held_at_peak(mem: MemoryEstimate) -> dict[str, int]:
         return {name: value if name in kept else 0 for name, value in rows.items()}
     if mem.zero_stage == 1:
         rows["gathered"] = 0  # ZeRO-1's all-gather bucket: after the optimizer step
-    rows["gradients"] = 0
-    rows["gradients"] = min(mem.gradients, max(0, mem.peak - sum(rows.values())))  # those made before backward
+    others = sum(value for name, value in rows.items() if name != "gradients")
+    rows["gradients"] = min(mem.gradients, max(0, mem.peak - others))  # those made before backward
     return rows
 
 
