@@ -140,7 +140,6 @@ def test_twenty_iterations_without_a_warning_and_the_loss_falls(recipe, tmp_path
     assert len(valid) == 2 and valid[1] < valid[0]
 
 
-
 def test_a_recipes_tensorboard_dir_follows_a_save_given_on_the_command_line(tmp_path, capsys, data_flags):
     """One TensorBoard directory per run: the recipe's relative tensorboard/NAME goes inside `--save RUN` (two runs
     of one recipe never share it); a flag, an absolute path (a run's own config.yaml) or no --save keep theirs."""
@@ -164,6 +163,7 @@ def test_a_recipes_tensorboard_dir_follows_a_save_given_on_the_command_line(tmp_
     cfg, explicit = load_config(str(saved), {"save": "runs/c"})
     tensorboard_follows_the_run(cfg, explicit)
     assert cfg.train.tensorboard_dir == "/elsewhere/tb"
+
 
 def test_without_scale_down_every_schedule_warning_comes_at_once():
     """The recipe shrunk by hand: its token warmup AND its token decay are longer than the run, said together (the
