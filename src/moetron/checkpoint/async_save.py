@@ -2,16 +2,18 @@
 training goes on, with the guarantees of the synchronous save (`state.py`, `files.py`) intact.
 
     save(iteration)     (every rank, between steps) wait for the write in flight, if any: at most one at a time;
-                        the staging directory, this rank's RNG file, state.json and config.yaml (small, written
-                        now, so they hold this step's state); then `dcp.async_save` with DCP's `DefaultStager`
-                        (asynchronous staging): a staging thread copies every tensor into CPU buffers kept from the
-                        previous save, and DCP's writer thread writes the copy once it is complete; training resumes
-                        at once, the copy running beside the next step's forward and backward
+                        capture this rank's RNG states and the trainer state in memory (so the files hold this
+                        step's state), build the state dict and start DCP's `DefaultStager` (asynchronous staging):
+                        a staging thread copies every tensor into CPU buffers kept from the previous save. Training
+                        resumes at once, the copy running beside the next step's forward and backward
     before_update()     (the trainer, before the optimizer step and the expert-bias update: the first writes to
                         the saved tensors after a save) waits for the staging copy to be complete
-    background thread   waits for DCP's write (its collectives run over a gloo group of their own, so they never
-                        interleave with the training loop's); every rank agrees whether it worked; rank 0 publishes
-                        (rename to iter_*, then `latest`, then prune); every rank agrees again
+    background thread   the synchronous save's phases in its order, each agreed by every rank over a gloo group of
+                        the writer's own (so its collectives never interleave with the training loop's): rank 0
+                        makes the fresh staging directory (the agreement is the barrier before anyone writes into
+                        it); every rank writes its RNG file, rank 0 state.json and config.yaml (fsynced); once the
+                        copy is complete, `dcp.save` of the copy; rank 0 publishes (rename to iter_*, then `latest`,
+                        then prune)
     wait()              (the next save, the end of training, a SIGTERM's final save, an error leaving the loop)
                         joins the thread and raises its failure as the synchronous save's one line
 
@@ -20,11 +22,15 @@ are fsynced and renamed into place), and the files are those of a synchronous sa
 plan over the same global tensors, only written later from a copy taken before any weight changed.
 
 Where the loop's time went (benchmarks/async_save.py): with DCP's default blocking stager, `save()` held the loop for
-the copy into freshly allocated CPU memory (page faults: more than the copy itself), about half a synchronous save.
+the copy into freshly allocated CPU memory (page faults: more than the copy itself), about half a synchronous save;
+then the staging directory's barrier and three fsynced small files (RNG, state.json, config.yaml), now in the
+writer thread (their contents captured in memory first). Why our thread calls `dcp.save` on the staged copy rather
+than `dcp.async_save`: DCP's executor starts writing as soon as the copy is done, before our thread could have made
+the staging directory and agreed on it; `dcp.async_save` in thread mode is this same `save` of the staged copy.
 The `DefaultStager` keeps its CPU buffers between saves (one copy of this rank's checkpoint stays allocated: the
 price, in host memory) and copies in its own thread (on CUDA from pinned buffers on a side stream, without
 blocking), so `save()` returns after building the state dict and the loop waits only if the copy is not done by
-the optimizer step. Why DCP's thread mode rather than its process mode: the process mode starts a second process
+the optimizer step. Why a thread rather than DCP's process mode (`async_checkpointer_type`): it starts a second process
 group in a spawned child per run; a thread needs only the gloo group, and DCP's writer releases the GIL while it
 writes.
 """
@@ -32,8 +38,10 @@ writes.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,15 +51,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from moetron.checkpoint import files
-from moetron.checkpoint.state import (
-    GlobalView,
-    _attempt,
-    _fail_everywhere_if_any,
-    save_rank_rng,
-    single_process_quiet,
-    stage_checkpoint,
-    write_shared_files,
-)
+from moetron.checkpoint.rng_files import rng_tensors
+from moetron.checkpoint.state import GlobalView, _attempt, _fail_everywhere_if_any, write_shared_files
 from moetron.errors import UserError
 from moetron.parallel.diagnosis import Site
 
@@ -89,23 +90,19 @@ class AsyncCheckpointer:
         env,
         keep_last_n: int,
     ) -> Path:
-        """Start the save of `iteration` (after the previous one has finished); returns the path it will publish."""
+        """Start the save of `iteration` (after the previous one has finished); returns the path it will publish.
+        Between steps only what must hold this step's state is done: this rank's RNG state and the trainer state
+        are captured in memory and the staging copy of the tensors is started; every file is written later by the
+        writer thread."""
         self.wait()
         run_dir = Path(run_dir)
-        tmp = stage_checkpoint(run_dir, iteration, env)
+        small = _SmallFiles(rng_tensors(), copy.deepcopy(state), config_yaml)  # this step's, before it moves on
         with Site(f"the checkpoint save of iteration {iteration} (staging)"):
-            failure = _attempt(lambda: _write_small_files(tmp, state, config_yaml, env))
-            _fail_everywhere_if_any(env, failure, run_dir, iteration, discard=tmp)
             tensors = view.state(optimizer)
-            writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
-            with single_process_quiet() as no_dist:
-                stager = self.stager()
-                response = dcp.async_save(
-                    tensors, storage_writer=writer, process_group=self.group, no_dist=no_dist, async_stager=stager
-                )
+            staging = self.stager().stage(tensors)  # a Future: the copy runs in the stager's thread
         del tensors  # views of the live weights: the staging thread holds them until its copy is done
-        self._staging = response.staging_completion
-        args = (response.upload_completion, run_dir, iteration, keep_last_n)
+        self._staging = staging
+        args = (staging, run_dir, iteration, keep_last_n, small)
         self._thread = threading.Thread(target=self._finish, args=args, name=f"moetron-save-{iteration}")
         self._iteration, self._failure = iteration, None
         self._thread.start()
@@ -142,16 +139,27 @@ class AsyncCheckpointer:
             if failure is not None:
                 raise failure
 
-    def _finish(self, future, run_dir: Path, iteration: int, keep_last_n: int) -> None:
-        """(the background thread) DCP's write, the agreement, the publish; the outcome is kept for `wait`."""
+    def _finish(self, staging, run_dir: Path, iteration: int, keep_last_n: int, small: _SmallFiles) -> None:
+        """(the background thread) the files, the agreements, the publish; the outcome is kept for `wait`."""
         try:
-            self._publish_when_written(future, run_dir, iteration, keep_last_n)
+            self._write_then_publish(staging, run_dir, iteration, keep_last_n, small)
         except BaseException as err:  # noqa: BLE001 - raised in the main thread by wait()
             self._failure = err
 
-    def _publish_when_written(self, future, run_dir: Path, iteration: int, keep_last_n: int) -> None:
+    def _write_then_publish(self, staging, run_dir: Path, iteration: int, keep_last_n: int, small) -> None:
+        """The synchronous save's phases in the same order, each agreed over the writer's own gloo group: a fresh
+        staging directory (rank 0; the agreement is the barrier before any rank writes into it), this rank's RNG
+        file and rank 0's state.json / config.yaml, DCP's files of the staged copy, then rank 0's publish."""
         env, tmp = self.env, files.staging_dir(run_dir, iteration)
-        failure = _attempt_any(future.result)
+        failure = _attempt(lambda: files.prepare_staging(run_dir, iteration)) if env.is_main else None
+        _fail_everywhere_if_any(env, failure, run_dir, iteration, group=self.group)
+        failure = _attempt(lambda: small.write(tmp, env)) or _attempt_any(staging.result)
+        _fail_everywhere_if_any(env, failure, run_dir, iteration, discard=tmp, group=self.group)
+        writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
+        no_dist = not env.distributed
+        failure = _attempt_any(
+            lambda: dcp.save(staging.result(), storage_writer=writer, process_group=self.group, no_dist=no_dist)
+        )
         _fail_everywhere_if_any(env, failure, run_dir, iteration, discard=tmp, group=self.group)
         failure = _attempt(lambda: files.publish(run_dir, iteration, keep_last_n)) if env.is_main else None
         _fail_everywhere_if_any(env, failure, run_dir, iteration, group=self.group)
@@ -164,11 +172,19 @@ class AsyncCheckpointer:
             pass
 
 
-def _write_small_files(tmp: Path, state: dict, config_yaml: str, env) -> None:
-    """What the synchronous save writes beside DCP's files, of this step: this rank's RNG, and (rank 0) the rest."""
-    save_rank_rng(tmp, env)
-    if env.is_main:
-        write_shared_files(tmp, state, config_yaml)
+@dataclass(frozen=True)
+class _SmallFiles:
+    """What the synchronous save writes beside DCP's files, captured at the step saved: this rank's RNG states and
+    (rank 0) state.json's trainer state and config.yaml."""
+
+    rng: tuple[dict[str, torch.Tensor], dict[str, str]]
+    state: dict
+    config_yaml: str
+
+    def write(self, tmp: Path, env) -> None:
+        files.write_tensors(tmp / "rng" / f"rank_{env.rank:05d}.safetensors", *self.rng)
+        if env.is_main:
+            write_shared_files(tmp, self.state, self.config_yaml)
 
 
 def _attempt_any(wait) -> BaseException | None:
