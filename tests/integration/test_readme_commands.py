@@ -225,6 +225,24 @@ def test_every_readme_command_has_a_rule():
     assert len(CASES) > 20 and os.path.exists(README)
 
 
+COMMAND_WORDS = ("$ ", "moetron ", "python ", "pip ", "torchrun ", "srun ", "bash ", "#!")
+
+
+def test_no_readme_block_escapes_the_test():
+    """The cases above come from ```bash, ```python and ```text blocks that quote a `$ ` command; any other fenced
+    block (another language, a text block without `$ `, or a bare fence) must not hold a command, else it would go
+    untested: give it one of those kinds (and a rule) instead."""
+    text = README.read_text()
+    for match in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
+        kind, body = match.group(1), match.group(2)
+        line = text.count("\n", 0, match.start()) + 1
+        if kind in ("bash", "python") or (kind == "text" and body.startswith("$ ")):
+            continue
+        first = [row.strip() for row in body.splitlines() if row.strip()][:1]
+        assert not (first and first[0].startswith(COMMAND_WORDS)), f"README.md:{line}: a ```{kind} block with a command"
+        assert kind in ("", "text"), f"README.md:{line}: a ```{kind} block the test does not know; use bash/python/text"
+
+
 def github_anchor(heading: str) -> str:
     """GitHub's id for a heading: lower case, punctuation other than `-` and `_` dropped, spaces to `-`."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
