@@ -124,8 +124,11 @@ def test_sigkill_during_an_asynchronous_save_and_sigterm_waiting_for_one(corpus,
     done = train(prefix, run, "write:4:TERM", extra=asynchronous)
     assert done.returncode == 0, done.stderr[-2000:]
     stopped_at = int(done.stdout.split("received SIGTERM: saving at iteration ")[1].split()[0])
-    assert stopped_at in (4, 5), done.stdout  # the step during which the signal came, or the one after it
-    assert done.stdout.count("saving checkpoint (in the background)") == 2 + (stopped_at == 5)
+    # the step during which the signal came or a later one: the writer thread (at a lower CPU priority than the
+    # loop) may write its first tensor a few steps on; every save is made once, the SIGTERM's only if not made yet
+    assert 4 <= stopped_at <= ITERS, done.stdout
+    saves = set(range(SAVE_EVERY, stopped_at + 1, SAVE_EVERY)) | {stopped_at}
+    assert done.stdout.count("saving checkpoint (in the background)") == len(saves), done.stdout
     assert assert_loadable(run) == stopped_at and (run / "iter_0000004" / ".metadata").is_file()
 
 

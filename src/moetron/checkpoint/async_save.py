@@ -38,7 +38,10 @@ writes.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
+import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -141,6 +144,7 @@ class AsyncCheckpointer:
 
     def _finish(self, staging, run_dir: Path, iteration: int, keep_last_n: int, small: _SmallFiles) -> None:
         """(the background thread) the files, the agreements, the publish; the outcome is kept for `wait`."""
+        _yield_to_the_loop()
         try:
             self._write_then_publish(staging, run_dir, iteration, keep_last_n, small)
         except BaseException as err:  # noqa: BLE001 - raised in the main thread by wait()
@@ -170,6 +174,15 @@ class AsyncCheckpointer:
             self.wait()
         except (UserError, OSError, CheckpointException, RuntimeError):
             pass
+
+
+def _yield_to_the_loop() -> None:
+    """Lower this thread's CPU priority (Linux: a thread is a task of its own; nice 10 is weight 110 against the
+    loop's 1024), so that where the cores are all busy (a CPU run; a loaded host) the write takes the cores' idle time
+    rather than the training loop's. Not where a thread's priority cannot be set apart from the process's."""
+    if hasattr(os, "setpriority") and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + 10)
 
 
 @dataclass(frozen=True)
