@@ -20,6 +20,9 @@
   balancing the load. ("Did not improve" rather than "grew": a load already at its worst, every token on one expert,
   cannot grow.) The 1.5 floor keeps a balanced router's noise from raising it.
 
+The interval's routes per expert ride along too, and the trainer writes them to `routing_counts.json` in the run
+directory (`routing_counts_record`), for `moetron plan --routing-from RUN_DIR` (plan/routing_from.py).
+
 Each alarm prints once when it starts (and again only after it has cleared), and is listed in the `routing_alarms`
 field of every metrics record while it holds. With all three thresholds 0 the alarms are off and nothing is tracked:
 no work per step, nothing added to the interval's all-reduce, and the health fields are empty lists (as for a dense
