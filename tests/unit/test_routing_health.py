@@ -102,10 +102,12 @@ def test_observe_step_does_nothing_with_every_alarm_off(tmp_path, on):
 
 def test_dead_expert_needs_every_data_parallel_rank_idle():
     health = RoutingHealth([(1, 4)], dead_steps=3, collapse_entropy=0.0, window=0, device="cpu")
-    # ranks' flags averaged over 2 ranks: expert 2 idle on both, expert 3 on one only
-    reduced = torch.tensor([0.0, 0.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    # ranks' flags averaged over 2 ranks: expert 2 idle on both, expert 3 on one only; then the mean probabilities
+    # and the routes per expert (saved for plan --routing-from)
+    reduced = torch.tensor([0.0, 0.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 5.0, 3.0, 0.0, 0.5], dtype=torch.float64)
     fields, lines = health.check(reduced, {}, iteration=10)
     assert fields["moe_dead_experts"] == [1] and "expert(s) 2 received no token for 3 steps" in lines[0]
+    assert health.interval_routes == [[5.0, 3.0, 0.0, 0.5]]
 
 
 def test_entropy_and_flag_problems():

@@ -34,6 +34,7 @@ from moetron.plan.advice import largest_micro_batch, suggestions
 from moetron.plan.estimate import DEFAULT_MFU, adapted_expert_parallel, make_plan
 from moetron.plan.hardware import DEFAULT_GPU, KNOWN, accelerator
 from moetron.plan.report import format_plan, plan_dict
+from moetron.plan.routing_from import hottest_rank_plan, read_routing
 from moetron.recipes.scale_down import describe, scale_down
 from moetron.train.run import resolve_vocab_size
 
@@ -70,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="plan the config as `moetron train --scale-down` shrinks it (fp32 with --gpu-type cpu); what changed "
         "is said on stderr",
+    )
+    group.add_argument(
+        "--routing-from",
+        metavar="RUN_DIR",
+        help="size the hottest expert-parallel rank's expert activations and time with the routes per expert a "
+        "training run measured (its routing_counts.json; with --moe-expert-replicas if given) instead of "
+        "assuming balanced routing",
     )
     add_search_arguments(parser)
     add_config_arguments(parser)
@@ -116,15 +124,21 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.mfu <= 1:
         raise UserError(f"--mfu is a fraction in (0, 1], got {args.mfu}; e.g. 0.3 for 30 %")
     device = accelerator(args.gpu_type, args.gpu_memory, cfg.train.peak_tflops)
+    if args.routing_from and (args.search or args.measure):
+        raise UserError("--routing-from sizes one layout's hottest EP rank; drop --search/--measure or it")
     if args.search or args.measure:
         return run_search(args, cfg, gpus, device, explicit)
     note = adapt_expert_parallel(cfg, gpus, explicit)
     if note:
         print(note, file=sys.stderr, flush=True)
     plan = make_plan(cfg, gpus, device, args.mfu)
+    hot = None
+    if args.routing_from:  # the hottest EP rank under a run's measured routing (plan/routing_from.py)
+        plan, hot = hottest_rank_plan(plan, read_routing(args.routing_from))
     fixes, larger = suggestions(plan), largest_micro_batch(plan)
     if args.json:
-        print(json.dumps(plan_dict(plan, fixes, args.config, larger), indent=2))
+        routing = {"routing_from": hot.to_dict()} if hot else {}
+        print(json.dumps({**plan_dict(plan, fixes, args.config, larger), **routing}, indent=2))
     else:
-        print(format_plan(plan, fixes, args.config, larger))
+        print((hot.line() + "\n" if hot else "") + format_plan(plan, fixes, args.config, larger))
     return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT

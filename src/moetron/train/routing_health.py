@@ -20,6 +20,9 @@
   balancing the load. ("Did not improve" rather than "grew": a load already at its worst, every token on one expert,
   cannot grow.) The 1.5 floor keeps a balanced router's noise from raising it.
 
+The interval's routes per expert ride along too, and the trainer writes them to `routing_counts.json` in the run
+directory (`routing_counts_record`), for `moetron plan --routing-from RUN_DIR` (plan/routing_from.py).
+
 Each alarm prints once when it starts (and again only after it has cleared), and is listed in the `routing_alarms`
 field of every metrics record while it holds. With all three thresholds 0 the alarms are off and nothing is tracked:
 no work per step, nothing added to the interval's all-reduce, and the health fields are empty lists (as for a dense
@@ -37,6 +40,7 @@ from collections import deque
 import torch
 
 AUX_FALL = 0.01  # relative fall of the aux loss over the window that counts as "falling"
+ROUTING_COUNTS_FILE = "routing_counts.json"  # in the run directory: the last interval's routes per expert
 IMBALANCED = 1.5  # expert load max/mean from which a non-improving load is worth an alarm (noise stays below)
 
 
@@ -62,6 +66,8 @@ class RoutingHealth:
         self.dead_steps, self.collapse_entropy, self.window = dead_steps, collapse_entropy, window
         self.idle_E = [torch.zeros(e, dtype=torch.int64, device=device) for _, e in layers]
         self.probs_E = [torch.zeros(e, dtype=torch.float64, device=device) for _, e in layers]
+        self.routes_E = [torch.zeros(e, dtype=torch.float64, device=device) for _, e in layers]
+        self.interval_routes: list[list[float]] = []  # the last interval's routes per expert, mean over ranks
         self.history: deque[tuple[int, float, float]] = deque()  # (iteration, aux loss, imbalance)
         self.active: set[str] = set()
         self.dead_reported: list[set[int]] = [set() for _ in layers]
@@ -86,13 +92,15 @@ class RoutingHealth:
                 continue
             self.idle_E[i] = torch.where(routing_2E[0] > 0, 0, self.idle_E[i] + 1)
             self.probs_E[i] += routing_2E[1].double()
+            self.routes_E[i] += routing_2E[0].double()
 
     # ------------------------------------------------------------ every log interval
     def pack(self) -> torch.Tensor | None:
-        """fp64 [Σ 2E]: per layer the flags "idle for the dead-expert steps", then the summed mean probabilities."""
+        """fp64 [Σ 3E]: per layer the flags "idle for the dead-expert steps", then the summed mean probabilities,
+        then the summed routes per expert (saved for `moetron plan --routing-from`, plan/routing_from.py)."""
         if not self.enabled:
             return None
-        parts = [(idle >= max(self.dead_steps, 1)).double() for idle in self.idle_E] + self.probs_E
+        parts = [(idle >= max(self.dead_steps, 1)).double() for idle in self.idle_E] + self.probs_E + self.routes_E
         return torch.cat(parts)
 
     def check(self, reduced: torch.Tensor | None, metrics: dict, iteration: int) -> tuple[dict, list[str]]:
@@ -101,7 +109,9 @@ class RoutingHealth:
         if reduced is None:
             return fields, []
         sizes = [e for _, e in self.layers]
-        flags, probs = reduced[: sum(sizes)].split(sizes), reduced[sum(sizes) :].split(sizes)
+        parts, n = reduced.split(sizes * 3), len(sizes)
+        flags, probs, routes = parts[:n], parts[n : 2 * n], parts[2 * n :]
+        self.interval_routes = [[round(float(v), 3) for v in r] for r in routes]
         now, lines = set(), []
         for i, ((layer, experts), flag_E, probs_E) in enumerate(zip(self.layers, flags, probs, strict=True)):
             dead = [e for e, f in enumerate(flag_E.tolist()) if f >= 1.0] if self.dead_steps else []
@@ -126,6 +136,7 @@ class RoutingHealth:
                         f"than {math.exp(self.collapse_entropy * math.log(experts)):.1f} experts' worth)"
                     )
             self.probs_E[i].zero_()
+            self.routes_E[i].zero_()
         hacking = self._hacking(metrics, iteration)
         if hacking:
             now.add("aux_loss_hacking")
@@ -152,6 +163,20 @@ class RoutingHealth:
             f"load max/mean did not improve ({then_load:.3f} → {load:.3f}; --moe-aux-hacking-window {self.window}): "
             f"the router lowers the balancing loss without balancing"
         )
+
+
+def routing_counts_record(health: RoutingHealth, iteration: int, ep: int, replicas: int) -> dict | None:
+    """What `routing_counts.json` in the run directory holds after a log interval (None: nothing measured): the
+    interval's routes per expert of each MoE layer (before dropping, mean over the data-parallel ranks), and the
+    run's expert-parallel size and replica slots. `moetron plan --routing-from RUN_DIR` sizes the hottest EP rank
+    with them (plan/routing_from.py)."""
+    if not health.interval_routes:
+        return None
+    layers = [
+        {"layer": layer, "num_experts": experts, "routes_per_expert": routes}
+        for (layer, experts), routes in zip(health.layers, health.interval_routes, strict=True)
+    ]
+    return {"iteration": iteration, "expert_parallel_size": ep, "expert_replicas": replicas, "layers": layers}
 
 
 def mean_distribution_entropy(probs_sum_E: torch.Tensor) -> float:

@@ -20,6 +20,7 @@ rank is used only to print on rank 0.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +45,7 @@ from moetron.train.optim import build_optimizer, clip_gradients, local_grads
 from moetron.train.peak_memory import GIB, MemorySnapshots, peak_memory
 from moetron.train.precision import autocast_context, build_loss_scaler
 from moetron.train.reduce import mean_over
-from moetron.train.routing_health import RoutingHealth
+from moetron.train.routing_health import ROUTING_COUNTS_FILE, RoutingHealth, routing_counts_record
 from moetron.train.schedule import LRScheduler, build_schedule_spec, finished_schedule_warning
 from moetron.train.signals import StopFlag, StopSignal
 
@@ -320,6 +321,15 @@ class Trainer:
         self.logger.log_train(record, eta_s=(self.total_iters - p.iteration) * iter_time)
         for line in alarms:
             self.logger.print(line)
+        self._save_routing_counts(p.iteration)
+
+    def _save_routing_counts(self, iteration: int) -> None:
+        """The last interval's routes per expert in the run directory (a few numbers per MoE layer, overwritten each
+        interval), for `moetron plan --routing-from RUN_DIR`."""
+        par = self.cfg.parallel
+        record = routing_counts_record(self.health, iteration, par.moe_expert_parallel_size, par.moe_expert_replicas)
+        if record is not None and self.env.is_main and self.run_dir:
+            write_atomic(Path(self.run_dir) / ROUTING_COUNTS_FILE, json.dumps(record) + "\n")
 
     def run_evaluation(self) -> dict | None:
         t = self.cfg.train
