@@ -134,3 +134,71 @@ def load_model_as(model, cfg):
     other = GPTModel(cfg)
     other.load_state_dict(model.state_dict())
     return other.eval()
+
+
+def mtp_loss_of(model, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(x[:, :-1], mtp_labels_BT=x[:, 1:], return_logits=False).mtp_loss
+
+
+def test_mla_mtp_model_exports_its_mtp_modules_in_deepseek_v3s_layout_and_imports_back(tmp_path, monkeypatch):
+    """A MoE MTP module goes to `model.layers.<num_hidden_layers + k>.` (enorm, hnorm, eh_proj, the layer,
+    shared_head.norm and copies of the embedding and head, as DeepSeek's release stores it): transformers' class
+    loads the model with the same logits, transformers' own `MtpModel` reads the module and predicts what moetron's
+    does, and the import gives back the same MTP loss."""
+    run, _, model = tiny_checkpoint(tmp_path, "glm4_moe", **{**MLA, "q_lora_rank": None}, init_method_std=0.2,
+                                    mtp_num_layers=1)  # fmt: skip
+    assert model.mtp.layers["0"].transformer_layer.is_moe
+    result = export_hf(str(run), str(tmp_path / "hf"))
+    assert (result.hf_class, result.remote_code) == ("DeepseekV3ForCausalLM", False)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and "num_mtp_layers" not in config
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    mtp_names = {n.removeprefix("model.layers.3.") for n in index if n.startswith("model.layers.3.")}
+    assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
+            "embed_tokens.weight", "self_attn.kv_a_proj_with_mqa.weight", "mlp.gate.e_score_correction_bias",
+            "mlp.experts.7.down_proj.weight", "mlp.shared_experts.up_proj.weight"} <= mtp_names  # fmt: skip
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and all(k.startswith("model.layers.3.") for k in info["unexpected_keys"])
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(x).logits, model(x).logits[..., :VOCAB], atol=1e-4, rtol=0)
+    check_with_transformers_mtp_model(hf, model, x, monkeypatch)
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
+    back, cfg, _ = load_model(str(tmp_path / "back"), "cpu")
+    assert cfg.model.mtp_num_layers == 1 and not cfg.model.mtp_dense_layers
+    ours, theirs = model.state_dict(), back.state_dict()
+    for name in (n for n in ours if n.startswith("mtp.")):  # every MTP tensor back, bit for bit
+        torch.testing.assert_close(theirs[name], ours[name], atol=0, rtol=0, msg=name)
+    # the loss over the real vocabulary: the import pads the vocabulary anew (its padded rows are zero)
+    export_hf(str(tmp_path / "back"), str(tmp_path / "hf2"))
+    import_hf(str(tmp_path / "hf2"), str(tmp_path / "back2"))
+    again, _, _ = load_model(str(tmp_path / "back2"), "cpu")
+    torch.testing.assert_close(mtp_loss_of(again, x), mtp_loss_of(back, x), atol=1e-6, rtol=0)
+    # --mtp-dense-layers has no DeepSeek-V3 equivalent: remote code, saying why
+    dense = dataclasses.replace(model.cfg, mtp_dense_layers=True)
+    assert any("--mtp-dense-layers has no DeepseekV3ForCausalLM" in w for w in DEEPSEEK_V3.problems(dense))
+
+
+def check_with_transformers_mtp_model(hf, model, x: torch.Tensor, monkeypatch) -> None:
+    """transformers' `MtpModel` (what `generate(use_mtp=True)` drafts with) finds DeepSeek-V3's MTP layers by the
+    class's `model.layers.61` pattern (the real model's layer count); pointed at this tiny model's layer 3, it loads the
+    exported module and, from the same trunk state, gives moetron's depth-1 logits."""
+    from transformers.modeling_layers import MtpModel
+
+    monkeypatch.setattr(hf, "_keys_to_ignore_on_load_unexpected", {r"model\.layers\.3.*"})
+    drafter = MtpModel.from_pretrained(hf).eval()
+    T = x.shape[1] - 1
+    with torch.no_grad():
+        hidden = model(x[:, :-1], return_logits=False).hidden
+        module = model.mtp.layers["0"]
+        from moetron.model.mtp import embed_tokens
+
+        ours = module(hidden, embed_tokens(model, x[:, 1:]), model.rope_angles(torch.arange(T)))
+        ours = torch.nn.functional.linear(module.final_layernorm(ours), model.head_weight())[..., :VOCAB]
+        positions = torch.arange(T)[None].expand(x.shape[0], -1)
+        embeds = drafter.embed_tokens(x[:, 1:])
+        masks = drafter.create_masks_for_mtp_layer(0, embeds, None, positions)
+        theirs = drafter.layers[0](embeds, hidden, position_embeddings=drafter.rotary_emb(embeds, positions),
+                                   position_ids=positions, cache=None, **masks)  # fmt: skip
+        torch.testing.assert_close(drafter._project_to_logits(theirs), ours, atol=1e-4, rtol=0)

@@ -33,7 +33,16 @@ from moetron.interchange.hf_architecture_base import (
     normalised_weights,
     routing_problems,
 )
-from moetron.interchange.hf_deepseek_v3 import mla_fields, mla_hf_config, mla_problems, mla_rules, rope_interleaved
+from moetron.interchange.hf_deepseek_v3 import (
+    mla_fields,
+    mla_hf_config,
+    mla_problems,
+    mla_rules,
+    mtp_fields,
+    mtp_problems,
+    mtp_rules,
+    rope_interleaved,
+)
 from moetron.interchange.hf_gpt2 import GPT2
 from moetron.interchange.hf_rope import hf_rope_keys, hf_rope_parameters
 from moetron.interchange.hf_tensor_rules import Rule, per_expert, qkv, same, single_expert, vocab_rows
@@ -65,6 +74,7 @@ class LlamaFamily(Architecture):
     bias: str = "none"  # none | qkv (Qwen2-MoE, GLM: --add-qkv-bias) | all (Llama: --add-bias-linear)
     sigmoid: bool = False  # DeepSeek-V3 routing (GLM-4-MoE, DeepSeek-V3)
     mla: bool = False  # multi-head latent attention (DeepSeek-V3)
+    mtp: bool = False  # MTP modules in the checkpoint (DeepSeek-V3's layout: `hf_deepseek_v3.py`)
 
     # ------------------------------------------------------------ what it expresses
     def problems(self, cfg: ModelConfig) -> list[str]:
@@ -72,7 +82,8 @@ class LlamaFamily(Architecture):
         for field, wanted in [("normalization", "rmsnorm"), ("position_embedding_type", "rope"), ("swiglu", True)]:
             self.need(cfg, field, wanted, p)
         self.need(cfg, "rotary_compat", "none", p)  # transformers' RoPE is the standard one
-        self.need(cfg, "mtp_num_layers", 0, p)  # these classes have no MTP modules (remote code keeps them)
+        if not self.mtp:  # these classes have no MTP modules (remote code keeps them)
+            self.need(cfg, "mtp_num_layers", 0, p)
         self._bias_problems(cfg, p)
         self._qk_norm_problems(cfg, p)
         p += mla_problems(cfg, self.hf_class) if self.mla else []
@@ -87,6 +98,7 @@ class LlamaFamily(Architecture):
             p += moe_layout_problems(self, cfg, self.placement)
             p += routing_problems(self, cfg, self.sigmoid)
             p += self._shared_problems(cfg)
+            p += mtp_problems(cfg, experts_of(cfg)) if self.mtp else []
             if self.sigmoid and experts_of(cfg) // cfg.num_expert_groups < 2:
                 p.append(
                     f"--num-expert-groups {cfg.num_expert_groups}: {self.hf_class} scores a group by its two "
@@ -297,22 +309,33 @@ class DeepseekV3Family(LlamaFamily):
     def hf_config(self, cfg: ModelConfig, tokens: Tokens) -> dict:
         out = super().hf_config(cfg, tokens)
         out.pop("head_dim")  # DeepseekV3Config derives it (qk_rope_head_dim)
-        return {**out, **mla_hf_config(cfg)}
+        out.pop("num_mtp_layers")  # DeepSeek's own key instead (transformers reads both)
+        return {**out, **mla_hf_config(cfg), "num_nextn_predict_layers": cfg.mtp_num_layers}
 
     def model_fields(self, hf: dict) -> dict:
         from moetron.interchange.hf_config_import import llama_family_fields
 
-        return {**llama_family_fields(self, hf), **mla_fields(hf)}
+        return {**llama_family_fields(self, hf), **mla_fields(hf), **mtp_fields(hf)}
+
+    def rules(self, cfg: ModelConfig, mtp_copies: bool = True) -> list[Rule]:
+        return super().rules(cfg) + mtp_rules(self, cfg, copies=mtp_copies)
 
     def import_rules(self, cfg: ModelConfig, hf: dict) -> list[Rule]:
-        return replace(self, rope_interleave=rope_interleaved(hf)).rules(cfg)
+        return replace(self, rope_interleave=rope_interleaved(hf)).rules(cfg, mtp_copies=False)
 
     def _attention_rules(self, cfg: ModelConfig, m: str, h: str) -> list[Rule]:
         return mla_rules(cfg, m, h, self.rope_interleave)
 
 
 DEEPSEEK_V3 = DeepseekV3Family(
-    "deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", "first_k", shared="shared_experts", sigmoid=True, mla=True
+    "deepseek_v3",
+    "DeepseekV3ForCausalLM",
+    "deepseek_v3",
+    "first_k",
+    shared="shared_experts",
+    sigmoid=True,
+    mla=True,
+    mtp=True,
 )
 GLM4_MOE = LlamaFamily(
     "glm4_moe",

@@ -14,8 +14,13 @@ RoPE layout: DeepSeek's checkpoints rotate interleaved channel pairs (x0, x1), (
 transformers' default for the class); moetron rotates halves (x_i, x_{i+Dr/2}). The rotary rows of the query
 projection (per head) and of the key/value down projection are permuted between the two, which gives the same
 scores. Export writes the interleaved layout (DeepSeek's own, what other DeepSeek-V3 loaders assume); import reads
-either, as its config.json says. MTP modules (`num_nextn_predict_layers`) are not part of the class in transformers:
-export writes none, import skips the layers past `num_hidden_layers` that hold them.
+either, as its config.json says.
+
+MTP modules (`--mtp-num-layers D`, config.json's `num_nextn_predict_layers`) in DeepSeek-V3's own checkpoint layout:
+module k (0-based) is `model.layers.<num_hidden_layers + k>.` with `enorm`, `hnorm`, `eh_proj`, its layer's usual
+attention and MoE tensors, `shared_head.norm` (moetron's `final_layernorm`) and copies of the shared
+`embed_tokens` / `shared_head.head` (export writes them as DeepSeek's release does; import reads the model's own).
+DeepseekV3ForCausalLM ignores those layers on load (transformers' `MtpModel` reads them for speculative decoding).
 """
 
 from __future__ import annotations
@@ -88,6 +93,52 @@ def mla_rules(cfg: ModelConfig, m: str, h: str, interleaved: bool) -> list[Rule]
     else:
         rules.append(_rope_rows(s + "linear_q_proj.weight", a + "q_proj.weight", heads, q_block, rope, interleaved))
     return rules
+
+
+# ---------------------------------------------------------------------------- the MTP modules
+def mtp_rules(arch, cfg: ModelConfig, copies: bool) -> list[Rule]:
+    """The MTP modules' tensors (`arch`: the DeepSeek-V3 `LlamaFamily`, for its layer rules); `copies`: also the
+    per-module copies of the shared embedding and head (export; import leaves them, the model shares one)."""
+    from moetron.interchange.hf_tensor_rules import vocab_rows
+
+    rules: list[Rule] = []
+    head = "output_layer.weight" if cfg.untie_embeddings_and_output_weights else "word_embeddings.weight"
+    for k in range(cfg.mtp_num_layers):
+        m, h = f"mtp.layers.{k}.", f"model.layers.{cfg.num_layers + k}."
+        rules += [same(m + n + ".weight", h + n + ".weight") for n in ("enorm", "hnorm", "eh_proj")]
+        rules.append(same(m + "final_layernorm.weight", h + "shared_head.norm.weight"))
+        rules += arch._attention_rules(cfg, m + "transformer_layer.", h)
+        rules += arch._moe_rules(cfg, m + "transformer_layer.mlp.", h, cfg.mtp_layer_experts())
+        if copies:
+            vocab, padded = cfg.vocab_size, cfg.padded_vocab_size()
+            rules += [
+                vocab_rows("word_embeddings.weight", h + "embed_tokens.weight", vocab, padded),
+                vocab_rows(head, h + "shared_head.head.weight", vocab, padded),
+            ]
+    return rules
+
+
+def mtp_problems(cfg: ModelConfig, experts: int) -> list[str]:
+    """DeepSeek-V3's MTP layers are MoE layers like the main ones (`experts`: theirs)."""
+    if cfg.mtp_num_layers and cfg.mtp_layer_experts() != experts:
+        return [
+            "--mtp-dense-layers has no DeepseekV3ForCausalLM equivalent (its MTP layers are MoE layers); train "
+            "without it, or export with --remote-code"
+        ]
+    return []
+
+
+def mtp_fields(hf: dict) -> dict:
+    """config.json's `num_nextn_predict_layers` (transformers also writes `num_mtp_layers`)."""
+    return {"mtp_num_layers": int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0)}
+
+
+def mtp_layers_present(cfg: ModelConfig, names) -> int:
+    """How many of the config's MTP modules the weights hold (a transformers save_pretrained keeps none)."""
+    k = 0
+    while k < cfg.mtp_num_layers and f"model.layers.{cfg.num_layers + k}.eh_proj.weight" in names:
+        k += 1
+    return k
 
 
 # ---------------------------------------------------------------------------- config.json

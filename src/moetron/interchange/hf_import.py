@@ -23,6 +23,7 @@ import torch
 from moetron.config import RunConfig
 from moetron.errors import UserError
 from moetron.interchange.hf_architectures import Architecture, architectures
+from moetron.interchange.hf_deepseek_v3 import mtp_layers_present
 from moetron.interchange.hf_tensor_rules import Rule, same
 from moetron.interchange.new_run import check_new_run_dir, model_shapes, write_run
 from moetron.interchange.safetensors_stream import HFWeights
@@ -70,7 +71,8 @@ def _model_config(arch: Architecture | None, hf: dict) -> ModelConfig:
 
 
 def _leftovers(weights: HFWeights, used: set[str], num_layers: int, tied: bool) -> list[str]:
-    """HF tensors no rule read, other than known extras (RoPE buffers, layers past num_hidden_layers: MTP)."""
+    """HF tensors no rule read, other than known extras (RoPE buffers, layers past num_hidden_layers: MTP modules
+    not imported, or their copies of the shared embedding and head)."""
     left = []
     for name in weights.names():
         layer = re.match(r"model\.layers\.(\d+)\.", name)
@@ -108,10 +110,16 @@ def import_hf(hf_dir: str, save: str, seq_length: int | None = None) -> ImportRe
     if seq_length is not None:
         cfg.model.seq_length = seq_length
     weights = HFWeights(source)
+    notes: list[str] = []
+    if cfg.model.mtp_num_layers and arch is not None:  # config.json names MTP modules the weights may not hold
+        present = mtp_layers_present(cfg.model, weights)
+        if present < cfg.model.mtp_num_layers:
+            notes.append(f"config.json names {cfg.model.mtp_num_layers} MTP modules, the weights hold {present}")
+            cfg.model.mtp_num_layers = present
     rules = arch.import_rules(cfg.model, hf) if arch is not None else [same(n, f"model.{n}") for n in model_shapes(cfg)]
     tensors = convert_tensors(weights, rules, cfg.model, f"--hf {hf_dir}")
     hf_class = arch.hf_class if arch is not None else "MoetronForCausalLM"
-    notes = [f"imported by `moetron import --hf {hf_dir}` ({hf_class})"]
+    notes = [f"imported by `moetron import --hf {hf_dir}` ({hf_class})", *notes]
     Path(save).mkdir(parents=True, exist_ok=True)
     data_fields = import_tokenizer(source, Path(save))
     if data_fields:
