@@ -95,45 +95,98 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
             silu_list.append(silu_e)
             h_list.append(h_e)
         ctx.save_for_backward(x_ND, w1_EDF, w3_EDF, w2_EFD)
-        ctx.activations, ctx.counts = (a_list, b_list, silu_list, h_list), counts
+        ctx.activations, ctx.h_list, ctx.counts = (a_list, b_list, silu_list), h_list, counts
+        ctx.activation_grads = None  # (da, db) per expert, kept by a pass that leaves the rest to a later one
+        ctx.input_grad_done = ctx.weight_grads_done = False
         return y_ND
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_ND):
+        """Zero bubble (`torch.distributed.pipelining`) calls this twice on one graph: once for the input gradient
+        (autograd.grad w.r.t. the stage inputs) and once for the weight gradients, from the same output gradient.
+        Each call computes only what its pass will use (`_wanted`), and the first keeps the SwiGLU's two
+        activation gradients for the second: the same products as one full backward, so the same bits."""
         x_ND, w1_EDF, w3_EDF, w2_EFD = ctx.saved_tensors
         counts = ctx.counts
-        grad_x = empty_for_gradient(x_ND) if ctx.needs_input_grad[0] else None
+        want_x, want_w = _wanted(ctx)
+        if ctx.activations is None and ctx.activation_grads is None:
+            raise RuntimeError(
+                "ExpertByExpertSwiGLU: backward through this graph a second time (its activations are freed); "
+                "call backward once, or once for the inputs and once for the weights"
+            )
+        grad_x = empty_for_gradient(x_ND) if want_x else None
         if grad_x is not None:
             grad_x[sum(counts) :].zero_()
-        grad_w1, grad_w3, grad_w2 = (empty_for_gradient(w) for w in (w1_EDF, w3_EDF, w2_EFD))
+        grad_w1, grad_w3, grad_w2 = (empty_for_gradient(w) if want_w else None for w in (w1_EDF, w3_EDF, w2_EFD))
+        num = len(counts)
+        stashed = ctx.activation_grads  # (da, db) per expert from an earlier input-only or weight-only pass
+        a_list, b_list, silu_list = ctx.activations if ctx.activations is not None else ([None] * num,) * 3
+        ctx.input_grad_done |= want_x
+        ctx.weight_grads_done |= want_w
+        keep = not (ctx.input_grad_done and ctx.weight_grads_done)  # the other pass still comes
+        da_kept, db_kept = [], []
         per_expert = zip(
             _per_expert(grad_ND, counts),
             _per_expert(x_ND, counts),
-            *ctx.activations,
-            _per_expert(grad_x, counts) if grad_x is not None else [None] * len(counts),
+            a_list,
+            b_list,
+            silu_list,
+            stashed[0] if stashed is not None else [None] * num,
+            stashed[1] if stashed is not None else [None] * num,
+            _per_expert(grad_x, counts) if grad_x is not None else [None] * num,
             w1_EDF.transpose(1, 2).unbind(0),
             w3_EDF.transpose(1, 2).unbind(0),
             w2_EFD.transpose(1, 2).unbind(0),
-            grad_w1.unbind(0),
-            grad_w3.unbind(0),
-            grad_w2.unbind(0),
+            *((g.unbind(0) if g is not None else [None] * num) for g in (grad_w1, grad_w3, grad_w2)),
             strict=True,
         )
-        for g_e, x_e, a_e, b_e, silu_e, h_e, gx_e, w1_FD, w3_FD, w2_DF, gw1_DF, gw3_DF, gw2_FD in per_expert:
-            torch.mm(h_e.t(), g_e, out=gw2_FD)
-            dh_e = torch.mm(g_e, w2_DF)
-            # The autograd graph's MulBackward and SiluBackward, op for op (same products, so the same bits), in
-            # place on the saved silu and on dh: both are dead after this, and fresh [n, F] buffers cost more.
-            db_e = silu_e.mul_(dh_e)
-            da_e = torch.ops.aten.silu_backward(dh_e.mul_(b_e), a_e)
-            x_DN = x_e.t()
-            torch.mm(x_DN, da_e, out=gw1_DF)
-            torch.mm(x_DN, db_e, out=gw3_DF)
+        for e, (g_e, x_e, a_e, b_e, silu_e, da_e, db_e, gx_e, w1_FD, w3_FD, w2_DF, gw1_DF, gw3_DF, gw2_FD) in enumerate(
+            per_expert
+        ):
+            if want_w:  # before the in-place ops below: h is read here only, so nothing else must go first
+                torch.mm(ctx.h_list[e].t(), g_e, out=gw2_FD)
+            if da_e is None:
+                dh_e = torch.mm(g_e, w2_DF)
+                # The autograd graph's MulBackward and SiluBackward, op for op (same products, so the same bits),
+                # in place on the saved silu and on dh: both are dead after this, and fresh [n, F] buffers cost more.
+                db_e = silu_e.mul_(dh_e)
+                da_e = torch.ops.aten.silu_backward(dh_e.mul_(b_e), a_e)
+            if want_w:
+                x_DN = x_e.t()
+                torch.mm(x_DN, da_e, out=gw1_DF)
+                torch.mm(x_DN, db_e, out=gw3_DF)
             if gx_e is not None:
                 torch.mm(da_e, w1_FD, out=gx_e).add_(torch.mm(db_e, w3_FD))
-        ctx.activations = None
+            if keep:
+                da_kept.append(da_e)
+                db_kept.append(db_e)
+        ctx.activations = None  # the saved silu holds db now
+        ctx.activation_grads = (da_kept, db_kept) if keep else None
+        if want_w:  # the weight gradients are done: h was their last reader
+            ctx.h_list = None
         return grad_x, grad_w1, grad_w3, grad_w2, None
+
+
+def _wanted(ctx) -> tuple[bool, bool]:
+    """(input gradient, weight gradients) that this backward call's pass will use.
+
+    `ctx.needs_input_grad` is fixed at forward; which inputs the running autograd.grad reaches is the engine's
+    (`_will_engine_execute_node`, what torch.utils.checkpoint asks too). It refuses leaf nodes inside
+    autograd.grad, so the operands enter the Function as views (`expert_by_expert_swiglu`)."""
+    needs_x, needs_w1, needs_w3, needs_w2, _ = ctx.needs_input_grad
+    nodes = [node for node, _ in ctx.next_functions]
+
+    def reached(i: int) -> bool:
+        if nodes[i] is None:
+            return False
+        try:
+            return torch._C._will_engine_execute_node(nodes[i])
+        except RuntimeError:  # a leaf (a direct `apply` caller): assume needed, as `needs_input_grad` says
+            return True
+
+    want_w = (needs_w1 or needs_w3 or needs_w2) and any(reached(i) for i in (1, 2, 3))
+    return needs_x and reached(0), want_w
 
 
 def _per_expert(x_NA: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, ...]:
@@ -148,4 +201,6 @@ def expert_by_expert_swiglu(
 
     Reads the counts on the host (`.tolist()`): free on a CPU, which is the only place it runs."""
     with torch.autocast(device_type=x_ND.device.type, enabled=False):  # operands are already in compute dtype
-        return ExpertByExpertSwiGLU.apply(x_ND, w1_EDF, w3_EDF, w2_EFD, counts_E.tolist())
+        # Views (no copy) so that no operand is a leaf of the Function: see `_wanted`.
+        operands = (t.view_as(t) if t.requires_grad else t for t in (x_ND, w1_EDF, w3_EDF, w2_EFD))
+        return ExpertByExpertSwiGLU.apply(*operands, counts_E.tolist())
