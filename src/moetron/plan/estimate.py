@@ -122,6 +122,9 @@ def make_plan(cfg: RunConfig, gpus: int, device: Accelerator, mfu: float = DEFAU
     if dims.pp > 1:
         stages, bubble = plan_stages(cfg, dims, device.kind), pipeline_bubble(cfg, dims)
         seconds = pipeline_step_time(cfg, dims, stages, device.peak_tflops * 1e12 * mfu)
+        memory = max((s.memory for s in stages), key=lambda m: m.peak)  # `estimate_memory`, without pricing twice
+    else:
+        memory = estimate_memory(cfg, dims, device.kind)
     return Plan(
         cfg=cfg,
         gpus=gpus,
@@ -131,7 +134,7 @@ def make_plan(cfg: RunConfig, gpus: int, device: Accelerator, mfu: float = DEFAU
         params=count_parameters(cfg.model),
         local=local_parameters(cfg.model, dims),
         flops_per_token=per_token,
-        memory=estimate_memory(cfg, dims, device.kind),
+        memory=memory,
         step_time_s=seconds,
         stages=stages,
         bubble=bubble,

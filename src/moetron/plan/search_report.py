@@ -6,7 +6,7 @@ from moetron.plan.cost_model import Network
 from moetron.plan.hardware import GIB
 from moetron.plan.search import Row, SearchResult, train_command
 
-PARTS = ("compute", "bubble", "tp", "ep", "dp", "pp", "overhead")  # StepCost fields, in the table's order
+PARTS = ("compute", "bubble", "tp", "ep", "cp", "dp", "pp", "overhead")  # StepCost fields, in the table's order
 LABELS = {"overhead": "launch"}  # column heads where the field name is too wide
 
 
