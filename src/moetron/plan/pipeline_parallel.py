@@ -26,6 +26,7 @@ the logits and loss buffers on the last stage. Context parallelism: every per-to
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
@@ -113,8 +114,6 @@ def _runtime_gathers(schedule: str, pp: int, virtual: int, num_micro: int) -> in
     """The most UNSHARD actions of one local stage module in torch's lowered action list of a runtime schedule
     (interleaved 1F1B, zero bubble), over the pipeline ranks: what FSDP all-gathers per step. Needs the (slow to
     import) pipelining package, so asked only when it can differ from 1."""
-    from collections import Counter
-
     from torch.distributed.pipelining import schedules
 
     cls = schedules.ScheduleInterleavedZeroBubble if schedule == "zero-bubble" else schedules.ScheduleInterleaved1F1B
@@ -125,10 +124,29 @@ def _runtime_gathers(schedule: str, pp: int, virtual: int, num_micro: int) -> in
         plan.number_of_rounds = max(1, num_micro // pp)
         plan.microbatches_per_round = num_micro // plan.number_of_rounds
         plan.stage_index_to_group_rank = {s: s % pp for s in range(pp * virtual)}
-        actions = schedules._add_unshard_reshard(plan._calculate_single_rank_operations(rank))
-        counts = Counter(a.stage_index for a in actions if a is not None and a.computation_type == schedules.UNSHARD)
-        most = max(most, *counts.values())
+        stages = [a.stage_index for a in plan._calculate_single_rank_operations(rank) if a is not None]
+        most = max(most, *unshard_counts(stages).values())
     return most
+
+
+def unshard_counts(stages: list[int], active_max: int = MAX_UNSHARDED_STAGES) -> Counter:
+    """UNSHARD actions per stage that torch's `_add_unshard_reshard` inserts into a rank's compute actions (their
+    stage indices, in order): before each action the next `active_max` distinct stages ahead are made active,
+    the others evicted. The same rule in linear time (torch's rescans the rest of the list at every action)."""
+    ahead: list[list[int]] = [[] for _ in stages]
+    following: list[int] = []
+    for i in range(len(stages) - 1, -1, -1):
+        following = ([stages[i]] + [s for s in following if s != stages[i]])[:active_max]
+        ahead[i] = following
+    active: set[int] = set()
+    counts: Counter = Counter()
+    for window in ahead:
+        active &= set(window)
+        for stage in window:
+            if stage not in active:
+                active.add(stage)
+                counts[stage] += 1
+    return counts
 
 
 def fsdp_gathers_per_step(layout: PipelineLayout, num_micro: int) -> int:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 
 from moetron.config import RunConfig
 from moetron.config_cli import field_specs
+from moetron.model.config import ModelConfig
 from moetron.model.flops import (
     attention_params,
     attention_score_flops,
@@ -56,6 +57,7 @@ from moetron.parallel.tp.sizes import tensor_parallel_problems
 from moetron.plan.cost_model import DEFAULT_EFFICIENCY, Network, StepCost, step_cost
 from moetron.plan.estimate import Plan, layout_problems, make_plan
 from moetron.plan.hardware import Accelerator
+from moetron.plan.memory_terms import model_cache
 from moetron.progress import Progress
 
 # Layout fields `structures` enumerates (the command line's flags fix them: `fixed_dimensions`)
@@ -111,8 +113,9 @@ class Layout:
         """The ZeRO stage the run uses."""
         return effective_stage(self.zero, self.distributed_optimizer)
 
-    def apply(self, cfg: RunConfig, global_batch: int) -> RunConfig:
-        """A copy of `cfg` with this layout at `global_batch` (the sections it does not change are shared)."""
+    def apply(self, cfg: RunConfig, global_batch: int, model: ModelConfig | None = None) -> RunConfig:
+        """A copy of `cfg` with this layout at `global_batch` (the sections it does not change are shared; `model`:
+        `cfg.model` at this layout's checkpointing, to share one object over many layouts)."""
         parallel = replace(
             cfg.parallel,
             tensor_model_parallel_size=self.tp,
@@ -130,7 +133,7 @@ class Layout:
             use_distributed_optimizer=self.distributed_optimizer,
         )
         train = replace(cfg.train, micro_batch_size=self.mbs, global_batch_size=global_batch)
-        model = replace(cfg.model, checkpoint_activations=self.ckpt)
+        model = model or replace(cfg.model, checkpoint_activations=self.ckpt)
         return RunConfig(model=model, data=cfg.data, parallel=parallel, train=train)
 
     @property
@@ -384,9 +387,15 @@ def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficie
     Each row's flags are `given` (the command line's non-layout flags, `given_flags`) and the layout flags that
     turn `base` (the config file alone, as `moetron train --config` reads it; default `cfg`) into the row's config.
     """
-    fixed, base, given = fixed or {}, base or cfg, given or []
+    with model_cache():
+        return _search(cfg, gpus, device, net, efficiency, fixed or {}, base or cfg, given or [])
+
+
+def _search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficiency: float, fixed: dict,
+            base: RunConfig, given: list[str]) -> SearchResult:  # fmt: skip
     gbs = search_global_batch(cfg, gpus)
     result = SearchResult([], 0, 0, 0)
+    models = {ckpt: replace(cfg.model, checkpoint_activations=ckpt) for ckpt in (False, True)}  # `model_cache` keys
     layouts = list(structures(cfg, gpus, net.gpus_per_node, fixed))  # cheap to list: the total for the progress
     for structure in Progress("plan --search", len(layouts), "layouts").track(layouts):
         dp = gpus // (structure.tp * structure.pp * structure.cp)
@@ -400,7 +409,7 @@ def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficie
                 continue  # a larger micro batch needs more memory still
             layout = Layout(**{**structure.__dict__, "mbs": mbs, "ckpt": ckpt})
             result.candidates += 1
-            candidate = layout.apply(cfg, gbs)
+            candidate = layout.apply(cfg, gbs, models[ckpt])
             problems = layout_problems(candidate, gpus)  # what `moetron train` refuses: the only refusals
             if problems:
                 whole = bool(degrees.intersection(problems))  # for the degrees: so is every micro batch of them
