@@ -237,6 +237,8 @@ def balanced_ends(cfg: RunConfig, pp: int) -> tuple[int, int] | None:
     first_eq = first / layer_params
     last_eq = max(last_params / layer_params, last_flops / layer_flops)
     middle = pp - 2
+    even = num_layers // pp if num_layers % pp == 0 else None
+    even_load = max(even + first_eq, even + last_eq, even) if even is not None else math.inf
     best: tuple[float, int, int, int] | None = None
     for f in range(num_layers + 1):
         for last in range(num_layers + 1 - f):
@@ -247,11 +249,9 @@ def balanced_ends(cfg: RunConfig, pp: int) -> tuple[int, int] | None:
             load = max(f + first_eq, last + last_eq, share)
             key = (round(load, 6), abs(f - last), f, last)
             best = key if best is None or key < best else best
-    if best is None:
-        return None
-    f, last = best[2], best[3]
-    even = num_layers // pp if num_layers % pp == 0 else None
-    return None if f == last == even else (f, last)
+    if best is None or best[0] >= round(even_load, 6):
+        return None  # the even split is as balanced (whole layers cannot do better)
+    return best[2], best[3]
 
 
 def _mean_layer(cfg: RunConfig) -> tuple[float, float]:
@@ -380,19 +380,20 @@ def given_flags(cfg: RunConfig, names: set[str]) -> list[str]:
 
 
 def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficiency: float = DEFAULT_EFFICIENCY,
-           fixed: dict | None = None, base: RunConfig | None = None, given: list[str] | None = None
-           ) -> SearchResult:  # fmt: skip
+           fixed: dict | None = None, base: RunConfig | None = None, given: list[str] | None = None,
+           prune: bool = True) -> SearchResult:  # fmt: skip
     """Every layout of `cfg` on `gpus` GPUs that fits `device`, fastest first (see the module docstring).
 
     Each row's flags are `given` (the command line's non-layout flags, `given_flags`) and the layout flags that
     turn `base` (the config file alone, as `moetron train --config` reads it; default `cfg`) into the row's config.
+    `prune=False` keeps the dominated schedule / CP-attention variants too (`prune_dominated`).
     """
     with model_cache():
-        return _search(cfg, gpus, device, net, efficiency, fixed or {}, base or cfg, given or [])
+        return _search(cfg, gpus, device, net, efficiency, fixed or {}, base or cfg, given or [], prune)
 
 
 def _search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficiency: float, fixed: dict,
-            base: RunConfig, given: list[str]) -> SearchResult:  # fmt: skip
+            base: RunConfig, given: list[str], prune: bool) -> SearchResult:  # fmt: skip
     gbs = search_global_batch(cfg, gpus)
     result = SearchResult([], 0, 0, 0)
     models = {ckpt: replace(cfg.model, checkpoint_activations=ckpt) for ckpt in (False, True)}  # `model_cache` keys
@@ -427,7 +428,7 @@ def _search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, effici
                 continue
             flags = [*given, *layout_flags(base, candidate)]
             result.rows.append(Row(layout, plan, step_cost(plan, net, efficiency), flags))
-    kept = prune_dominated(result.rows)
+    kept = prune_dominated(result.rows) if prune else result.rows
     result.pruned, result.rows = len(result.rows) - len(kept), kept
     result.rows.sort(key=rank_key)
     for i, row in enumerate(result.rows, 1):
