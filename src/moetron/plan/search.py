@@ -285,7 +285,9 @@ def structures(cfg: RunConfig, gpus: int, per_node: int, fixed: dict) -> Iterato
     kept = {field: fixed[field] for field in KEPT.values() if field in fixed}
     moe = [e for e in cfg.model.experts_per_layer() if e > 1]
     expert_sizes = divisors(math.gcd(*moe)) if moe else [1]
-    wanted = {k: v for k, v in fixed.items() if k in STRUCTURE and k != "schedule"}
+    wanted = {k: v for k, v in fixed.items() if k in STRUCTURE and k not in ("schedule", "first_layers", "last_layers")}
+    ends = {k: fixed.get(k) for k in ("first_layers", "last_layers")} if {"first_layers", "last_layers"} & set(fixed) \
+        else None  # the command line's split, with every one-stage-per-rank schedule (None: balanced_ends too)
     schedule = fixed.get("schedule")
     for tp in divisors(gpus):
         if tp > per_node:
@@ -296,7 +298,11 @@ def structures(cfg: RunConfig, gpus: int, per_node: int, fixed: dict) -> Iterato
                 continue
             for comm in COMM_TYPES if cp > 1 else (fixed.get("cp_comm", cfg.parallel.cp_comm_type),):
                 for pp in divisors(gpus // (tp * cp)):
-                    for pipe in pipeline_options(cfg, pp):
+                    options = pipeline_options(cfg, pp)
+                    if ends is not None:
+                        options = [(sched, None, ends["first_layers"], ends["last_layers"])
+                                   for sched in (None, "gpipe", "zero-bubble")] if pp > 1 else options  # fmt: skip
+                    for pipe in options:
                         if schedule and pp > 1 and schedule_name(*pipe[:2]) != schedule_name(schedule, pipe[1]):
                             continue
                         pipe = (schedule, *pipe[1:]) if schedule else pipe  # as given (the words of the flag)
