@@ -27,7 +27,7 @@ def format_search(result: SearchResult, rows: list[Row], config: str, gpus: int,
         f"{efficiency:.0%} of {device.peak_tflops:g} peak TFLOP/s; times in ms per step",
         "",
     ]
-    head = f"  {'#':>2} {'layout':<30} {'GiB':>6} {'step':>7} " + " ".join(f"{LABELS.get(p, p):>7}" for p in PARTS)
+    head = f"  {'#':>2} {'layout':<38} {'GiB':>6} {'step':>7} " + " ".join(f"{LABELS.get(p, p):>7}" for p in PARTS)
     head += f" {'tok/s':>9} {'MFU':>5}"
     if measured:
         head += f" | {'meas GiB':>8} {'meas ms':>8} {'cpu ms':>7} {'rank':>4}"
@@ -35,7 +35,7 @@ def format_search(result: SearchResult, rows: list[Row], config: str, gpus: int,
     lines.append(head)
     for row in rows:
         c = row.cost
-        line = f"  {row.predicted_rank:>2} {row.words:<30} {row.plan.needed_bytes / GIB:>6.2f} {_ms(c.total):>7} "
+        line = f"  {row.predicted_rank:>2} {row.words:<38} {row.plan.needed_bytes / GIB:>6.2f} {_ms(c.total):>7} "
         line += " ".join(f"{_ms(getattr(c, p)):>7}" for p in PARTS)
         line += f" {c.tokens_per_s:>9.0f} {c.mfu(gpus, device.peak_tflops):>5.1%}"
         if measured:
