@@ -11,8 +11,8 @@ dp = gpus / (tp · cp · pp). Enumerated:
            long-context regime CP is for); each with --cp-comm-type all_gather, p2p and a2a
   pp       divisors of the remaining GPUs, each with every schedule (`pipeline_options`): 1F1B, GPipe and zero
            bubble with one stage per rank — evenly split, and with the first/last stages' layer counts that
-           balance the embedding and the LM head (+ MTP modules) (`balanced_ends`) —, interleaved 1F1B and
-           zero bubble with 2–4 virtual stages per rank
+           balance the embedding and the LM head (+ MTP modules) (`balanced_ends`; GPipe only where no even
+           split exists) —, interleaved 1F1B with 2–4 and zero bubble with 2 virtual stages per rank
   ep       divisors of every MoE layer's expert count
   ZeRO     stages 0–3
   micro batch   divisors of the global batch per data-parallel rank, smallest first (memory grows with it:
@@ -213,10 +213,15 @@ def pipeline_options(cfg: RunConfig, pp: int) -> list[Pipeline]:
     ends = balanced_ends(cfg, pp)
     for schedule in (None, "gpipe", "zero-bubble"):
         out += [(schedule, None, None, None)] if num_layers % pp == 0 else []
-        out += [(schedule, None, *ends)] if ends else []
+        # GPipe split unevenly only where no even split exists: its bubble is 1F1B's, its memory more, so an
+        # uneven GPipe row is a dominated 1F1B row wherever 1F1B runs (fewer layouts to price)
+        out += [(schedule, None, *ends)] if ends and (schedule != "gpipe" or num_layers % pp) else []
     for v in range(2, MAX_VIRTUAL + 1):
         if num_layers % (pp * v) == 0:
-            out += [(None, num_layers // (pp * v), None, None), ("zero-bubble", num_layers // (pp * v), None, None)]
+            out += [(None, num_layers // (pp * v), None, None)]
+            # zero bubble's bubble is a third of interleaved 1F1B's already at v = 2: more virtual stages buy
+            # little and cost more sends (and, past 3 per rank, FSDP re-gathers), so only v = 2 is priced
+            out += [("zero-bubble", num_layers // (pp * v), None, None)] if v == 2 else []
     return out
 
 
