@@ -110,6 +110,8 @@ FIXED = [  # each kind of layout flag, and flags that are not about the layout (
     ["--moe-expert-parallel-size", "2", "--checkpoint-activations"],
     ["--micro-batch-size", "1", "--global-batch-size", "8"],
     ["--use-distributed-optimizer"],
+    ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero-bubble"],
+    ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
 ]
 
 
@@ -128,6 +130,8 @@ def test_every_printed_command_runs_its_rows_layout(tiny_config, capsys, fixed):
         ran = {
             "tp": p.tensor_model_parallel_size,
             "sp": p.sequence_parallel,
+            "cp": p.context_parallel_size,
+            "cp_comm": p.cp_comm_type,
             "pp": p.pipeline_model_parallel_size,
             "virtual_layers": p.num_layers_per_virtual_pipeline_stage,
             "ep": p.moe_expert_parallel_size,

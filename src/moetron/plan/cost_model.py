@@ -8,6 +8,7 @@ One optimizer step on one GPU (the slowest pipeline stage's) costs, in seconds,
                 on GPU Clusters Using Megatron-LM", §2.2)
     tp          the tensor-/sequence-parallel collectives of this stage's layers (bytes: plan/tensor_parallel.py)
     ep          the expert-parallel all-to-alls (dispatch and combine, forward and backward)
+    cp          the context-parallel attention's exchanges of keys and values (`--cp-comm-type`, below)
     dp          the data-parallel gradient reduction and ZeRO's gathers, less what overlaps the backward
     pp          the activations and their gradients sent between pipeline stages
     overhead    per micro-batch and layer, a fixed cost of eager execution: KERNELS_PER_LAYER operator launches
@@ -42,6 +43,27 @@ inter-node one (a ring is as slow as its slowest hop).
     ZeRO 3       reduce-scatter per micro-batch + all-gathers per micro-batch forward and backward
     The DP term overlaps the backward (2/3 of the compute) of the last micro-batch (ZeRO 0–2) or of every
     micro-batch (ZeRO 3, FSDP2 prefetches the next unit's gather); only the rest is exposed.
+    Dense groups are dp × cp ranks (`dp_cp`: context-parallel peers hold other tokens of the same samples).
+    ZeRO 2–3 under pipelining (parallel/dp/fsdp.py `shard_stage`; torch's PipelineStage): every backward runs with
+                 `set_requires_gradient_sync(False)` / `set_reshard_after_backward(False)` and blocks are never
+                 resharded after forward, so a stage's weights are all-gathered ONCE per step (its first forward)
+                 and its gradients reduce-scattered ONCE (fp32, `perform_reduce_grad` after the step's last
+                 backward: nothing left to overlap). With more than 3 stages per rank, torch's runtime schedules
+                 (interleaved, zero bubble) keep only 3 stage modules unsharded at a time
+                 (`_add_unshard_reshard`), and the gathers per step are counted from its action list
+                 (`pipeline_parallel.fsdp_gathers_per_step`). Only the first micro-batch's forward (1/3 of its
+                 compute) hides the gathers.
+    ZeRO 0–1 under pipelining: DDP's all-reduce during the last backward, as without (zero bubble: after the
+                 schedule, split.py `dense_after_backward`, not overlapped).
+    CP           per layer and micro-batch, this rank's K and V blocks `[mbs, seq/cp, kv_heads/tp, head_dim]`:
+                 all_gather   K, V all-gathered forward ((cp−1) blocks each received, 2 collectives), dK, dV
+                              reduce-scattered backward (the same bytes); on the critical path (attention.py)
+                 p2p          (cp−1) K/V passes forward and (cp−1) backward plus cp passes of the travelling dK/dV
+                              (ring.py); posted before each block's compute, so only what exceeds the attention
+                              scores' compute is exposed
+                 a2a          q, k, v and the output all-to-all'd over the cp group forward, and again backward
+                              (8 calls, ulysses.py; each rank sends (cp−1)/cp of them); on the critical path
+                 ×2 forwards with activation checkpointing; the group spans cp × tp consecutive ranks.
     EP           per MoE layer and micro-batch, 4 all-to-alls of the routed rows × h in the compute dtype
                  (dispatch and combine, forward and backward; 6 with checkpointing: the recompute repeats the
                  forward two) — DeepSpeed-MoE, Rajbhandari et al. 2022, §5
@@ -58,10 +80,10 @@ import math
 from dataclasses import asdict, dataclass
 
 from moetron.errors import UserError
-from moetron.model.flops import flops_per_token
+from moetron.model.flops import attention_score_flops, flops_per_token
 from moetron.parallel.pp.stage_layout import MULTI_STAGE, PipelineLayout
 from moetron.plan.memory import compute_bytes, routed_rows
-from moetron.plan.pipeline_parallel import stage_parameters, tensor_parallel_share
+from moetron.plan.pipeline_parallel import fsdp_gathers_per_step, stage_parameters, tensor_parallel_share
 from moetron.plan.tensor_parallel import activation_split
 
 DEFAULT_EFFICIENCY = 0.5  # of the peak, for the matmuls (Narayanan et al. 2021: 52 % on A100s)
@@ -175,10 +197,11 @@ class StepCost:
     overhead: float
     tokens_per_step: int
     model_flops_per_step: float  # 6·N_active + attention per token × tokens (no recompute), all GPUs
+    cp: float = 0.0  # context-parallel attention's K/V traffic
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp + self.ep + self.dp + self.pp + self.overhead
+        return self.compute + self.bubble + self.tp + self.ep + self.cp + self.dp + self.pp + self.overhead
 
     @property
     def tokens_per_s(self) -> float:
@@ -199,7 +222,7 @@ def _ring(n: int) -> float:
 def _compute_seconds(plan, efficiency: float) -> float:
     """This GPU's training FLOPs per step / achieved FLOP/s (the slowest stage's with pipelining)."""
     cfg, d = plan.cfg, plan.dims
-    tokens = cfg.global_batch(d.dp) * cfg.model.seq_length / d.dp  # this data-parallel rank's
+    tokens = cfg.global_batch(d.dp) * cfg.model.seq_length / (d.dp * d.cp)  # this data-/context-parallel rank's
     per_token = max(s.flops_per_token for s in plan.stages) if plan.stages else plan.flops_per_token
     recompute = 4 / 3 if cfg.model.checkpoint_activations else 1.0
     return tokens / d.tp * per_token * recompute / (plan.device.peak_tflops * 1e12 * efficiency)
@@ -222,6 +245,7 @@ def _tp_seconds(plan, net: Network) -> float:
     share = len(_stage_layers(plan)) / layers  # plan.tp_comm_bytes counts every layer of the model
     forwards = 2 if plan.cfg.model.checkpoint_activations else 1
     collectives = plan.accumulation_steps * len(_stage_layers(plan)) * 2 * (forwards + 1 + (1 if d.sp else 0))
+    share /= d.cp  # plan.tp_comm_bytes counts the whole sequence; a context-parallel rank holds seq / cp of it
     return net.seconds(plan.tp_comm_bytes * share, collectives, d.tp)
 
 
@@ -230,7 +254,7 @@ def _ep_seconds(plan, net: Network) -> float:
     moe = [e for e in _stage_layers(plan) if e > 1]
     if d.ep == 1 or not moe:
         return 0.0
-    tokens = plan.cfg.train.micro_batch_size * model.seq_length
+    tokens = plan.cfg.train.micro_batch_size * model.seq_length // d.cp
     calls = 6 if model.checkpoint_activations else 4
     share = activation_split(d).routes
     per_micro = sum(routed_rows(model, e, tokens, d.ep) * share * model.hidden_size for e in moe)
@@ -238,21 +262,56 @@ def _ep_seconds(plan, net: Network) -> float:
     return net.seconds(sent, plan.accumulation_steps * calls * len(moe), d.ep * d.etp)
 
 
+def _cp_seconds(plan, net: Network, efficiency: float) -> float:
+    """The context-parallel attention's K/V traffic of this GPU's layers (see the module docstring)."""
+    d, cfg = plan.dims, plan.cfg
+    if d.cp == 1:
+        return 0.0
+    model, c, m = cfg.model, compute_bytes(cfg), plan.accumulation_steps
+    layers = len(_stage_layers(plan))
+    forwards = 2 if model.checkpoint_activations else 1
+    tokens = cfg.train.micro_batch_size * model.seq_length // d.cp
+    block = tokens * model.kv_heads / d.tp * model.head_dim * c  # this rank's K (or V)
+    comm = cfg.parallel.cp_comm_type
+    if comm == "a2a":
+        moved = tokens * 2 * (model.num_attention_heads + model.kv_heads) / d.tp * model.head_dim * c  # q k v out
+        sent, calls = (forwards + 1) * moved * _ring(d.cp), 4 * (forwards + 1)
+    elif comm == "p2p":
+        sent, calls = 2 * block * ((forwards + 1) * (d.cp - 1) + d.cp), (forwards + 1) * (d.cp - 1) + d.cp
+    else:  # all_gather
+        sent, calls = 2 * block * (d.cp - 1) * (forwards + 1), 2 * (forwards + 1)
+    seconds = net.seconds(m * layers * sent, m * layers * calls, d.cp * d.tp)
+    if comm != "p2p":
+        return seconds
+    scores = m * layers * tokens * attention_score_flops(model, model.seq_length) / d.tp * forwards
+    return max(0.0, seconds - scores / (plan.device.peak_tflops * 1e12 * efficiency))
+
+
 def _dp_seconds(plan, net: Network, compute: float) -> float:
     """The exposed part of the gradient reduction and ZeRO's gathers (see the module docstring)."""
     d, stage, m = plan.dims, plan.memory.zero_stage, plan.accumulation_steps
     local = _rank_parameters(plan)
     experts, dense = local.experts, local.total - local.experts
-    extent = d.dp * d.tp  # dp and edp groups span one pipeline stage's ranks
+    replicas = d.dp * d.cp  # the dense gradients' group: dp_cp
+    extent = replicas * d.tp  # dp and edp groups span one pipeline stage's ranks
     c = compute_bytes(plan.cfg)
+    layout = PipelineLayout.from_config(plan.cfg.model.num_layers, plan.cfg.parallel) if d.pp > 1 else None
     if stage == 0 or stage == 1:
-        grads = 4 * (dense * 2 * _ring(d.dp) + experts * 2 * _ring(d.edp))
-        gather = 4 * (dense * _ring(d.dp) + experts * _ring(d.edp)) if stage == 1 else 0.0
+        grads = 4 * (dense * 2 * _ring(replicas) + experts * 2 * _ring(d.edp))
+        gather = 4 * (dense * _ring(replicas) + experts * _ring(d.edp)) if stage == 1 else 0.0
         calls = math.ceil(4 * (dense + experts) / DDP_BUCKET_BYTES) * (2 if stage == 1 else 1)
         comm, overlap = net.seconds(grads + gather, calls, extent), compute / m * 2 / 3
+        if layout is not None and layout.splits_backward:
+            overlap = 0.0  # zero bubble: the dense gradients are reduced after the schedule (pp/split.py)
         gathered_after = net.seconds(gather, 0, extent)  # after the step: nothing left to hide it behind
         return max(0.0, comm - gathered_after - overlap) + gathered_after
-    sharded = dense * _ring(d.dp) + experts * _ring(d.edp)
+    sharded = dense * _ring(replicas) + experts * _ring(d.edp)
+    if layout is not None:  # FSDP2 per pipeline stage: gathered once per step (or per re-unshard), reduced once
+        blocks = len(_stage_layers(plan)) + 1
+        gathers = fsdp_gathers_per_step(layout, m)
+        gather = net.seconds(gathers * c * sharded, blocks * gathers, extent)
+        scatter = net.seconds(4 * sharded, blocks, extent)
+        return max(0.0, gather - compute / m / 3) + scatter
     blocks = len(plan.cfg.model.experts_per_layer()) + 1
     scatter = m * 4 * sharded
     gathers = (2 * m if stage == 3 else 1) * c * sharded
@@ -277,7 +336,7 @@ def _pp_seconds(plan, net: Network) -> float:
         return 0.0
     layout = PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
     v = layout.virtual if layout.schedule in MULTI_STAGE else 1
-    seq = cfg.model.seq_length // (d.tp if d.sp else 1)
+    seq = cfg.model.seq_length // (d.cp * (d.tp if d.sp else 1))
     message = cfg.train.micro_batch_size * seq * cfg.model.hidden_size * compute_bytes(cfg)
     sends = 2 * plan.accumulation_steps * v  # activations forward, their gradients backward
     return net.seconds(sends * message, sends, d.world_size)
@@ -303,6 +362,7 @@ def step_cost(plan, net: Network, efficiency: float = DEFAULT_EFFICIENCY) -> Ste
         bubble=bubble,
         tp=_tp_seconds(plan, net),
         ep=_ep_seconds(plan, net),
+        cp=_cp_seconds(plan, net, efficiency),
         dp=_dp_seconds(plan, net, compute),
         pp=_pp_seconds(plan, net),
         overhead=_overhead_seconds(plan),

@@ -18,6 +18,7 @@ from moetron.model.flops import ParamCounts, count_parameters, flops_per_token
 from moetron.parallel.dims import ParallelDims
 from moetron.plan.hardware import Accelerator
 from moetron.plan.memory import LocalParams, MemoryEstimate, compute_bytes, estimate_memory, local_parameters
+from moetron.plan.memory_terms import cached
 from moetron.plan.pipeline_parallel import StagePlan, pipeline_bubble, pipeline_step_time, plan_stages
 from moetron.plan.tensor_parallel import comm_bytes_per_step
 from moetron.validate import output_problems, validate
@@ -122,16 +123,19 @@ def make_plan(cfg: RunConfig, gpus: int, device: Accelerator, mfu: float = DEFAU
     if dims.pp > 1:
         stages, bubble = plan_stages(cfg, dims, device.kind), pipeline_bubble(cfg, dims)
         seconds = pipeline_step_time(cfg, dims, stages, device.peak_tflops * 1e12 * mfu)
+        memory = max((s.memory for s in stages), key=lambda m: m.peak)  # `estimate_memory`, without pricing twice
+    else:
+        memory = estimate_memory(cfg, dims, device.kind)
     return Plan(
         cfg=cfg,
         gpus=gpus,
         device=device,
         mfu=mfu,
         dims=dims,
-        params=count_parameters(cfg.model),
+        params=cached(count_parameters, cfg.model),
         local=local_parameters(cfg.model, dims),
         flops_per_token=per_token,
-        memory=estimate_memory(cfg, dims, device.kind),
+        memory=memory,
         step_time_s=seconds,
         stages=stages,
         bubble=bubble,

@@ -1,22 +1,33 @@
 """`moetron plan --search`: every parallel layout of a config on N GPUs, the ones that fit, ranked by step time.
 
-A layout is (tp, sequence parallel, pp, virtual stages, ep, etp, ZeRO stage, micro batch, activation
-checkpointing) at the config's global batch; dp = gpus / (tp · pp). Enumerated:
+A layout is (tp, sequence parallel, cp, CP attention, pp, pipeline schedule, virtual stages, uneven first/last
+stages, ep, etp, ZeRO stage, micro batch, activation checkpointing) at the config's global batch;
+dp = gpus / (tp · cp · pp). Enumerated:
   tp       divisors of the GPUs up to the GPUs per node (TP across nodes would put every layer's collectives on
            the slowest link), with and without sequence parallelism, experts whole (etp 1) or split (etp = tp)
-  pp       divisors of the remaining GPUs; 1F1B, and interleaved 1F1B with 2–4 virtual stages per rank
+  cp       divisors of the remaining GPUs with tp · cp within a node (CP's K/V exchange is per layer, on the
+           critical path like TP's), the sequence length a multiple of 2 · cp and at least MIN_CP_TOKENS tokens
+           per rank (shorter chunks leave the attention kernels too little work to hide the exchange: the
+           long-context regime CP is for); each with --cp-comm-type all_gather, p2p and a2a
+  pp       divisors of the remaining GPUs, each with every schedule (`pipeline_options`): 1F1B, GPipe and zero
+           bubble with one stage per rank — evenly split, and with the first/last stages' layer counts that
+           balance the embedding and the LM head (+ MTP modules) (`balanced_ends`; GPipe only where no even
+           split exists) —, interleaved 1F1B with 2–4 and zero bubble with 2 virtual stages per rank
   ep       divisors of every MoE layer's expert count
   ZeRO     stages 0–3
   micro batch   divisors of the global batch per data-parallel rank, smallest first (memory grows with it:
                 the first that does not fit ends that layout's list)
   checkpointing off and on
-Flags given on the command line (`--tensor-model-parallel-size 1`, `--zero-stage 0`, ...) fix that dimension;
-the pipeline schedule, uneven first/last stages and --use-distributed-optimizer are never varied: the command
-line's values, else the defaults. Each row's command is `--config FILE`, the command line's other flags, and the
-flags that turn the file's layout into the row's: it runs exactly the config the row planned.
+Flags given on the command line (`--tensor-model-parallel-size 1`, `--zero-stage 0`, `--pipeline-schedule gpipe`,
+...) fix that dimension; --use-distributed-optimizer is never varied (the command line's value, else the
+default). Each row's command is `--config FILE`, the command line's other flags, and the flags that turn the
+file's layout into the row's: it runs exactly the config the row planned.
 Each candidate goes through `moetron.validate.validate` (the rules and words of `moetron train`; only the checks
 of this machine's files aside, as in any plan: `plan.estimate.on_disk_problems`), then the memory plan
 (`plan/memory.py`) and the cost model (`plan/cost_model.py`); the ones that fit are ranked by predicted step time.
+Variants of one layout that differ only in the pipeline schedule / stage split or the CP attention are pruned
+when another variant is at least as fast AND needs no more memory (`prune_dominated`): the table keeps each
+layout's best trade-offs, not its every schedule.
 """
 
 from __future__ import annotations
@@ -29,26 +40,41 @@ from dataclasses import dataclass, field, replace
 
 from moetron.config import RunConfig
 from moetron.config_cli import field_specs
+from moetron.model.config import ModelConfig
+from moetron.model.flops import (
+    attention_params,
+    attention_score_flops,
+    embedding_params,
+    mlp_params,
+    moe_layer_params,
+    mtp_module_params,
+    mtp_module_routed_params,
+)
+from moetron.parallel.cp.sizes import COMM_TYPES, context_parallel_problems
 from moetron.parallel.dp.zero_spec import effective_stage, zero_problems
+from moetron.parallel.pp.stage_layout import schedule_name
 from moetron.parallel.tp.sizes import tensor_parallel_problems
 from moetron.plan.cost_model import DEFAULT_EFFICIENCY, Network, StepCost, step_cost
 from moetron.plan.estimate import Plan, layout_problems, make_plan
 from moetron.plan.hardware import Accelerator
+from moetron.plan.memory_terms import model_cache
 from moetron.progress import Progress
 
-STRUCTURE = ("tp", "sp", "pp", "virtual_layers", "ep", "etp", "zero")  # Layout fields `structures` enumerates
+# Layout fields `structures` enumerates (the command line's flags fix them: `fixed_dimensions`)
+STRUCTURE = ("tp", "sp", "cp", "cp_comm", "pp", "schedule", "virtual_layers", "first_layers", "last_layers", "ep",
+             "etp", "zero")  # fmt: skip
 # Layout fields taken from the command line as given, never varied: {ParallelConfig field: Layout field}
-KEPT = {
-    "pipeline_schedule": "schedule",
-    "decoder_first_pipeline_num_layers": "first_layers",
-    "decoder_last_pipeline_num_layers": "last_layers",
-    "use_distributed_optimizer": "distributed_optimizer",
-}
+KEPT = {"use_distributed_optimizer": "distributed_optimizer"}
 MAX_VIRTUAL = 4  # interleaved schedules tried with 2 .. MAX_VIRTUAL virtual stages per pipeline rank
+MIN_CP_TOKENS = 1024  # context parallelism tried only where each rank keeps at least this many tokens
+# the variants `prune_dominated` compares: the same layout but for these fields
+VARIANT_FIELDS = ("schedule", "virtual_layers", "first_layers", "last_layers", "cp_comm")
 # the fields a layout sets, in the order their flags are printed
 LAYOUT_FIELDS = (
     ("parallel", "tensor_model_parallel_size"),
     ("parallel", "sequence_parallel"),
+    ("parallel", "context_parallel_size"),
+    ("parallel", "cp_comm_type"),
     ("parallel", "pipeline_model_parallel_size"),
     ("parallel", "pipeline_schedule"),
     ("parallel", "num_layers_per_virtual_pipeline_stage"),
@@ -75,6 +101,8 @@ class Layout:
     zero: int = 0
     mbs: int = 1
     ckpt: bool = False
+    cp: int = 1  # --context-parallel-size
+    cp_comm: str = "all_gather"  # --cp-comm-type
     schedule: str | None = None  # --pipeline-schedule; None: 1F1B, interleaved with virtual stages
     first_layers: int | None = None  # --decoder-first-pipeline-num-layers
     last_layers: int | None = None  # --decoder-last-pipeline-num-layers
@@ -85,12 +113,15 @@ class Layout:
         """The ZeRO stage the run uses."""
         return effective_stage(self.zero, self.distributed_optimizer)
 
-    def apply(self, cfg: RunConfig, global_batch: int) -> RunConfig:
-        """A copy of `cfg` with this layout at `global_batch` (the sections it does not change are shared)."""
+    def apply(self, cfg: RunConfig, global_batch: int, model: ModelConfig | None = None) -> RunConfig:
+        """A copy of `cfg` with this layout at `global_batch` (the sections it does not change are shared; `model`:
+        `cfg.model` at this layout's checkpointing, to share one object over many layouts)."""
         parallel = replace(
             cfg.parallel,
             tensor_model_parallel_size=self.tp,
             sequence_parallel=self.sp,
+            context_parallel_size=self.cp,
+            cp_comm_type=self.cp_comm,
             pipeline_model_parallel_size=self.pp,
             num_layers_per_virtual_pipeline_stage=self.virtual_layers,
             pipeline_schedule=self.schedule,
@@ -102,16 +133,25 @@ class Layout:
             use_distributed_optimizer=self.distributed_optimizer,
         )
         train = replace(cfg.train, micro_batch_size=self.mbs, global_batch_size=global_batch)
-        model = replace(cfg.model, checkpoint_activations=self.ckpt)
+        model = model or replace(cfg.model, checkpoint_activations=self.ckpt)
         return RunConfig(model=model, data=cfg.data, parallel=parallel, train=train)
+
+    @property
+    def schedule_name(self) -> str:
+        return schedule_name(self.schedule, self.virtual_layers)
 
     def words(self, dp: int) -> str:
         parts = [f"dp{dp}"]
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sp else "") + (f" etp{self.etp}" if self.etp > 1 else ""))
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}:{self.cp_comm.replace('all_gather', 'ag')}")
         if self.pp > 1:
             parts.append(f"pp{self.pp}" + (f"×v{self.virtual_layers}L" if self.virtual_layers else ""))
-            parts += [self.schedule] if self.schedule else []
+            short = {"1f1b": "", "interleaved-1f1b": "", "gpipe": "gpipe", "zero-bubble": "zb"}
+            parts += [short[self.schedule_name]] if short[self.schedule_name] else []
+            if self.first_layers is not None or self.last_layers is not None:
+                parts.append(f"ends{self.first_layers}/{self.last_layers}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         if self.stage:
@@ -143,6 +183,7 @@ class SearchResult:
     valid: int  # of which `validate` accepts
     too_big: int  # valid ones that do not fit
     refusals: Counter = field(default_factory=Counter)  # the first problem of each refused layout
+    pruned: int = 0  # fitting schedule / CP-attention variants another variant of the same layout dominates
 
 
 def divisors(n: int) -> list[int]:
@@ -154,38 +195,132 @@ def search_global_batch(cfg: RunConfig, gpus: int) -> int:
     if cfg.train.global_batch_size:
         return cfg.train.global_batch_size
     p = cfg.parallel
-    return cfg.train.micro_batch_size * max(gpus // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size), 1)
+    model_ranks = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    return cfg.train.micro_batch_size * max(gpus // model_ranks, 1)
 
 
-def _virtual_options(num_layers: int, pp: int) -> list[int | None]:
-    """None (one stage per rank) and the layers per virtual stage giving 2..MAX_VIRTUAL stages per rank."""
+Pipeline = tuple[str | None, int | None, int | None, int | None]  # (schedule, virtual layers, first, last)
+
+
+def pipeline_options(cfg: RunConfig, pp: int) -> list[Pipeline]:
+    """The (--pipeline-schedule, --num-layers-per-virtual-pipeline-stage, --decoder-first/last-pipeline-num-layers)
+    tried at `pp` stages: one stage per rank under 1F1B (None: the default), GPipe and zero bubble, each split
+    evenly (where the layers divide) and with `balanced_ends`; 2..MAX_VIRTUAL stages per rank under interleaved
+    1F1B (None: the default with virtual stages) and zero bubble."""
     if pp == 1:
-        return [None]
-    out: list[int | None] = [None]
+        return [(None, None, None, None)]
+    num_layers, out = cfg.model.num_layers, []
+    ends = balanced_ends(cfg, pp)
+    for schedule in (None, "gpipe", "zero-bubble"):
+        out += [(schedule, None, None, None)] if num_layers % pp == 0 else []
+        # GPipe split unevenly only where no even split exists: its bubble is 1F1B's, its memory more, so an
+        # uneven GPipe row is a dominated 1F1B row wherever 1F1B runs (fewer layouts to price)
+        out += [(schedule, None, *ends)] if ends and (schedule != "gpipe" or num_layers % pp) else []
     for v in range(2, MAX_VIRTUAL + 1):
         if num_layers % (pp * v) == 0:
-            out.append(num_layers // (pp * v))
+            out += [(None, num_layers // (pp * v), None, None)]
+            # zero bubble's bubble is a third of interleaved 1F1B's already at v = 2: more virtual stages buy
+            # little and cost more sends (and, past 3 per rank, FSDP re-gathers), so only v = 2 is priced
+            out += [("zero-bubble", num_layers // (pp * v), None, None)] if v == 2 else []
     return out
 
 
+def balanced_ends(cfg: RunConfig, pp: int) -> tuple[int, int] | None:
+    """(first, last) stage layer counts that balance the pipeline's ends, or None when the even split is already
+    the balanced one. The first stage also holds the embedding (memory: its parameters and their gradients and
+    Adam state, no matmul), the last the final norm, the LM head (+ the MTP modules; memory and FLOPs), so each
+    end is counted as its layers plus the ends' equivalent in mean layers — by parameters (memory) and by
+    training FLOPs per token (time), the larger of the two — and the split with the lightest heaviest stage wins
+    (Megatron-Core's reason for `--decoder-first/last-pipeline-num-layers`: the ends are heavier)."""
+    model, num_layers = cfg.model, cfg.model.num_layers
+    layer_params, layer_flops = _mean_layer(cfg)
+    vocab = model.padded_vocab_size() * model.hidden_size
+    mtp = model.mtp_num_layers * (mtp_module_params(model) + mtp_module_routed_params(model))
+    first = embedding_params(model) - (vocab if model.untie_embeddings_and_output_weights else 0)
+    last_params = vocab + mtp + (first if model.mtp_num_layers else 0)  # MTP looks tokens up in the embedding
+    last_flops = 6 * (vocab + mtp) + model.mtp_num_layers * attention_score_flops(model, model.seq_length)
+    first_eq = first / layer_params
+    last_eq = max(last_params / layer_params, last_flops / layer_flops)
+    middle = pp - 2
+    even = num_layers // pp if num_layers % pp == 0 else None
+    even_load = max(even + first_eq, even + last_eq, even) if even is not None else math.inf
+    best: tuple[float, int, int, int] | None = None
+    for f in range(num_layers + 1):
+        for last in range(num_layers + 1 - f):
+            rest = num_layers - f - last
+            if (middle == 0 and rest) or (middle and (rest < middle or rest % middle)):
+                continue
+            share = rest // middle if middle else 0
+            load = max(f + first_eq, last + last_eq, share)
+            key = (round(load, 6), abs(f - last), f, last)
+            best = key if best is None or key < best else best
+    if best is None or best[0] >= round(even_load, 6):
+        return None  # the even split is as balanced (whole layers cannot do better)
+    return best[2], best[3]
+
+
+def _mean_layer(cfg: RunConfig) -> tuple[float, float]:
+    """(parameters, training FLOPs per token) of the model's mean transformer layer."""
+    model = cfg.model
+    experts = model.experts_per_layer()
+    params = flops = 0.0
+    for e in experts:
+        if e > 1:
+            routed, other = moe_layer_params(model, e)
+            params += attention_params(model) + routed + other
+            flops += 6 * (attention_params(model) + routed * model.topk / e + other)
+        else:
+            params += attention_params(model) + mlp_params(model, model.ffn_size)
+            flops += 6 * (attention_params(model) + mlp_params(model, model.ffn_size))
+        flops += attention_score_flops(model, model.seq_length)
+    return params / len(experts), flops / len(experts)
+
+
+def cp_options(cfg: RunConfig, ranks: int, within_node: int) -> list[int]:
+    """The context-parallel sizes tried on `ranks` GPUs (what TP leaves) with `within_node` of them in a node:
+    see the module docstring."""
+    seq = cfg.model.seq_length
+    return [cp for cp in divisors(ranks) if cp == 1 or (cp <= within_node and seq % (2 * cp) == 0
+                                                        and seq // cp >= MIN_CP_TOKENS)]  # fmt: skip
+
+
 def structures(cfg: RunConfig, gpus: int, per_node: int, fixed: dict) -> Iterator[Layout]:
-    """Every (tp, sp, pp, virtual, ep, etp, zero) — micro batch and checkpointing are added by `search`."""
+    """Every (tp, sp, cp, CP attention, pp, schedule, virtual, ends, ep, etp, zero) — micro batch and
+    checkpointing are added by `search`."""
     kept = {field: fixed[field] for field in KEPT.values() if field in fixed}
     moe = [e for e in cfg.model.experts_per_layer() if e > 1]
     expert_sizes = divisors(math.gcd(*moe)) if moe else [1]
+    wanted = {k: v for k, v in fixed.items() if k in STRUCTURE and k not in ("schedule", "first_layers", "last_layers")}
+    ends = {k: fixed.get(k) for k in ("first_layers", "last_layers")} if {"first_layers", "last_layers"} & set(fixed) \
+        else None  # the command line's split, with every one-stage-per-rank schedule (None: balanced_ends too)
+    schedule = fixed.get("schedule")
     for tp in divisors(gpus):
         if tp > per_node:
             continue
-        for pp in divisors(gpus // tp):
-            for virtual in _virtual_options(cfg.model.num_layers, pp):
-                for sp in (False, True) if tp > 1 else (False,):
-                    for etp in sorted({1, tp}):
-                        for ep in expert_sizes:
-                            for zero in (0, 1, 2, 3) if gpus > 1 else (0,):
-                                layout = Layout(tp, sp, pp, virtual, ep, etp, zero, **kept)
-                                if all(getattr(layout, k) == v for k, v in fixed.items() if k in STRUCTURE):
-                                    if not _same_stage_twice(layout, fixed):
-                                        yield layout
+        cps = [fixed["cp"]] if "cp" in fixed else cp_options(cfg, gpus // tp, per_node // tp)
+        for cp in cps:
+            if gpus % (tp * cp):
+                continue
+            for comm in COMM_TYPES if cp > 1 else (fixed.get("cp_comm", cfg.parallel.cp_comm_type),):
+                for pp in divisors(gpus // (tp * cp)):
+                    options = pipeline_options(cfg, pp)
+                    if ends is not None:
+                        options = [(sched, None, ends["first_layers"], ends["last_layers"])
+                                   for sched in (None, "gpipe", "zero-bubble")] if pp > 1 else options  # fmt: skip
+                    for pipe in options:
+                        if schedule and pp > 1 and schedule_name(*pipe[:2]) != schedule_name(schedule, pipe[1]):
+                            continue
+                        pipe = (schedule, *pipe[1:]) if schedule else pipe  # as given (the words of the flag)
+                        for sp in (False, True) if tp > 1 else (False,):
+                            for etp in sorted({1, tp}):
+                                for ep in expert_sizes:
+                                    for zero in (0, 1, 2, 3) if gpus > 1 else (0,):
+                                        layout = Layout(tp, sp, pp, pipe[1], ep, etp, zero, cp=cp, cp_comm=comm,
+                                                        schedule=pipe[0], first_layers=pipe[2], last_layers=pipe[3],
+                                                        **kept)  # fmt: skip
+                                        if all(getattr(layout, k) == v for k, v in wanted.items()):
+                                            if not _same_stage_twice(layout, fixed):
+                                                yield layout
 
 
 def _same_stage_twice(layout: Layout, fixed: dict) -> bool:
@@ -200,8 +335,13 @@ def fixed_dimensions(cfg: RunConfig, names: set[str]) -> dict:
     for name, key in (
         ("tensor_model_parallel_size", "tp"),
         ("sequence_parallel", "sp"),
+        ("context_parallel_size", "cp"),
+        ("cp_comm_type", "cp_comm"),
         ("pipeline_model_parallel_size", "pp"),
+        ("pipeline_schedule", "schedule"),
         ("num_layers_per_virtual_pipeline_stage", "virtual_layers"),
+        ("decoder_first_pipeline_num_layers", "first_layers"),
+        ("decoder_last_pipeline_num_layers", "last_layers"),
         ("moe_expert_parallel_size", "ep"),
         ("expert_tensor_parallel_size", "etp"),
         ("zero_stage", "zero"),
@@ -251,19 +391,26 @@ def given_flags(cfg: RunConfig, names: set[str]) -> list[str]:
 
 
 def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficiency: float = DEFAULT_EFFICIENCY,
-           fixed: dict | None = None, base: RunConfig | None = None, given: list[str] | None = None
-           ) -> SearchResult:  # fmt: skip
+           fixed: dict | None = None, base: RunConfig | None = None, given: list[str] | None = None,
+           prune: bool = True) -> SearchResult:  # fmt: skip
     """Every layout of `cfg` on `gpus` GPUs that fits `device`, fastest first (see the module docstring).
 
     Each row's flags are `given` (the command line's non-layout flags, `given_flags`) and the layout flags that
     turn `base` (the config file alone, as `moetron train --config` reads it; default `cfg`) into the row's config.
+    `prune=False` keeps the dominated schedule / CP-attention variants too (`prune_dominated`).
     """
-    fixed, base, given = fixed or {}, base or cfg, given or []
+    with model_cache():
+        return _search(cfg, gpus, device, net, efficiency, fixed or {}, base or cfg, given or [], prune)
+
+
+def _search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficiency: float, fixed: dict,
+            base: RunConfig, given: list[str], prune: bool) -> SearchResult:  # fmt: skip
     gbs = search_global_batch(cfg, gpus)
     result = SearchResult([], 0, 0, 0)
+    models = {ckpt: replace(cfg.model, checkpoint_activations=ckpt) for ckpt in (False, True)}  # `model_cache` keys
     layouts = list(structures(cfg, gpus, net.gpus_per_node, fixed))  # cheap to list: the total for the progress
     for structure in Progress("plan --search", len(layouts), "layouts").track(layouts):
-        dp = gpus // (structure.tp * structure.pp)
+        dp = gpus // (structure.tp * structure.pp * structure.cp)
         per_rank = gbs // dp if gbs % dp == 0 else 0
         sizes = [(ckpt, mbs) for ckpt in (False, True) for mbs in divisors(per_rank) or [max(gbs // max(dp, 1), 1)]]
         sizes = [(c, m) for c, m in sizes if fixed.get("ckpt", c) == c and fixed.get("mbs", m) == m]
@@ -274,7 +421,7 @@ def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficie
                 continue  # a larger micro batch needs more memory still
             layout = Layout(**{**structure.__dict__, "mbs": mbs, "ckpt": ckpt})
             result.candidates += 1
-            candidate = layout.apply(cfg, gbs)
+            candidate = layout.apply(cfg, gbs, models[ckpt])
             problems = layout_problems(candidate, gpus)  # what `moetron train` refuses: the only refusals
             if problems:
                 whole = bool(degrees.intersection(problems))  # for the degrees: so is every micro batch of them
@@ -292,10 +439,33 @@ def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficie
                 continue
             flags = [*given, *layout_flags(base, candidate)]
             result.rows.append(Row(layout, plan, step_cost(plan, net, efficiency), flags))
+    kept = prune_dominated(result.rows) if prune else result.rows
+    result.pruned, result.rows = len(result.rows) - len(kept), kept
     result.rows.sort(key=rank_key)
     for i, row in enumerate(result.rows, 1):
         row.predicted_rank = i
     return result
+
+
+def prune_dominated(rows: list[Row]) -> list[Row]:
+    """`rows` less those another variant of the same layout (equal but for `VARIANT_FIELDS`: the schedule, the
+    stage split, the CP attention) beats: at most its step time and memory, and better in one (or equal in
+    both and earlier: the simpler variant, as `structures` lists them)."""
+    groups: dict[tuple, list[Row]] = {}
+    for row in rows:
+        key = tuple(v for k, v in row.layout.__dict__.items() if k not in VARIANT_FIELDS)
+        groups.setdefault(key, []).append(row)
+    kept = []
+    for group in groups.values():
+        for i, row in enumerate(group):
+            t, b = round(row.cost.total, 9), row.plan.needed_bytes
+            if not any(
+                (u := round(o.cost.total, 9)) <= t and o.plan.needed_bytes <= b
+                and (u < t or o.plan.needed_bytes < b or j < i)
+                for j, o in enumerate(group) if o is not row
+            ):  # fmt: skip
+                kept.append(row)
+    return kept
 
 
 def structure_problems(cfg: RunConfig, gpus: int) -> list[str]:
@@ -303,6 +473,7 @@ def structure_problems(cfg: RunConfig, gpus: int) -> list[str]:
     (tp, pp, ep, etp, zero) is not re-validated for every micro batch; only once `validate` says so too."""
     dims = cfg.dims(gpus)
     problems = dims.problems(cfg.model.experts_per_layer()) + tensor_parallel_problems(cfg.model, dims)
+    problems += context_parallel_problems(cfg, dims)
     return problems + zero_problems(cfg.parallel.zero_stage, cfg.parallel.use_distributed_optimizer, dims)
 
 

@@ -6,7 +6,7 @@ from moetron.plan.cost_model import Network
 from moetron.plan.hardware import GIB
 from moetron.plan.search import Row, SearchResult, train_command
 
-PARTS = ("compute", "bubble", "tp", "ep", "dp", "pp", "overhead")  # StepCost fields, in the table's order
+PARTS = ("compute", "bubble", "tp", "ep", "cp", "dp", "pp", "overhead")  # StepCost fields, in the table's order
 LABELS = {"overhead": "launch"}  # column heads where the field name is too wide
 
 
@@ -21,11 +21,13 @@ def format_search(result: SearchResult, rows: list[Row], config: str, gpus: int,
     lines = [
         f"moetron plan --search: {config} on {gpus} × {device.name} ({device.memory_bytes / GIB:.3g} GiB), {net.words}",
         f"  global batch {first.cfg.global_batch(first.dims.dp)} × seq {first.cfg.model.seq_length}; "
-        f"{result.candidates} layouts tried, {result.valid} valid, {len(result.rows)} fit; compute at "
+        f"{result.candidates} layouts tried, {result.valid} valid, {len(result.rows) + result.pruned} fit"
+        + (f" ({result.pruned} schedule/CP variants dominated by another of their layout left out)" if result.pruned
+           else "") + "; compute at "
         f"{efficiency:.0%} of {device.peak_tflops:g} peak TFLOP/s; times in ms per step",
         "",
     ]
-    head = f"  {'#':>2} {'layout':<30} {'GiB':>6} {'step':>7} " + " ".join(f"{LABELS.get(p, p):>7}" for p in PARTS)
+    head = f"  {'#':>2} {'layout':<38} {'GiB':>6} {'step':>7} " + " ".join(f"{LABELS.get(p, p):>7}" for p in PARTS)
     head += f" {'tok/s':>9} {'MFU':>5}"
     if measured:
         head += f" | {'meas GiB':>8} {'meas ms':>8} {'cpu ms':>7} {'rank':>4}"
@@ -33,7 +35,7 @@ def format_search(result: SearchResult, rows: list[Row], config: str, gpus: int,
     lines.append(head)
     for row in rows:
         c = row.cost
-        line = f"  {row.predicted_rank:>2} {row.words:<30} {row.plan.needed_bytes / GIB:>6.2f} {_ms(c.total):>7} "
+        line = f"  {row.predicted_rank:>2} {row.words:<38} {row.plan.needed_bytes / GIB:>6.2f} {_ms(c.total):>7} "
         line += " ".join(f"{_ms(getattr(c, p)):>7}" for p in PARTS)
         line += f" {c.tokens_per_s:>9.0f} {c.mfu(gpus, device.peak_tflops):>5.1%}"
         if measured:
@@ -72,7 +74,8 @@ def search_dict(result: SearchResult, rows: list[Row], config: str, gpus: int, n
         "efficiency": efficiency,
         "candidates": result.candidates,
         "valid": result.valid,
-        "fit": len(result.rows),
+        "fit": len(result.rows) + result.pruned,
+        "pruned": result.pruned,
         "rows": [row_dict(row, config, gpus, nodes) for row in rows],
     }
 
