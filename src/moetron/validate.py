@@ -17,7 +17,7 @@ from moetron.errors import ConfigError
 from moetron.fileio import output_dir_problem
 from moetron.model.mtp import mtp_layout_problems
 from moetron.parallel.cp.sizes import context_parallel_problems
-from moetron.parallel.dp.zero_spec import effective_stage, zero_problems
+from moetron.parallel.dp.zero_spec import zero_problems
 from moetron.parallel.ep.dispatch_spec import EPDispatchSpec, ep_dispatch_problems
 from moetron.parallel.ep.replica_spec import expert_replica_problems
 from moetron.parallel.pp.stage_layout import pipeline_problems
@@ -130,8 +130,7 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
     problems = list(dims.problems(cfg.model.experts_per_layer()))
     problems += cfg.model.problems()
     problems += tensor_parallel_problems(cfg.model, dims)
-    fsdp = effective_stage(cfg.parallel.zero_stage, cfg.parallel.use_distributed_optimizer) >= 2
-    problems += mtp_layout_problems(cfg.model, dims.sp, dims.ep, fsdp and (dims.ep > 1 or dims.etp != dims.tp))
+    problems += mtp_layout_problems(cfg.model, dims.sp)
     problems += context_parallel_problems(cfg, dims)
     problems += cfg.data.problems()
     problems += train_problems(cfg, dims.dp)

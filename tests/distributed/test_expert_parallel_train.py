@@ -5,6 +5,8 @@ Two spawned groups carry every check (spawning is the expensive part):
                         noise); the validation loss of a fixed batch; a checkpoint; the seed's 128-expert model
                         (4 layers, hidden 256, 4 heads; seq 16 on CPU) runs a few steps with 64 experts per rank.
                         Aux-loss-free expert biases stay identical on every rank and equal the 1-process ones.
+                        DeepSeek-V3's MoE MTP block (--mtp-num-layers 1) under EP = 2, at ZeRO 0 and 2 (its own
+                        FSDP2 block, experts over edp): 10 steps follow the 1-process curve.
   4 processes, EP = 2 × DP = 2: 20 steps follow the 1-process curve. EP = 4: each rank holds a quarter of every
                         MoE layer's expert parameters and optimizer state; the EP = 1 checkpoint (itself loaded
                         from the EP = 2 one) loads with the same validation loss and optimizer state, and saves.
@@ -96,6 +98,23 @@ def expert_biases(ep: int, global_batch: int, env: DistEnv | None = None) -> lis
     return [moe.router.expert_bias.clone() for moe in trainer.model.moe_layers()]
 
 
+MTP_STEPS = 10
+
+
+def mtp_config(ep: int, global_batch: int, zero_stage: int = 0):
+    """A MoE multi-token-prediction module (DeepSeek-V3's MTP block: a MoE layer like the last main layer)."""
+    cfg = ep_config(ep, global_batch, train_iters=MTP_STEPS, mtp_num_layers=1, mtp_loss_scaling_factor=0.5)
+    cfg.parallel.zero_stage = zero_stage
+    return cfg
+
+
+def mtp_losses(env: DistEnv, world_size: int, zero_stage: int) -> tuple[list[float], int]:
+    """(the losses, the MTP layer's local experts) of a MoE MTP run at EP = 2."""
+    trainer = ep_trainer(mtp_config(2, MBS * world_size, zero_stage), env)
+    (mtp_moe,) = [moe for moe in trainer.model.moe_layers() if moe.layer_index == trainer.model.cfg.num_layers]
+    return run_losses(trainer, MTP_STEPS), mtp_moe.experts.num_experts
+
+
 def two_process_checks(rank: int, world_size: int, save_dir: str) -> dict:
     env = init_distributed()
     trainer = ep_trainer(ep_config(2, global_batch=MBS * world_size, save=save_dir), env)
@@ -103,6 +122,7 @@ def two_process_checks(rank: int, world_size: int, save_dir: str) -> dict:
     trainer.save()
     seed_losses, seed_local = seed_model_steps(env)
     out = {"losses": losses, "valid": validation_loss(trainer), "seed": seed_losses, "seed_local": seed_local}
+    out["mtp"] = {stage: mtp_losses(env, world_size, stage) for stage in (0, 2)}
     return {**out, "biases": expert_biases(2, MBS * world_size, env)}
 
 
@@ -132,7 +152,8 @@ def test_expert_parallel_training_and_resharding(tmp_path):
     torch.set_num_threads(1)
 
     # EP = 2 on 2 processes follows the 1-process curve of the same global batch
-    torch.testing.assert_close(global_losses([r["losses"] for r in two]), reference_losses(2 * MBS), rtol=1e-4, atol=0)
+    reference = reference_losses(2 * MBS)
+    torch.testing.assert_close(global_losses([r["losses"] for r in two]), reference, rtol=1e-4, atol=0)
     assert two[0]["losses"] != two[1]["losses"]  # the ranks really trained on different tokens
     assert all(r["seed_local"] == 64 for r in two) and all(len(r["seed"]) == 2 for r in two)
     assert all(torch.isfinite(torch.tensor(r["seed"])).all() for r in two)
@@ -141,6 +162,13 @@ def test_expert_parallel_training_and_resharding(tmp_path):
         torch.testing.assert_close(got, want)
     assert all(torch.equal(a, b) for a, b in zip(two[0]["biases"], two[1]["biases"], strict=True))
     assert any(b.abs().sum() > 0 for b in two[0]["biases"])  # the biases really moved
+    # a MoE MTP block under EP = 2 (DDP, and ZeRO-2 with the experts over edp) follows the 1-process curve
+    mtp_reference = torch.tensor(run_losses(ep_trainer(mtp_config(1, 2 * MBS)), MTP_STEPS), dtype=torch.float64)
+    assert mtp_reference.tolist() != reference[:MTP_STEPS].tolist()  # the MTP loss moved the trunk
+    for stage in (0, 2):
+        assert all(r["mtp"][stage][1] == EXPERTS // 2 for r in two)  # the MTP layer holds half its experts
+        got = global_losses([r["mtp"][stage][0] for r in two])
+        torch.testing.assert_close(got, mtp_reference, rtol=1e-4, atol=0, msg=f"MoE MTP, EP 2, ZeRO {stage}")
 
     # EP = 2 → EP = 1: same validation loss, optimizer state complete; saved again for the EP = 4 group
     single = ep_trainer(ep_config(1, global_batch=2 * MBS, save=ep1_dir))

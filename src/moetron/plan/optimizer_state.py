@@ -69,16 +69,19 @@ def layer_adamw(model: ModelConfig, num_experts: int, ep: int) -> tuple[int, int
     return dense + routed, routed
 
 
-def mtp_module_adamw(model: ModelConfig) -> int:
-    """AdamW's parameters of one MTP module: its three own norms and its layer's (eh_proj is a matrix: Muon's)."""
-    return 3 * norm_params(model) + layer_adamw(model, model.mtp_layer_experts(), 1)[0]
+def mtp_module_adamw(model: ModelConfig, ep: int = 1) -> tuple[int, int]:
+    """(AdamW's parameters of one MTP module on a rank holding E / `ep` of its MoE layer's experts, of which routed
+    experts'): its three own norms and its layer's (eh_proj is a matrix: Muon's)."""
+    layer, routed = layer_adamw(model, model.mtp_layer_experts(), ep)
+    return 3 * norm_params(model) + layer, routed
 
 
 def model_adamw(model: ModelConfig, ep: int) -> tuple[int, int]:
     """(AdamW's parameters of the whole model on a rank holding E / `ep` of each MoE layer's experts, of which
     routed experts'): embeddings and head, the final norm, every layer's and every MTP module's."""
-    total = embedding_params(model) + norm_params(model) + model.mtp_num_layers * mtp_module_adamw(model)
-    experts = 0
+    mtp, mtp_routed = mtp_module_adamw(model, ep)
+    total = embedding_params(model) + norm_params(model) + model.mtp_num_layers * mtp
+    experts = model.mtp_num_layers * mtp_routed
     for num_experts in model.experts_per_layer():
         layer, routed = layer_adamw(model, num_experts, ep)
         total, experts = total + layer, experts + routed

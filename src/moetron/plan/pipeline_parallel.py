@@ -191,10 +191,11 @@ def stage_parameters(model: ModelConfig, layers: tuple[int, ...], first: bool, l
         root += norm_params(model) + (vocab if untied or not first else 0)
         matmul += vocab
     if last and model.mtp_num_layers:  # the MTP modules (pp/split.py), and the embeddings they look tokens up in
-        module, routed = mtp_module_params(model), mtp_module_routed_params(model)  # MoE MTP: ep 1 (validated)
+        module, routed = mtp_module_params(model), mtp_module_routed_params(model) // ep  # a MoE MTP: E / ep
         total += model.mtp_num_layers * (module + routed)
         experts += model.mtp_num_layers * routed
-        adamw += model.mtp_num_layers * mtp_module_adamw(model)
+        a, ae = mtp_module_adamw(model, ep)
+        adamw, adamw_experts = adamw + model.mtp_num_layers * a, adamw_experts + model.mtp_num_layers * ae
         matmul += model.mtp_num_layers * (module - 5 * norm_params(model) + routed)
         if not first:
             learned = model.position_embedding_type == "learned_absolute"
