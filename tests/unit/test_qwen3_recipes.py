@@ -10,6 +10,8 @@ from trainer_support import build_trainer, run_losses
 from moetron.config_cli import load_config
 from moetron.model.flops import count_parameters
 from moetron.model.gpt import GPTModel
+from moetron.plan.estimate import make_plan
+from moetron.plan.hardware import accelerator
 from moetron.plan.memory import estimate_memory
 from moetron.recipes import resolve_config_path
 from moetron.validate import validate
@@ -35,6 +37,8 @@ def test_qwen3_30b_a3b_has_the_published_parameter_counts_and_fits_8_gpus():
     assert all(p.startswith(("--data-path", "--tokenizer-model")) for p in validate(cfg, 8))
     context = 1 * GiB  # plan's typical CUDA context and workspaces, on top of the estimate's peak
     assert estimate_memory(cfg, cfg.dims(8)).peak + context < 80 * GiB
+    plan = make_plan(cfg, 8, accelerator("H100"))  # what `moetron plan --gpus 8 --gpu-type H100-80GB` prints
+    assert plan.params.total == counts.total and plan.fits
 
 
 def test_tiny_qwen3_recipe_trains_on_cpu():
