@@ -19,6 +19,8 @@ Two spawned groups carry every check (spawning is the expensive part):
   4 processes:          PP = 2 × EP = 2 (DP = 2) follows the one-process curve of the same global batch and saves;
                         so does zero bubble × DP = 2 (EP = 1: experts reduced over EDP = 2); PP = 4 loads the
                         PP = 2 checkpoint (validation loss) and continues like the one-process run; PP = 2 ×
+                        EP = 2 with two MoE MTP modules on the last stage (their experts over EP too) follows its
+                        one-process curve for 6 steps (lm, moe and mtp loss, gradient norm); PP = 2 ×
                         TP = 2 with sequence parallelism follows the one-process curve (attention dropout off:
                         head shards draw their own masks) and saves; so does PP = 2 × TP = 2 with two MTP
                         modules on the last stage (4 steps, no sequence parallelism: validate() refuses it).
@@ -163,6 +165,7 @@ def two_process_checks(rank: int, world_size: int, tmp: str) -> dict:
 # ---------------------------------------------------------------- 4 processes
 PP_TP = {"tensor_model_parallel_size": 2, "sequence_parallel": True, "attention_dropout": 0.0}
 PP_TP_MTP = {"tensor_model_parallel_size": 2, "attention_dropout": 0.0, **MTP}  # the vocab-parallel shared head
+PP_EP_MTP, MTP_STEPS_EP = {"moe_expert_parallel_size": 2, **MTP}, 6
 
 
 def four_process_checks(rank: int, world_size: int, tmp: str) -> dict:
@@ -171,6 +174,8 @@ def four_process_checks(rank: int, world_size: int, tmp: str) -> dict:
     out = {"pp2ep2": curve(trainer, STEPS), "dp_rank": trainer.mesh.coords.dp}
     trainer.save()
     out["pp2ep2_valid"] = valid_loss(trainer)
+    # MoE MTP modules (DeepSeek-V3's: a MoE layer like the last one) on the last stage, their experts over EP = 2
+    out["pp2ep2_mtp"] = curve(pp_trainer(pp_config(2, global_batch_size=2 * GBS, **PP_EP_MTP), env), MTP_STEPS_EP)
     # zero bubble × DP = 2: its split backward bypasses DDP, the dense gradients are averaged after the schedule
     out["zb_dp2"] = curve(pp_trainer(pp_config(2, "zero-bubble", 1, global_batch_size=2 * GBS), env), STEPS)
     tp = pp_trainer(pp_config(2, save=f"{tmp}/pp2tp2", **PP_TP), env)
@@ -253,6 +258,11 @@ def test_pipeline_parallel_training_and_checkpoints(tmp_path):
         for key in ("lm", "moe"):  # each data-parallel rank's mean; the step's value is their mean
             close([(a + b) / 2 for a, b in zip(per_dp[0][key], per_dp[1][key], strict=True)], wide[key])
         close(four[0][run]["norm"], wide["norm"])
+    wide_mtp = curve(pp_trainer(pp_config(1, global_batch_size=2 * GBS, **MTP)), MTP_STEPS_EP)
+    per_dp = {r["dp_rank"]: r["pp2ep2_mtp"] for r in four}
+    for key in ("lm", "moe", "mtp"):
+        close([(a + b) / 2 for a, b in zip(per_dp[0][key], per_dp[1][key], strict=True)], wide_mtp[key])
+    close(four[0]["pp2ep2_mtp"]["norm"], wide_mtp["norm"])
     for rank, r in enumerate(four):
         assert r["pp4_layers"] == [rank]
         assert r["pp4_valid"] == pytest.approx(ref_valid, rel=1e-5)
