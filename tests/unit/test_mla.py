@@ -4,6 +4,8 @@ the config's MLA problems are found before anything is built."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -158,3 +160,17 @@ def test_tiny_recipe_trains_a_step_on_cpu():
 def meta_model(cfg: ModelConfig) -> torch.nn.Module:
     with torch.device("meta"):
         return GPTModel(cfg)
+
+
+def test_deepseek_v3_671b_recipe_has_the_published_counts_with_its_mtp_module():
+    """671B without the MTP module (the report's count); DeepSeek's 685B checkpoint adds the module with its own copies
+    of the embedding and head, which moetron's module shares."""
+    cfg, _ = load_config("deepseek-v3-671B", {})
+    counts = count_parameters(cfg.model)
+    main = count_parameters(dataclasses.replace(cfg.model, mtp_num_layers=0))
+    assert main.total == pytest.approx(671e9, rel=0.01) and main.active == pytest.approx(37e9, rel=0.02)
+    shared_copies = 2 * cfg.model.padded_vocab_size() * cfg.model.hidden_size
+    assert counts.total + shared_copies == pytest.approx(685e9, rel=0.01)
+    plan = make_plan(cfg, 2048, accelerator("H100"))
+    assert plan.params.total == counts.total and plan.fits
+    assert counts.total == sum(p.numel() for p in meta_model(cfg.model).parameters())

@@ -120,13 +120,15 @@ def _shrink_moe(cfg: RunConfig, given: set[str]) -> None:
 
 
 def _shrink_expert_groups(cfg: RunConfig, moe_counts: list[int], given: set[str]) -> None:
-    """Group-limited routing (DeepSeek-V3): the groups must still divide every layer's experts and hold top-k."""
+    """Group-limited routing (DeepSeek-V3): the groups must still divide every layer's experts, and the chosen groups
+    hold top-k's experts (more groups chosen where the shrunk groups are too small: top-k itself is kept)."""
     m = cfg.model
     if m.num_expert_groups <= 1:
         return
     groups = math.gcd(m.num_expert_groups, *moe_counts)
     _set(m, "num_expert_groups", groups, given)
-    _set(m, "topk_groups", max(1, min(m.topk_groups, m.num_expert_groups)), given)
+    reaching_topk = math.ceil(m.topk / (min(moe_counts) // groups))  # the groups top-k's experts need
+    _set(m, "topk_groups", max(1, min(max(m.topk_groups, reaching_topk), m.num_expert_groups)), given)
 
 
 def _shrink_parallel(cfg: RunConfig, given: set[str]) -> None:
