@@ -26,6 +26,7 @@ from trainer_support import random_samples, run_losses, tiny_config
 
 from moetron.checkpoint import resolve_checkpoint
 from moetron.parallel.env import DistEnv, init_distributed
+from moetron.plan.memory import local_parameters
 from moetron.train.trainer import Trainer
 
 STEPS, MBS = 20, 2
@@ -108,11 +109,12 @@ def mtp_config(ep: int, global_batch: int, zero_stage: int = 0):
     return cfg
 
 
-def mtp_losses(env: DistEnv, world_size: int, zero_stage: int) -> tuple[list[float], int]:
-    """(the losses, the MTP layer's local experts) of a MoE MTP run at EP = 2."""
+def mtp_losses(env: DistEnv, world_size: int, zero_stage: int) -> tuple[list[float], int, int]:
+    """(the losses, the MTP layer's local experts, this rank's parameters) of a MoE MTP run at EP = 2."""
     trainer = ep_trainer(mtp_config(2, MBS * world_size, zero_stage), env)
     (mtp_moe,) = [moe for moe in trainer.model.moe_layers() if moe.layer_index == trainer.model.cfg.num_layers]
-    return run_losses(trainer, MTP_STEPS), mtp_moe.experts.num_experts
+    params = sum(p.numel() for p in trainer.model.parameters())
+    return run_losses(trainer, MTP_STEPS), mtp_moe.experts.num_experts, params
 
 
 def two_process_checks(rank: int, world_size: int, save_dir: str) -> dict:
@@ -165,6 +167,8 @@ def test_expert_parallel_training_and_resharding(tmp_path):
     # a MoE MTP block under EP = 2 (DDP, and ZeRO-2 with the experts over edp) follows the 1-process curve
     mtp_reference = torch.tensor(run_losses(ep_trainer(mtp_config(1, 2 * MBS)), MTP_STEPS), dtype=torch.float64)
     assert mtp_reference.tolist() != reference[:MTP_STEPS].tolist()  # the MTP loss moved the trunk
+    planned = local_parameters(mtp_config(2, 2 * MBS).model, mtp_config(2, 2 * MBS).dims(2)).total
+    assert all(r["mtp"][0][2] == planned for r in two)  # the plan counts half the MTP layer's experts per rank
     for stage in (0, 2):
         assert all(r["mtp"][stage][1] == EXPERTS // 2 for r in two)  # the MTP layer holds half its experts
         got = global_losses([r["mtp"][stage][0] for r in two])

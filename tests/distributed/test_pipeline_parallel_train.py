@@ -175,7 +175,9 @@ def four_process_checks(rank: int, world_size: int, tmp: str) -> dict:
     trainer.save()
     out["pp2ep2_valid"] = valid_loss(trainer)
     # MoE MTP modules (DeepSeek-V3's: a MoE layer like the last one) on the last stage, their experts over EP = 2
-    out["pp2ep2_mtp"] = curve(pp_trainer(pp_config(2, global_batch_size=2 * GBS, **PP_EP_MTP), env), MTP_STEPS_EP)
+    mtp_ep = pp_trainer(pp_config(2, global_batch_size=2 * GBS, **PP_EP_MTP), env)
+    out["pp2ep2_mtp_params"] = (mtp_ep.mesh.coords.pp, sum(p.numel() for p in mtp_ep.model.parameters()))
+    out["pp2ep2_mtp"] = curve(mtp_ep, MTP_STEPS_EP)
     # zero bubble × DP = 2: its split backward bypasses DDP, the dense gradients are averaged after the schedule
     out["zb_dp2"] = curve(pp_trainer(pp_config(2, "zero-bubble", 1, global_batch_size=2 * GBS), env), STEPS)
     tp = pp_trainer(pp_config(2, save=f"{tmp}/pp2tp2", **PP_TP), env)
@@ -263,6 +265,9 @@ def test_pipeline_parallel_training_and_checkpoints(tmp_path):
     for key in ("lm", "moe", "mtp"):
         close([(a + b) / 2 for a, b in zip(per_dp[0][key], per_dp[1][key], strict=True)], wide_mtp[key])
     close(four[0]["pp2ep2_mtp"]["norm"], wide_mtp["norm"])
+    ep_cfg = pp_config(2, global_batch_size=2 * GBS, **PP_EP_MTP)  # the plan: the MTP modules' experts over EP too
+    planned = [s.memory.weights // 4 for s in plan_stages(ep_cfg, ep_cfg.dims(4))]
+    assert all(params == planned[stage] for stage, params in (r["pp2ep2_mtp_params"] for r in four))
     for rank, r in enumerate(four):
         assert r["pp4_layers"] == [rank]
         assert r["pp4_valid"] == pytest.approx(ref_valid, rel=1e-5)
