@@ -15,6 +15,7 @@ from moetron.eval.generate import GenerationOptions, generate_batch
 from moetron.model.config import ModelConfig
 from moetron.model.gpt import create_model
 from moetron.model.mtp import mtp_layout_problems
+from moetron.validate import validate
 
 VOCAB, SEQ = 96, 16
 
@@ -116,8 +117,14 @@ def test_unsupported_layouts_are_refused_in_one_line_each():
     cfg = ModelConfig(mtp_num_layers=1)
     (sp,) = mtp_layout_problems(cfg, sp=True)
     assert sp.startswith("--mtp-num-layers 1 with --sequence-parallel is not supported yet")
-    # TP and PP run (tests/distributed/test_tensor_parallel_train.py, test_pipeline_parallel_train.py)
+    # TP, PP and EP run (tests/distributed/test_tensor_parallel_train.py, test_pipeline_parallel_train.py,
+    # test_expert_parallel_train.py): a MoE MTP layer under EP 2, at ZeRO 0 and 2, passes validate()
     assert mtp_layout_problems(cfg, sp=False) == []
+    for zero_stage in (0, 2):
+        run = tiny_config(mtp_num_layers=1)
+        run.parallel.moe_expert_parallel_size, run.parallel.zero_stage = 2, zero_stage
+        assert run.model.mtp_layer_experts() == 4 and run.dims(2).ep == 2
+        assert not [p for p in validate(run, 2) if "mtp" in p], zero_stage
     assert mtp_layout_problems(ModelConfig(), sp=True) == []
     bad = ModelConfig(seq_length=16, mtp_num_layers=16, mtp_loss_scaling_factor=-1.0).problems()
     assert "--mtp-num-layers must be in [0, --seq-length 16), got 16" in bad
