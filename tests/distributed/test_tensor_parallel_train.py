@@ -13,9 +13,10 @@ Two spawned groups carry every check (spawning is the expensive part):
                optimizer state follow the one-process curve); 3 steps of TP = 2 + SP × EP = 2 with --compile, and
                of a model built whole and split by `parallelize`; 4 steps of a GQA / RoPE / SwiGLU / RMSNorm model with
                an untied head and a shared expert at TP = 2 + SP × EP = 2; the same model with Qwen3's per-head
-               QK RMSNorm (--qk-layernorm) at TP = 2 + SP, its 12 steps and first gradients (the norm weights'
-               summed over the head shards) against one process; two DeepSeek-V3 MTP modules (--mtp-num-layers 2,
-               loss factor 0.5) at TP = 2: 12 steps and first gradients (the MTP weights' too) against one process.
+               QK RMSNorm (--qk-layernorm) at TP = 2 and TP = 2 + SP, their 12 steps and first gradients (the norm
+               weights' summed over the head shards) against one process; two DeepSeek-V3 MTP modules
+               (--mtp-num-layers 2, loss factor 0.5) at TP = 2: 12 steps and first gradients (the MTP weights' too)
+               against one process.
   4 processes: DP = 2 × TP = 2 × EP = 2 (folded), and with expert tensor parallelism (ETP = 2), sequence
                parallelism and activation checkpointing; the TP = 2 checkpoint loads at TP = 4.
 Between and after the groups this process loads the TP = 2 checkpoint at TP = 1 (the round trip).
@@ -173,6 +174,7 @@ def two_process_checks(rank: int, world_size: int, tp1_dir: str, tp2_dir: str) -
     out["compiled"] = compiled
     out["modern"] = run_losses(parallel_trainer(modern(tp_config("top2-dropless", tp=2, sp=True, ep=2)), env), 4)
     out["qk_norm"] = curve(qk_norm(tp_config("top2-dropless", tp=2, sp=True)), env)
+    out["qk_norm_tp2"] = curve(qk_norm(tp_config("top2-dropless", tp=2)), env)  # whole-sequence norms around it
     out["mtp"] = curve(mtp(tp_config("top2-dropless", tp=2)), env)
     return out
 
@@ -230,6 +232,7 @@ def test_tensor_parallel_training_and_checkpoints(tmp_path):
         torch.testing.assert_close(r["compiled"], compiled, rtol=1e-4, atol=0)
         torch.testing.assert_close(r["modern"], modern_losses, rtol=1e-4, atol=0)
         check_curve(r["qk_norm"], qk_norm_reference, "qk-layernorm tp2-sp")
+        check_curve(r["qk_norm_tp2"], qk_norm_reference, "qk-layernorm tp2")
         check_curve(r["mtp"], mtp_reference, "mtp tp2")
         mtp_cfg = mtp(tp_config("top2-dropless", tp=2))
         assert r["mtp"]["params"] == local_parameters(mtp_cfg.model, mtp_cfg.dims(2)).total  # the plan counts them
