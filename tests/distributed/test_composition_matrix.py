@@ -19,14 +19,13 @@ Every layout runs STEPS steps. Two spawned groups run the layouts: 4 processes f
 from __future__ import annotations
 
 import itertools
-import re
 from pathlib import Path
 
 import pytest
 import torch
 from launch import run_distributed
 from test_pipeline_parallel_train import curve, pp_config, pp_trainer
-from test_zero_compose import assert_curve
+from test_zero_compose import assert_curve, optimizer_state_bytes
 
 from moetron.validate import validate
 
@@ -54,22 +53,22 @@ ZERO_COMPOSE = "test_zero_compose.py::test_zero_composes_with_tensor_and_pipelin
 TP_TRAIN = "test_tensor_parallel_train.py::test_tensor_parallel_training_and_checkpoints"
 PP_TRAIN = "test_pipeline_parallel_train.py::test_pipeline_parallel_training_and_checkpoints"
 ZERO_NORM = "test_zero_grad_norm.py::test_every_zero_stage_and_expert_layout_has_the_single_process_gradient_norm"
-PROVEN = {  # pair → the test (in tests/distributed/) whose layout has both options, and that layout
+PROVEN = {  # pair → the test (in tests/distributed/) that runs a layout with both, and that layout's name there
     frozenset({"zero1", "tp"}): (ZERO_COMPOSE, "zero1-tp2"),
     frozenset({"zero1", "zb"}): (ZERO_COMPOSE, "zero1-pp2-zb-compile"),
     frozenset({"zero1", "compile"}): (ZERO_COMPOSE, "zero1-pp2-zb-compile"),
     frozenset({"zb", "compile"}): (ZERO_COMPOSE, "zero1-pp2-zb-compile"),
     frozenset({"zero3", "pp"}): (ZERO_COMPOSE, "zero3-pp2"),
     frozenset({"zero3", "zb"}): (ZERO_COMPOSE, "zero3-pp2-zb"),
-    frozenset({"zero1", "ep"}): (ZERO_NORM, "stage 1, dp 4 × ep 2"),
-    frozenset({"zero3", "ep"}): (ZERO_NORM, "stage 3, dp 4 × ep 2"),
-    frozenset({"tp", "ep"}): (TP_TRAIN, "dp2-tp2-ep2 (folded)"),
+    frozenset({"zero1", "ep"}): (ZERO_NORM, "EXPERT_PARALLEL = (4, 2, 1)"),  # × every stage, dp 4
+    frozenset({"zero3", "ep"}): (ZERO_NORM, "EXPERT_PARALLEL = (4, 2, 1)"),
+    frozenset({"tp", "ep"}): (TP_TRAIN, "dp2-tp2-ep2"),  # experts folded over the TP ranks
     frozenset({"tp", "etp"}): (TP_TRAIN, "dp2-tp2-ep2-etp2-sp-ac"),
     frozenset({"ep", "etp"}): (TP_TRAIN, "dp2-tp2-ep2-etp2-sp-ac"),
-    frozenset({"tp", "compile"}): (TP_TRAIN, "TP 2 + SP × EP 2 --compile"),
-    frozenset({"ep", "compile"}): (TP_TRAIN, "TP 2 + SP × EP 2 --compile"),
-    frozenset({"tp", "pp"}): (PP_TRAIN, "PP 2 × TP 2 + SP"),
-    frozenset({"pp", "ep"}): (PP_TRAIN, "PP 2 × EP 2"),
+    frozenset({"tp", "compile"}): (TP_TRAIN, "compiled_losses"),  # TP 2 + SP × EP 2, 3 steps
+    frozenset({"ep", "compile"}): (TP_TRAIN, "compiled_losses"),
+    frozenset({"tp", "pp"}): (PP_TRAIN, "pp2tp2"),  # with SP
+    frozenset({"pp", "ep"}): (PP_TRAIN, "pp2ep2"),
 }
 
 # the layouts this file runs: name → (options, processes). The compiled layout runs first in its group (compiling
@@ -82,6 +81,7 @@ LAYOUTS = {
     "tp2-pp2zb-ep2": ({"tp", "zb", "ep"}, 4),
     "tp2-etp2-pp2zb": ({"tp", "etp", "zb"}, 4),
     "zero3-tp2-pp2": ({"zero3", "tp", "pp"}, 8),
+    "zero1-tp2-pp2zb-ep2": ({"zero1", "tp", "zb", "ep"}, 8),  # experts folded over TP, edp 2
 }
 
 
@@ -125,7 +125,7 @@ def test_every_pair_and_triple_is_proven():
     for test, layout in PROVEN.values():
         path, name = test.split("::")
         source = (REPO / "tests" / "distributed" / path).read_text()
-        assert f"def {name}(" in source, f"PROVEN names {test}, which does not exist"
+        assert f"def {name}(" in source and layout in source, f"PROVEN names {test} ({layout}), not in that file"
 
 
 def test_every_layout_is_accepted_before_launch():
@@ -144,49 +144,66 @@ def readme_table() -> str:
             where = proof(frozenset({a, b})) if a != b else ""
             cells.append("" if a == b else "—" if where.startswith("—") else "✓")
         rows.append(f"| {OPTIONS[a][0]} | " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n"
+    names = {"zero": "ZeRO", "tp": "TP", "pp": "PP", "ep": "EP"}
+    triples = []
+    for triple in TRIPLES:
+        runs = [f"`{name}`" for name, (options, _) in LAYOUTS.items() if triple <= generalised(options)]
+        triples.append(" × ".join(names[o] for o in sorted(triple, key=list(names).index)) + ": " + ", ".join(runs))
+    return "\n".join(rows) + "\n\nTriples and more, each one run: " + "; ".join(triples) + ".\n"
 
 
 def test_readme_has_the_table():
+    def words(text: str) -> str:  # the README wraps the triples' line
+        return " ".join(text.split())
+
     text = (REPO / "README.md").read_text()
-    assert readme_table() in text, "README's 'What composes' table differs from readme_table(); paste it again"
+    assert words(readme_table()) in words(text), "README's 'What composes' differs from readme_table(); paste it"
 
 
 # ---------------------------------------------------------------- the runs
+def on(world_size: int) -> list[str]:
+    return [layout for layout, (_, world) in LAYOUTS.items() if world == world_size]
+
+
 def group_checks(rank: int, world_size: int) -> dict:
     from moetron.parallel.env import init_distributed
 
     env = init_distributed()
-    return {
-        layout: curve(pp_trainer(config(layout), env), STEPS)
-        for layout, (_, world) in LAYOUTS.items()
-        if world == world_size
-    }
+    return {layout: run_layout(layout, env) for layout in on(world_size)}
 
 
-def reference() -> dict:
+def run_layout(layout: str, env) -> dict:
+    """The curve, and what really ran: the optimizer on ZeRO shards, blocks compiled."""
+    trainer = pp_trainer(config(layout), env)
+    out = curve(trainer, STEPS)
+    compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in trainer.model.modules())
+    return out | {"sharded": optimizer_state_bytes(trainer) is not None, "compiled": compiled}
+
+
+def follow_one_process(world_size: int) -> None:
+    """Every layout of `world_size` processes gives the one-process loss and gradient norm at every step."""
+    per_rank = run_distributed(group_checks, world_size=world_size, timeout=900)
     torch.set_num_threads(1)
-    return curve(pp_trainer(config()), STEPS)
+    want = curve(pp_trainer(config()), STEPS)
+    assert on(world_size) and all(list(r) == on(world_size) for r in per_rank)
+    for layout in on(world_size):
+        assert_curve([r[layout] for r in per_rank], want, layout)
+        options = LAYOUTS[layout][0]
+        assert all(r[layout]["sharded"] for r in per_rank) or not options & {"zero1", "zero3"}, layout
+        assert all(r[layout]["compiled"] == ("compile" in options) for r in per_rank), layout
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_four_process_layouts_follow_one_process():
-    four = run_distributed(group_checks, world_size=4, timeout=900)
-    want = reference()
-    for layout in four[0]:
-        assert_curve([r[layout] for r in four], want, layout)
+    follow_one_process(4)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_eight_process_layouts_follow_one_process():
-    eight = run_distributed(group_checks, world_size=8, timeout=900)
-    want = reference()
-    for layout in eight[0]:
-        assert_curve([r[layout] for r in eight], want, layout)
+    follow_one_process(8)
 
 
-if __name__ == "__main__":  # print the README table
+if __name__ == "__main__":  # the README table, to paste into "What composes"
     print(readme_table(), end="")
-    _ = re
