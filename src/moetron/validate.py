@@ -130,8 +130,8 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
     problems = list(dims.problems(cfg.model.experts_per_layer()))
     problems += cfg.model.problems()
     problems += tensor_parallel_problems(cfg.model, dims)
-    fsdp = effective_stage(cfg.parallel.zero_stage, cfg.parallel.use_distributed_optimizer) >= 2
-    problems += mtp_layout_problems(cfg.model, dims.sp, dims.ep, fsdp and (dims.ep > 1 or dims.etp != dims.tp))
+    stage = effective_stage(cfg.parallel.zero_stage, cfg.parallel.use_distributed_optimizer)
+    problems += mtp_layout_problems(cfg.model, dims.sp, dims.ep, stage, dims.tp, dims.etp)
     problems += context_parallel_problems(cfg, dims)
     problems += cfg.data.problems()
     problems += train_problems(cfg, dims.dp)

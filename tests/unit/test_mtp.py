@@ -122,6 +122,13 @@ def test_unsupported_layouts_are_refused_in_one_line_each():
     # TP and PP run (tests/distributed/test_tensor_parallel_train.py, test_pipeline_parallel_train.py)
     assert mtp_layout_problems(cfg, sp=False) == []
     assert mtp_layout_problems(ModelConfig(), sp=True) == []
+    moe = ModelConfig(num_experts=[4], mtp_num_layers=1)  # the MTP layer is MoE, like the last main layer
+    (zero,) = mtp_layout_problems(moe, sp=False, zero_stage=3, tp=2, etp=1)
+    assert zero.startswith("--mtp-num-layers 1 with MoE MTP layers under --zero-stage 3 with ")
+    assert "--tensor-model-parallel-size 2 and --expert-tensor-parallel-size 1 is not" in zero
+    assert zero.endswith("add --mtp-dense-layers, or use --expert-tensor-parallel-size 2 or --zero-stage 1")
+    assert mtp_layout_problems(moe, sp=False, zero_stage=3, tp=2, etp=2) == []  # experts in the dense group
+    assert mtp_layout_problems(moe, sp=False, zero_stage=1, tp=2, etp=1) == []
     bad = ModelConfig(seq_length=16, mtp_num_layers=16, mtp_loss_scaling_factor=-1.0).problems()
     assert "--mtp-num-layers must be in [0, --seq-length 16), got 16" in bad
     assert "--mtp-loss-scaling-factor must be a finite value >= 0, got -1.0" in bad

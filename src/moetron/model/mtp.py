@@ -37,13 +37,15 @@ from moetron.model.norm import build_norm
 from moetron.model.rng import STREAMS
 
 
-def mtp_layout_problems(cfg: ModelConfig, sp: bool, ep: int = 1, fsdp_expert_group: bool = False) -> list[str]:
+def mtp_layout_problems(
+    cfg: ModelConfig, sp: bool, ep: int = 1, zero_stage: int = 0, tp: int = 1, etp: int = 1
+) -> list[str]:
     """The layouts the MTP modules do not run under yet, one line each (validate() reports them before launch).
     Tensor parallelism (the modules on the main layers' TP plan, `parallel/tp/apply_tp.py`) and pipeline
     parallelism (the modules on the last stage, `parallel/pp/split.py`) run; context parallelism is refused by
     `parallel/cp/sizes.py`; sequence parallelism (`sp`: on, with tp > 1) here. A MoE MTP layer is not yet placed by
-    expert parallelism (`ep` > 1) nor given its own expert group by ZeRO-2/3's FSDP (`fsdp_expert_group`: sharded
-    with experts reduced over another group than the dense parameters, `parallel/dp/fsdp.py`)."""
+    expert parallelism (`ep` > 1) nor given its own expert group by ZeRO-2/3's FSDP (`zero_stage` >= 2 with the
+    experts sharded over another group than the dense parameters, `parallel/dp/fsdp.py`: EP, or `etp` != `tp`)."""
     p: list[str] = []
     if cfg.mtp_num_layers and sp:
         p.append(
@@ -51,12 +53,20 @@ def mtp_layout_problems(cfg: ModelConfig, sp: bool, ep: int = 1, fsdp_expert_gro
             f"shifts whole sequences, and its input would be a sequence shard); drop --sequence-parallel or use "
             f"--mtp-num-layers 0"
         )
-    if cfg.mtp_layer_experts() > 1 and (ep > 1 or fsdp_expert_group):
-        layout = f"--moe-expert-parallel-size {ep}" if ep > 1 else "ZeRO stage 2/3 with experts in their own group"
+    if cfg.mtp_layer_experts() <= 1:
+        return p
+    moe_mtp = f"--mtp-num-layers {cfg.mtp_num_layers} with MoE MTP layers"
+    if ep > 1:
         p.append(
-            f"--mtp-num-layers {cfg.mtp_num_layers} with MoE MTP layers under {layout} is not supported yet (the "
-            f"MTP modules' experts are not sharded like the main layers'); add --mtp-dense-layers or use "
-            f"--moe-expert-parallel-size 1"
+            f"{moe_mtp} under --moe-expert-parallel-size {ep} is not supported yet (the MTP modules' experts are "
+            f"not sharded like the main layers'); add --mtp-dense-layers or use --moe-expert-parallel-size 1"
+        )
+    elif zero_stage >= 2 and etp != tp:
+        p.append(
+            f"{moe_mtp} under --zero-stage {zero_stage} with --tensor-model-parallel-size {tp} and "
+            f"--expert-tensor-parallel-size {etp} is not supported yet (ZeRO shards the experts over their own "
+            f"group, which the MTP modules' experts are not in); add --mtp-dense-layers, or use "
+            f"--expert-tensor-parallel-size {tp} or --zero-stage 1"
         )
     return p
 
