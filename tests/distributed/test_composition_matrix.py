@@ -2,18 +2,20 @@
 
 The options are ZeRO-1, ZeRO-3, TP 2 + SP, PP 2 with 1F1B, PP 2 with zero bubble, EP 2, expert TP (ETP 2) and
 `--compile`. A pair is proven by a run that has both options, trains from the weights one process draws, and
-follows that process's curve: the loss and the clipped global gradient norm at every step, 1e-4 relative. Some
-pairs already have such a run in another test. `PROVEN` names it, and this file does not run the pair again. The
-other pairs, and the triples ZeRO × TP × PP, ZeRO × PP × EP and TP × PP × EP, run here (`LAYOUTS`). One layout
-holds several options, so it proves every pair and triple inside it. `EXCLUSIVE` lists the pairs that are two
-values of one flag (ZeRO-1 / ZeRO-3, 1F1B / zero bubble). `test_every_pair_and_triple_is_proven` fails when a
-pair or triple has none of the three, or when `PROVEN` names a test that does not exist.
+follows that process's curve: the loss and the clipped global gradient norm at every step, 1e-4 relative.
+  PROVEN     the pairs another test already runs so (its test and layout); no layout here is added for them.
+  LAYOUTS    the runs of this file, for every other pair and the triples ZeRO × TP × PP, ZeRO × PP × EP and
+             TP × PP × EP. A layout holds several options, so it proves every pair and triple inside it.
+  EXCLUSIVE  the pairs that are two values of one flag (ZeRO-1 / ZeRO-3, 1F1B / zero bubble).
+`test_every_pair_and_triple_is_proven` fails when a pair or triple has none of the three, or when `PROVEN` names a
+test or layout that its file does not have.
 
 The model and batch are those of `test_zero_compose.py`: 4 layers, layer 0 dense and layers 1–3 MoE (4 experts,
 top-2, random token selection, hidden dropout on, attention dropout off), global batch 8 in micro-batches of 2.
-Every layout runs STEPS steps. Two spawned groups run the layouts: 4 processes for every layout whose product is
-4, and 8 processes for ZeRO × TP 2 × PP 2, which needs dp 2 to shard anything. README's "What composes" table is
-`readme_table()`, and a test keeps the two equal.
+Every layout runs STEPS steps; the ZeRO ones must hold the optimizer on ZeRO shards, the compiled ones compiled
+blocks. Two spawned groups run the layouts: 4 processes for every layout whose product is 4, and 8 processes for
+ZeRO × TP 2 × PP 2 (dp 2: at dp 1 ZeRO would shard nothing). README's "What composes" table is `readme_table()`,
+and a test keeps the two equal.
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ PROVEN = {  # pair → the test (in tests/distributed/) that runs a layout with 
     frozenset({"pp", "ep"}): (PP_TRAIN, "pp2ep2"),
 }
 
-# the layouts this file runs: name → (options, processes). The compiled layout runs first in its group (compiling
-# after other TP models ran in the same process trips torch 2.13's partitioner: test_tensor_parallel_train.py).
+# the layouts this file runs: name → (options, processes). Every TP layout has SP: compiling after both a non-SP and
+# an SP TP model ran in one process trips torch 2.13's partitioner (test_tensor_parallel_train.py).
 LAYOUTS = {
     "zero3-tp2-etp2-compile": ({"zero3", "tp", "etp", "compile"}, 4),
     "zero1-pp2-ep2": ({"zero1", "pp", "ep"}, 4),
