@@ -7,6 +7,7 @@ follows that process's curve: the loss and the clipped global gradient norm at e
   LAYOUTS    the runs of this file, for every other pair and the triples ZeRO × TP × PP, ZeRO × PP × EP and
              TP × PP × EP. A layout holds several options, so it proves every pair and triple inside it.
   EXCLUSIVE  the pairs that are two values of one flag (ZeRO-1 / ZeRO-3, 1F1B / zero bubble).
+The other two schedules run with ZeRO too (ZeRO-3 × PP 2 interleaved, ZeRO-1 × PP 2 GPipe: `OTHER_SCHEDULES`).
 `test_every_pair_and_triple_is_proven` fails when a pair or triple has none of the three, or when `PROVEN` names a
 test or layout that its file does not have.
 
@@ -84,7 +85,11 @@ LAYOUTS = {
     "tp2-etp2-pp2zb": ({"tp", "etp", "zb"}, 4),
     "zero3-tp2-pp2": ({"zero3", "tp", "pp"}, 8),
     "zero1-tp2-pp2zb-ep2": ({"zero1", "tp", "zb", "ep"}, 8),  # experts folded over TP, edp 2
+    # the other two schedules with ZeRO (no matrix column: "pp" stands for 1F1B), PP 2 at dp 2
+    "zero3-pp2-interleaved": ({"zero3"}, 4),
+    "zero1-pp2-gpipe": ({"zero1"}, 4),
 }
+OTHER_SCHEDULES = {"zero3-pp2-interleaved": "interleaved-1f1b", "zero1-pp2-gpipe": "gpipe"}
 
 
 def fields(options: set[str]) -> dict:
@@ -96,9 +101,11 @@ def fields(options: set[str]) -> dict:
 
 def config(layout: str | None = None):
     dims = fields(LAYOUTS[layout][0]) if layout else {}
+    if layout in OTHER_SCHEDULES:
+        dims |= {"pipeline_model_parallel_size": 2, "pipeline_schedule": OTHER_SCHEDULES[layout]}
     pp = dims.pop("pipeline_model_parallel_size", 1)
     schedule = dims.pop("pipeline_schedule", None)
-    virtual = 1 if schedule == "zero-bubble" else None  # two stages per rank: zero bubble's V schedule
+    virtual = 1 if schedule in ("zero-bubble", "interleaved-1f1b") else None  # two stages per rank
     return pp_config(pp, schedule, virtual, train_iters=STEPS, attention_dropout=0.0, **dims)
 
 
