@@ -177,8 +177,8 @@ def pipeline_problems(num_layers: int, parallel, num_micro: int) -> list[str]:
         given = {"--num-layers-per-virtual-pipeline-stage": virtual, "--decoder-first-pipeline-num-layers": first,
                  "--decoder-last-pipeline-num-layers": last}  # fmt: skip
         flags = " ".join(f"{flag} {value}" for flag, value in given.items() if value is not None)
-        fix = "split pipeline stages, but --pipeline-model-parallel-size is 1; set it > 1 or drop them"
-        return [f"{flags} {fix}"] if flags else []
+        unused = "split pipeline stages, but --pipeline-model-parallel-size is 1; set it > 1 or drop them"
+        return [f"{flags} {unused}"] if flags else []
     problems = []
     sizes = stage_sizes(num_layers, pp, virtual, first, last)
     if isinstance(sizes, str):
