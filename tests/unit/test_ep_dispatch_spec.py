@@ -25,6 +25,16 @@ def test_every_problem_is_reported_at_once():
     assert "--moe-ep-dispatch static and --moe-ep-overlap-chunks 3 do not work together yet" in text
     assert "--moe-ep-dispatch static is not supported with --pipeline-model-parallel-size 2 yet" in text
     assert "--moe-ep-overlap-chunks 3 is not supported with --compile yet" in text
+    # each refusal says what runs instead: the default dispatcher (and, for ZeRO 2–3, stage 1)
+    assert (
+        "drop --moe-ep-dispatch static (the default uneven dispatcher runs with --pipeline-model-parallel-size 2)"
+        in text
+    )
+    zero = problems(ParallelDims(world_size=4, dp=4, ep=2), moe_ep_dispatch="static", zero_stage=3)
+    assert zero == [
+        "--moe-ep-dispatch static is not supported with --zero-stage 3 yet; drop --moe-ep-dispatch static (the "
+        "default uneven dispatcher runs with --zero-stage 3), or use --zero-stage 1"
+    ]
     assert "--moe-ep-overlap-chunks 3 must be at most the experts each EP rank holds (2 = " in text
     assert len(got) == 6  # the pair; PP and --compile for each of the two flags; the chunks over 2 local experts
 

@@ -126,6 +126,9 @@ def test_unsupported_layouts_are_refused_in_one_line_each():
         assert run.model.mtp_layer_experts() == 4 and run.dims(2).ep == 2
         assert not [p for p in validate(run, 2) if "mtp" in p], zero_stage
     assert mtp_layout_problems(ModelConfig(), sp=True) == []
+    moe = ModelConfig(num_experts=[4], mtp_num_layers=1)  # the MTP layer is MoE, like the last main layer
+    assert moe.mtp_layer_experts() == 4
+    assert mtp_layout_problems(moe, sp=False) == []  # EP and ZeRO's expert groups place it like the main layers
     bad = ModelConfig(seq_length=16, mtp_num_layers=16, mtp_loss_scaling_factor=-1.0).problems()
     assert "--mtp-num-layers must be in [0, --seq-length 16), got 16" in bad
     assert "--mtp-loss-scaling-factor must be a finite value >= 0, got -1.0" in bad

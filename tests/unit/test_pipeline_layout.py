@@ -71,7 +71,10 @@ def test_good_pipeline_flags_and_pp1():
         == ""
     )
     flags = ["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2"]
-    assert "--pipeline-model-parallel-size is 1" in problems(*flags, world=1)
+    assert (
+        "--num-layers-per-virtual-pipeline-stage 2 split pipeline stages, but --pipeline-model-parallel-size is 1;"
+        in (problems(*flags, world=1))
+    )
     assert problems("--num-layers", "8", world=1) == ""
 
 

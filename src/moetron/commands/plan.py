@@ -11,7 +11,7 @@ the largest size that divides the GPUs and every expert count, at most the confi
 `--moe-expert-parallel-size` is planned as given.
 
 The config is checked as `moetron train` checks it (`validate`, every problem at once, the same words), so a
-layout train refuses — ZeRO with pipelining, say — is an error here too; only the checks of this machine's files
+layout train refuses — expert replicas with PP, say — is an error here too; only the checks of this machine's files
 (datasets, tokenizer files, output directories: plan reads and writes none) are left to train.
 
 Exit status (scriptable): 0 the config fits, 1 it does not fit (the changes that would are listed), 2 an error

@@ -17,7 +17,7 @@ owns the micro-batch loop. `LocalExecutor` runs every micro-batch through the wh
     uses the same head loss;
   - the return value is Σ lm_loss / num_micro (fp64, on device: no host sync), the same on every rank;
     with --mtp-num-layers the MTP loss (× --mtp-loss-scaling-factor) joins each backward and `last_mtp_loss` holds
-    its Σ / num_micro (the local executor only: validate() refuses MTP with pipeline parallelism);
+    its Σ / num_micro (under pipeline parallelism `pipeline_executor.py` does the same on the last stage);
   - `moe_step_stats()` then gives every MoE layer's statistics of the step (all layers, on every rank).
 """
 

@@ -80,12 +80,17 @@ def ep_dispatch_problems(
 def _layout_problems(flag: str, dims: ParallelDims, parallel, compile_blocks: bool) -> list[str]:
     if dims.ep <= 1:
         return [f"{flag} needs --moe-expert-parallel-size > 1 (it changes the expert-parallel all-to-all); drop it"]
-    refused = {
-        f"--moe-expert-replicas {parallel.moe_expert_replicas}": parallel.moe_expert_replicas > 0,
-        f"--pipeline-model-parallel-size {dims.pp}": dims.pp > 1,
-        f"--tensor-model-parallel-size {dims.tp}": dims.tp > 1,
-        f"--context-parallel-size {parallel.context_parallel_size}": parallel.context_parallel_size > 1,
-        f"--zero-stage {parallel.zero_stage}": parallel.zero_stage >= 2,
-        "--compile": compile_blocks,
+    refused = {  # setting → whether the run has it, and what else the fix may be
+        f"--moe-expert-replicas {parallel.moe_expert_replicas}": (parallel.moe_expert_replicas > 0, ""),
+        f"--pipeline-model-parallel-size {dims.pp}": (dims.pp > 1, ""),
+        f"--tensor-model-parallel-size {dims.tp}": (dims.tp > 1, ""),
+        f"--context-parallel-size {parallel.context_parallel_size}": (parallel.context_parallel_size > 1, ""),
+        f"--zero-stage {parallel.zero_stage}": (parallel.zero_stage >= 2, ", or use --zero-stage 1"),
+        "--compile": (compile_blocks, ", or drop --compile"),
     }
-    return [f"{flag} is not supported with {setting} yet; drop one of them" for setting, on in refused.items() if on]
+    return [
+        f"{flag} is not supported with {setting} yet; drop {flag} (the default uneven dispatcher runs with "
+        f"{setting}){alternative}"
+        for setting, (on, alternative) in refused.items()
+        if on
+    ]

@@ -173,9 +173,12 @@ def pipeline_problems(num_layers: int, parallel, num_micro: int) -> list[str]:
     if pp < 1:
         return []  # reported with the other degrees (dims.problems)
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
-    uses_pp_flags = virtual is not None or first is not None or last is not None
     if pp == 1:
-        return ["pipeline flags are set but --pipeline-model-parallel-size is 1; set it > 1"] if uses_pp_flags else []
+        given = {"--num-layers-per-virtual-pipeline-stage": virtual, "--decoder-first-pipeline-num-layers": first,
+                 "--decoder-last-pipeline-num-layers": last}  # fmt: skip
+        flags = " ".join(f"{flag} {value}" for flag, value in given.items() if value is not None)
+        unused = "split pipeline stages, but --pipeline-model-parallel-size is 1; set it > 1 or drop them"
+        return [f"{flags} {unused}"] if flags else []
     problems = []
     sizes = stage_sizes(num_layers, pp, virtual, first, last)
     if isinstance(sizes, str):
