@@ -2,19 +2,19 @@
 
 The model of the pipeline tests (4 layers: layer 0 dense, 1–3 MoE with 4 experts top-2, random token selection and
 hidden dropout on; attention dropout off: head shards draw their own masks), global batch 8 in micro-batches of 2.
-Every layout runs 6 steps of the same global batch and must give the one-process loss and clipped global gradient
+Every layout runs 10 steps of the same global batch and must give the one-process loss and clipped global gradient
 norm at every step (1e-4 relative): the norm is summed over every shard of every dimension (dp/edp shards, TP
 splits, pipeline stages), so a missed or double-counted shard shows in it.
 
 One spawned 4-process group carries every layout:
   ZeRO-1 × TP 2 (dp 2)                         the optimizer's dp shards of TP-local tensors
-  ZeRO-2 × TP 2 + SP × EP 2 (folded, dp 2)     FSDP2 over dp on TP-local shards, experts over edp = 2; saves at step 3
+  ZeRO-2 × TP 2 + SP × EP 2 (folded, dp 2)     FSDP2 over dp on TP-local shards, experts over edp = 2; saves at step 5
   ZeRO-3 × PP 2 (dp 2), 1F1B                   FSDP2 per stage module, gradients synced after the last micro-batch;
-                                               saves at step 3 (tied embeddings: both copies' shards)
+                                               saves at step 5 (tied embeddings: both copies' shards)
   ZeRO-3 × PP 2 (dp 2), zero bubble            the split backward under FSDP2
   ZeRO-1 × PP 2 (dp 2), zero bubble, --compile  the dense gradients averaged after the schedule, then sharded;
                                                compiled blocks run their backward in the schedule's two halves
-  the ZeRO-3 × PP 2 checkpoint at ZeRO-1 × TP 2: the same validation loss, then steps 4–6 of the one-process curve.
+  the ZeRO-3 × PP 2 checkpoint at ZeRO-1 × TP 2: the same validation loss, then steps 6–10 of the one-process curve.
 Each rank's Adam state is held as ZeRO shards and weighs what `moetron plan` says (within 25%).
 This process loads both checkpoints (ZeRO-3 × PP 2 and ZeRO-2 × TP 2 × EP 2) and continues the one-process curve.
 """
@@ -31,7 +31,7 @@ from moetron.checkpoint import resolve_checkpoint
 from moetron.parallel.env import init_distributed
 from moetron.plan.memory import estimate_memory
 
-STEPS, HALF = 6, 3
+STEPS, HALF = 10, 5
 RTOL = 1e-4
 LAYOUTS = {  # the compiled run first: its process has compiled nothing else yet (see test_tensor_parallel_train.py)
     "zero1-pp2-zb-compile": {
