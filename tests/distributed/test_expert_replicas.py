@@ -15,6 +15,7 @@ One spawned group carries every check (spawning is the expensive part):
     same layout without replicas within 1e-5 relative, with the same routed and balanced computed loads. (Under
     FSDP2 the replica weights must be read after its gather and their gradients reach the owner before its
     reduce-scatter; a replica of expert-TP experts must add its output bias on one TP rank: each broke this.)
+  - `--compile`, EP 2 with one slot: the loss curve equals the eager run without replicas within 1e-5;
   - resume: both replicated runs saved at step 3 and resumed give the same losses and gradient norms for steps
     4–6, bit for bit (`==`). It took DDP's dense all-reduce in a fixed order (`parallel/dp/exact_buckets.py`): DDP
     reduces a process's first step in another bucket layout than its later ones, so a resumed run's first step
@@ -160,6 +161,8 @@ def all_checks(rank: int, world_size: int, save_dir: str) -> dict:
         resumed = skewed_trainer(replica_config(ep, 1, dropless, **save), env)
         resumed.load(resolve_checkpoint(save["save"]))
         out[("resumed", ep)] = run_steps(resumed, STEPS - SAVE_AT)
+    # last: `--compile` sets process-wide Inductor options
+    out[("compiled", 2)] = run_steps(skewed_trainer(replica_config(2, 1, True, compile=True), env), STEPS)
     return out
 
 
@@ -182,6 +185,9 @@ def test_expert_replicas_are_exact_and_balance_the_ranks(tmp_path):
             assert plain["computed"] == plain["routed"]
             assert min(replicas["routed"]) >= 1.5, replicas["routed"]  # the router really is imbalanced
             assert max(replicas["computed"]) <= 1.15, replicas["computed"]
+        compiled, plain = r[("compiled", 2)], r[("plain", 2)]  # the eager run without replicas
+        torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0)
+        assert max(compiled["computed"]) <= 1.15, compiled["computed"]
         for name in LAYOUTS:
             plain, replicas = r["composed"][(name, 0)], r["composed"][(name, 1)]
             for key in ("losses", "grad_norms"):
