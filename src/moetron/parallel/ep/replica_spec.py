@@ -8,9 +8,13 @@ Every other layout composes (tested against the same run without replicas, `test
 ZeRO 1–3 (the replica weights are read inside the experts' forward, after FSDP2 has gathered them, and their
 gradients reach the owner before FSDP2 reduce-scatters it, `replicas.py`), tensor parallelism + SP (folding: each
 TP rank's token share is replicated over its own EP group), expert TP (the EP group holds one channel slice: every
-replica is copied from the owner with the same slice) and pipelines (each stage's MoE layers replicate within that
-stage's EP group). Context parallelism refuses replicas itself (`cp/sizes.py`), as do the static and overlapped
-dispatchers (`dispatch_spec.py`).
+replica is copied from the owner with the same slice), `--compile`, and pipelines (each stage's MoE layers
+replicate within that stage's EP group) on every schedule but zero bubble. Zero bubble is refused: its separate
+weight-gradient pass (torch's `stage_backward_weight`, one `autograd.grad` per parameter group, starting where a
+parameter's path meets the input's) fails with replicas on a saved tensor of the token permutation already freed,
+most likely because the replicas' join (`KeepInGraph`, which keeps the weight all-to-all's backward running on every
+rank) sits on the input path. Context parallelism refuses replicas itself (`cp/sizes.py`), as do the static and
+overlapped dispatchers (`dispatch_spec.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from __future__ import annotations
 from moetron.parallel.dims import ParallelDims
 
 
-def expert_replica_problems(replicas: int, experts_per_layer: list[int], dims: ParallelDims) -> list[str]:
+def expert_replica_problems(
+    replicas: int, experts_per_layer: list[int], dims: ParallelDims, pipeline_schedule: str | None = None
+) -> list[str]:
     """One line per problem of `--moe-expert-replicas` (none when it is 0, today's behaviour)."""
     if replicas == 0:
         return []
@@ -33,5 +39,10 @@ def expert_replica_problems(replicas: int, experts_per_layer: list[int], dims: P
         return [
             f"{flag} must be below the experts each EP rank holds ({fewest_local} = --num-experts / "
             f"--moe-expert-parallel-size {dims.ep}); use at most {max(fewest_local - 1, 0)} or more experts per rank"
+        ]
+    if dims.pp > 1 and pipeline_schedule == "zero-bubble":
+        return [
+            f"{flag} is not supported with --pipeline-schedule zero-bubble yet (its split weight-gradient pass "
+            "re-walks the replicas' join); use --pipeline-schedule 1f1b, interleaved-1f1b or gpipe"
         ]
     return []
