@@ -11,10 +11,10 @@ TP rank's token share is replicated over its own EP group), expert TP (the EP gr
 replica is copied from the owner with the same slice), `--compile`, and pipelines (each stage's MoE layers
 replicate within that stage's EP group) on every schedule but zero bubble. Zero bubble is refused: its separate
 weight-gradient pass (torch's `stage_backward_weight`, one `autograd.grad` per parameter group, starting where a
-parameter's path meets the input's) fails with replicas on a saved tensor of the token permutation already freed,
-most likely because the replicas' join (`KeepInGraph`, which keeps the weight all-to-all's backward running on every
-rank) sits on the input path. Context parallelism refuses replicas itself (`cp/sizes.py`), as do the static and
-overlapped dispatchers (`dispatch_spec.py`).
+parameter's path meets the input's) fails with replicas on a saved tensor of the token permutation already freed
+(`GatherRows`): a pass walks input-path nodes an earlier one freed. Not yet understood: moving the replicas' join
+(`KeepInGraph`) off the owner's output changed nothing. Context parallelism refuses replicas itself
+(`cp/sizes.py`), as do the static and overlapped dispatchers (`dispatch_spec.py`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def expert_replica_problems(
         ]
     if dims.pp > 1 and pipeline_schedule == "zero-bubble":
         return [
-            f"{flag} is not supported with --pipeline-schedule zero-bubble yet (its split weight-gradient pass "
-            "re-walks the replicas' join); use --pipeline-schedule 1f1b, interleaved-1f1b or gpipe"
+            f"{flag} is not supported with --pipeline-schedule zero-bubble yet (its separate weight-gradient "
+            "pass fails on the replicas' graph); use --pipeline-schedule 1f1b, interleaved-1f1b or gpipe"
         ]
     return []
