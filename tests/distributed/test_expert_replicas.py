@@ -10,6 +10,12 @@ One spawned group carries every check (spawning is the expensive part):
     `moe_ep_load_computed` <= 1.15 on those steps;
   - host reads: one layer step with replicas on the CUDA code path (grouped_mm) reads the device once per rank
     (the `.tolist()` of every split size), as the plain dispatcher does;
+  - composition, EP 2, 10 steps: with ZeRO 2 (capacity) and ZeRO 3 (dropless) on FSDP2, PP 2 × ZeRO 1, TP 2 + SP
+    (folding) × ZeRO 2 and TP 2 × expert TP 2 × ZeRO 3, the loss curve and the gradient norms equal those of the
+    same layout without replicas within 1e-5 relative, with the same routed and balanced computed loads. (Under
+    FSDP2 the replica weights must be read after its gather and their gradients reach the owner before its
+    reduce-scatter; a replica of expert-TP experts must add its output bias on one TP rank: each broke this.)
+  - `--compile`, EP 2 with one slot: the loss curve equals the eager run without replicas within 1e-5;
   - resume: both replicated runs saved at step 3 and resumed give the same losses and gradient norms for steps
     4–6, bit for bit (`==`). It took DDP's dense all-reduce in a fixed order (`parallel/dp/exact_buckets.py`): DDP
     reduces a process's first step in another bucket layout than its later ones, so a resumed run's first step
@@ -36,6 +42,14 @@ from moetron.parallel.ep.replicas import ReplicatingDispatcher
 from moetron.parallel.mesh import ParallelMesh
 
 STEPS, SAVE_AT, MBS = 6, 3, 2
+COMPOSE_STEPS = 10
+LAYOUTS = {  # name: (dropless, layers, parallel settings), each at EP 2 on 4 processes
+    "zero2": (False, 2, {"zero_stage": 2}),
+    "zero3": (True, 2, {"zero_stage": 3}),
+    "pp2 zero1": (True, 4, {"pipeline_model_parallel_size": 2, "zero_stage": 1}),
+    "tp2 sp zero2": (True, 2, {"tensor_model_parallel_size": 2, "sequence_parallel": True, "zero_stage": 2}),
+    "tp2 etp2 zero3": (True, 2, {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2, "zero_stage": 3}),
+}
 HOT_BIAS = 1.0  # selection-only bias on expert 0: it wins every token's first choice (router scores are < 1)
 
 
@@ -120,9 +134,22 @@ def run_steps(trainer, steps: int) -> dict:
     return out
 
 
+def composed_checks(env) -> dict:
+    """Each of `LAYOUTS` without and with one replica slot."""
+    out = {}
+    for name, (dropless, layers, parallel) in LAYOUTS.items():
+        for replicas in (0, 1):
+            cfg = replica_config(2, replicas, dropless)
+            cfg.model.num_layers = layers
+            for key, value in parallel.items():
+                setattr(cfg.parallel, key, value)
+            out[(name, replicas)] = run_steps(skewed_trainer(cfg, env), COMPOSE_STEPS)
+    return out
+
+
 def all_checks(rank: int, world_size: int, save_dir: str) -> dict:
     env = init_distributed()
-    out = {"layer": layer_checks(rank, world_size)}
+    out = {"layer": layer_checks(rank, world_size), "composed": composed_checks(env)}
     for ep, dropless in ((2, True), (4, False)):
         out[("plain", ep)] = run_steps(skewed_trainer(replica_config(ep, 0, dropless), env), STEPS)
         save = {"save": f"{save_dir}/ep{ep}"}
@@ -134,6 +161,8 @@ def all_checks(rank: int, world_size: int, save_dir: str) -> dict:
         resumed = skewed_trainer(replica_config(ep, 1, dropless, **save), env)
         resumed.load(resolve_checkpoint(save["save"]))
         out[("resumed", ep)] = run_steps(resumed, STEPS - SAVE_AT)
+    # last: `--compile` sets process-wide Inductor options
+    out[("compiled", 2)] = run_steps(skewed_trainer(replica_config(2, 1, True, compile=True), env), STEPS)
     return out
 
 
@@ -156,6 +185,17 @@ def test_expert_replicas_are_exact_and_balance_the_ranks(tmp_path):
             assert plain["computed"] == plain["routed"]
             assert min(replicas["routed"]) >= 1.5, replicas["routed"]  # the router really is imbalanced
             assert max(replicas["computed"]) <= 1.15, replicas["computed"]
+        compiled, plain = r[("compiled", 2)], r[("plain", 2)]  # the eager run without replicas
+        torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0)
+        assert max(compiled["computed"]) <= 1.15, compiled["computed"]
+        for name in LAYOUTS:
+            plain, replicas = r["composed"][(name, 0)], r["composed"][(name, 1)]
+            for key in ("losses", "grad_norms"):
+                torch.testing.assert_close(
+                    torch.tensor(replicas[key]), torch.tensor(plain[key]), rtol=1e-5, atol=0, msg=f"{name} {key}"
+                )
+            assert plain["routed"] == pytest.approx(replicas["routed"]), name
+            assert min(replicas["routed"]) >= 1.5 and max(replicas["computed"]) <= 1.15, (name, replicas)
         for ep in (2, 4):
             resumed, straight = r[("resumed", ep)], r[("replicas", ep)]
             for key in ("losses", "grad_norms"):

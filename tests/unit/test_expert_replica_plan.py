@@ -58,16 +58,18 @@ def test_balanced_routing_replicates_nothing():
 
 def test_replica_problems_name_the_flag_and_the_fix():
     ep4 = ParallelDims(world_size=4, dp=4, ep=4)
-    assert expert_replica_problems(0, [8, 8], ParallelDims(world_size=1, dp=1), 0, False) == []
-    assert expert_replica_problems(1, [8, 8], ep4, 1, False) == []
-    (no_ep,) = expert_replica_problems(1, [8], ParallelDims(world_size=2, dp=2), 0, False)
+    assert expert_replica_problems(0, [8, 8], ParallelDims(world_size=1, dp=1)) == []
+    assert expert_replica_problems(1, [8, 8], ep4) == []
+    (no_ep,) = expert_replica_problems(1, [8], ParallelDims(world_size=2, dp=2))
     assert no_ep.startswith("--moe-expert-replicas 1 needs --moe-expert-parallel-size > 1")
-    (too_many,) = expert_replica_problems(2, [1, 8], ep4, 0, False)
+    (too_many,) = expert_replica_problems(2, [1, 8], ep4)
     assert "must be below the experts each EP rank holds (2" in too_many and "use at most 1" in too_many
-    refused = expert_replica_problems(1, [16], ParallelDims(world_size=8, dp=2, tp=2, pp=2, ep=4, etp=2), 3, True)
-    settings = ["--tensor-model-parallel-size 2", "--expert-tensor-parallel-size 2", "--zero-stage 3"]
-    settings += ["--pipeline-model-parallel-size 2", "--compile"]
-    assert refused == [f"--moe-expert-replicas 1 is not supported with {s} yet; drop one of them" for s in settings]
+    # every other layout composes (tests/distributed/test_expert_replicas.py)
+    every = ParallelDims(world_size=8, dp=2, tp=2, pp=2, ep=4, etp=2)
+    assert expert_replica_problems(1, [16], every) == expert_replica_problems(1, [16], every, "interleaved-1f1b") == []
+    (zero_bubble,) = expert_replica_problems(1, [16], every, "zero-bubble")
+    assert zero_bubble.startswith("--moe-expert-replicas 1 is not supported with --pipeline-schedule zero-bubble yet")
+    assert zero_bubble.endswith("use --pipeline-schedule 1f1b, interleaved-1f1b or gpipe")
 
 
 def test_validate_reports_replica_problems_before_launch():

@@ -19,6 +19,15 @@ decides which routes are kept before anything here runs; replication moves where
 
 Every rank takes part in both all-to-alls and their backwards whatever its plan (an unused slot still receives
 its own first expert, with no rows; `KeepInGraph` makes its gradient path exist), so no rank waits alone.
+
+Where the weights are read: in a forward pre-hook of the layer's experts, not in `dispatch`. Under ZeRO 2–3
+(FSDP2) the experts' own pre-forward hook runs first (FSDP2 prepends it): it has gathered the whole weights, and
+it has put `RegisterPostBackwardFunction` on the experts' inputs, whose backward starts the reduce-scatter of
+their gradients. Autograd runs ready nodes newest first (AccumulateGrad before anything), so the weight
+all-to-all's backward and the read's, created after that function, run before it: the replicas' gradients are in
+the owner's gradient when FSDP2 reduce-scatters it. Read in `dispatch` (before the experts' forward), the weights
+would still be shards, and their gradients would arrive after the reduce-scatter. Under DDP the place changes
+nothing (DDP reduces a parameter once its gradient is complete).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.func import functional_call
 
 from moetron.model.moe.dispatch import permute, unpermute
@@ -74,9 +84,11 @@ class ReplicaContext:
     local_order_M: torch.Tensor
     x_replica_rows: torch.Tensor  # rows for the replica slots, grouped by slot
     counts_K: torch.Tensor  # rows per replica slot
-    replica_weights: dict[str, torch.Tensor]  # [K, …] per weight, received from the owners
-    flat_weights: torch.Tensor  # the received [K, ·] buffer they are views of (kept in the graph)
     ep_load: torch.Tensor  # fp32 [2]: routed and computed rows per rank, max/mean
+    plan: ReplicaPlan
+    # filled by the experts' forward pre-hook (`ReplicatingDispatcher.send_weights`)
+    replica_weights: dict[str, torch.Tensor] | None = None  # [K, …] per weight, received from the owners
+    flat_weights: torch.Tensor | None = None  # the received [K, ·] buffer they are views of (kept in the graph)
 
 
 class ReplicatingDispatcher(AllToAllDispatcher):
@@ -87,6 +99,24 @@ class ReplicatingDispatcher(AllToAllDispatcher):
         self.slots = slots
         self._layer = weakref.ref(moe)  # the layer owns this dispatcher: no reference cycle
         self._shell: GroupedExperts | None = None
+        self._pending: ReplicaContext | None = None  # set by `dispatch`, its weights filled by `send_weights`
+        self._hooked: weakref.ref | None = None  # the experts module `send_weights` is a pre-hook of
+
+    def _hook_experts(self) -> None:
+        """`send_weights` as a forward pre-hook of the layer's experts module, registered on the module the layer
+        holds now (expert TP replaces it after expert parallelism is applied). Registered before `fully_shard` or
+        after, FSDP2's own pre-forward hook runs first: it prepends it."""
+        experts = self.experts()
+        if self._hooked is not None and self._hooked() is experts:
+            return
+        dispatcher = weakref.ref(self)
+
+        def before_experts(module, args) -> None:
+            if (live := dispatcher()) is not None:  # a replaced dispatcher has nothing pending: no-op
+                live.send_weights()
+
+        experts.register_forward_pre_hook(before_experts)
+        self._hooked = weakref.ref(experts)
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f", replica slots={self.slots})"
@@ -96,18 +126,25 @@ class ReplicatingDispatcher(AllToAllDispatcher):
 
     def replica_shell(self) -> GroupedExperts:
         """A weightless `GroupedExperts` of K experts (meta device) that runs the layer's expert math on the
-        received weights (`functional_call`), so replicas compute exactly what the owner computes."""
+        received weights (`functional_call`), so replicas compute exactly what the owner computes: of the owner's
+        class (under expert TP `FfnShardedExperts`, whose output bias is added on one TP rank and its gradient
+        summed over TP), not FSDP2's subclass of it."""
         if self._shell is None:
             own = self.experts()
             with torch.device("meta"):
                 shell = GroupedExperts(
                     self.slots, own.hidden, own.ffn, own.swiglu, own.b1_EF is not None, own.activation, own.backend
                 )
+            shell.__class__ = next(c for c in type(own).__mro__ if not issubclass(c, FSDPModule))
+            for name in ("tp_mesh", "tp_rank"):  # `FfnShardedExperts`' TP coordinates
+                if hasattr(own, name):
+                    setattr(shell, name, getattr(own, name))
             self._shell = shell
         return self._shell
 
     # ------------------------------------------------------------ dispatch
     def dispatch(self, x_TD: torch.Tensor, routing: Routing):
+        self._hook_experts()
         x_QD, counts_E, order_Q, _ = permute(x_TD, routing.expert_ids_TK, routing.kept_TK, self.num_experts)
         with self.forward_site:
             counts_RE = self.gather_counts(counts_E)
@@ -121,7 +158,6 @@ class ReplicatingDispatcher(AllToAllDispatcher):
             x_MD = AllToAll.apply(
                 x_QD[:num_sent].index_select(0, send_order_N), splits.recv, splits.send, self.group, self.backward_site
             )
-            flat, weights = self._receive_weights(plan, splits)
         local_order_M = regroup_by_local_expert(recv_RS, num_received)
         x_sorted = x_MD.index_select(0, local_order_M)
         own, load = (
@@ -137,10 +173,10 @@ class ReplicatingDispatcher(AllToAllDispatcher):
             local_order_M,
             x_sorted[own:],
             recv_RS[:, self.num_local :].sum(0),
-            weights,
-            flat,
             load,
+            plan,
         )
+        self._pending = ctx
         return x_sorted[:own], recv_RS[:, : self.num_local].sum(0), ctx
 
     def _routes(self, plan: ReplicaPlan, counts_RE: torch.Tensor):
@@ -174,6 +210,15 @@ class ReplicatingDispatcher(AllToAllDispatcher):
             return torch.where(position_N < plan.owner_keep_E[expert_N], owner_key_N, replica_key_N)
 
         return recv_RS, dest_key_of_row, sizes
+
+    @torch.compiler.disable  # under `--compile` a collective with host split sizes, like dispatch and combine
+    def send_weights(self) -> None:
+        """The experts' forward pre-hook: the weight all-to-all of the pending forward (see the module docstring)."""
+        ctx, self._pending = self._pending, None
+        if ctx is None:
+            return
+        with self.forward_site:
+            ctx.flat_weights, ctx.replica_weights = self._receive_weights(ctx.plan, ctx.splits)
 
     def _receive_weights(self, plan: ReplicaPlan, splits: Splits) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The K replica experts' weights of this rank's slots, sent by their owners (differentiable)."""
