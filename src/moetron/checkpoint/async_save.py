@@ -4,8 +4,9 @@ training goes on, with the guarantees of the synchronous save (`state.py`, `file
     save(iteration)     (every rank, between steps) wait for the write in flight, if any: at most one at a time;
                         capture this rank's RNG states and the trainer state in memory (so the files hold this
                         step's state), build the state dict and start DCP's `DefaultStager` (asynchronous staging):
-                        a staging thread copies every tensor into CPU buffers kept from the previous save. Training
-                        resumes at once, the copy running beside the next step's forward and backward
+                        a staging thread (at a lower CPU priority) copies every tensor into CPU buffers kept from
+                        the previous save, with the GIL released. Training resumes at once, the copy running beside
+                        the next step's forward and backward
     before_update()     (the trainer, before the optimizer step and the expert-bias update: the first writes to
                         the saved tensors after a save) waits for the staging copy to be complete
     background thread   the synchronous save's phases in its order, each agreed by every rank over a gloo group of
@@ -144,8 +145,11 @@ class AsyncCheckpointer:
                 raise failure
 
     def _finish(self, staging, run_dir: Path, iteration: int, keep_last_n: int, small: _SmallFiles) -> None:
-        """(the background thread) the files, the agreements, the publish; the outcome is kept for `wait`."""
-        _yield_to_the_loop()
+        """(the background thread) the files, the agreements, the publish; the outcome is kept for `wait`. At the
+        loop's priority, unlike the stager's copy thread: this thread runs Python (DCP's planning, torch.save's
+        pickling) and so holds the GIL at times, and a lowered priority on a busy host got it descheduled while
+        holding it, the loop then waiting for both (benchmarks/async_save.py: time lost net of run-queue waits 0.53 s
+        niced vs 0.26 s not, at load 13-20)."""
         try:
             self._write_then_publish(staging, run_dir, iteration, keep_last_n, small)
         except BaseException as err:  # noqa: BLE001 - raised in the main thread by wait()
@@ -179,8 +183,9 @@ class AsyncCheckpointer:
 
 def _yield_to_the_loop() -> None:
     """Lower this thread's CPU priority (Linux: a thread is a task of its own; nice 10 is weight 110 against the
-    loop's 1024), so that where the cores are all busy (a CPU run; a loaded host) the write takes the cores' idle time
-    rather than the training loop's. Not where a thread's priority cannot be set apart from the process's."""
+    loop's 1024), so that where the cores are all busy (a CPU run; a loaded host) the staging copy takes the cores'
+    idle time rather than the training loop's. Only for a thread that does not hold the GIL while it works (see
+    `_finish`). Not where a thread's priority cannot be set apart from the process's."""
     if hasattr(os, "setpriority") and sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + 10)
