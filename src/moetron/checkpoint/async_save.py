@@ -4,8 +4,8 @@ training goes on, with the guarantees of the synchronous save (`state.py`, `file
     save(iteration)     (every rank, between steps) wait for the write in flight, if any: at most one at a time;
                         capture this rank's RNG states and the trainer state in memory (so the files hold this
                         step's state), build the state dict and start DCP's `DefaultStager` (asynchronous staging):
-                        a staging thread (at a lower CPU priority) copies every tensor into CPU buffers kept from
-                        the previous save, with the GIL released. Training resumes at once, the copy running beside
+                        a staging thread copies every tensor into CPU buffers kept from the previous save, with
+                        the GIL released. Training resumes at once, the copy running beside
                         the next step's forward and backward
     before_update()     (the trainer, before the optimizer step and the expert-bias update: the first writes to
                         the saved tensors after a save) waits for the staging copy to be complete
@@ -39,10 +39,7 @@ writes.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import copy
-import os
-import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -121,7 +118,7 @@ class AsyncCheckpointer:
             options = StagingOptions(
                 use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
             )
-            self._stager = _YieldingStager(options)
+            self._stager = _GilFreeStager(options)
         return self._stager
 
     def before_update(self) -> None:
@@ -146,10 +143,10 @@ class AsyncCheckpointer:
 
     def _finish(self, staging, run_dir: Path, iteration: int, keep_last_n: int, small: _SmallFiles) -> None:
         """(the background thread) the files, the agreements, the publish; the outcome is kept for `wait`. At the
-        loop's priority, unlike the stager's copy thread: this thread runs Python (DCP's planning, torch.save's
-        pickling) and so holds the GIL at times, and a lowered priority on a busy host got it descheduled while
-        holding it, the loop then waiting for both (benchmarks/async_save.py: time lost net of run-queue waits 0.53 s
-        niced vs 0.26 s not, at load 13-20)."""
+        loop's CPU priority: this thread runs Python (DCP's planning, torch.save's pickling) and so holds the GIL at
+        times, and at a lowered priority (nice +10, tried) a busy host descheduled it while it held the GIL, the loop
+        then waiting for both (benchmarks/async_save.py: time lost net of run-queue waits 0.53 s niced vs 0.26 s not,
+        at load 13-20)."""
         try:
             self._write_then_publish(staging, run_dir, iteration, keep_last_n, small)
         except BaseException as err:  # noqa: BLE001 - raised in the main thread by wait()
@@ -181,16 +178,6 @@ class AsyncCheckpointer:
             pass
 
 
-def _yield_to_the_loop() -> None:
-    """Lower this thread's CPU priority (Linux: a thread is a task of its own; nice 10 is weight 110 against the
-    loop's 1024), so that where the cores are all busy (a CPU run; a loaded host) the staging copy takes the cores'
-    idle time rather than the training loop's. Only for a thread that does not hold the GIL while it works (see
-    `_finish`). Not where a thread's priority cannot be set apart from the process's."""
-    if hasattr(os, "setpriority") and sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + 10)
-
-
 class _GilFreeStateDictStager(StateDictStager):
     """DCP's `StateDictStager` (the copy into CPU buffers kept between saves) with the copy made with the GIL
     released. DCP copies each storage with `UntypedStorage.copy_`, which holds the GIL for the whole memcpy: the
@@ -212,26 +199,16 @@ def _bytes(storage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
-class _YieldingStager(DefaultStager):
-    """DCP's `DefaultStager` with the GIL-free copy above, whose copy thread, like the writer, yields the cores to
-    the training loop: on a CPU host whose cores are all busy the copy (a memcpy of the whole checkpoint per save)
-    otherwise takes its time slices from the loop's forward and backward, beside which it runs. (`_stage` is the
-    stager's one method run in that thread; the loop only waits for it at `before_update`.)"""
+class _GilFreeStager(DefaultStager):
+    """DCP's `DefaultStager` with the GIL-free copy above. Its copy thread keeps the loop's CPU priority (a lowered
+    one was tried): the loop waits for the copy before its optimizer step (`before_update`), so a copy thread that a
+    busy host starves holds the loop back."""
 
     def __init__(self, config: StagingOptions):
         super().__init__(config)
         self._state_dict_stager = _GilFreeStateDictStager(
             pin_memory=config.use_pinned_memory, share_memory=config.use_shared_memory
         )
-
-    def _stage(self, state_dict, **kwargs):
-        if not getattr(_STAGER_THREAD, "yielded", False):  # once: the thread is the stager's for the whole run
-            _yield_to_the_loop()
-            _STAGER_THREAD.yielded = True
-        return super()._stage(state_dict, **kwargs)
-
-
-_STAGER_THREAD = threading.local()
 
 
 @dataclass(frozen=True)
