@@ -36,7 +36,9 @@ def test_cpu_line_shows_the_startup_baseline_beside_the_plan():
     record = {"iteration": 1, "consumed_tokens": 8, "lm_loss": 1.0, "moe_loss": 0.0, "lr": 1e-3, "grad_norm": 1.0}
     record |= {"tokens_per_sec": 1.0, "tflops": 0.0, "mfu": None, "expert_load_max_over_mean": [], "skipped_steps": 0}
     assert "| mem 0.52 GiB RSS (plan 0.16 + 0.36 at start) |" in console_line({**record, **m}, 10, 0.0)
-    assert "includes the 0.36 GiB the process held before the model" in planned_line(GIB, "cpu", 0.36 * GIB)
+    assert "includes the 0.36 GiB the process held before the model, which the plan" in planned_line(
+        GIB, "cpu", 0.36 * GIB
+    )
 
 
 def test_cuda_line_shows_allocated_reserved_and_plan():
