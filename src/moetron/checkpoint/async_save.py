@@ -5,8 +5,8 @@ training goes on, with the guarantees of the synchronous save (`state.py`, `file
                         capture this rank's RNG states and the trainer state in memory (so the files hold this
                         step's state), build the state dict and start DCP's `DefaultStager` (asynchronous staging):
                         a staging thread copies every tensor into CPU buffers kept from the previous save, with
-                        the GIL released. Training resumes at once, the copy running beside
-                        the next step's forward and backward
+                        the GIL released. Training resumes at once, the copy running beside the next step's
+                        forward and backward
     before_update()     (the trainer, before the optimizer step and the expert-bias update: the first writes to
                         the saved tensors after a save) waits for the staging copy to be complete
     background thread   the synchronous save's phases in its order, each agreed by every rank over a gloo group of
@@ -25,7 +25,9 @@ plan over the same global tensors, only written later from a copy taken before a
 Where the loop's time went (benchmarks/async_save.py): with DCP's default blocking stager, `save()` held the loop for
 the copy into freshly allocated CPU memory (page faults: more than the copy itself), about half a synchronous save;
 then the staging directory's barrier and three fsynced small files (RNG, state.json, config.yaml), now in the
-writer thread (their contents captured in memory first). Why our thread calls `dcp.save` on the staged copy rather
+writer thread (their contents captured in memory first); then the GIL, which DCP's staging copy held for each
+storage's whole memcpy (`_GilFreeStateDictStager`) and which a lowered-priority writer kept while descheduled.
+Why our thread calls `dcp.save` on the staged copy rather
 than `dcp.async_save`: DCP's executor starts writing as soon as the copy is done, before our thread could have made
 the staging directory and agreed on it; `dcp.async_save` in thread mode is this same `save` of the staged copy.
 The `DefaultStager` keeps its CPU buffers between saves (one copy of this rank's checkpoint stays allocated: the
