@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moetron.commands.train import planned_peak_bytes
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
 from moetron.model.flops import count_parameters, flops_per_token, peak_tflops
 from moetron.parallel.env import DistEnv
@@ -42,6 +43,7 @@ from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build
 from moetron.plan.estimate import make_plan
 from moetron.plan.hardware import GIB, Accelerator, parse_memory
+from moetron.train.peak_memory import peak_memory
 from moetron.train.trainer import Trainer
 
 # one GPU, one micro-batch per step, no data files, nothing saved: what the slice changes in the recipe
@@ -247,13 +249,27 @@ def speed_run(args: argparse.Namespace, device: torch.device) -> list[str]:
         elapsed = time.perf_counter() - start
         syncs, where = count_host_syncs(trainer, device)
     lines += speed_lines(args, cfg, args.steps * cfg.train.micro_batch_size * cfg.model.seq_length / elapsed, device)
+    lines.append(memory_line(cfg, device))
     if device.type == "cuda":
-        lines.append(f"peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
         lines.append(f"host syncs per step: {syncs} ({', '.join(f'{k} ×{v}' for k, v in where.items()) or 'none'})")
     del trainer
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return lines + check_against_cpu(args, cfg.model.num_layers, checked)
+
+
+def memory_line(cfg, device: torch.device) -> str:
+    """The run's peak memory (the trainer's own figure: CUDA max allocated, CPU peak RSS) beside `moetron plan`'s
+    prediction for this layout, as the training log prints them."""
+    measured = peak_memory(device)["peak_memory_gib"] * GIB
+    planned = planned_peak_bytes(cfg, 1, device.type)
+    what = "max_memory_allocated" if device.type == "cuda" else "peak RSS, the process's own baseline included"
+    if planned is None:
+        return f"peak memory {measured / GIB:.2f} GiB ({what}); no plan estimate for this layout"
+    return (
+        f"peak memory {measured / GIB:.2f} GiB ({what}); plan {planned / GIB:.2f} GiB; measured / plan "
+        f"{measured / planned:.2f}"
+    )
 
 
 def check_against_cpu(args: argparse.Namespace, layers: int, accelerated: list[float]) -> list[str]:

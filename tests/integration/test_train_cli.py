@@ -78,6 +78,9 @@ def test_train_evaluate_save_and_resume(corpus):
     assert len(metrics) == 4 and len(metrics[-1]["expert_load_max_over_mean"]) == 1
     assert metrics[-1]["peak_memory_gib"] > 0 and metrics[-1]["planned_memory_gib"] > 0
     assert metrics[-1]["reserved_memory_gib"] is None  # CUDA's reserved figure only
+    # on CPU the process's RSS before the model (not in the plan) is logged beside it: measured − baseline compares
+    assert 0 < metrics[-1]["baseline_memory_gib"] < metrics[-1]["peak_memory_gib"]
+    assert f"+ {metrics[-1]['baseline_memory_gib']:.2f} at start)" in proc.stdout
     assert (run / "latest").read_text().strip() == "iter_0000040"
     assert (run / "config.yaml").exists() and (run / "iter_0000040" / "config.yaml").exists()
 

@@ -13,10 +13,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+from torch.distributed.checkpoint.staging import StagingOptions
 from trainer_support import build_trainer, run_losses, tiny_config
 
 from moetron.checkpoint import files as ckpt
 from moetron.checkpoint import load_weights
+from moetron.checkpoint.async_save import _GilFreeStager
 from moetron.config import RunConfig
 from moetron.errors import UserError
 from moetron.validate import validate
@@ -136,3 +138,20 @@ def test_a_failed_background_write_is_the_one_line_of_the_next_wait_and_keeps_th
 def test_async_save_needs_save():
     cfg = tiny_config(async_save=True)
     assert any("--async-save is set without --save" in problem for problem in validate(cfg, 1))
+
+
+def test_the_stagers_later_copies_reuse_its_buffers_and_keep_shared_storages_shared():
+    """The GIL-free copy (`Tensor.copy_` into the buffers of the first save) gives what DCP's own copy gives: the
+    values at the save, in the same CPU buffers, a view still a view of its base's copy."""
+    stager = _GilFreeStager(StagingOptions(False, False, True, False))  # pinned, shared, async, non-blocking
+    weight = torch.randn(64)
+    state = {"w": weight, "view": weight[8:16], "nested": {"step": torch.tensor(3)}}
+    first = stager.stage(state).result()
+    weight.add_(1.0)
+    state["nested"]["step"].fill_(4)
+    second = stager.stage(state).result()
+    assert second["w"].untyped_storage().data_ptr() == first["w"].untyped_storage().data_ptr()  # no new buffer
+    assert torch.equal(second["w"], weight) and torch.equal(second["view"], weight[8:16])
+    assert second["view"].untyped_storage().data_ptr() == second["w"].untyped_storage().data_ptr()
+    assert second["nested"]["step"].item() == 4 and second["w"].untyped_storage().data_ptr() != weight.data_ptr()
+    stager.close()

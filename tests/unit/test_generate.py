@@ -217,3 +217,13 @@ def test_bad_sampling_flags_are_reported_together(tmp_path, capsys):
     rc = main(["generate", "--load", str(tmp_path), "--prompt", "x", "--top-p", "0", "--temperature", "-1"])
     err = capsys.readouterr().err
     assert rc == 2 and "--top-p" in err and "--temperature" in err
+
+
+def test_progress_goes_to_stderr_per_decoding_step_and_counts_prompts(monkeypatch, capsys):
+    """A long generation says it is still working (a line per report interval, here every step) on stderr only."""
+    monkeypatch.setattr("moetron.progress.LOG_EVERY_S", 0.0)
+    opts = GenerationOptions(max_new_tokens=3, temperature=0)
+    generate_texts(tiny_model(), IdTokenizer(), PROMPTS, opts)
+    out, err = capsys.readouterr()
+    lines = [line.split()[1] for line in err.splitlines() if line.startswith("generate: ")]
+    assert out == "" and lines[0].startswith("0/4") and lines[-1] == "4/4"

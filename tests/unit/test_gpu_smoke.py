@@ -37,6 +37,7 @@ def test_the_flow_runs_on_cpu_with_a_tiny_model(capsys, monkeypatch):
     assert gpu_smoke.main(argv) == 0
     out = capsys.readouterr().out
     assert "bf16=True" in out and "tokens/s" in out
+    assert re.search(r"peak memory \d+\.\d+ GiB \(peak RSS.*\); plan \d+\.\d+ GiB; measured / plan \d", out)
     worst = float(re.search(r"max relative difference (\S+)", out).group(1))
     assert worst < 1e-2  # bf16 against fp32, same weights and batches
 

@@ -31,6 +31,16 @@ def test_metrics_carry_the_peak_and_the_plans_prediction(tmp_path, capsys):
     assert "--memory-snapshot-steps skipped on cpu" in out and not (tmp_path / "memory_snapshots").exists()
 
 
+def test_cpu_line_shows_the_startup_baseline_beside_the_plan():
+    m = {"peak_memory_gib": 0.52, "reserved_memory_gib": None, "planned_memory_gib": 0.16, "baseline_memory_gib": 0.36}
+    record = {"iteration": 1, "consumed_tokens": 8, "lm_loss": 1.0, "moe_loss": 0.0, "lr": 1e-3, "grad_norm": 1.0}
+    record |= {"tokens_per_sec": 1.0, "tflops": 0.0, "mfu": None, "expert_load_max_over_mean": [], "skipped_steps": 0}
+    assert "| mem 0.52 GiB RSS (plan 0.16 + 0.36 at start) |" in console_line({**record, **m}, 10, 0.0)
+    assert "includes the 0.36 GiB the process held before the model, which the plan" in planned_line(
+        GIB, "cpu", 0.36 * GIB
+    )
+
+
 def test_cuda_line_shows_allocated_reserved_and_plan():
     m = {"peak_memory_gib": 1.234, "reserved_memory_gib": 1.5, "planned_memory_gib": 1.1}
     record = {"iteration": 1, "consumed_tokens": 8, "lm_loss": 1.0, "moe_loss": 0.0, "lr": 1e-3, "grad_norm": 1.0}

@@ -18,7 +18,7 @@ TOTAL, FIRST = 6, 2
 SCHEDULE = ["--lr", "1e-3", "--min-lr", "1e-5", "--lr-decay-iters", str(TOTAL)]
 # measured, not computed: wall-clock rates and the process's peak memory (a resumed process starts with a smaller
 # RSS than one that trained from step 1) are the only fields allowed to differ
-TIMING = {"tokens_per_sec", "tflops", "mfu", "peak_memory_gib", "reserved_memory_gib"}
+TIMING = {"tokens_per_sec", "tflops", "mfu", "peak_memory_gib", "reserved_memory_gib", "baseline_memory_gib"}
 
 
 def records(run: Path, name: str) -> list[dict]:

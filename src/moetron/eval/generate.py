@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,7 @@ from moetron.data.tokenizer import load_tokenizer as load_tokenizer
 from moetron.errors import UserError
 from moetron.model.gpt import GPTModel
 from moetron.model.kv_cache import KVCache
+from moetron.progress import Progress
 
 
 @dataclass
@@ -126,7 +127,11 @@ def _check_prompts(model: GPTModel, prompts_ids: list[list[int]], options: Gener
 
 @torch.no_grad()
 def generate_batch(
-    model: GPTModel, prompts_ids: list[list[int]], options: GenerationOptions, eod: int | None = None
+    model: GPTModel,
+    prompts_ids: list[list[int]],
+    options: GenerationOptions,
+    eod: int | None = None,
+    on_step: Callable[[], None] | None = None,
 ) -> list[list[int]]:
     """The new token ids of B prompts of equal length, decoded as one batch (each ends with `eod` if produced).
 
@@ -151,6 +156,8 @@ def generate_batch(
             if not done[b]:
                 new[b].append(token)
                 done[b] = token == eod
+        if on_step is not None:
+            on_step()
         if all(done):
             break
         tokens_BT = torch.tensor([[token] for token in step], dtype=torch.long, device=device)
@@ -216,12 +223,20 @@ def generate_texts(model: GPTModel, tokenizer, prompts: list[str], options: Gene
     prompts_ids = [tokenizer.encode(prompt) for prompt in prompts]
     results: list[list[int]] = [[] for _ in prompts]
     noted: set[str] = set()
-    for group in length_groups(prompts_ids, batchable(model, options)):
+    groups = length_groups(prompts_ids, batchable(model, options))
+    progress = Progress("generate", len(prompts), "prompts")  # stderr; a line only if it takes a while
+
+    def still_working() -> None:  # each decoding step: a long generation reports while its prompts are unfinished
+        progress.advance(0)
+
+    for group in groups:
         group_options, message = clamp_to_context(model, len(prompts_ids[group[0]]), options)
         if message and message not in noted:
             noted.add(message)
             note(message)
-        group_ids = generate_batch(model, [prompts_ids[i] for i in group], group_options, eod)
+        group_ids = generate_batch(model, [prompts_ids[i] for i in group], group_options, eod, on_step=still_working)
         for i, ids in zip(group, group_ids, strict=True):
             results[i] = ids
+        progress.advance(len(group))
+    progress.close()
     return [tokenizer.decode(ids[:-1] if ids and ids[-1] == eod else ids) for ids in results]

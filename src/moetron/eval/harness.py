@@ -34,6 +34,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from moetron.errors import UserError
 from moetron.eval.generate import filter_logits, inference_routing
 from moetron.model.kv_cache import KVCache
+from moetron.progress import Progress
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 
@@ -160,6 +161,7 @@ class MoetronLM(TemplateLM):
         inputs = [(ctx + cont)[-(self.max_length + 1) :][:-1] for _, ctx, cont in requests]
         order = sorted(range(len(requests)), key=lambda i: -len(inputs[i]))
         results: list[tuple[float, bool] | None] = [None] * len(requests)
+        progress = Progress("eval-harness loglikelihood", len(requests), "requests")  # rank 0, stderr
         for start in range(0, len(order), self.batch_size_):
             batch = order[start : start + self.batch_size_]
             width = len(inputs[batch[0]])
@@ -172,6 +174,8 @@ class MoetronLM(TemplateLM):
                 target_N = torch.tensor(cont)
                 greedy = bool((scores_NV.argmax(-1) == target_N).all())
                 results[i] = (float(scores_NV.gather(1, target_N[:, None]).sum()), greedy)
+            progress.advance(len(batch))
+        progress.close()
         self._drain()
         return results
 
@@ -209,6 +213,7 @@ class MoetronLM(TemplateLM):
             settings[key] = (until, max_new, kwargs)
             jobs.setdefault(key, []).append((index, ids))
         out: list[str] = [""] * len(requests)
+        progress = Progress("eval-harness generate_until", len(requests), "requests")  # rank 0, stderr
         for key, group in jobs.items():
             until, max_new, kwargs = settings[key]
             for start in range(0, len(group), self.batch_size_):
@@ -217,6 +222,8 @@ class MoetronLM(TemplateLM):
                     batch, self._generate([ids for _, ids in batch], until, max_new, kwargs), strict=True
                 ):
                     out[index] = text
+                progress.advance(len(batch))
+        progress.close()
         self._drain()
         return out
 

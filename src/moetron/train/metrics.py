@@ -37,6 +37,7 @@ METRIC_KEYS = (
     "peak_memory_gib",  # this rank's device: CUDA max allocated, CPU peak RSS (train/peak_memory.py)
     "reserved_memory_gib",  # CUDA max reserved; None on CPU
     "planned_memory_gib",  # what `moetron plan` predicts for this layout (None: no estimate)
+    "baseline_memory_gib",  # CPU: the peak RSS before the model was built, not in the plan; None on CUDA
     "skipped_steps",
     "expert_load_max_over_mean",
     "dropped_fraction",

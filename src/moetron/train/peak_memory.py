@@ -5,7 +5,10 @@ allocator took from the driver: what `nvidia-smi` shows), both since the start o
 allocator read on the host: no device synchronisation, and they are read only when a log line is written. CPU: the
 process's peak resident set (`resource.getrusage`: the interpreter and libraries included, so on small models it
 is mostly not tensors); no reserved figure. The log line is rank 0's (its device); `moetron plan` predicts the
-heaviest rank's peak, which the startup banner prints beside (`planned_line`).
+heaviest rank's peak, which the startup banner prints beside (`planned_line`). On CPU the process's peak RSS before
+the model is built (`startup_baseline`: the interpreter, torch's libraries, the process groups; about 0.3 GiB,
+which no tensor accounting holds) is logged beside it (`baseline_memory_gib`), so that measured − baseline is what
+compares with the plan: `mem 0.52 GiB RSS (plan 0.16 + 0.29 at start)`.
 
 `--memory-snapshot-steps N …`: on CUDA the allocator records every allocation's stack from the start
 (`torch.cuda.memory._record_memory_history`) and after each listed iteration writes the snapshot to
@@ -40,24 +43,37 @@ def peak_memory(device: torch.device) -> dict[str, float | None]:
     return {"peak_memory_gib": rss_bytes / GIB, "reserved_memory_gib": None}
 
 
+def startup_baseline(device: torch.device) -> float | None:
+    """On CPU, the process's peak RSS so far, in bytes (taken before the model is built: what the plan does not
+    model); None on CUDA, whose allocator counters hold tensors only."""
+    return None if device.type == "cuda" else peak_memory(device)["peak_memory_gib"] * GIB
+
+
 def memory_text(m: dict) -> str:
     """The log line's memory part: `mem 1.23 GiB (reserved 1.50, plan 1.10)` on CUDA, `mem 0.61 GiB RSS (plan
-    0.02)` on CPU."""
+    0.02 + 0.29 at start)` on CPU (the process's RSS before the model was built, which the plan does not count)."""
     notes = [] if m.get("reserved_memory_gib") is None else [f"reserved {m['reserved_memory_gib']:.2f}"]
     if m.get("planned_memory_gib") is not None:
-        notes.append(f"plan {m['planned_memory_gib']:.2f}")
+        baseline = m.get("baseline_memory_gib")
+        notes.append(
+            f"plan {m['planned_memory_gib']:.2f}" + ("" if baseline is None else f" + {baseline:.2f} at start")
+        )
     kind = " RSS" if m.get("reserved_memory_gib") is None else ""
     return f"mem {m['peak_memory_gib']:.2f} GiB{kind}" + (f" ({', '.join(notes)})" if notes else "")
 
 
-def planned_line(planned_bytes: float | None, device_type: str) -> str:
+def planned_line(planned_bytes: float | None, device_type: str, baseline_bytes: float | None = None) -> str:
     """The startup banner's memory line: the plan's prediction for this layout and what the log lines measure."""
     measured = "max_memory_allocated" if device_type == "cuda" else "peak RSS"
+    held = "" if baseline_bytes is None else (
+        f"; it includes the {baseline_bytes / GIB:.2f} GiB the process held before the model, which the plan does not"
+        " count"
+    )  # fmt: skip
     if planned_bytes is None:
-        return f"memory     no plan estimate for this layout; the log lines give the measured peak ({measured})"
+        return f"memory     no plan estimate for this layout; the log lines give the measured peak ({measured}{held})"
     return (
         f"memory     plan predicts {planned_bytes / GIB:.2f} GiB peak per device (heaviest rank); the log lines give "
-        f"the measured peak ({measured}, rank 0)"
+        f"the measured peak ({measured}, rank 0{held})"
     )
 
 

@@ -26,7 +26,7 @@ from moetron.errors import UserError
 from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build
-from moetron.train.peak_memory import planned_line
+from moetron.train.peak_memory import planned_line, startup_baseline
 from moetron.train.run_lock import run_directory_lock
 from moetron.train.startup import startup_banner, startup_warnings
 from moetron.train.trainer import Trainer
@@ -226,14 +226,15 @@ def _build_and_train(cfg: RunConfig, explicit: set[str], env: DistEnv, checkpoin
     planned = None  # the planner's peak for this layout, once the vocabulary is known
     if plan_memory is not None:
         planned = plan_memory(cfg, env.world_size, env.device.type)
+    baseline = startup_baseline(env.device)  # before the loaders and the model: what the plan does not model
     if env.is_main:  # what is about to happen, before the first slow step (index building, model init)
         for line in [*startup_warnings(cfg, env.device.type, env.world_size), startup_banner(cfg, env.world_size,
-                     env.device.type, explicit), planned_line(planned, env.device.type)]:  # fmt: skip
+                     env.device.type, explicit), planned_line(planned, env.device.type, baseline)]:  # fmt: skip
             print(line, flush=True)
     train_loader, make_valid = build_loaders(cfg, env, mesh)
     parallel = build(cfg, mesh, env.device)  # the one recipe: this rank's part, initialised and wrapped
     trainer = Trainer(cfg, env, parallel, train_loader, make_valid, config_yaml=to_yaml(cfg))
-    trainer.planned_memory_bytes = planned
+    trainer.planned_memory_bytes, trainer.baseline_memory_bytes = planned, baseline
     load_into(trainer, cfg, checkpoint)
     discard_if_overwriting(cfg, env)
     return trainer.train()

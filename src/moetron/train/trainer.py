@@ -119,6 +119,7 @@ class Trainer:
         self.stop: StopSignal | None = None  # set while train() runs
         self.stop_agreed = False  # every rank's verdict after the last step: some rank got a signal
         self.planned_memory_bytes: float | None = None  # `moetron plan`'s peak for this layout (set by run.py)
+        self.baseline_memory_bytes: float | None = None  # CPU: peak RSS before the model was built (set by run.py)
         self.snapshots: MemorySnapshots | None = None  # --memory-snapshot-steps (set while train() runs)
 
     # ------------------------------------------------------------------ one optimizer step
@@ -314,6 +315,7 @@ class Trainer:
             "mfu": mfu(achieved, peak),
             **peak_memory(self.env.device),  # allocator counters on the host: no device sync
             "planned_memory_gib": None if self.planned_memory_bytes is None else self.planned_memory_bytes / GIB,
+            "baseline_memory_gib": None if self.baseline_memory_bytes is None else self.baseline_memory_bytes / GIB,
             "skipped_steps": p.skipped_steps,
             **reduced,
             **health_fields,
