@@ -5,7 +5,7 @@ One spawned group carries every check (spawning is the expensive part):
     experts), under a gate whose rows for experts 1–7 are zero (expert 0 takes the tokens it scores above 0, expert 1
     the rest: both on EP rank 0): the output, the input and gate gradients and
     every local expert's gradient equal the plain all-to-all dispatcher's (replica gradients summed into the owner);
-  - training, EP 2 (× expert-data-parallel 2, dropless) and EP 4 (capacity routing), 6 steps: with one replica slot
+  - training, EP 2 (× expert-data-parallel 2, dropless) and EP 4 (capacity routing), 20 steps: with one replica slot
     the loss curve equals the run without replicas within 1e-5 relative, `moe_ep_load_routed` is >= 1.5 and
     `moe_ep_load_computed` <= 1.15 on those steps;
   - host reads: one layer step with replicas on the CUDA code path (grouped_mm) reads the device once per rank
@@ -15,9 +15,9 @@ One spawned group carries every check (spawning is the expensive part):
     same layout without replicas within 1e-5 relative, with the same routed and balanced computed loads. (Under
     FSDP2 the replica weights must be read after its gather and their gradients reach the owner before its
     reduce-scatter; a replica of expert-TP experts must add its output bias on one TP rank: each broke this.)
-  - `--compile`, EP 2 with one slot: the loss curve equals the eager run without replicas within 1e-5;
-  - resume: both replicated runs saved at step 3 and resumed give the same losses and gradient norms for steps
-    4–6, bit for bit (`==`). It took DDP's dense all-reduce in a fixed order (`parallel/dp/exact_buckets.py`): DDP
+  - `--compile`, EP 2 with one slot, 6 steps: the loss curve equals the eager run without replicas within 1e-5;
+  - resume: both replicated runs saved at step 17 and resumed give the same losses and gradient norms for steps
+    18–20, bit for bit (`==`). It took DDP's dense all-reduce in a fixed order (`parallel/dp/exact_buckets.py`): DDP
     reduces a process's first step in another bucket layout than its later ones, so a resumed run's first step
     summed the dense gradients over the 4 ranks in another order than the uninterrupted run's same step.
 """
@@ -41,7 +41,8 @@ from moetron.parallel.ep.all_to_all import AllToAllDispatcher, shard_layer_exper
 from moetron.parallel.ep.replicas import ReplicatingDispatcher
 from moetron.parallel.mesh import ParallelMesh
 
-STEPS, SAVE_AT, MBS = 6, 3, 2
+STEPS, SAVE_AT, MBS = 20, 17, 2  # 20 steps, as issue 24 names; the resume covers the last 3
+COMPILED_STEPS = 6
 COMPOSE_STEPS = 10
 LAYOUTS = {  # name: (dropless, layers, parallel settings), each at EP 2 on 4 processes
     "zero2": (False, 2, {"zero_stage": 2}),
@@ -162,7 +163,7 @@ def all_checks(rank: int, world_size: int, save_dir: str) -> dict:
         resumed.load(resolve_checkpoint(save["save"]))
         out[("resumed", ep)] = run_steps(resumed, STEPS - SAVE_AT)
     # last: `--compile` sets process-wide Inductor options
-    out[("compiled", 2)] = run_steps(skewed_trainer(replica_config(2, 1, True, compile=True), env), STEPS)
+    out[("compiled", 2)] = run_steps(skewed_trainer(replica_config(2, 1, True, compile=True), env), COMPILED_STEPS)
     return out
 
 
@@ -186,7 +187,9 @@ def test_expert_replicas_are_exact_and_balance_the_ranks(tmp_path):
             assert min(replicas["routed"]) >= 1.5, replicas["routed"]  # the router really is imbalanced
             assert max(replicas["computed"]) <= 1.15, replicas["computed"]
         compiled, plain = r[("compiled", 2)], r[("plain", 2)]  # the eager run without replicas
-        torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(compiled["losses"]), torch.tensor(plain["losses"][:COMPILED_STEPS]), rtol=1e-5, atol=0
+        )
         assert max(compiled["computed"]) <= 1.15, compiled["computed"]
         for name in LAYOUTS:
             plain, replicas = r["composed"][(name, 0)], r["composed"][(name, 1)]
