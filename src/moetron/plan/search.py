@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 
 from moetron.config import RunConfig
 from moetron.config_cli import field_specs
+from moetron.fileio import directories_checked_once
 from moetron.model.config import ModelConfig
 from moetron.model.flops import (
     attention_params,
@@ -399,7 +400,7 @@ def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficie
     turn `base` (the config file alone, as `moetron train --config` reads it; default `cfg`) into the row's config.
     `prune=False` keeps the dominated schedule / CP-attention variants too (`prune_dominated`).
     """
-    with model_cache():
+    with model_cache(), directories_checked_once():  # one model, one set of output directories: asked once
         return _search(cfg, gpus, device, net, efficiency, fixed or {}, base or cfg, given or [], prune)
 
 
