@@ -292,8 +292,11 @@ def structures(cfg: RunConfig, gpus: int, per_node: int, fixed: dict) -> Iterato
     moe = [e for e in cfg.model.experts_per_layer() if e > 1]
     expert_sizes = divisors(math.gcd(*moe)) if moe else [1]
     wanted = {k: v for k, v in fixed.items() if k in STRUCTURE and k not in ("schedule", "first_layers", "last_layers")}
-    ends = {k: fixed.get(k) for k in ("first_layers", "last_layers")} if {"first_layers", "last_layers"} & set(fixed) \
-        else None  # the command line's split, with every one-stage-per-rank schedule (None: balanced_ends too)
+    ends = (
+        {k: fixed.get(k) for k in ("first_layers", "last_layers")}
+        if {"first_layers", "last_layers"} & set(fixed)
+        else None
+    )  # the command line's split, with every one-stage-per-rank schedule (None: balanced_ends too)
     schedule = fixed.get("schedule")
     for tp in divisors(gpus):
         if tp > per_node:
