@@ -143,8 +143,32 @@ def _nearest_existing(path: Path) -> Path:
     return current
 
 
+_ANSWERS: dict | None = None  # directory → `writable_dir_problem`'s answer while `directories_checked_once()` is open
+
+
+@contextlib.contextmanager
+def directories_checked_once() -> Iterator[None]:
+    """Within the block, each directory's `writable_dir_problem` is asked of the filesystem once: `plan --search`
+    validates tens of thousands of layouts of one config, whose output directories never change meanwhile."""
+    global _ANSWERS
+    outer, _ANSWERS = _ANSWERS, {} if _ANSWERS is None else _ANSWERS
+    try:
+        yield
+    finally:
+        _ANSWERS = outer
+
+
 def writable_dir_problem(directory: str | os.PathLike) -> str | None:
     """Why files cannot be created in `directory` (it need not exist yet), or None."""
+    if _ANSWERS is None:
+        return _writable_dir_problem(directory)
+    key = os.fspath(directory)
+    if key not in _ANSWERS:
+        _ANSWERS[key] = _writable_dir_problem(directory)
+    return _ANSWERS[key]
+
+
+def _writable_dir_problem(directory: str | os.PathLike) -> str | None:
     path = Path(os.path.abspath(os.path.expanduser(directory)))
     if path.exists() and not path.is_dir():
         return f"'{directory}' exists and is not a directory"

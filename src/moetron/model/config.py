@@ -8,6 +8,7 @@ flag, the value and the fix); the top-level config gathers them with the other s
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -129,15 +130,9 @@ class ModelConfig(RouterConfig):
 
     def experts_per_layer(self) -> list[int]:
         """Experts of each layer (0-based), 1 = dense; Megatron's `get_num_experts_per_layer`."""
-        per_slot = self.num_experts
-        if len(per_slot) == 1:
-            per_slot = per_slot * max(1, self.num_moe_layer_slots())
-        out = []
-        for layer in range(self.num_layers):
-            n = layer + 1
-            is_moe = n % self.expert_interval == 0 and layer >= self.moe_first_dense_layers
-            out.append(per_slot[(n - 1) // self.expert_interval] if is_moe else 1)
-        return out
+        # memoised on the four fields it reads: `plan --search` asks it ~10^6 times for one model
+        key = (tuple(self.num_experts), self.num_layers, self.expert_interval, self.moe_first_dense_layers)
+        return list(_experts_per_layer(*key))
 
     def moe_layer_indices(self) -> list[int]:
         return [i for i, e in enumerate(self.experts_per_layer()) if e > 1]
@@ -297,3 +292,16 @@ class ModelConfig(RouterConfig):
                     f"are --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim; its latents have own norms); drop it"
                 )
         return p
+
+
+@functools.lru_cache(maxsize=64)
+def _experts_per_layer(num_experts: tuple[int, ...], num_layers: int, interval: int, first_dense: int) -> tuple:
+    per_slot = list(num_experts)
+    if len(per_slot) == 1:
+        per_slot = per_slot * max(1, num_layers // interval)
+    out = []
+    for layer in range(num_layers):
+        n = layer + 1
+        is_moe = n % interval == 0 and layer >= first_dense
+        out.append(per_slot[(n - 1) // interval] if is_moe else 1)
+    return tuple(out)

@@ -47,7 +47,11 @@ def apply_compile(
     calls, input gradients first with `retain_graph=True`, then weight gradients over the same graph. A compiled
     block's backward is one node that computes both, so it runs twice (the results are exact); AOTAutograd's
     donated buffers (saved tensors the backward frees as it goes) forbid running it with `retain_graph`, so they
-    are switched off — process-wide, since AOTAutograd reads the flag when it compiles, at the first call."""
+    are switched off — process-wide, since AOTAutograd reads the flag when it compiles, at the first call.
+    AOTAutograd's cache is off there too: it writes a block's entry when the block's backward first compiles, inside
+    the split backward, and for a block whose graph breaks between views and their use (attention dropout's stream
+    swap after the bias-free QKV projection) pickling that entry segfaulted, or wrote one that a later run read as a
+    garbage view shape (tests/distributed/test_zero_bubble_compile.py). Inductor's own cache stays on."""
     if not enabled:
         return
     import torch._inductor.config as inductor_config
@@ -57,6 +61,7 @@ def apply_compile(
         import torch._functorch.config as functorch_config
 
         functorch_config.donated_buffer = False
+        functorch_config.enable_autograd_cache = False  # see above: crashed on 2 processes, not on one
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     device = torch.device(device)
     for _, layer in model.layer_items():

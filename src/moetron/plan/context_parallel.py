@@ -17,6 +17,7 @@ import dataclasses
 
 from moetron.config import RunConfig
 from moetron.parallel.dims import ParallelDims
+from moetron.plan.memory_terms import cached
 
 
 def per_rank_sequence(cfg: RunConfig, dims: ParallelDims) -> RunConfig:
@@ -24,8 +25,12 @@ def per_rank_sequence(cfg: RunConfig, dims: ParallelDims) -> RunConfig:
     per-token terms only, never for parameters (position embeddings keep their size)."""
     if dims.cp <= 1:
         return cfg
-    model = dataclasses.replace(cfg.model, seq_length=cfg.model.seq_length // dims.cp)
-    return dataclasses.replace(cfg, model=model)
+    # one shortened model per (model, cp) in an open `model_cache`: the caches keyed by model then hit for it too
+    return dataclasses.replace(cfg, model=cached(_shortened, cfg.model, dims.cp))
+
+
+def _shortened(model, cp: int):
+    return dataclasses.replace(model, seq_length=model.seq_length // cp)
 
 
 def gathered_kv_bytes(cfg: RunConfig, dims: ParallelDims, compute_bytes: int) -> int:

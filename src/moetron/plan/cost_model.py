@@ -83,6 +83,7 @@ from moetron.errors import UserError
 from moetron.model.flops import attention_score_flops, flops_per_token
 from moetron.parallel.pp.stage_layout import MULTI_STAGE, PipelineLayout
 from moetron.plan.memory import compute_bytes, routed_rows
+from moetron.plan.memory_terms import cached
 from moetron.plan.pipeline_parallel import fsdp_gathers_per_step, stage_parameters, tensor_parallel_share
 from moetron.plan.tensor_parallel import activation_split
 
@@ -356,7 +357,7 @@ def step_cost(plan, net: Network, efficiency: float = DEFAULT_EFFICIENCY) -> Ste
     bubble = compute * plan.bubble / (1 - plan.bubble) if plan.bubble else 0.0
     cfg = plan.cfg
     tokens = cfg.global_batch(plan.dims.dp) * cfg.model.seq_length
-    model_flops = tokens * flops_per_token(cfg.model, cfg.model.seq_length)
+    model_flops = tokens * cached(flops_per_token, cfg.model, cfg.model.seq_length)  # per model (the search)
     return StepCost(
         compute=compute,
         bubble=bubble,

@@ -104,7 +104,7 @@ def adapted_expert_parallel(cfg: RunConfig, gpus: int) -> int | None:
 
 def step_time(cfg: RunConfig, dims: ParallelDims, device: Accelerator, mfu: float) -> tuple[float, float]:
     """(seconds per optimizer step, training FLOPs per token) at `mfu` of the device's peak."""
-    per_token = flops_per_token(cfg.model, cfg.model.seq_length)
+    per_token = cached(flops_per_token, cfg.model, cfg.model.seq_length)  # one model, thousands of layouts
     recompute = 4 / 3 if cfg.model.checkpoint_activations else 1.0  # one more forward pass
     # TP ranks share each token's FLOPs (the replicated norms, routers and shared experts are small)
     tokens_per_device = cfg.global_batch(dims.dp) * cfg.model.seq_length / (dims.dp * dims.tp * dims.cp)

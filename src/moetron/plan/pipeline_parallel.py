@@ -172,7 +172,12 @@ def layer_params(model: ModelConfig, num_experts: int, ep: int) -> tuple[int, in
 
 
 def stage_parameters(model: ModelConfig, layers: tuple[int, ...], first: bool, last: bool, ep: int) -> mem.LocalParams:
-    """`memory.local_parameters` for one pipeline rank's part of the model."""
+    """`memory.local_parameters` for one pipeline rank's part of the model (kept in an open `model_cache`: the
+    search prices the same stages in thousands of layouts)."""
+    return mem.cached(_stage_parameters, model, tuple(layers), first, last, ep)
+
+
+def _stage_parameters(model: ModelConfig, layers: tuple[int, ...], first: bool, last: bool, ep: int) -> mem.LocalParams:
     experts_per_layer = model.experts_per_layer()
     vocab = model.padded_vocab_size() * model.hidden_size
     untied = model.untie_embeddings_and_output_weights
@@ -230,7 +235,12 @@ def tensor_parallel_share(stage: mem.LocalParams, model: ModelConfig, dims: Para
 
 
 def stage_flops_per_token(model: ModelConfig, layers: tuple[int, ...], last: bool, seq: int) -> float:
-    """6 · (matmul weights a token meets here) + attention, as `model.flops.flops_per_token` counts the whole."""
+    """6 · (matmul weights a token meets here) + attention, as `model.flops.flops_per_token` counts the whole
+    (kept in an open `model_cache`, as `stage_parameters`)."""
+    return mem.cached(_stage_flops_per_token, model, tuple(layers), last, seq)
+
+
+def _stage_flops_per_token(model: ModelConfig, layers: tuple[int, ...], last: bool, seq: int) -> float:
     experts_per_layer, active = model.experts_per_layer(), 0
     for i in layers:
         active += attention_params(model)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 
 from moetron.config import RunConfig
 from moetron.config_cli import field_specs
+from moetron.fileio import directories_checked_once
 from moetron.model.config import ModelConfig
 from moetron.model.flops import (
     attention_params,
@@ -291,8 +292,11 @@ def structures(cfg: RunConfig, gpus: int, per_node: int, fixed: dict) -> Iterato
     moe = [e for e in cfg.model.experts_per_layer() if e > 1]
     expert_sizes = divisors(math.gcd(*moe)) if moe else [1]
     wanted = {k: v for k, v in fixed.items() if k in STRUCTURE and k not in ("schedule", "first_layers", "last_layers")}
-    ends = {k: fixed.get(k) for k in ("first_layers", "last_layers")} if {"first_layers", "last_layers"} & set(fixed) \
-        else None  # the command line's split, with every one-stage-per-rank schedule (None: balanced_ends too)
+    ends = (
+        {k: fixed.get(k) for k in ("first_layers", "last_layers")}
+        if {"first_layers", "last_layers"} & set(fixed)
+        else None
+    )  # the command line's split, with every one-stage-per-rank schedule (None: balanced_ends too)
     schedule = fixed.get("schedule")
     for tp in divisors(gpus):
         if tp > per_node:
@@ -399,7 +403,7 @@ def search(cfg: RunConfig, gpus: int, device: Accelerator, net: Network, efficie
     turn `base` (the config file alone, as `moetron train --config` reads it; default `cfg`) into the row's config.
     `prune=False` keeps the dominated schedule / CP-attention variants too (`prune_dominated`).
     """
-    with model_cache():
+    with model_cache(), directories_checked_once():  # one model, one set of output directories: asked once
         return _search(cfg, gpus, device, net, efficiency, fixed or {}, base or cfg, given or [], prune)
 
 

@@ -63,7 +63,14 @@ def activation_split(dims: ParallelDims) -> Split:
 
 
 def split_parameters(model: ModelConfig) -> tuple[int, int]:
-    """(dense parameters split by TP, routed-expert parameters split by expert TP), counted at TP 1."""
+    """(dense parameters split by TP, routed-expert parameters split by expert TP), counted at TP 1 (once per model
+    in an open `model_cache`)."""
+    from moetron.plan.memory_terms import cached  # memory_terms imports this module
+
+    return cached(_split_parameters, model)
+
+
+def _split_parameters(model: ModelConfig) -> tuple[int, int]:
     h, bias = model.hidden_size, model.hidden_size if model.add_bias_linear else 0
     dense = model.padded_vocab_size() * h * (2 if model.untie_embeddings_and_output_weights else 1)
     experts = 0
