@@ -17,7 +17,7 @@ import dataclasses
 
 from moetron.config import RunConfig
 from moetron.parallel.dims import ParallelDims
-from moetron.plan.memory_terms import cached
+from moetron.plan.model_cache import cached
 
 
 def per_rank_sequence(cfg: RunConfig, dims: ParallelDims) -> RunConfig:

@@ -83,7 +83,7 @@ from moetron.errors import UserError
 from moetron.model.flops import attention_score_flops, flops_per_token
 from moetron.parallel.pp.stage_layout import MULTI_STAGE, PipelineLayout
 from moetron.plan.memory import compute_bytes, routed_rows
-from moetron.plan.memory_terms import cached
+from moetron.plan.model_cache import cached
 from moetron.plan.pipeline_parallel import fsdp_gathers_per_step, stage_parameters, tensor_parallel_share
 from moetron.plan.tensor_parallel import activation_split
 

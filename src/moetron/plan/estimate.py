@@ -18,7 +18,7 @@ from moetron.model.flops import ParamCounts, count_parameters, flops_per_token
 from moetron.parallel.dims import ParallelDims
 from moetron.plan.hardware import Accelerator
 from moetron.plan.memory import LocalParams, MemoryEstimate, compute_bytes, estimate_memory, local_parameters
-from moetron.plan.memory_terms import cached
+from moetron.plan.model_cache import cached
 from moetron.plan.pipeline_parallel import StagePlan, pipeline_bubble, pipeline_step_time, plan_stages
 from moetron.plan.tensor_parallel import comm_bytes_per_step
 from moetron.validate import output_problems, validate

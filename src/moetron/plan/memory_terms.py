@@ -34,7 +34,6 @@ Shape legend: T tokens per micro-batch per rank (mbs · seq), h hidden, f ffn, a
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import asdict, dataclass
 
@@ -43,6 +42,7 @@ from moetron.model.config import ModelConfig
 from moetron.model.flops import attention_params, count_parameters, embedding_params, mlp_params, moe_layer_params
 from moetron.parallel.dims import ParallelDims
 from moetron.plan.lm_head import lm_loss_bytes
+from moetron.plan.model_cache import cached
 from moetron.plan.optimizer_state import model_adamw
 from moetron.plan.tensor_parallel import WHOLE, Split, activation_split, shard_parameters
 from moetron.plan.zero import zero_memory
@@ -83,33 +83,6 @@ class MemoryEstimate:
 
 def compute_bytes(cfg: RunConfig) -> int:
     return 2 if cfg.train.fp16 or cfg.train.bf16 else 4
-
-
-_MODEL_CACHE: dict | None = None  # (function, id(model), args) → (model, value) while `model_cache()` is open
-
-
-@contextlib.contextmanager
-def model_cache():
-    """Within the block, `cached` results are kept per model object: `plan --search` prices tens of thousands of
-    layouts of the same (never mutated) model, and the per-layer parameter counts dominate its run time."""
-    global _MODEL_CACHE
-    outer, _MODEL_CACHE = _MODEL_CACHE, {} if _MODEL_CACHE is None else _MODEL_CACHE
-    try:
-        yield
-    finally:
-        _MODEL_CACHE = outer
-
-
-def cached(fn, model, *args):
-    """`fn(model, *args)`, from the open `model_cache()` when there is one (the entry holds `model`, so its id
-    cannot be reused while cached)."""
-    if _MODEL_CACHE is None:
-        return fn(model, *args)
-    key = (fn, id(model), args)
-    hit = _MODEL_CACHE.get(key)
-    if hit is None:
-        hit = _MODEL_CACHE[key] = (model, fn(model, *args))
-    return hit[1]
 
 
 def local_parameters(model: ModelConfig, dims: ParallelDims) -> LocalParams:

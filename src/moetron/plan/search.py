@@ -58,7 +58,7 @@ from moetron.parallel.tp.sizes import tensor_parallel_problems
 from moetron.plan.cost_model import DEFAULT_EFFICIENCY, Network, StepCost, step_cost
 from moetron.plan.estimate import Plan, layout_problems, make_plan
 from moetron.plan.hardware import Accelerator
-from moetron.plan.memory_terms import model_cache
+from moetron.plan.model_cache import model_cache
 from moetron.progress import Progress
 
 # Layout fields `structures` enumerates (the command line's flags fix them: `fixed_dimensions`)

@@ -22,8 +22,12 @@ def format_search(result: SearchResult, rows: list[Row], config: str, gpus: int,
         f"moetron plan --search: {config} on {gpus} × {device.name} ({device.memory_bytes / GIB:.3g} GiB), {net.words}",
         f"  global batch {first.cfg.global_batch(first.dims.dp)} × seq {first.cfg.model.seq_length}; "
         f"{result.candidates} layouts tried, {result.valid} valid, {len(result.rows) + result.pruned} fit"
-        + (f" ({result.pruned} schedule/CP variants dominated by another of their layout left out)" if result.pruned
-           else "") + "; compute at "
+        + (
+            f" ({result.pruned} schedule/CP variants dominated by another of their layout left out)"
+            if result.pruned
+            else ""
+        )
+        + "; compute at "
         f"{efficiency:.0%} of {device.peak_tflops:g} peak TFLOP/s; times in ms per step",
         "",
     ]

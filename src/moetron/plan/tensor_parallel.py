@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from moetron.model.config import ModelConfig
 from moetron.model.flops import attention_params, expert_mlp_params, mlp_params
 from moetron.parallel.dims import ParallelDims
+from moetron.plan.model_cache import cached
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,6 @@ def activation_split(dims: ParallelDims) -> Split:
 def split_parameters(model: ModelConfig) -> tuple[int, int]:
     """(dense parameters split by TP, routed-expert parameters split by expert TP), counted at TP 1 (once per model
     in an open `model_cache`)."""
-    from moetron.plan.memory_terms import cached  # memory_terms imports this module
-
     return cached(_split_parameters, model)
 
 
