@@ -70,6 +70,23 @@ def _probs_from_scores(logits_TE: torch.Tensor, scores_TE: torch.Tensor, cfg: Ro
     return normalised(scores_TE) if cfg.moe_router_score_function == "sigmoid" else scores_TE
 
 
+# CPU topk picks by heap selection (std::partial_sort) when k · 64 <= E, else by std::nth_element. With a
+# one-element heap that is replaced only by a strictly larger value (NaN counts as largest), it returns the FIRST
+# maximal column, which is what `max(dim)` returns (documented); nth_element breaks ties its own way.
+_HEAP_TOPK_MIN_EXPERTS = 64
+
+
+def top_experts(select_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 [T, k]: `torch.topk(select_TE, k, dim=1).indices`, ties included.
+
+    For k = 1 on CPU with at least 64 experts, `max(dim=1)` instead: ~1.5× faster (one scan per row, no heap),
+    and the same index (see `_HEAP_TOPK_MIN_EXPERTS`; `test_top_experts_equals_topk_with_ties` holds it to
+    that). Elsewhere topk itself: fewer experts, k > 1 or another device break ties differently."""
+    if k == 1 and select_TE.device.type == "cpu" and select_TE.shape[1] >= _HEAP_TOPK_MIN_EXPERTS:
+        return select_TE.max(dim=1, keepdim=True).indices
+    return torch.topk(select_TE, k=k, dim=1).indices
+
+
 def _choose_experts(scores_TE: torch.Tensor, cfg: RouterConfig, k: int, expert_bias_E: torch.Tensor | None):
     """(ids_TK, route_scores_TK): which experts each token picks, and the unbiased score of each pick."""
     select_TE = scores_TE.detach()
@@ -77,7 +94,7 @@ def _choose_experts(scores_TE: torch.Tensor, cfg: RouterConfig, k: int, expert_b
         select_TE = select_TE + expert_bias_E
     if cfg.num_expert_groups > 1:
         select_TE = limit_to_best_groups(select_TE, cfg.num_expert_groups, cfg.topk_groups)
-    ids_TK = torch.topk(select_TE, k=k, dim=1).indices
+    ids_TK = top_experts(select_TE, k)
     route_scores_TK = scores_TE.gather(1, ids_TK)
     if cfg.moe_router_pre_softmax:
         route_scores_TK = F.softmax(route_scores_TK, dim=-1)
