@@ -224,3 +224,35 @@ def test_chunked_weighted_index_add_is_bitwise_one_pass(monkeypatch, topk):
         outs.append((out.detach(), y.grad, w.grad))
     for new, ref in zip(*outs, strict=True):
         assert torch.equal(new, ref)
+
+
+def test_dropless_layer_with_the_fast_paths_is_bitwise_the_layer_without(monkeypatch):
+    """MoE layer, Mixtral routing at E=64 k=1 (the `max` selection applies) and several combine chunks: output and
+    every gradient equal the layer run with topk and a one-pass combine (what `moe_layer.py --fast-paths` times)."""
+    from moetron.model.config import ModelConfig
+    from moetron.model.moe.layer import MoELayer
+    from moetron.model.moe.routing import generic_gating
+
+    cfg = ModelConfig(hidden_size=16, num_attention_heads=1, ffn_hidden_size=32, swiglu=True)
+    cfg.add_bias_linear, cfg.num_experts, cfg.topk = False, [64], 1
+    cfg.moe_token_dropping, cfg.moe_router_topk_renorm = False, True
+    layer = MoELayer(cfg, 64, layer_index=0)
+    g = torch.Generator().manual_seed(0)
+    x_BTD = torch.randn(2, 200, 16, generator=g)
+    grad_BTD = torch.randn(2, 200, 16, generator=g)
+    fast = (generic_gating.top_experts, 37 * 16 * 4)  # 37-row chunks
+
+    def run(top_experts, chunk_bytes):
+        monkeypatch.setattr(generic_gating, "top_experts", top_experts)
+        monkeypatch.setattr(dispatch, "CHUNK_BYTES", chunk_bytes)
+        layer.zero_grad(set_to_none=True)
+        x = x_BTD.clone().requires_grad_()
+        y, _aux = layer(x)
+        y.backward(grad_BTD)
+        return [y.detach(), x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)]
+
+    with_paths = run(*fast)
+    without = run(lambda select_TE, k: torch.topk(select_TE, k=k, dim=1).indices, 1 << 62)
+    assert len(with_paths) == len(without) == 6  # output, input, router weight, the three expert weights
+    for new, ref in zip(with_paths, without, strict=True):
+        assert torch.equal(new, ref)
