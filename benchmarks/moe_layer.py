@@ -24,7 +24,8 @@ backward: combine, experts, permute, router + input-gradient sum), each a median
 fraction of the floor measured alternately with them; clock marks come from module hooks in the forward and
 tensor gradient hooks in the backward, so the layer runs its own code.
 --fast-paths: instead, moetron dropless stepped alternately with and without its router/combine fast paths (k = 1
-top-k by `max`, the combine in L2-sized chunks; "without" = topk and one pass), outputs and gradients checked
+top-k by `max`, the mean and gather of the router probabilities with one backward, the combine in L2-sized chunks;
+"without" = topk, autograd's mean and gather, and one pass), outputs and gradients checked
 bitwise equal; prints the median step times and the median of the per-rep ratios.
 """
 
@@ -363,11 +364,14 @@ def run_fast_paths(s: Shape, reps: int, warmup: int, clock: Callable[[], float])
     x_BTD = _leaf(torch.randn(1, s.tokens, s.hidden))
     layer = moetron_layer(s, w, dropless=True)
     step = module_step(layer, s, x_BTD, torch.randn(x_BTD.shape))
-    fast = (generic_gating.top_experts, dispatch.CHUNK_BYTES)
-    slow = (lambda select_TE, k: torch.topk(select_TE, k=k, dim=1).indices, 1 << 62)  # one chunk: one pass
+    fast = (generic_gating.top_experts, dispatch.CHUNK_BYTES, True)
+    slow = (lambda select_TE, k: torch.topk(select_TE, k=k, dim=1).indices, 1 << 62, False)  # one chunk: one pass
+
+    def use(paths: tuple) -> None:
+        generic_gating.top_experts, dispatch.CHUNK_BYTES, generic_gating.FUSE_MEAN_AND_GATHER = paths
 
     def timed(paths: tuple) -> tuple[float, list[torch.Tensor]]:
-        generic_gating.top_experts, dispatch.CHUNK_BYTES = paths
+        use(paths)
         step.clear_grads()
         start = clock()
         y = step()
@@ -384,7 +388,7 @@ def run_fast_paths(s: Shape, reps: int, warmup: int, clock: Callable[[], float])
                 if rep >= warmup:
                     times[use_fast].append(elapsed)
     finally:
-        generic_gating.top_experts, dispatch.CHUNK_BYTES = fast
+        use(fast)
     ratio = statistics.median(a / b for a, b in zip(times[True], times[False], strict=True))
     on_ms, off_ms = (statistics.median(times[flag]) * 1e3 for flag in (True, False))
     return [f"| {s} | {off_ms:.1f} ms | {on_ms:.1f} ms | {ratio:.3f} | {equal} |"]

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from moetron.model.moe import dispatch
+from moetron.model.moe.routing import generic_gating
 from moetron.model.moe.routing.balancing_losses import z_loss, z_loss_from_route
 from moetron.model.moe.routing.capacity_and_dropping import (
     keep_top_keys,
@@ -227,11 +228,11 @@ def test_chunked_weighted_index_add_is_bitwise_one_pass(monkeypatch, topk):
 
 
 def test_dropless_layer_with_the_fast_paths_is_bitwise_the_layer_without(monkeypatch):
-    """MoE layer, Mixtral routing at E=64 k=1 (the `max` selection applies) and several combine chunks: output and
-    every gradient equal the layer run with topk and a one-pass combine (what `moe_layer.py --fast-paths` times)."""
+    """MoE layer, Mixtral routing at E=64 k=1 (the `max` selection applies), several combine chunks: output and
+    every gradient equal the layer run with topk, autograd's mean and gather, and a one-pass combine (what
+    `moe_layer.py --fast-paths` times)."""
     from moetron.model.config import ModelConfig
     from moetron.model.moe.layer import MoELayer
-    from moetron.model.moe.routing import generic_gating
 
     cfg = ModelConfig(hidden_size=16, num_attention_heads=1, ffn_hidden_size=32, swiglu=True)
     cfg.add_bias_linear, cfg.num_experts, cfg.topk = False, [64], 1
@@ -240,11 +241,12 @@ def test_dropless_layer_with_the_fast_paths_is_bitwise_the_layer_without(monkeyp
     g = torch.Generator().manual_seed(0)
     x_BTD = torch.randn(2, 200, 16, generator=g)
     grad_BTD = torch.randn(2, 200, 16, generator=g)
-    fast = (generic_gating.top_experts, 37 * 16 * 4)  # 37-row chunks
+    fast = (generic_gating.top_experts, 37 * 16 * 4, True)  # 37-row chunks
 
-    def run(top_experts, chunk_bytes):
+    def run(top_experts, chunk_bytes, fuse):
         monkeypatch.setattr(generic_gating, "top_experts", top_experts)
         monkeypatch.setattr(dispatch, "CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(generic_gating, "FUSE_MEAN_AND_GATHER", fuse)
         layer.zero_grad(set_to_none=True)
         x = x_BTD.clone().requires_grad_()
         y, _aux = layer(x)
@@ -252,7 +254,28 @@ def test_dropless_layer_with_the_fast_paths_is_bitwise_the_layer_without(monkeyp
         return [y.detach(), x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)]
 
     with_paths = run(*fast)
-    without = run(lambda select_TE, k: torch.topk(select_TE, k=k, dim=1).indices, 1 << 62)
+    without = run(lambda select_TE, k: torch.topk(select_TE, k=k, dim=1).indices, 1 << 62, False)
     assert len(with_paths) == len(without) == 6  # output, input, router weight, the three expert weights
     for new, ref in zip(with_paths, without, strict=True):
+        assert torch.equal(new, ref)
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_mean_and_gather_is_bitwise_autograds_mean_and_gather(topk):
+    g = torch.Generator().manual_seed(topk)
+    logits_TE = torch.randn(300, 16, generator=g)
+    ids_TK = torch.topk(logits_TE, topk, dim=1).indices
+    grad_E, grad_TK = torch.randn(16, generator=g), torch.randn(300, topk, generator=g)
+    grads = []
+    for fused in (True, False):
+        logits = logits_TE.clone().requires_grad_()
+        probs_TE = torch.softmax(logits, -1)
+        mean_E, route_TK = (
+            generic_gating.MeanAndGather.apply(probs_TE, ids_TK)
+            if fused
+            else (probs_TE.mean(0), probs_TE.gather(1, ids_TK))
+        )
+        ((mean_E * grad_E).sum() + (route_TK * grad_TK).sum()).backward()
+        grads.append((mean_E.detach(), route_TK.detach(), logits.grad))
+    for new, ref in zip(*grads, strict=True):
         assert torch.equal(new, ref)
