@@ -23,6 +23,10 @@ Gradients are set to None before every step (zero_grad(set_to_none=True)), as in
 backward: combine, experts, permute, router + input-gradient sum), each a median over --reps steps as a
 fraction of the floor measured alternately with them; clock marks come from module hooks in the forward and
 tensor gradient hooks in the backward, so the layer runs its own code.
+--fast-paths: instead, moetron dropless stepped alternately with and without its router/combine fast paths (k = 1
+top-k by `max`, the mean and gather of the router probabilities with one backward, the combine in L2-sized chunks;
+"without" = topk, autograd's mean and gather, and one pass), outputs and gradients checked
+bitwise equal; prints the median step times and the median of the per-rep ratios.
 """
 
 from __future__ import annotations
@@ -350,6 +354,46 @@ def run_phases(s: Shape, reps: int, warmup: int, clock: Callable[[], float]) -> 
     return rows
 
 
+# ---------------------------------------------------------------- fast paths A/B
+def run_fast_paths(s: Shape, reps: int, warmup: int, clock: Callable[[], float]) -> list[str]:
+    """moetron dropless with its router/combine fast paths on and off, interleaved (order alternates per rep)."""
+    from moetron.model.moe import dispatch
+    from moetron.model.moe.routing import generic_gating
+
+    w = make_weights(s)
+    x_BTD = _leaf(torch.randn(1, s.tokens, s.hidden))
+    layer = moetron_layer(s, w, dropless=True)
+    step = module_step(layer, s, x_BTD, torch.randn(x_BTD.shape))
+    fast = (generic_gating.top_experts, dispatch.CHUNK_BYTES, True)
+    slow = (lambda select_TE, k: torch.topk(select_TE, k=k, dim=1).indices, 1 << 62, False)  # one chunk: one pass
+
+    def use(paths: tuple) -> None:
+        generic_gating.top_experts, dispatch.CHUNK_BYTES, generic_gating.FUSE_MEAN_AND_GATHER = paths
+
+    def timed(paths: tuple) -> tuple[float, list[torch.Tensor]]:
+        use(paths)
+        step.clear_grads()
+        start = clock()
+        y = step()
+        elapsed = clock() - start
+        return elapsed, [y.detach(), *(leaf.grad for leaf in step.leaves if leaf.grad is not None)]
+
+    try:
+        (_, on), (_, off) = timed(fast), timed(slow)
+        equal = len(on) == len(off) and all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for rep in range(warmup + reps):
+            for use_fast in (True, False) if rep % 2 else (False, True):
+                elapsed = timed(fast if use_fast else slow)[0]
+                if rep >= warmup:
+                    times[use_fast].append(elapsed)
+    finally:
+        use(fast)
+    ratio = statistics.median(a / b for a, b in zip(times[True], times[False], strict=True))
+    on_ms, off_ms = (statistics.median(times[flag]) * 1e3 for flag in (True, False))
+    return [f"| {s} | {off_ms:.1f} ms | {on_ms:.1f} ms | {ratio:.3f} | {equal} |"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", type=int, nargs="*", default=list(range(len(SHAPES))), help="indices into SHAPES")
@@ -358,6 +402,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help=CLOCK_HELP)
     parser.add_argument("--phases", action="store_true", help="moetron's step split into phases, / floor")
+    parser.add_argument("--fast-paths", action="store_true", help="A/B of the router/combine fast paths")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -368,6 +413,13 @@ def main() -> None:
         print("|---|---|---|---|")
         for index in args.shapes:
             for line in run_phases(SHAPES[index], args.reps, args.warmup, CLOCKS[args.clock]):
+                print(line, flush=True)
+        return
+    if args.fast_paths:
+        print("| shape | without | with | with / without (median of reps) | outputs and grads equal |")
+        print("|---|---|---|---|---|")
+        for index in args.shapes:
+            for line in run_fast_paths(SHAPES[index], args.reps, args.warmup, CLOCKS[args.clock]):
                 print(line, flush=True)
         return
     print("| shape | implementation | time / floor | peak memory / floor |")

@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moetron.model.moe import dispatch
+from moetron.model.moe.routing import generic_gating
 from moetron.model.moe.routing.balancing_losses import z_loss, z_loss_from_route
 from moetron.model.moe.routing.capacity_and_dropping import (
     keep_top_keys,
@@ -15,6 +17,7 @@ from moetron.model.moe.routing.capacity_and_dropping import (
 )
 from moetron.model.moe.routing.decision import Routing, buffer_slots, route_counts, route_fraction
 from moetron.model.moe.routing.deepspeed_gating import first_argmax
+from moetron.model.moe.routing.generic_gating import top_experts
 
 
 def _reference_top1_keep(ids_T: torch.Tensor, keys_TE: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -185,3 +188,94 @@ def test_expert_by_expert_swiglu_input_without_gradient():
     experts = _swiglu_experts("grouped_mm")
     experts(torch.randn(6, 16), torch.tensor([1, 2, 0, 3])).sum().backward()  # frozen input: weights only
     assert experts.w1_EDF.grad is not None and torch.isfinite(experts.w1_EDF.grad).all()
+
+
+@pytest.mark.parametrize("num_experts", [3, 8, 63, 64, 65, 128, 200])
+@pytest.mark.parametrize("k", [1, 2])
+def test_top_experts_equals_topk_with_ties(num_experts, k):
+    """The k = 1 `max` shortcut (64+ experts) picks topk's index, ties and NaN included; otherwise it is topk."""
+    g = torch.Generator().manual_seed(num_experts + k)
+    x_TE = torch.randint(0, 4, (257, num_experts), generator=g).float() / 3  # many ties
+    x_TE[3, 1] = float("nan")
+    x_TE[5, :3] = float("nan")
+    x_TE[6, :] = 0.5
+    assert torch.equal(top_experts(x_TE, k), torch.topk(x_TE, k=k, dim=1).indices)
+
+
+def _weighted_index_add_reference(y_RD, weights_R, token_R, rows):
+    """One pass, plain autograd ops: the form `WeightedIndexAdd` computes chunk by chunk."""
+    return y_RD.new_zeros(rows, y_RD.shape[1]).index_add(0, token_R, y_RD * weights_R[:, None])
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_chunked_weighted_index_add_is_bitwise_one_pass(monkeypatch, topk):
+    monkeypatch.setattr(dispatch, "CHUNK_BYTES", 7 * 16 * 4)  # 7-row chunks: several, the last one partial
+    g = torch.Generator().manual_seed(topk)
+    num_tokens, hidden = 25, 16
+    order_R = torch.randperm(num_tokens * topk, generator=g)
+    token_R = order_R // topk
+    y_RD = torch.randn(num_tokens * topk, hidden, generator=g)
+    weights_R = torch.rand(num_tokens * topk, generator=g)
+    grad_TD = torch.randn(num_tokens, hidden, generator=g)
+    outs = []
+    for fn in (dispatch.WeightedIndexAdd.apply, _weighted_index_add_reference):
+        y, w = y_RD.clone().requires_grad_(), weights_R.clone().requires_grad_()
+        out = fn(y, w, token_R, num_tokens)
+        out.backward(grad_TD)
+        outs.append((out.detach(), y.grad, w.grad))
+    for new, ref in zip(*outs, strict=True):
+        assert torch.equal(new, ref)
+
+
+def test_dropless_layer_with_the_fast_paths_is_bitwise_the_layer_without(monkeypatch):
+    """MoE layer, Mixtral routing at E=64 k=1 (the `max` selection applies), several combine chunks: output and
+    every gradient equal the layer run with topk, autograd's mean and gather, and a one-pass combine (what
+    `moe_layer.py --fast-paths` times)."""
+    from moetron.model.config import ModelConfig
+    from moetron.model.moe.layer import MoELayer
+
+    cfg = ModelConfig(hidden_size=16, num_attention_heads=1, ffn_hidden_size=32, swiglu=True)
+    cfg.add_bias_linear, cfg.num_experts, cfg.topk = False, [64], 1
+    cfg.moe_token_dropping, cfg.moe_router_topk_renorm = False, True
+    layer = MoELayer(cfg, 64, layer_index=0)
+    g = torch.Generator().manual_seed(0)
+    x_BTD = torch.randn(2, 200, 16, generator=g)
+    grad_BTD = torch.randn(2, 200, 16, generator=g)
+    fast = (generic_gating.top_experts, 37 * 16 * 4, True)  # 37-row chunks
+
+    def run(top_experts, chunk_bytes, fuse):
+        monkeypatch.setattr(generic_gating, "top_experts", top_experts)
+        monkeypatch.setattr(dispatch, "CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(generic_gating, "FUSE_MEAN_AND_GATHER", fuse)
+        layer.zero_grad(set_to_none=True)
+        x = x_BTD.clone().requires_grad_()
+        y, _aux = layer(x)
+        y.backward(grad_BTD)
+        return [y.detach(), x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)]
+
+    with_paths = run(*fast)
+    without = run(lambda select_TE, k: torch.topk(select_TE, k=k, dim=1).indices, 1 << 62, False)
+    assert len(with_paths) == len(without) == 6  # output, input, router weight, the three expert weights
+    for new, ref in zip(with_paths, without, strict=True):
+        assert torch.equal(new, ref)
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_mean_and_gather_is_bitwise_autograds_mean_and_gather(topk):
+    g = torch.Generator().manual_seed(topk)
+    logits_TE = torch.randn(300, 16, generator=g)
+    ids_TK = torch.topk(logits_TE, topk, dim=1).indices
+    grad_E, grad_TK = torch.randn(16, generator=g), torch.randn(300, topk, generator=g)
+    grads = []
+    for fused in (True, False):
+        logits = logits_TE.clone().requires_grad_()
+        probs_TE = torch.softmax(logits, -1)
+        mean_E, route_TK = (
+            generic_gating.MeanAndGather.apply(probs_TE, ids_TK)
+            if fused
+            else (probs_TE.mean(0), probs_TE.gather(1, ids_TK))
+        )
+        ((mean_E * grad_E).sum() + (route_TK * grad_TK).sum()).backward()
+        grads.append((mean_E.detach(), route_TK.detach(), logits.grad))
+    for new, ref in zip(*grads, strict=True):
+        assert torch.equal(new, ref)

@@ -116,23 +116,51 @@ def unpermute(
     return y_TD.to(y_RD.dtype)
 
 
+# Rows per pass of `WeightedIndexAdd`: ~512 KiB of [rows, D] per operand, so that each pass's temporaries stay in
+# L2 instead of one [R, D] temporary per op that the next op reads back from memory (and a fresh multi-MiB buffer
+# that the allocator may fault in page by page).
+CHUNK_BYTES = 1 << 19
+
+
+def chunk_rows(num_cols: int, itemsize: int) -> int:
+    """Rows of a [rows, num_cols] operand that fill `CHUNK_BYTES`."""
+    return max(1, CHUNK_BYTES // max(1, num_cols * itemsize))
+
+
 class WeightedIndexAdd(torch.autograd.Function):
     """`zeros(rows, D).index_add_(0, token_R, y_RD · weights_R)` with a leaner backward than autograd's: the
     output gradient is gathered once and scaled in place for y, and row-dotted with y for the weights (autograd's
-    chain of index_add, mul and sum allocates two more [R, D] tensors)."""
+    chain of index_add, mul and sum allocates two more [R, D] tensors).
+
+    Both passes run in chunks of `chunk_rows` rows. Bitwise the same as one pass: the products and the row dots
+    are per row, and index_add_ still adds every destination's rows in route order (chunk by chunk)."""
 
     @staticmethod
     def forward(ctx, y_RD: torch.Tensor, weights_R: torch.Tensor, token_R: torch.Tensor, rows: int) -> torch.Tensor:
         ctx.save_for_backward(y_RD, weights_R, token_R)
         # In place on a fresh buffer: the out-of-place index_add would first copy the zeros.
-        return y_RD.new_zeros(rows, y_RD.shape[1]).index_add_(0, token_R, y_RD * weights_R[:, None])
+        out_XD = y_RD.new_zeros(rows, y_RD.shape[1])
+        step = chunk_rows(y_RD.shape[1], y_RD.element_size())
+        for lo in range(0, y_RD.shape[0], step):
+            hi = lo + step
+            out_XD.index_add_(0, token_R[lo:hi], y_RD[lo:hi] * weights_R[lo:hi, None])
+        return out_XD
 
     @staticmethod
     def backward(ctx, grad_XD: torch.Tensor):
         y_RD, weights_R, token_R = ctx.saved_tensors
-        grad_RD = grad_XD.index_select(0, token_R)
-        grad_weights_R = torch.linalg.vecdot(grad_RD, y_RD) if ctx.needs_input_grad[1] else None
-        return grad_RD.mul_(weights_R[:, None]), grad_weights_R, None, None
+        grad_XD = grad_XD.contiguous()
+        grad_RD = grad_XD.new_empty(y_RD.shape[0], grad_XD.shape[1])
+        need_weights = ctx.needs_input_grad[1]
+        grad_weights_R = y_RD.new_empty(y_RD.shape[0]) if need_weights else None
+        step = chunk_rows(grad_XD.shape[1], grad_XD.element_size())
+        for lo in range(0, y_RD.shape[0], step):
+            hi = lo + step
+            chunk_RD = torch.index_select(grad_XD, 0, token_R[lo:hi], out=grad_RD[lo:hi])
+            if need_weights:
+                torch.linalg.vecdot(chunk_RD, y_RD[lo:hi], out=grad_weights_R[lo:hi])
+            chunk_RD.mul_(weights_R[lo:hi, None])
+        return grad_RD, grad_weights_R, None, None
 
 
 class TokenDispatcher(Protocol):

@@ -70,18 +70,63 @@ def _probs_from_scores(logits_TE: torch.Tensor, scores_TE: torch.Tensor, cfg: Ro
     return normalised(scores_TE) if cfg.moe_router_score_function == "sigmoid" else scores_TE
 
 
-def _choose_experts(scores_TE: torch.Tensor, cfg: RouterConfig, k: int, expert_bias_E: torch.Tensor | None):
-    """(ids_TK, route_scores_TK): which experts each token picks, and the unbiased score of each pick."""
+# CPU topk picks by heap selection (std::partial_sort) when k · 64 <= E, else by std::nth_element. With a
+# one-element heap that is replaced only by a strictly larger value (NaN counts as largest), it returns the FIRST
+# maximal column, which is what `max(dim)` returns (documented); nth_element breaks ties its own way.
+_HEAP_TOPK_MIN_EXPERTS = 64
+
+
+def top_experts(select_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 [T, k]: `torch.topk(select_TE, k, dim=1).indices`, ties included.
+
+    For k = 1 on CPU with at least 64 experts, `max(dim=1)` instead: ~1.5× faster (one scan per row, no heap),
+    and the same index (see `_HEAP_TOPK_MIN_EXPERTS`; `test_top_experts_equals_topk_with_ties` holds it to
+    that). Elsewhere topk itself: fewer experts, k > 1 or another device break ties differently."""
+    if k == 1 and select_TE.device.type == "cpu" and select_TE.shape[1] >= _HEAP_TOPK_MIN_EXPERTS:
+        return select_TE.max(dim=1, keepdim=True).indices
+    return torch.topk(select_TE, k=k, dim=1).indices
+
+
+def _select_ids(scores_TE: torch.Tensor, cfg: RouterConfig, k: int, expert_bias_E: torch.Tensor | None):
+    """int64 [T, k]: which experts each token picks (bias and expert groups steer the choice only)."""
     select_TE = scores_TE.detach()
     if expert_bias_E is not None:  # the bias steers selection only, never the weights
         select_TE = select_TE + expert_bias_E
     if cfg.num_expert_groups > 1:
         select_TE = limit_to_best_groups(select_TE, cfg.num_expert_groups, cfg.topk_groups)
-    ids_TK = torch.topk(select_TE, k=k, dim=1).indices
+    return top_experts(select_TE, k)
+
+
+def _choose_experts(scores_TE: torch.Tensor, cfg: RouterConfig, k: int, expert_bias_E: torch.Tensor | None):
+    """(ids_TK, route_scores_TK): which experts each token picks, and the unbiased score of each pick."""
+    ids_TK = _select_ids(scores_TE, cfg, k, expert_bias_E)
     route_scores_TK = scores_TE.gather(1, ids_TK)
     if cfg.moe_router_pre_softmax:
         route_scores_TK = F.softmax(route_scores_TK, dim=-1)
     return ids_TK, route_scores_TK
+
+
+# Off: the plain `probs.mean(0)` and `probs.gather` (benchmarks/moe_layer.py --fast-paths times both ways).
+FUSE_MEAN_AND_GATHER = True
+
+
+class MeanAndGather(torch.autograd.Function):
+    """(probs_TE.mean(0), probs_TE.gather(1, ids_TK)) with one [T, E] gradient instead of two: the mean's
+    (grad / T, expanded) with the routes' gradients scatter-added into it. Autograd would build the gather's
+    gradient as a zero-filled [T, E] and add the two; the sums are the same bits (a + (0 + g) = a + g)."""
+
+    @staticmethod
+    def forward(ctx, probs_TE: torch.Tensor, ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(ids_TK)
+        ctx.shape = probs_TE.shape
+        return probs_TE.mean(0), probs_TE.gather(1, ids_TK)
+
+    @staticmethod
+    def backward(ctx, grad_E: torch.Tensor, grad_TK: torch.Tensor):
+        (ids_TK,) = ctx.saved_tensors
+        num_tokens, num_experts = ctx.shape
+        grad_TE = grad_E.expand(num_tokens, num_experts) / num_tokens  # `mean`'s backward, bitwise
+        return grad_TE.scatter_add_(1, ids_TK, grad_TK), None
 
 
 def renormalises(cfg: RouterConfig, k: int) -> bool:
@@ -99,9 +144,14 @@ def generic_topk_gating(
     """Top-k routing with the modern options; capacity and dropping as DeepSpeed's `topkgating`."""
     num_tokens, num_experts = logits_TE.shape
     scores_TE = _scores(logits_TE, cfg)
-    ids_TK, route_scores_TK = _choose_experts(scores_TE, cfg, k, expert_bias_E)
-    counts_E = route_counts(ids_TK, num_experts)
     probs_TE = _probs_from_scores(logits_TE, scores_TE, cfg)
+    mean_probs_E = None
+    if FUSE_MEAN_AND_GATHER and probs_TE is scores_TE and not cfg.moe_router_pre_softmax:  # softmax scores
+        ids_TK = _select_ids(scores_TE, cfg, k, expert_bias_E)
+        mean_probs_E, route_scores_TK = MeanAndGather.apply(scores_TE, ids_TK)
+    else:
+        ids_TK, route_scores_TK = _choose_experts(scores_TE, cfg, k, expert_bias_E)
+    counts_E = route_counts(ids_TK, num_experts)
 
     if not cfg.moe_token_dropping:  # every route fits: no [T, E] mask at all
         capacity = dropless_capacity(counts_E)
@@ -114,7 +164,8 @@ def generic_topk_gating(
     if renormalises(cfg, k):
         weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).eps)
     weights_TK = weights_TK * cfg.moe_router_topk_scaling_factor
-    aux_loss = balance_loss(probs_TE.mean(0), route_fraction(counts_E, num_tokens), k)
+    mean_probs_E = probs_TE.mean(0) if mean_probs_E is None else mean_probs_E
+    aux_loss = balance_loss(mean_probs_E, route_fraction(counts_E, num_tokens), k)
     return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, counts_E, probs_TE, "token")
 
 
