@@ -1,7 +1,7 @@
 """Context parallelism on a small MoE GPT: per-rank activation memory at CP 1 / 2 / 4 for a fixed sequence length,
 the largest sequence length whose activations fit a fixed budget, and `moetron plan`'s prediction beside each.
 
-    python benchmarks/context_parallel.py                       # seq 1024 at CP 1, 2, 4; sweep 512 … 4096
+    python benchmarks/context_parallel.py                       # seq 1024 at CP 1, 2, 4; sweep 512 … 4096 by 128
     python benchmarks/context_parallel.py --seq 2048 --budget-mib 64
     python benchmarks/context_parallel.py --comm-types          # all_gather / p2p / a2a at CP 2 and 4, seq 1024
 
@@ -10,8 +10,10 @@ gloo on CPU, one thread per process. Reported per rank:
   activations  bytes of the tensors autograd saves in one training forward to the last hidden states (parameters
                excluded, each storage once; the LM head's buffers are the plan's separate logits term), its ratio to
                CP 1, and the plan's `activations` for the same layout as a ratio to this measurement;
-  largest seq  the longest sequence of the sweep whose measured (and planned) activations fit `--budget-mib`
-               (default: CP 1's measured activations at `--seq`).
+  largest seq  the longest sequence of the sweep (`--sweep`, default 512 … 4096 in steps of 128) whose measured
+               activations fit `--budget-mib` (default: CP 1's measured activations at `--seq`), measured upward
+               until one does not fit (activations grow with the sequence); beside it the longest the plan
+               predicts to fit, and their ratio.
 With `--comm-types`, per `--cp-comm-type` at CP 2 and 4 and `--seq`: the activations as above, the process CPU
 seconds of one forward + backward (the fastest of 3 after a warm-up, one thread), and the whole sequence's loss at
 the same initial weights against all_gather's (relative difference: the variants are the same attention).
@@ -62,17 +64,26 @@ def saved_activation_bytes(model: torch.nn.Module, tokens_BT: torch.Tensor) -> i
     return saved_tensor_bytes(model, lambda: model(tokens_BT, return_logits=False))
 
 
-def measure(rank: int, world: int, port: int, seq: int, results) -> None:
+def measure(rank: int, world: int, port: int, seqs: list[int], budget: float, results) -> None:
+    """The saved activations (largest over the ranks) at each of `seqs` in order, up to the first over `budget`."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     os.environ.update(MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     env = init_distributed(backend="gloo")
-    cfg = bench_config(seq, world)
-    mesh = ParallelMesh.build(cfg.dims(world), env)
-    parallel = build(cfg, mesh, env.device)
-    tokens = torch.randint(0, cfg.model.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
-    local = take_zigzag(tokens, mesh.coords.cp, world)
-    results.put((rank, saved_activation_bytes(parallel.model, local)))
+    out = []
+    for seq in seqs:
+        cfg = bench_config(seq, world)
+        mesh = ParallelMesh.build(cfg.dims(world), env)
+        parallel = build(cfg, mesh, env.device)
+        tokens = torch.randint(0, cfg.model.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+        local = take_zigzag(tokens, mesh.coords.cp, world)
+        saved = torch.tensor(saved_activation_bytes(parallel.model, local), dtype=torch.float64)
+        if dist.is_initialized():  # CP 1 runs without a process group
+            dist.all_reduce(saved, op=dist.ReduceOp.MAX)  # every rank stops at the same sequence length
+        out.append(int(saved))
+        if saved > budget:
+            break
+    results.put((rank, out))
     env.close()
 
 
@@ -120,7 +131,14 @@ def comm_types_table(seq: int) -> None:
 
 
 def measured_bytes(seq: int, cp: int) -> int:
-    return max(row[1] for row in spawn_group(measure, cp, (seq,)))
+    return spawn_group(measure, cp, ([seq], float("inf")))[0][1][0]
+
+
+def largest_measured(seqs: list[int], cp: int, budget: float) -> int | None:
+    """The longest of `seqs` (ascending) whose measured activations at CP `cp` fit `budget`."""
+    sizes = spawn_group(measure, cp, (seqs, budget))[0][1]
+    fits = [seq for seq, size in zip(seqs, sizes, strict=False) if size <= budget]
+    return fits[-1] if fits else None
 
 
 def planned_bytes(seq: int, cp: int) -> int:
@@ -131,7 +149,7 @@ def planned_bytes(seq: int, cp: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--sweep", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--sweep", type=int, nargs="+", default=list(range(512, 4097, 128)))
     parser.add_argument("--budget-mib", type=float, default=None, help="default: CP 1's activations at --seq")
     parser.add_argument("--comm-types", action="store_true", help="compare --cp-comm-type all_gather, p2p, a2a")
     args = parser.parse_args()
@@ -141,17 +159,20 @@ def main() -> None:
     at_seq = {cp: measured_bytes(args.seq, cp) for cp in SIZES}
     budget = args.budget_mib * 2**20 if args.budget_mib else at_seq[1]
     print(f"small MoE GPT (4 layers, hidden 128, GQA 8/4, RoPE), micro batch 1, seq {args.seq} (CPU, gloo, per rank)")
-    print("| layout | activations (ratio to CP 1) | plan / measured | largest seq in budget: measured | plan |")
-    print("|---|---|---|---|---|")
+    print("| layout | activations (ratio to CP 1) | plan / measured | largest seq in budget: measured | plan | ratio |")
+    print("|---|---|---|---|---|---|")
     for cp in SIZES:
-        fits = [s for s in args.sweep if s % (2 * cp) == 0 and measured_bytes(s, cp) <= budget]
-        plan_fits = [s for s in args.sweep if s % (2 * cp) == 0 and planned_bytes(s, cp) <= budget]
+        seqs = sorted(s for s in args.sweep if s % (2 * cp) == 0)
+        fits = largest_measured(seqs, cp, budget)
+        plan_fits = max((s for s in seqs if planned_bytes(s, cp) <= budget), default=None)
         ratio = planned_bytes(args.seq, cp) / at_seq[cp]
+        seq_ratio = f"{plan_fits / fits:.2f}" if fits and plan_fits else "-"
         print(
             f"| CP {cp} | {at_seq[cp] / 2**20:.2f} MiB ({at_seq[cp] / at_seq[1]:.2f}) | {ratio:.2f} | "
-            f"{max(fits, default='-')} | {max(plan_fits, default='-')} |"
+            f"{fits or '-'} | {plan_fits or '-'} | {seq_ratio} |"
         )
-    print(f"budget {budget / 2**20:.2f} MiB per rank; sweep {args.sweep}")
+    sweep = f"{min(args.sweep)} … {max(args.sweep)} ({len(args.sweep)} lengths)"
+    print(f"budget {budget / 2**20:.2f} MiB per rank; sweep {sweep}")
 
 
 if __name__ == "__main__":

@@ -473,12 +473,11 @@ CP2 = ("--context-parallel-size", "2")
 # parallelism cannot run, refused before launch (the world size is read before any process group exists)
 CONTEXT_PARALLEL_CASES = {
     "seq": (2, [*CP2, "--seq-length", "6"], "--seq-length 6 is not divisible by 2 × --context-parallel-size 2 = 4"),
-    "compile": (2, [*CP2, "--compile"], "--context-parallel-size 2 with --compile is not supported yet"),
-    "mtp": (2, [*CP2, "--mtp-num-layers", "1"], "--context-parallel-size 2 with --mtp-num-layers 1 is not supported"),
+    "mtp": (2, [*CP2, "--mtp-num-layers", "1"], "with --mtp-num-layers 1 is not supported yet; drop --mtp-num-layers"),
     "mla": (
         2,
         [*CP2, "--multi-latent-attention", "--position-embedding-type", "rope"],
-        "--context-parallel-size 2 with --multi-latent-attention is not supported yet",
+        "--context-parallel-size 2 with --multi-latent-attention is not supported yet; use grouped-query attention",
     ),  # fmt: skip
     "comm-type": (2, [*CP2, "--cp-comm-type", "ring"], "--cp-comm-type 'ring' is not one of all_gather, p2p, a2a"),
     "p2p-dropout": (

@@ -12,6 +12,7 @@ from moetron.config import RunConfig
 from moetron.data.context_chunks import take_zigzag, zigzag_chunk_ids, zigzag_positions
 from moetron.data.loader import DistributedBatchLoader
 from moetron.model.moe.routing.balancing_losses import sequence_aux_loss
+from moetron.model.moe.routing.router import Router, RouterConfig
 from moetron.parallel.cp.attention import ContextParallelAttention
 from moetron.parallel.cp.ring import zigzag_block
 from moetron.parallel.cp.sizes import context_parallel_problems
@@ -147,3 +148,35 @@ def test_context_parallel_composes_with_zero_and_pipelines():
     cfg = cp_run("all_gather")
     cfg.parallel.pipeline_model_parallel_size = 2  # pipeline stages run the zigzag chunks (pp/split.py)
     assert context_parallel_problems(cfg, cfg.dims(4)) == []
+
+
+ROUTERS = {  # every gating path's `global` aux loss: DeepSpeed's top-1 / GShard's top-2 / top-k, the generic path
+    "top1": {"topk": 1},
+    "top2": {"topk": 2, "moe_top2_2nd_expert_sampling": False},
+    "top3": {"topk": 3},
+    "generic-sigmoid": {"topk": 2, "moe_router_score_function": "sigmoid"},
+}
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_global_aux_loss_over_split_sequences_is_the_whole_micro_batch(router):
+    """Each CP rank's `global` aux loss with the route fractions averaged over the ranks (`Router.sequence_mean`):
+    their mean is the one-process micro-batch's loss, value and gradient; a rank's own loss is not."""
+    torch.manual_seed(0)
+    B, L, D, E, size = 2, 16, 8, 6, 2
+    cfg = RouterConfig(hidden_size=D, moe_token_dropping=False, moe_use_rts=False, **ROUTERS[router])
+    gate = Router(cfg, E)
+    x_BLD = torch.randn(B, L, D)
+    whole = gate(x_BLD.flatten(0, 1), L).aux_loss
+    (whole_grad,) = torch.autograd.grad(whole, gate.weight)
+    parts = [take_zigzag(x_BLD, r, size, dim=1).flatten(0, 1) for r in range(size)]
+    alone = [gate(x, L // size).aux_loss for x in parts]
+    fractions: list[torch.Tensor] = []
+    gate.sequence_mean = lambda f: fractions.append(f) or f  # record each part's route fractions
+    for x in parts:
+        gate(x, L // size)
+    gate.sequence_mean = lambda f: torch.stack(fractions).mean(0)  # as SequenceMean's all-reduce returns them
+    split = torch.stack([gate(x, L // size).aux_loss for x in parts]).mean()
+    torch.testing.assert_close(split, whole)
+    torch.testing.assert_close(torch.autograd.grad(split, gate.weight)[0], whole_grad)
+    assert not torch.allclose(torch.stack(alone).mean(), whole)

@@ -13,7 +13,11 @@ routing, so no shape depends on the data). What stays eager (`torch.compiler.dis
   - the experts, except on CUDA in bf16 with the grouped-GEMM kernel. The CPU runs them expert by expert from host
     counts (`moe/experts/cpu_kernels.py`), `torch._grouped_mm` has no fp32 fake-tensor rule (Inductor traces its
     bf16 form only), and the batched backend reads the largest count in dropless mode (a new shape per value);
-  - an expert-parallel dispatcher: its all-to-all split sizes are host integers read from the device.
+  - an expert-parallel dispatcher: its all-to-all split sizes are host integers read from the device;
+  - context parallelism's attention (`attend_fn`, `parallel/cp/`) and the router's all-reduce of the per-sequence
+    route fractions (`sequence_mean`): collectives inside autograd Functions, whose ring variant posts
+    `batch_isend_irecv` (which Dynamo cannot trace). Everything around them in the block still compiles; the
+    eager attention is the same SDPA (or ring) call, so a compiled CP run follows the eager CP curve.
 """
 
 from __future__ import annotations
@@ -74,4 +78,9 @@ def apply_compile(
             if not isinstance(moe.dispatcher, LocalDispatcher):
                 moe.dispatcher.dispatch = torch.compiler.disable(moe.dispatcher.dispatch)
                 moe.dispatcher.combine = torch.compiler.disable(moe.dispatcher.combine)
+            if moe.router.sequence_mean is not None:
+                moe.router.sequence_mean = torch.compiler.disable(moe.router.sequence_mean)
+        attention = layer.self_attention
+        if getattr(attention, "attend_fn", None) is not None:  # context parallelism (applied before this step)
+            attention.attend_fn = torch.compiler.disable(attention.attend_fn)
         layer.compile()

@@ -9,14 +9,15 @@ them, `data/loader.py`). Three things change, all installed here from outside th
     exchanged for tokens, `ulysses.py`); all three are exact (the one-process result up to rounding);
   - attention dropout: each rank's stream key gets its CP rank (as TP's head shards do), so peers draw
     independent masks (SDPA draws inside the kernel: no layout can reproduce the one-process masks).
-  - the per-sequence aux loss (`--moe-aux-loss-type seq`): each router's `sequence_mean` averages the route
-    fractions of every sequence over its CP ranks (`SequenceMean`), so the loss is the whole sequences'.
+  - the aux losses: each router's `sequence_mean` averages the route fractions over the CP ranks
+    (`SequenceMean`): of every sequence for `--moe-aux-loss-type seq`, of the micro-batch for `global`, so each is
+    the loss of the whole sequences (`model/moe/routing/balancing_losses.py`).
 Everything else is per token and runs on the local tokens as it is. The loss needs no change: every rank holds
 the same number of tokens and the LM loss is a plain mean, so the mean over CP ranks of the local means is the
 mean over the whole sequence (Σ token losses / global token count), and the dense gradients, averaged over the
 dp × cp ranks (`dp_cp`, parallel/dp/replicate.py), are the one-process gradients. MoE layers route their local
-tokens like any others (capacity, random routing draws and the `global` aux loss per rank, as DeepSpeed computes
-them per data-parallel rank: only dropless routing without random draws reproduces the one-process run exactly).
+tokens like any others (capacity and random routing draws per rank, as DeepSpeed computes them per data-parallel
+rank: only dropless routing without random draws reproduces the one-process run exactly).
 """
 
 from __future__ import annotations

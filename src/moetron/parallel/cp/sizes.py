@@ -5,10 +5,11 @@ sequence length must be a multiple of 2·N. The layouts it composes with today: 
 stage (the dense gradients averaged, and at stages 1–3 the dense state sharded, over dp × cp: `dp_cp`), expert
 parallelism (folded over dp × cp), tensor parallelism with or without sequence parallelism (TP splits the heads
 each CP rank attends with; SP the CP rank's tokens) and pipeline parallelism (every stage runs the micro-batches'
-zigzag chunks; a later stage takes their positions from `GPTModel.sequence_positions`, pp/split.py). `--compile`,
-multi-latent attention, MTP and expert replicas are refused with a one-line reason rather than run wrongly (each
-needs the split sequence handled in its own code: a compiled block's collectives, MLA's attention, the MTP
-modules' shifted labels, the replica plan's ranks).
+zigzag chunks; a later stage takes their positions from `GPTModel.sequence_positions`, pp/split.py) and `--compile`
+(the CP attention stays eager inside each compiled block, `parallel/compile.py`). Multi-latent attention, MTP and
+expert replicas are refused with a one-line reason and the alternative rather than run wrongly (each needs the
+split sequence handled in its own code: MLA's attention, the MTP modules' shifted labels, the replica plan's
+ranks).
 
 `--cp-comm-type` (Megatron-Core's flag and names) picks the attention across the split: `all_gather` (the
 default), `p2p` (ring; no attention dropout: its backward would redraw every block's mask) or `a2a` (Ulysses; this
@@ -45,14 +46,15 @@ def context_parallel_problems(cfg: RunConfig, dims: ParallelDims) -> list[str]:
 def _unsupported(cfg: RunConfig, dims: ParallelDims) -> list[tuple[str, str]]:
     """(what the run asks for, the fix) for every option context parallelism does not compose with yet."""
     par, out = cfg.parallel, []
-    if cfg.train.compile:
-        out.append(("--compile", "drop --compile (the attention's collectives are not compiled)"))
     if cfg.model.multi_latent_attention:  # MLA's attention has no context-parallel path: it would see its chunks only
-        out.append(("--multi-latent-attention", "use one of the two"))
+        out.append(("--multi-latent-attention", "use grouped-query attention (--num-key-value-heads) for long "
+                    "sequences, or keep MLA at --context-parallel-size 1"))  # fmt: skip
     if cfg.model.mtp_num_layers:  # the MTP modules' layers and shifted labels would see one rank's chunks only
-        out.append((f"--mtp-num-layers {cfg.model.mtp_num_layers}", "use one of the two"))
+        out.append((f"--mtp-num-layers {cfg.model.mtp_num_layers}", "drop --mtp-num-layers (MTP trains on whole "
+                    "sequences), or keep MTP at --context-parallel-size 1"))  # fmt: skip
     if par.moe_expert_replicas:  # the replica plan is made over the expert ranks of dp only
-        out.append((f"--moe-expert-replicas {par.moe_expert_replicas}", "use one of the two"))
+        out.append((f"--moe-expert-replicas {par.moe_expert_replicas}", "drop --moe-expert-replicas, or keep "
+                    "replicas at --context-parallel-size 1"))  # fmt: skip
     return out
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from moetron.model.moe.routing.decision import RoutingInputError
+from moetron.model.moe.routing.decision import RoutingInputError, route_counts, route_fraction
 
 
 def balance_loss(probs_XE: torch.Tensor, route_fraction_XE: torch.Tensor, k: int) -> torch.Tensor:
@@ -47,6 +47,23 @@ def sequence_aux_loss(
     if sequence_mean is not None:
         fraction_BE = sequence_mean(fraction_BE)
     return balance_loss(probs_BLE.mean(1), fraction_BE, ids_TK.shape[1]).mean()
+
+
+def split_micro_batch_aux_loss(
+    probs_TE: torch.Tensor, counted_ids_TK: torch.Tensor, k: int, sequence_mean: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """The `global` aux loss, `balance_loss(mean probability, route fraction, k)`, of a micro-batch whose sequences
+    are split over context-parallel ranks (each of N ranks holds an equal part of every sequence).
+
+    Every gating path's global aux loss has this form (DeepSpeed's top-1: k = 1; GShard's top-2: the first
+    choices' fractions only, k = 1; top-k and the generic path: every route, k), over the tokens it routes. The
+    one-process micro-batch is the union of the ranks' tokens: `sequence_mean` averages the detached route
+    fractions over the ranks, so they are the whole micro-batch's, and the loss, linear in the local mean
+    probabilities, has as its mean over the N ranks (what averaging their gradients and reports does) the
+    one-process loss, gradient included. `counted_ids_TK`: the routes the path counts (before capacity)."""
+    num_tokens, num_experts = probs_TE.shape
+    fraction_E = sequence_mean(route_fraction(route_counts(counted_ids_TK, num_experts), num_tokens))
+    return balance_loss(probs_TE.mean(0), fraction_E, k)
 
 
 def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:

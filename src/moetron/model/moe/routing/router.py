@@ -26,7 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetron.errors import ConfigError
-from moetron.model.moe.routing.balancing_losses import sequence_aux_loss, z_loss, z_loss_from_route
+from moetron.model.moe.routing.balancing_losses import (
+    sequence_aux_loss,
+    split_micro_batch_aux_loss,
+    z_loss,
+    z_loss_from_route,
+)
 from moetron.model.moe.routing.decision import Routing
 from moetron.model.moe.routing.deepspeed_gating import multiplicative_jitter, top1_gating, top2_gating, topk_gating
 from moetron.model.moe.routing.generic_gating import generic_topk_gating
@@ -52,8 +57,9 @@ class Router(nn.Module):
         self.num_experts = num_experts
         self.topk = cfg.topk
         self.generic = cfg.uses_generic_path
-        # mean of a per-sequence statistic over the other parts of the same sequences (context parallelism sets
-        # it: a rank routes only its chunks); None: every sequence is whole here
+        # mean of a statistic of this rank's sequences over the other parts of the same sequences (context
+        # parallelism sets it: a rank routes only its chunks); the seq and global aux losses' route fractions go
+        # through it. None: every sequence is whole here
         self.sequence_mean: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.weight = nn.Parameter(torch.empty(num_experts, cfg.hidden_size, dtype=torch.float32))
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
@@ -114,6 +120,11 @@ class Router(nn.Module):
             routing.aux_loss = sequence_aux_loss(routing.probs_TE, routing.expert_ids_TK, seq_len, self.sequence_mean)
         elif aux_type == "none":
             routing.aux_loss = torch.zeros((), dtype=torch.float32, device=logits_TE.device)
+        elif self.sequence_mean is not None:  # global, over sequences split by context parallelism: the whole batch's
+            first_choices = not self.generic and self.topk == 2  # GShard's top-2 counts first choices only
+            counted_TK = routing.expert_ids_TK[:, :1] if first_choices else routing.expert_ids_TK
+            k = 1 if first_choices else self.topk
+            routing.aux_loss = split_micro_batch_aux_loss(routing.probs_TE, counted_TK, k, self.sequence_mean)
         routing.z_loss_source = self._z_loss(routing, logits_TE)
         return routing
 
