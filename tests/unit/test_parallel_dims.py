@@ -132,7 +132,6 @@ def test_problems_name_every_flag_and_the_fix():
     assert any("data-parallel size 2 is not divisible by --moe-expert-parallel-size 4" in p for p in deepspeed_style)
 
 
-
 def test_an_expert_parallel_size_that_does_not_divide_names_the_flag_that_does():
     """A recipe's EP under pipelining (its data-parallel ranks halved): the flag value that runs, not a riddle."""
     (two_stages,) = dims(2, pp=2, ep=8).problems([64] * 6)
@@ -143,6 +142,7 @@ def test_an_expert_parallel_size_that_does_not_divide_names_the_flag_that_does()
     (four_ranks,) = dims(8, pp=2, ep=8).problems([64, 128])
     assert "pass --moe-expert-parallel-size 4 (a divisor of 4)" in four_ranks
     assert dims(8, pp=2, ep=4).problems([64, 128]) == []  # the value it names is accepted
+
 
 def test_context_parallel_layout_is_megatrons_order():
     """Megatron's rank order with context parallelism, fastest first: tp, cp, dp, pp. World 8, tp 2, cp 2 → TP
