@@ -6,9 +6,9 @@ import multiprocessing as mp
 import socket
 
 
-def spawn_group(target, world: int, args: tuple, timeout: float = 3600) -> list:
-    """Run `target(rank, world, port, *args, results)` in `world` fresh processes; each puts one tuple on `results`
-    (its rank first). Returns them sorted by rank."""
+def spawn_group(target, world: int, args: tuple, timeout: float = 3600, per_rank: int = 1) -> list:
+    """Run `target(rank, world, port, *args, results)` in `world` fresh processes; each puts `per_rank` tuples on
+    `results` (its rank first). Returns them sorted by rank (a rank's own in the order it put them)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with socket.socket() as s:
@@ -17,7 +17,7 @@ def spawn_group(target, world: int, args: tuple, timeout: float = 3600) -> list:
     procs = [ctx.Process(target=target, args=(r, world, port, *args, results)) for r in range(world)]
     for p in procs:
         p.start()
-    rows = sorted((results.get(timeout=timeout) for _ in procs), key=lambda row: row[0])
+    rows = sorted((results.get(timeout=timeout) for _ in range(world * per_rank)), key=lambda row: row[0])
     for p in procs:
         p.join()
     return rows

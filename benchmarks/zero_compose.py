@@ -17,9 +17,7 @@ Printed: the largest rank's bytes per term and their sum against the plan's (pla
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from moetron.parallel.mesh import ParallelMesh  # noqa: E402
 from moetron.parallel.parallelize import build  # noqa: E402
 from moetron.plan.memory import estimate_memory  # noqa: E402
 from moetron.train.trainer import Trainer  # noqa: E402
+from process_group import spawn_group  # noqa: E402
 from zero import storage_bytes  # noqa: E402
 
 WORLD = 4
@@ -73,7 +72,7 @@ def state_of_one_step(trainer: Trainer) -> dict[str, int]:
     return out
 
 
-def measure(rank: int, port: int, args: argparse.Namespace, results) -> None:
+def measure(rank: int, world: int, port: int, args: argparse.Namespace, results) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     os.environ.update(MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
@@ -92,20 +91,9 @@ def measure(rank: int, port: int, args: argparse.Namespace, results) -> None:
 
 
 def run_group(args: argparse.Namespace) -> dict[str, list[dict]]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=measure, args=(r, port, args, results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
     measured: dict[str, list[dict]] = {name: [None] * WORLD for name in LAYOUTS}
-    for _ in range(WORLD * len(LAYOUTS)):
-        rank, name, row = results.get(timeout=3600)
+    for rank, name, row in spawn_group(measure, WORLD, (args,), per_rank=len(LAYOUTS)):
         measured[name][rank] = row
-    for p in procs:
-        p.join()
     return measured
 
 

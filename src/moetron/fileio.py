@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO
 
 from moetron.errors import UserError
+from moetron.scoped_memo import ScopedMemo
 
 # What an OSError means for the user, and what to do about it.
 ERRNO_FIXES = {
@@ -143,29 +144,15 @@ def _nearest_existing(path: Path) -> Path:
     return current
 
 
-_ANSWERS: dict | None = None  # directory → `writable_dir_problem`'s answer while `directories_checked_once()` is open
-
-
-@contextlib.contextmanager
-def directories_checked_once() -> Iterator[None]:
-    """Within the block, each directory's `writable_dir_problem` is asked of the filesystem once: `plan --search`
-    validates tens of thousands of layouts of one config, whose output directories never change meanwhile."""
-    global _ANSWERS
-    outer, _ANSWERS = _ANSWERS, {} if _ANSWERS is None else _ANSWERS
-    try:
-        yield
-    finally:
-        _ANSWERS = outer
+_DIRECTORY_ANSWERS = ScopedMemo()  # directory → `writable_dir_problem`'s answer
+# Within the block, each directory's `writable_dir_problem` is asked of the filesystem once: `plan --search`
+# validates tens of thousands of layouts of one config, whose output directories never change meanwhile.
+directories_checked_once = _DIRECTORY_ANSWERS.scope
 
 
 def writable_dir_problem(directory: str | os.PathLike) -> str | None:
     """Why files cannot be created in `directory` (it need not exist yet), or None."""
-    if _ANSWERS is None:
-        return _writable_dir_problem(directory)
-    key = os.fspath(directory)
-    if key not in _ANSWERS:
-        _ANSWERS[key] = _writable_dir_problem(directory)
-    return _ANSWERS[key]
+    return _DIRECTORY_ANSWERS.get(os.fspath(directory), lambda: _writable_dir_problem(directory))
 
 
 def _writable_dir_problem(directory: str | os.PathLike) -> str | None:
