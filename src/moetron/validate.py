@@ -15,7 +15,6 @@ from moetron.checkpoint.run_directory import run_directory_problems
 from moetron.config import ParallelConfig, RunConfig, TrainConfig
 from moetron.errors import ConfigError
 from moetron.fileio import output_dir_problem
-from moetron.model.mtp import mtp_layout_problems
 from moetron.parallel.cp.sizes import context_parallel_problems
 from moetron.parallel.dp.zero_spec import zero_problems
 from moetron.parallel.ep.dispatch_spec import EPDispatchSpec, ep_dispatch_problems
@@ -130,7 +129,6 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
     problems = list(dims.problems(cfg.model.experts_per_layer()))
     problems += cfg.model.problems()
     problems += tensor_parallel_problems(cfg.model, dims)
-    problems += mtp_layout_problems(cfg.model, dims.sp)
     problems += context_parallel_problems(cfg, dims)
     problems += cfg.data.problems()
     problems += train_problems(cfg, dims.dp)

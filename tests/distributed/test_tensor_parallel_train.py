@@ -15,8 +15,8 @@ Two spawned groups carry every check (spawning is the expensive part):
                an untied head and a shared expert at TP = 2 + SP × EP = 2; the same model with Qwen3's per-head
                QK RMSNorm (--qk-layernorm) at TP = 2 and TP = 2 + SP, their 12 steps and first gradients (the norm
                weights' summed over the head shards) against one process; two DeepSeek-V3 MTP modules
-               (--mtp-num-layers 2, loss factor 0.5) at TP = 2: 12 steps and first gradients (the MTP weights' too)
-               against one process.
+               (--mtp-num-layers 2, loss factor 0.5) at TP = 2 and TP = 2 + SP (each depth's input a sequence
+               shard): 12 steps of LM and MTP loss and first gradients (the MTP weights' too) against one process.
   4 processes: DP = 2 × TP = 2 × EP = 2 (folded), and with expert tensor parallelism (ETP = 2), sequence
                parallelism and activation checkpointing; the TP = 2 checkpoint loads at TP = 4.
 Between and after the groups this process loads the TP = 2 checkpoint at TP = 1 (the round trip).
@@ -118,10 +118,18 @@ def mtp(cfg):
 
 
 def curve(cfg, env: DistEnv | None = None) -> dict:
+    """First gradients, STEPS LM losses (and, with MTP modules, their mean loss of each step) and this rank's
+    parameter count."""
     trainer = parallel_trainer(cfg, env)
     grads = first_step_grads(trainer)
     params = sum(p.numel() for p in trainer.model.parameters())  # this rank's share, to check the plan's
-    return {"grads": grads, "losses": run_losses(trainer, STEPS), "params": params}
+    if not cfg.model.mtp_num_layers:
+        return {"grads": grads, "losses": run_losses(trainer, STEPS), "params": params}
+    losses, mtp_losses = [], []
+    for _ in range(STEPS):
+        losses += run_losses(trainer, 1)
+        mtp_losses.append(float(trainer.executor.last_mtp_loss))
+    return {"grads": grads, "losses": losses, "mtp_losses": mtp_losses, "params": params}
 
 
 def compiled_losses(env: DistEnv, steps: int = 3) -> list[float]:
@@ -176,6 +184,7 @@ def two_process_checks(rank: int, world_size: int, tp1_dir: str, tp2_dir: str) -
     out["qk_norm"] = curve(qk_norm(tp_config("top2-dropless", tp=2, sp=True)), env)
     out["qk_norm_tp2"] = curve(qk_norm(tp_config("top2-dropless", tp=2)), env)  # whole-sequence norms around it
     out["mtp"] = curve(mtp(tp_config("top2-dropless", tp=2)), env)
+    out["mtp_sp"] = curve(mtp(tp_config("top2-dropless", tp=2, sp=True)), env)  # each depth's input a shard
     return out
 
 
@@ -198,8 +207,11 @@ def check_params(results: list[dict], layouts: dict, world_size: int) -> None:
 
 
 def check_curve(got: dict, want: dict, what: str) -> None:
-    losses = torch.tensor(got["losses"], dtype=torch.float64)
-    torch.testing.assert_close(losses, torch.tensor(want["losses"], dtype=torch.float64), rtol=1e-4, atol=0, msg=what)
+    for key in ("losses", "mtp_losses"):
+        if key in want:
+            losses = torch.tensor(got[key], dtype=torch.float64)
+            wanted = torch.tensor(want[key], dtype=torch.float64)
+            torch.testing.assert_close(losses, wanted, rtol=1e-4, atol=0, msg=f"{what}: {key}")
     assert got["grads"].keys() == want["grads"].keys()
     for name, grad in want["grads"].items():
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
@@ -233,9 +245,10 @@ def test_tensor_parallel_training_and_checkpoints(tmp_path):
         torch.testing.assert_close(r["modern"], modern_losses, rtol=1e-4, atol=0)
         check_curve(r["qk_norm"], qk_norm_reference, "qk-layernorm tp2-sp")
         check_curve(r["qk_norm_tp2"], qk_norm_reference, "qk-layernorm tp2")
-        check_curve(r["mtp"], mtp_reference, "mtp tp2")
-        mtp_cfg = mtp(tp_config("top2-dropless", tp=2))
-        assert r["mtp"]["params"] == local_parameters(mtp_cfg.model, mtp_cfg.dims(2)).total  # the plan counts them
+        for key, sp in (("mtp", False), ("mtp_sp", True)):
+            check_curve(r[key], mtp_reference, key)
+            mtp_cfg = mtp(tp_config("top2-dropless", tp=2, sp=sp))
+            assert r[key]["params"] == local_parameters(mtp_cfg.model, mtp_cfg.dims(2)).total  # the plan counts them
     for r in two:  # exact resume at TP = 2: bit-identical to the uninterrupted TP = 2 run
         assert r["resume"]["head"] + r["resume"]["losses"] == r[("tp2", ROUTER)]["losses"]
         # TP = 1 → 2: the same validation loss, and the loaded optimizer state continues the one-process curve

@@ -364,22 +364,6 @@ CASES = [
         lambda w: ["plan", "--config", "quickstart", "--gpus", "2", *QK_NORM_ALL_HEADS_TP2.split()],
         "--qk-layernorm-scope all_heads with --tensor-model-parallel-size 2 is not supported",
     ),  # fmt: skip
-    (
-        "plan-mtp-sequence-parallel",  # refused before launch: the MTP modules shift whole sequences
-        lambda w: [
-            "plan",
-            "--config",
-            "quickstart",
-            "--gpus",
-            "2",
-            "--tensor-model-parallel-size",
-            "2",
-            "--sequence-parallel",
-            "--mtp-num-layers",
-            "1",
-        ],
-        "--mtp-num-layers 1 with --sequence-parallel is not supported yet",
-    ),  # fmt: skip
     # ---- quickstart
     ("quickstart-nproc", lambda w: ["quickstart", "--nproc", "3"], "--nproc 3"),
     (

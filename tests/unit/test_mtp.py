@@ -14,7 +14,6 @@ from trainer_support import build_trainer, random_samples, run_losses, tiny_conf
 from moetron.eval.generate import GenerationOptions, generate_batch
 from moetron.model.config import ModelConfig
 from moetron.model.gpt import create_model
-from moetron.model.mtp import mtp_layout_problems
 from moetron.validate import validate
 
 VOCAB, SEQ = 96, 16
@@ -113,22 +112,20 @@ def test_mtp_layers_are_moe_layers_like_the_last_layer_and_route_with_the_others
     assert dense.cfg.routed_layer_indices() == [1]
 
 
-def test_unsupported_layouts_are_refused_in_one_line_each():
-    cfg = ModelConfig(mtp_num_layers=1)
-    (sp,) = mtp_layout_problems(cfg, sp=True)
-    assert sp.startswith("--mtp-num-layers 1 with --sequence-parallel is not supported yet")
-    # TP, PP and EP run (tests/distributed/test_tensor_parallel_train.py, test_pipeline_parallel_train.py,
-    # test_expert_parallel_train.py): a MoE MTP layer under EP 2, at ZeRO 0 and 2, passes validate()
-    assert mtp_layout_problems(cfg, sp=False) == []
+def test_layouts_pass_validate_and_bad_values_are_refused_in_one_line_each():
+    # TP, TP + SP, PP and EP run (tests/distributed/test_tensor_parallel_train.py, test_pipeline_parallel_train.py,
+    # test_expert_parallel_train.py): a MoE MTP layer under EP 2, at ZeRO 0 and 2, and under TP 2 + SP passes
+    # validate()
     for zero_stage in (0, 2):
         run = tiny_config(mtp_num_layers=1)
         run.parallel.moe_expert_parallel_size, run.parallel.zero_stage = 2, zero_stage
         assert run.model.mtp_layer_experts() == 4 and run.dims(2).ep == 2
         assert not [p for p in validate(run, 2) if "mtp" in p], zero_stage
-    assert mtp_layout_problems(ModelConfig(), sp=True) == []
+    run = tiny_config(mtp_num_layers=1)
+    run.parallel.tensor_model_parallel_size, run.parallel.sequence_parallel = 2, True
+    assert run.dims(2).sp and not [p for p in validate(run, 2) if "mtp" in p]
     moe = ModelConfig(num_experts=[4], mtp_num_layers=1)  # the MTP layer is MoE, like the last main layer
     assert moe.mtp_layer_experts() == 4
-    assert mtp_layout_problems(moe, sp=False) == []  # EP and ZeRO's expert groups place it like the main layers
     bad = ModelConfig(seq_length=16, mtp_num_layers=16, mtp_loss_scaling_factor=-1.0).problems()
     assert "--mtp-num-layers must be in [0, --seq-length 16), got 16" in bad
     assert "--mtp-loss-scaling-factor must be a finite value >= 0, got -1.0" in bad

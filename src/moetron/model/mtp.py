@@ -19,10 +19,11 @@ random draws, its row in the routing statistics). Its aux loss reaches its route
 (`GPTModel.moe_layers()` lists it), and `--mtp-dense-layers` makes it a dense layer of --ffn-hidden-size channels.
 `GPTOutput.moe_loss` (a report) sums the main layers' aux losses only. Generation never runs the modules.
 Layouts: data, tensor (the layer on the main layers' TP plan, the shared head vocab-parallel:
-`parallel/tp/apply_tp.py`), pipeline (the modules on the last stage with copies of the embeddings:
-`parallel/pp/split.py`) and expert parallelism (a MoE MTP layer's experts sharded and dispatched over the EP group
-like the main layers', `parallel/ep/apply_ep.py`; under ZeRO-2/3 its own FSDP2 block with the experts over edp);
-not yet sequence or context parallelism.
+`parallel/tp/apply_tp.py`), sequence (each module's input shard gathered for the shift and eh_proj, eh_proj's
+output scattered back into the layer's SP plan, `_mtp_plan`), pipeline (the modules on the last stage with copies
+of the embeddings: `parallel/pp/split.py`) and expert parallelism (a MoE MTP layer's experts sharded and dispatched
+over the EP group like the main layers', `parallel/ep/apply_ep.py`; under ZeRO-2/3 its own FSDP2 block with the
+experts over edp); not yet context parallelism (refused by `parallel/cp/sizes.py`).
 They are built by `GPTModel` (which hands in its layer class), so this module imports nothing of the model's own.
 """
 
@@ -37,21 +38,6 @@ from moetron.model.config import ModelConfig
 from moetron.model.loss import HeadLoss
 from moetron.model.norm import build_norm
 from moetron.model.rng import STREAMS
-
-
-def mtp_layout_problems(cfg: ModelConfig, sp: bool) -> list[str]:
-    """The layouts the MTP modules do not run under yet, one line each (validate() reports them before launch).
-    Tensor parallelism (the modules on the main layers' TP plan, `parallel/tp/apply_tp.py`), pipeline parallelism
-    (the modules on the last stage, `parallel/pp/split.py`) and, for a MoE MTP layer, expert parallelism and ZeRO's
-    expert groups (`GPTModel.moe_layers()` and `parallel/dp/fsdp.py`'s `mtp_blocks` list it) run; context
-    parallelism is refused by `parallel/cp/sizes.py`; sequence parallelism (`sp`: on, with tp > 1) here."""
-    if cfg.mtp_num_layers and sp:
-        return [
-            f"--mtp-num-layers {cfg.mtp_num_layers} with --sequence-parallel is not supported yet (each MTP module "
-            f"shifts whole sequences, and its input would be a sequence shard); drop --sequence-parallel or use "
-            f"--mtp-num-layers 0"
-        ]
-    return []
 
 
 class MTPModule(nn.Module):

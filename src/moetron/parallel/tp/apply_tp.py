@@ -16,7 +16,8 @@
     q/k_layernorm            per-head QK norm on this rank's heads, weight replicated, gradient summed over tp
     MTP modules (model/mtp)  each one's transformer layer as the main (dense) layers; enorm, hnorm, eh_proj replicated;
                              its final norm hands the shared vocab-parallel head a replicated DTensor, as the model's
-                             does (`_mtp_plan`; not with sequence parallelism: validate() refuses it)
+                             does (`_mtp_plan`; with sequence parallelism its input is gathered for the shift and
+                             eh_proj, eh_proj's output scattered for the layer)
 
 With `--sequence-parallel` (Megatron's SP) the residual stream between the TP regions holds seq / tp positions:
 norms run on sequence shards (`SequenceParallel`), each attention / MLP / MoE input is all-gathered
@@ -110,14 +111,31 @@ def _layer_plan(layer: TransformerLayer, sp: bool) -> dict:
     return plan
 
 
-def _mtp_plan() -> dict:
+def _mtp_plan(sp: bool) -> dict:
     """An MTP module's own parts: its final norm's output meets the vocabulary-sharded head weight (the
-    vocab-parallel loss then reads sharded logits); the norms and eh_proj stay replicated."""
+    vocab-parallel loss then reads sharded logits); the norms and eh_proj stay replicated. With sequence
+    parallelism the module's input (the previous depth's sequence shard) is gathered, so that enorm, hnorm and
+    eh_proj see whole sequences next to the shifted tokens' embedding, and eh_proj's output is scattered into the
+    transformer layer's SP plan; the final norm runs on the shard and is gathered for the head (`apply_tp`)."""
+    if not sp:
+        return {
+            "final_layernorm": PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False
+            )
+        }
     return {
-        "final_layernorm": PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False
-        )
+        # (h, embedding, rope): the hidden state arrives as this rank's positions, the embedding whole
+        "": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=True
+        ),
+        "eh_proj": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+        "final_layernorm": SequenceParallel(),
     }
+
+
+def _sequence_gather() -> PrepareModuleOutput:
+    """A final norm's sequence-shard output gathered whole (a replicated DTensor) for the vocab-parallel head."""
+    return PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False)
 
 
 def _head_projections(layer: TransformerLayer) -> list[str]:
@@ -174,10 +192,7 @@ def apply_tp(model: GPTModel, mesh: ParallelMesh) -> None:
     parallelize_module(model, tp_mesh, _model_plan(model, sp))
     if sp and model.final_layernorm is not None:  # a second style on the same module: the head needs the whole
         # sequence (replicated)
-        gather = PrepareModuleOutput(
-            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False
-        )
-        parallelize_module(model.final_layernorm, tp_mesh, gather)
+        parallelize_module(model.final_layernorm, tp_mesh, _sequence_gather())
     mtp_modules = list(model.mtp.layers.values()) if getattr(model, "mtp", None) is not None else []
     for layer in [layer for _, layer in model.layer_items()] + [m.transformer_layer for m in mtp_modules]:
         parallelize_module(layer, tp_mesh, _layer_plan(layer, sp))
@@ -187,7 +202,12 @@ def apply_tp(model: GPTModel, mesh: ParallelMesh) -> None:
         if sp:
             layer.hidden_dropout = SequenceShardDropout(layer.hidden_dropout.p, rank, tp)
     for module in mtp_modules:
-        parallelize_module(module, tp_mesh, _mtp_plan())
+        plan = _mtp_plan(sp)
+        if "" in plan:  # a style on the module itself
+            parallelize_module(module, tp_mesh, plan.pop(""))
+        parallelize_module(module, tp_mesh, plan)
+        if sp:  # as the model's final norm: the head needs the whole sequence
+            parallelize_module(module.final_layernorm, tp_mesh, _sequence_gather())
     for module in model.modules():
         localize_parameters(module, rank, tp)
 
