@@ -138,9 +138,7 @@ def validate(cfg: RunConfig, world_size: int) -> list[str]:
     problems += output_problems(cfg)
     problems += zero_problems(cfg.parallel.zero_stage, cfg.parallel.use_distributed_optimizer, dims)
     problems += pipeline_problems(cfg.model.num_layers, cfg.parallel, _micro_batches(cfg, dims.dp))
-    problems += expert_replica_problems(
-        cfg.parallel.moe_expert_replicas, cfg.model.experts_per_layer(), dims, cfg.parallel.pipeline_schedule
-    )
+    problems += expert_replica_problems(cfg.parallel.moe_expert_replicas, cfg.model.experts_per_layer(), dims)
     problems += ep_dispatch_problems(
         EPDispatchSpec.from_config(cfg.parallel), cfg.model.experts_per_layer(), dims, cfg.parallel, cfg.train.compile
     )

@@ -10,7 +10,8 @@ One spawned group carries every check (spawning is the expensive part):
     `moe_ep_load_computed` <= 1.15 on those steps;
   - host reads: one layer step with replicas on the CUDA code path (grouped_mm) reads the device once per rank
     (the `.tolist()` of every split size), as the plain dispatcher does;
-  - composition, EP 2, 10 steps: with ZeRO 2 (capacity) and ZeRO 3 (dropless) on FSDP2, PP 2 × ZeRO 1, TP 2 + SP
+  - composition, EP 2, 10 steps: with ZeRO 2 (capacity) and ZeRO 3 (dropless) on FSDP2, PP 2 × ZeRO 1, PP 2 zero
+    bubble (torch's parameter groups split the expert weights: `parallel/pp/weight_groups.py`), TP 2 + SP
     (folding) × ZeRO 2 and TP 2 × expert TP 2 × ZeRO 3, the loss curve and the gradient norms equal those of the
     same layout without replicas within 1e-5 relative, with the same routed and balanced computed loads. (Under
     FSDP2 the replica weights must be read after its gather and their gradients reach the owner before its
@@ -44,10 +45,12 @@ from moetron.parallel.mesh import ParallelMesh
 STEPS, SAVE_AT, MBS = 20, 17, 2  # 20 steps, as issue 24 names; the resume covers the last 3
 COMPILED_STEPS = 6
 COMPOSE_STEPS = 10
+ZERO_BUBBLE = {"pipeline_schedule": "zero-bubble", "num_layers_per_virtual_pipeline_stage": 1}  # 2 per rank
 LAYOUTS = {  # name: (dropless, layers, parallel settings), each at EP 2 on 4 processes
     "zero2": (False, 2, {"zero_stage": 2}),
     "zero3": (True, 2, {"zero_stage": 3}),
     "pp2 zero1": (True, 4, {"pipeline_model_parallel_size": 2, "zero_stage": 1}),
+    "pp2 zb zero1": (True, 4, {"pipeline_model_parallel_size": 2, "zero_stage": 1, **ZERO_BUBBLE}),
     "tp2 sp zero2": (True, 2, {"tensor_model_parallel_size": 2, "sequence_parallel": True, "zero_stage": 2}),
     "tp2 etp2 zero3": (True, 2, {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2, "zero_stage": 3}),
 }

@@ -9,11 +9,9 @@ ZeRO 1–3 (the replica weights are read inside the experts' forward, after FSDP
 gradients reach the owner before FSDP2 reduce-scatters it, `replicas.py`), tensor parallelism + SP (folding: each
 TP rank's token share is replicated over its own EP group), expert TP (the EP group holds one channel slice: every
 replica is copied from the owner with the same slice), `--compile`, and pipelines (each stage's MoE layers
-replicate within that stage's EP group) on every schedule but zero bubble. Zero bubble is refused: its separate
-weight-gradient pass (torch's `stage_backward_weight`, one `autograd.grad` per parameter group, starting where a
-parameter's path meets the input's) fails with replicas on a saved tensor of the token permutation already freed
-(`GatherRows`): a pass walks input-path nodes an earlier one freed. Not yet understood: moving the replicas' join
-(`KeepInGraph`) off the owner's output changed nothing. Context parallelism refuses replicas itself
+replicate within that stage's EP group) on every schedule. Zero bubble needs its parameter groups merged exactly
+(`parallel/pp/weight_groups.py`: torch's grouping left an expert weight in two groups, whose weight passes both walked
+the replica all-to-all's backward). Context parallelism refuses replicas itself
 (`cp/sizes.py`), as do the static and overlapped dispatchers (`dispatch_spec.py`).
 """
 
@@ -22,9 +20,7 @@ from __future__ import annotations
 from moetron.parallel.dims import ParallelDims
 
 
-def expert_replica_problems(
-    replicas: int, experts_per_layer: list[int], dims: ParallelDims, pipeline_schedule: str | None = None
-) -> list[str]:
+def expert_replica_problems(replicas: int, experts_per_layer: list[int], dims: ParallelDims) -> list[str]:
     """One line per problem of `--moe-expert-replicas` (none when it is 0, today's behaviour)."""
     if replicas == 0:
         return []
@@ -39,10 +35,5 @@ def expert_replica_problems(
         return [
             f"{flag} must be below the experts each EP rank holds ({fewest_local} = --num-experts / "
             f"--moe-expert-parallel-size {dims.ep}); use at most {max(fewest_local - 1, 0)} or more experts per rank"
-        ]
-    if dims.pp > 1 and pipeline_schedule == "zero-bubble":
-        return [
-            f"{flag} is not supported with --pipeline-schedule zero-bubble yet (its separate weight-gradient "
-            "pass fails on the replicas' graph); use --pipeline-schedule 1f1b, interleaved-1f1b or gpipe"
         ]
     return []

@@ -23,6 +23,7 @@ from torch.distributed import pipelining
 
 from moetron.parallel.dp.replicate import DataParallel
 from moetron.parallel.pp.split import PipelineParts
+from moetron.parallel.pp.weight_groups import exact_param_groups
 
 ForwardContext = Callable[[int], contextlib.AbstractContextManager]  # micro-batch index → its context
 
@@ -33,7 +34,8 @@ class MoetronStage(pipelining.PipelineStage):
     forward    inside `forward_context(micro-batch index)`: the layout-free random streams keyed by that
                micro-batch's first sample (so every schedule order reproduces the one-process draws) and autocast;
     backward   the expert-gradient reducer armed for the stage's last backward (torch's stage already runs DDP's
-               `no_sync` for the others and prepares DDP's reduction for the last).
+               `no_sync` for the others and prepares DDP's reduction for the last); zero bubble's input half
+               groups the parameters with `merged_param_groups` (`weight_groups.py`: torch's can split one).
     """
 
     def __init__(
@@ -58,7 +60,8 @@ class MoetronStage(pipelining.PipelineStage):
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        with self.data_parallel.micro_batch(last_backward):
+        groups = exact_param_groups() if backward_type == "input" else contextlib.nullcontext()  # zero bubble
+        with self.data_parallel.micro_batch(last_backward), groups:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
 
