@@ -18,7 +18,8 @@ SRC = Path(moetron.__file__).resolve().parent
 # layout arithmetic `RunConfig.dims()` returns, YAML loading, the shipped recipes, errors and the atomic write.
 LEAF = {"moetron", "moetron.config", "moetron.config_cli", "moetron.recipes", "moetron.errors", "moetron.fileio"}
 LEAF |= {"moetron.model.config", "moetron.model.moe.routing.router_config", "moetron.data.config"}
-LEAF |= {"moetron.parallel.dims", "moetron.recipes.scale_down", "moetron.progress", "moetron.scoped_memo"}
+LEAF |= {"moetron.parallel.dims", "moetron.recipes.scale_down", "moetron.progress"}
+LEAF |= {"moetron.scoped_memo", "moetron.process_memory"}
 # Entry points: the CLI and its commands (argument parsing and printing) on top of everything.
 ENTRY = {"moetron.cli", "moetron.__main__", "moetron.commands"}
 # Process mains inside a package, run as `python -m`: they may call the CLI (`plan --search --measure`'s torchrun

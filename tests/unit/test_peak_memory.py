@@ -1,7 +1,9 @@
 """Peak memory in the log: measured per log interval beside the plan's prediction; allocator snapshots on CUDA only."""
 
 import json
-import resource
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from trainer_support import build_trainer, tiny_config
 
 from moetron.commands.train import planned_peak_bytes
 from moetron.plan.memory import estimate_memory
+from moetron.process_memory import peak_rss_bytes
 from moetron.train.metrics import METRIC_KEYS, console_line
 from moetron.train.peak_memory import GIB, MemorySnapshots, peak_memory, planned_line
 from moetron.validate import validate
@@ -21,7 +24,7 @@ def test_metrics_carry_the_peak_and_the_plans_prediction(tmp_path, capsys):
     assert trainer.train() == 0
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(tuple(m) == METRIC_KEYS for m in metrics)
-    rss_now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # Linux: KiB
+    rss_now = peak_rss_bytes() / GIB
     for m in metrics:  # CPU: the process's peak RSS so far (it never falls), no reserved figure
         assert 0 < m["peak_memory_gib"] <= rss_now and m["reserved_memory_gib"] is None
         assert m["planned_memory_gib"] == 3.0
@@ -71,3 +74,17 @@ def test_snapshot_steps_need_a_run_directory_and_positive_steps():
     problems = "\n".join(validate(tiny_config(memory_snapshot_steps=[0, 5]), 1))
     assert "--memory-snapshot-steps 0 is not a positive iteration" in problems
     assert "add --save DIR or --output-dir DIR" in problems
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM is Linux's /proc")
+def test_a_child_reports_its_own_peak_not_its_launchers():
+    """Linux copies `ru_maxrss` into a child at fork and keeps it until the child exceeds it, so a small run started
+    from a large process (a test runner late in the suite) reported its launcher's peak; VmHWM starts afresh at exec."""
+    launcher = bytearray(400 * 2**20)
+    launcher[::4096] = b"\1" * len(launcher[::4096])  # touch every page: 400 MiB resident here
+    code = "import resource; from moetron.process_memory import peak_rss_bytes; "
+    code += "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak_rss_bytes())"
+    inherited, own = map(int, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                             check=True).stdout.split())  # fmt: skip
+    assert inherited >= len(launcher) > 4 * own  # the child's ru_maxrss is the launcher's; its own peak is small
+    del launcher

@@ -18,20 +18,11 @@ import os
 import sys
 from pathlib import Path
 
+from moetron.process_memory import vmhwm_bytes
+
 OUT_ENV = "MOETRON_MEASURE_DIR"
 CPU_STEP_S: list[float] = []
 RECORDED: list[bool] = []  # once per process: the run's end is seen by DistEnv.finish and by atexit
-
-
-def vmhwm_bytes() -> int | None:
-    try:
-        lines = Path("/proc/self/status").read_text().splitlines()
-    except OSError:
-        return None  # not Linux
-    for line in lines:
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024  # kB
-    return None
 
 
 def record() -> None:

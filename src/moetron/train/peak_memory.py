@@ -3,12 +3,12 @@
 CUDA: `torch.cuda.max_memory_allocated` (what tensors held at the peak) and `max_memory_reserved` (what the caching
 allocator took from the driver: what `nvidia-smi` shows), both since the start of the run. They are counters of the
 allocator read on the host: no device synchronisation, and they are read only when a log line is written. CPU: the
-process's peak resident set (`resource.getrusage`: the interpreter and libraries included, so on small models it
-is mostly not tensors); no reserved figure. The log line is rank 0's (its device); `moetron plan` predicts the
-heaviest rank's peak, which the startup banner prints beside (`planned_line`). On CPU the process's peak RSS before
-the model is built (`startup_baseline`: the interpreter, torch's libraries, the process groups; about 0.3 GiB,
-which no tensor accounting holds) is logged beside it (`baseline_memory_gib`), so that measured − baseline is what
-compares with the plan: `mem 0.52 GiB RSS (plan 0.16 + 0.29 at start)`.
+process's peak resident set (`process_memory.py`: VmHWM, this process's own; the interpreter and libraries
+included, so on small models it is mostly not tensors); no reserved figure. The log line is rank 0's (its device);
+`moetron plan` predicts the heaviest rank's peak, which the startup banner prints beside (`planned_line`). On CPU
+the process's peak RSS before the model is built (`startup_baseline`: the interpreter, torch's libraries, the
+process groups; about 0.3 GiB, which no tensor accounting holds) is logged beside it (`baseline_memory_gib`), so
+that measured − baseline is what compares with the plan: `mem 0.52 GiB RSS (plan 0.16 + 0.29 at start)`.
 
 `--memory-snapshot-steps N …`: on CUDA the allocator records every allocation's stack from the start
 (`torch.cuda.memory._record_memory_history`) and after each listed iteration writes the snapshot to
@@ -19,13 +19,12 @@ there is no such allocator: the startup prints a note and nothing is written.
 from __future__ import annotations
 
 import pickle
-import resource
-import sys
 from pathlib import Path
 
 import torch
 
 from moetron.fileio import write_atomic
+from moetron.process_memory import peak_rss_bytes
 
 GIB = 1024**3
 SNAPSHOT_ENTRIES = 100_000  # allocation events kept (torchtitan's default)
@@ -38,9 +37,7 @@ def peak_memory(device: torch.device) -> dict[str, float | None]:
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / GIB,
             "reserved_memory_gib": torch.cuda.max_memory_reserved(device) / GIB,
         }
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rss_bytes = rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes
-    return {"peak_memory_gib": rss_bytes / GIB, "reserved_memory_gib": None}
+    return {"peak_memory_gib": peak_rss_bytes() / GIB, "reserved_memory_gib": None}
 
 
 def startup_baseline(device: torch.device) -> float | None:
