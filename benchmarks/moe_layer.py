@@ -408,20 +408,21 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     threads, reps = torch.get_num_threads(), args.reps
     print(f"torch {torch.__version__}, {threads} thread(s), {args.clock} time, fp32 CPU, median of {reps} fwd+bwd\n")
-    if args.phases:
-        print("| shape | implementation | phase | time / floor |")
-        print("|---|---|---|---|")
-        for index in args.shapes:
-            for line in run_phases(SHAPES[index], args.reps, args.warmup, CLOCKS[args.clock]):
-                print(line, flush=True)
-        return
-    if args.fast_paths:
-        print("| shape | without | with | with / without (median of reps) | outputs and grads equal |")
-        print("|---|---|---|---|---|")
-        for index in args.shapes:
-            for line in run_fast_paths(SHAPES[index], args.reps, args.warmup, CLOCKS[args.clock]):
-                print(line, flush=True)
-        return
+    tables = {  # the other modes: a header and a row source per shape
+        "phases": ("| shape | implementation | phase | time / floor |\n|---|---|---|---|", run_phases),
+        "fast_paths": (
+            "| shape | without | with | with / without (median of reps) | outputs and grads equal |\n"
+            "|---|---|---|---|---|",
+            run_fast_paths,
+        ),
+    }
+    for mode, (header, rows) in tables.items():
+        if getattr(args, mode):
+            print(header)
+            for index in args.shapes:
+                for line in rows(SHAPES[index], args.reps, args.warmup, CLOCKS[args.clock]):
+                    print(line, flush=True)
+            return
     print("| shape | implementation | time / floor | peak memory / floor |")
     print("|---|---|---|---|")
     for index in args.shapes:
