@@ -46,7 +46,7 @@ from moetron.model.loss import HeadLoss, fuses_head, make_head_loss
 from moetron.model.mla import MultiLatentAttention
 from moetron.model.mlp import MLP
 from moetron.model.moe.layer import MoEAux, MoELayer
-from moetron.model.mtp import MultiTokenPrediction
+from moetron.model.mtp import MultiTokenPrediction, mtp_transformer_layers
 from moetron.model.norm import build_norm
 from moetron.model.rng import STREAMS
 from moetron.model.rotary import rotary_angles, yarn_of
@@ -252,10 +252,8 @@ class GPTModel(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         """The MoE layers, in layer order, then the MTP modules' (so expert parallelism, tensor parallelism's
         dispatchers, the expert-bias updates and the routing statistics cover them: `cfg.routed_layer_indices()`)."""
-        layers = [layer.mlp for layer in self.layers.values() if layer.is_moe]
-        if self.mtp is not None:
-            layers += [m.transformer_layer.mlp for m in self.mtp.layers.values() if m.transformer_layer.is_moe]
-        return layers
+        layers = list(self.layers.values()) + mtp_transformer_layers(self)
+        return [layer.mlp for layer in layers if layer.is_moe]
 
     def set_inference_routing(self, dropless: bool) -> None:
         """dropless=True: every MoE router keeps all tokens (capacity = the largest expert load), so that

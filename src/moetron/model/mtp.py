@@ -100,6 +100,13 @@ class MultiTokenPrediction(nn.Module):
         return torch.stack(losses).mean()
 
 
+def mtp_transformer_layers(module: nn.Module) -> list[nn.Module]:
+    """The transformer layers of the MTP modules a model or pipeline stage module holds (none without `mtp`): the
+    one list expert parallelism, TP and ZeRO's FSDP blocks each cover beside the main layers."""
+    mtp = getattr(module, "mtp", None)
+    return [] if mtp is None else [m.transformer_layer for m in mtp.layers.values()]
+
+
 def embed_tokens(model: nn.Module, tokens_BT: torch.Tensor) -> torch.Tensor:
     """The shared word embeddings of `tokens` (+ learned positions 0 … T − 1), without the embedding dropout."""
     x_BTC = model.word_embeddings(tokens_BT)

@@ -44,6 +44,7 @@ from torch import nn
 
 from moetron.model.gpt import GPTModel, TransformerLayer
 from moetron.model.init import init_tree, output_std
+from moetron.model.mtp import mtp_transformer_layers
 from moetron.parallel.dp.base import DataParallel
 from moetron.parallel.dp.zero_spec import ZeroSpec
 from moetron.parallel.mesh import ParallelMesh
@@ -143,18 +144,13 @@ def shard_root(model: GPTModel, mesh: ParallelMesh, spec: ZeroSpec) -> None:
     fully_shard(model, mesh=mesh.submesh("dp_cp"), reshard_after_forward=False, mp_policy=policies(spec)[1])
 
 
-def mtp_blocks(module: nn.Module) -> list[TransformerLayer]:
-    """The transformer layers of the MTP modules a model or stage module holds (`model/mtp.py`): FSDP2 blocks like
-    the main layers', so a MoE MTP layer's experts get their own edp group too (under expert parallelism each rank
-    holds other experts than its dp peers: reduced over dp, their gradients would mix)."""
-    mtp = getattr(module, "mtp", None)
-    return [] if mtp is None else [m.transformer_layer for m in mtp.layers.values()]
-
-
 def fully_shard_model(model: GPTModel, mesh: ParallelMesh, spec: ZeroSpec) -> None:
     """Every FSDP2 group of a materialised model (each rank briefly holds the whole model: prefer building it with
     `materialize_sharded`)."""
-    for layer in [layer for _, layer in model.layer_items()] + mtp_blocks(model):
+    # the MTP modules' layers are FSDP2 blocks like the main layers', so a MoE MTP layer's experts get their own edp
+    # group too (under expert parallelism each rank holds other experts than its dp peers: reduced over dp, their
+    # gradients would mix)
+    for layer in [layer for _, layer in model.layer_items()] + mtp_transformer_layers(model):
         shard_block(layer, mesh, spec)
     shard_root(model, mesh, spec)
 
@@ -190,7 +186,7 @@ def materialize_sharded(model: GPTModel, mesh: ParallelMesh, spec: ZeroSpec, dev
         if unit is not model:
             shard_block(unit, mesh, spec)
             return
-        for layer in mtp_blocks(model):  # materialised with the root's own modules
+        for layer in mtp_transformer_layers(model):  # materialised with the root's own modules
             shard_block(layer, mesh, spec)
         if not spec.pipelined:  # under pipelining each stage module is a root of its own (`shard_stage`)
             shard_root(model, mesh, spec)
@@ -233,7 +229,7 @@ def shard_stage(stage: nn.Module, mesh: ParallelMesh, spec: ZeroSpec) -> None:
     gradients once, after the step's last micro-batch."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in list(stage.layers.values()) + mtp_blocks(stage):
+    for layer in list(stage.layers.values()) + mtp_transformer_layers(stage):
         if not is_sharded(layer):
             shard_block(layer, mesh, spec)
     fully_shard(stage, mesh=mesh.submesh("dp_cp"), reshard_after_forward=False, mp_policy=policies(spec)[1])
@@ -249,7 +245,7 @@ def apply_fsdp(module: nn.Module, mesh: ParallelMesh, spec: ZeroSpec) -> Sharded
         shard_stage(module, mesh, spec)
     divided_after = None
     if experts_have_own_group(mesh) and (divisor := mesh_expert_reduction(mesh).divide_after) > 1:
-        layers = list(module.layers.values()) + mtp_blocks(module)
+        layers = list(module.layers.values()) + mtp_transformer_layers(module)
         experts = [p for layer in layers if layer.is_moe for p in layer.mlp.experts.parameters()]
         divided_after = (experts, divisor)
     return ShardedDataParallel(module, divided_after)

@@ -55,6 +55,7 @@ from torch.distributed.tensor.parallel import (
 from moetron.model.gpt import GPTModel, TransformerLayer
 from moetron.model.loss import language_model_loss, masked_mean
 from moetron.model.mla import MultiLatentAttention
+from moetron.model.mtp import mtp_transformer_layers
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
 from moetron.parallel.tp.shard_views import ShardViews, localize_parameters
@@ -194,7 +195,7 @@ def apply_tp(model: GPTModel, mesh: ParallelMesh) -> None:
         # sequence (replicated)
         parallelize_module(model.final_layernorm, tp_mesh, _sequence_gather())
     mtp_modules = list(model.mtp.layers.values()) if getattr(model, "mtp", None) is not None else []
-    for layer in [layer for _, layer in model.layer_items()] + [m.transformer_layer for m in mtp_modules]:
+    for layer in [layer for _, layer in model.layer_items()] + mtp_transformer_layers(model):
         parallelize_module(layer, tp_mesh, _layer_plan(layer, sp))
         layer.self_attention.stream_shard = ("tp", rank)
         if isinstance(layer.self_attention, MultiLatentAttention):
