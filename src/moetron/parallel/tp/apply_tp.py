@@ -17,7 +17,7 @@
     MTP modules (model/mtp)  each one's transformer layer as the main (dense) layers; enorm, hnorm, eh_proj replicated;
                              its final norm hands the shared vocab-parallel head a replicated DTensor, as the model's
                              does (`_mtp_plan`; with sequence parallelism its input is gathered for the shift and
-                             eh_proj, eh_proj's output scattered for the layer)
+                             eh_proj, `_mtp_input_gather`, and eh_proj's output scattered for the layer)
 
 With `--sequence-parallel` (Megatron's SP) the residual stream between the TP regions holds seq / tp positions:
 norms run on sequence shards (`SequenceParallel`), each attention / MLP / MoE input is all-gathered
@@ -115,9 +115,8 @@ def _layer_plan(layer: TransformerLayer, sp: bool) -> dict:
 def _mtp_plan(sp: bool) -> dict:
     """An MTP module's own parts: its final norm's output meets the vocabulary-sharded head weight (the
     vocab-parallel loss then reads sharded logits); the norms and eh_proj stay replicated. With sequence
-    parallelism the module's input (the previous depth's sequence shard) is gathered, so that enorm, hnorm and
-    eh_proj see whole sequences next to the shifted tokens' embedding, and eh_proj's output is scattered into the
-    transformer layer's SP plan; the final norm runs on the shard and is gathered for the head (`apply_tp`)."""
+    parallelism eh_proj's output (whole sequences, see `_mtp_input_gather`) is scattered into the transformer
+    layer's SP plan, and the final norm runs on the shard and is gathered for the head (`apply_tp`)."""
     if not sp:
         return {
             "final_layernorm": PrepareModuleOutput(
@@ -125,13 +124,18 @@ def _mtp_plan(sp: bool) -> dict:
             )
         }
     return {
-        # (h, embedding, rope): the hidden state arrives as this rank's positions, the embedding whole
-        "": PrepareModuleInput(
-            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=True
-        ),
         "eh_proj": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
         "final_layernorm": SequenceParallel(),
     }
+
+
+def _mtp_input_gather() -> PrepareModuleInput:
+    """With sequence parallelism, an MTP module's input (h, embedding, rope): the previous depth's hidden state
+    arrives as this rank's positions and is gathered whole, so that enorm, hnorm and eh_proj see whole sequences
+    next to the shifted tokens' embedding (which arrives whole)."""
+    return PrepareModuleInput(
+        input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=True
+    )
 
 
 def _sequence_gather() -> PrepareModuleOutput:
@@ -203,10 +207,9 @@ def apply_tp(model: GPTModel, mesh: ParallelMesh) -> None:
         if sp:
             layer.hidden_dropout = SequenceShardDropout(layer.hidden_dropout.p, rank, tp)
     for module in mtp_modules:
-        plan = _mtp_plan(sp)
-        if "" in plan:  # a style on the module itself
-            parallelize_module(module, tp_mesh, plan.pop(""))
-        parallelize_module(module, tp_mesh, plan)
+        if sp:
+            parallelize_module(module, tp_mesh, _mtp_input_gather())
+        parallelize_module(module, tp_mesh, _mtp_plan(sp))
         if sp:  # as the model's final norm: the head needs the whole sequence
             parallelize_module(module.final_layernorm, tp_mesh, _sequence_gather())
     for module in model.modules():
