@@ -35,6 +35,7 @@ from moetron.model.autocast_dtype import autocast_dtype
 # GPU: the chunk's logits are about as large as the whole input x_NC (Liger-Kernel's rule: ⌈V / C⌉ chunks), at
 # least 1024 rows, so the GEMMs stay large while the memory stays O(N·C).
 CPU_CHUNK_BYTES = 8 * 2**20
+SOFTMAX_BLOCK_BYTES = 2 * 2**20
 MIN_CPU_ROWS, MIN_GPU_ROWS = 256, 1024
 
 
@@ -45,77 +46,110 @@ def chunk_tokens(num_tokens: int, hidden: int, vocab: int, device: torch.device)
     return max(MIN_GPU_ROWS, -(-num_tokens // -(-vocab // hidden)))
 
 
-def _softmax_and_label_logp(
-    logits_MV: torch.Tensor, labels_M1: torch.Tensor, out_MV: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(softmax [M, V] written into `out_MV`, log-probability of each row's label [M, 1]), fp32.
+def softmax_block_rows(vocab: int, device: torch.device, threads: int) -> int:
+    """Rows per element-wise block of a chunk (its max, softmax and probability max run block by block).
 
-    One pass of exp over the chunk, not two: `log_softmax` then `exp_` (the old way) evaluates exp twice, and exp
-    is the chunk's largest cost after its GEMMs (~20% less for that part at V = 50k on CPU). The label's
-    log-probability is `log_softmax`'s formula, logit − max − log Σ exp(logit − max), with Σ exp(logit − max) read
-    back from the softmax itself: at the row's maximum exp(0) = 1, so its probability is 1 / Σ (never below 1 / V,
-    so its log is finite). Equal to log_softmax's value to fp32 rounding."""
-    probs_MV = torch.softmax(logits_MV, dim=1, out=out_MV)
-    max_M1 = logits_MV.amax(dim=1, keepdim=True)
-    log_sum_M1 = -torch.log(probs_MV.amax(dim=1, keepdim=True))
-    return probs_MV, logits_MV.gather(1, labels_M1) - max_M1 - log_sum_M1
+    CPU, one thread: ~2 MiB of fp32 logits (a core's L2), so a block stays cached from its max through its softmax
+    to the max of its probabilities — 2–4% less CPU for the whole head than one block per chunk (768 × 128 × 50304,
+    `benchmarks/fused_head.py`). More threads: the whole chunk — every block is three parallel regions, and at two
+    threads blocks under 8 MiB cost more in thread wake-ups than the cache saves (+6% CPU at 2 MiB). GPU: the whole
+    chunk (fewer kernel launches; there is no such cache to stay in)."""
+    if device.type == "cpu" and threads == 1:
+        return max(1, SOFTMAX_BLOCK_BYTES // (4 * vocab))
+    return 2**62
 
 
-def _logits_grad(probs_MV: torch.Tensor, labels_M1: torch.Tensor, weight_M1: torch.Tensor) -> torch.Tensor:
-    """d(Σ weight · CE)/d logits = weight · (softmax − one-hot), in place of the probabilities."""
-    grad_MV = probs_MV
-    grad_MV.scatter_add_(1, labels_M1, torch.full_like(weight_M1, -1.0))
-    return grad_MV.mul_(weight_M1)
+def _softmax_in_place_and_label_logp(logits_MV: torch.Tensor, labels_M1: torch.Tensor, rows: int) -> torch.Tensor:
+    """Overwrite the fp32 logits with their softmax; return the log-probability of each row's label [M, 1].
+
+    One exp per element, and no [M, V] buffer besides the logits: the label's log-probability is log_softmax's
+    formula, logit − max − log Σ exp(logit − max), with Σ exp(logit − max) read back from the softmax itself: at the
+    row's maximum exp(0) = 1, so its probability is 1 / Σ (never below 1 / V, so its log is finite). The row max
+    before and the probability max after are taken block by block (`rows` rows, cache-sized) next to the block's
+    softmax, not as two more passes over a chunk that does not fit in cache. Equal to log_softmax's value to fp32
+    rounding; the softmax is bitwise the out-of-place one (per row: max, then exp(x − max) elementwise, then the
+    scale by 1 / Σ)."""
+    label_logit_M1 = logits_MV.gather(1, labels_M1)  # before the softmax overwrites the logits
+    max_M1 = torch.empty_like(label_logit_M1)
+    prob_max_M1 = torch.empty_like(label_logit_M1)
+    for start in range(0, logits_MV.shape[0], rows):
+        block = logits_MV[start : start + rows]
+        torch.amax(block, dim=1, keepdim=True, out=max_M1[start : start + rows])
+        torch.softmax(block, dim=1, out=block)
+        torch.amax(block, dim=1, keepdim=True, out=prob_max_M1[start : start + rows])
+    return label_logit_M1 - max_M1 + torch.log(prob_max_M1)
 
 
-def _accumulate_weight_grad(dw_VC: torch.Tensor, grad_MV: torch.Tensor, x_MC: torch.Tensor, first: bool) -> None:
-    """dW (fp32) += grad_MVᵀ · x_MC; the first chunk writes it (no zero-fill of a [V, C] buffer)."""
-    if grad_MV.dtype == dw_VC.dtype:
+def _logits_grad_in_place(probs_MV: torch.Tensor, labels_M1: torch.Tensor) -> torch.Tensor:
+    """softmax − one-hot, in place of the probabilities (M elements touched: the per-row weight and the loss scale
+    are applied to the [M, C] side of the GEMMs, not to the [M, V] chunk)."""
+    return probs_MV.scatter_add_(1, labels_M1, torch.full(labels_M1.shape, -1.0, device=probs_MV.device))
+
+
+def _accumulate_weight_grad(dw_CV: torch.Tensor, x_MC: torch.Tensor, grad_MV: torch.Tensor, first: bool) -> None:
+    """dW_CV (fp32) += x_MCᵀ · grad_MV; the first chunk writes it (no zero-fill of a [C, V] buffer)."""
+    if grad_MV.dtype == dw_CV.dtype:
         if first:
-            torch.mm(grad_MV.T, x_MC, out=dw_VC)
+            torch.mm(x_MC.T, grad_MV, out=dw_CV)
         else:
-            dw_VC.addmm_(grad_MV.T, x_MC)
+            dw_CV.addmm_(x_MC.T, grad_MV)
         return
-    part_VC = (grad_MV.T @ x_MC).float()  # bf16/fp16 GEMM, fp32 accumulation across chunks
+    part_CV = (x_MC.T @ grad_MV).float()  # bf16/fp16 GEMM, fp32 accumulation across chunks
     if first:
-        dw_VC.copy_(part_VC)
+        dw_CV.copy_(part_CV)
     else:
-        dw_VC.add_(part_VC)
+        dw_CV.add_(part_CV)
 
 
 class FusedLinearCrossEntropy(torch.autograd.Function):
-    """Σ_n weight_N[n] · CE(x_NC[n] · weight_VCᵀ, labels_N[n]), gradients computed chunk by chunk in forward."""
+    """Σ_n weight_N[n] · CE(x_NC[n] · weight_VCᵀ, labels_N[n]), gradients computed chunk by chunk in forward.
+
+    Per chunk, with G = softmax − one-hot ([M, V]) and s_M1 = weight_M1 · grad_scale (the row factor):
+      fp32:       dx_MC = s_M1 ⊙ (G · W)      dW_CV += (s_M1 ⊙ x_MC)ᵀ · G
+                  — the factor scales [M, C] tensors, so no pass over the [M, V] chunk multiplies it;
+      bf16/fp16:  G_low = s_M1 ⊙ G, cast in the same pass (the scale before the cast: see the module docstring),
+                  dx_MC = G_low · W, dW_CV += x_MCᵀ · G_low (fp32 accumulation).
+    dW is accumulated transposed, [C, V]: MKL runs xᵀ · G ([C, M] · [M, V]) ~1.5× faster than Gᵀ · x ([V, M] · [M, C]),
+    at M = 256, C = 128, V = 50304, one and two threads; the backward writes it back as [V, C] once."""
 
     @staticmethod
     def forward(ctx, x_NC, w_VC, labels_N, weight_N, chunk: int, grad_scale: float):
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dtype = autocast_dtype(x_NC)
+        low = dtype != torch.float32
         with torch.autocast(x_NC.device.type, enabled=False):
             xc_NC, wc_VC = x_NC.to(dtype), w_VC.to(dtype)
             dx_NC = torch.empty_like(xc_NC) if needs_dx else None
-            dw_VC = torch.empty(w_VC.shape, dtype=torch.float32, device=w_VC.device) if needs_dw else None
+            dw_CV = torch.empty(w_VC.shape[::-1], dtype=torch.float32, device=w_VC.device) if needs_dw else None
             loss = torch.zeros((), dtype=torch.float32, device=x_NC.device)
-            # two chunk buffers, reused: fresh [M, V] allocations would be page-faulted in on every chunk (CPU)
+            # one chunk buffer, reused (fresh [M, V] allocations would be page-faulted in on every chunk on CPU);
+            # the low-precision path adds an fp32 one for the softmax and writes its gradient over its logits
             rows, vocab = min(chunk, x_NC.shape[0]), w_VC.shape[0]
             logits_buf = torch.empty(rows, vocab, dtype=dtype, device=x_NC.device)
-            probs_buf = torch.empty(rows, vocab, dtype=torch.float32, device=x_NC.device)
+            probs_buf = torch.empty(rows, vocab, dtype=torch.float32, device=x_NC.device) if low else logits_buf
+            block_rows = softmax_block_rows(vocab, x_NC.device, torch.get_num_threads())
             for start in range(0, x_NC.shape[0], chunk):
                 end = min(start + chunk, x_NC.shape[0])
                 x_MC = xc_NC[start:end]
                 logits_MV = torch.mm(x_MC, wc_VC.T, out=logits_buf[: end - start])
                 labels_M1, weight_M1 = labels_N[start:end, None], weight_N[start:end, None]
-                probs_MV, logp_M1 = _softmax_and_label_logp(logits_MV.float(), labels_M1, probs_buf[: end - start])
+                probs_MV = probs_buf[: end - start].copy_(logits_MV) if low else logits_MV
+                logp_M1 = _softmax_in_place_and_label_logp(probs_MV, labels_M1, block_rows)
                 loss -= (logp_M1 * weight_M1).sum()
-                if needs_dx or needs_dw:
-                    grad_MV = _logits_grad(probs_MV, labels_M1, weight_M1)
-                    if grad_scale != 1.0:
-                        grad_MV.mul_(grad_scale)  # fp32, before the cast (see the module docstring)
-                    grad_MV = grad_MV.to(dtype)
-                    if needs_dx:
-                        torch.mm(grad_MV, wc_VC, out=dx_NC[start:end])
-                    if needs_dw:
-                        _accumulate_weight_grad(dw_VC, grad_MV, x_MC, first=start == 0)
-        ctx.grads = (dx_NC, dw_VC)  # not save_for_backward: these are scaled in place, once
+                if not (needs_dx or needs_dw):
+                    continue
+                grad_MV = _logits_grad_in_place(probs_MV, labels_M1)
+                scale_M1 = weight_M1 * grad_scale if grad_scale != 1.0 else weight_M1
+                if low:  # fp32 product, one cast, over the consumed logits
+                    grad_MV = torch.mul(grad_MV, scale_M1, out=logits_MV)
+                if needs_dx:
+                    dx_MC = torch.mm(grad_MV, wc_VC, out=dx_NC[start:end])
+                    if not low:
+                        dx_MC.mul_(scale_M1)
+                if needs_dw:
+                    x_in_MC = x_MC if low else x_MC * scale_M1
+                    _accumulate_weight_grad(dw_CV, x_in_MC, grad_MV, first=start == 0)
+        ctx.grads = (dx_NC, dw_CV)  # not save_for_backward: these are scaled once, in the backward
         ctx.input_dtypes, ctx.grad_scale = (x_NC.dtype, w_VC.dtype), grad_scale
         return loss
 
@@ -123,12 +157,14 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         if ctx.grads is None:
             raise RuntimeError("the fused LM-head cross-entropy supports one backward per forward (no retain_graph)")
-        (dx_NC, dw_VC), ctx.grads = ctx.grads, None
+        (dx_NC, dw_CV), ctx.grads = ctx.grads, None
         x_dtype, w_dtype = ctx.input_dtypes
-        # in place: a [V, C] buffer fewer (and no fresh pages) per step; exactly 1.0 when the announced scale held
-        ratio = grad_loss / ctx.grad_scale
+        ratio = grad_loss / ctx.grad_scale  # exactly 1.0 when the announced scale held
         dx = None if dx_NC is None else dx_NC.mul_(ratio.to(dx_NC.dtype)).to(x_dtype)
-        dw = None if dw_VC is None else dw_VC.mul_(ratio).to(w_dtype)
+        dw = None
+        if dw_CV is not None:  # [C, V] back to the weight's [V, C], scaled in the same pass
+            dw = torch.empty(dw_CV.shape[::-1], dtype=w_dtype, device=dw_CV.device)
+            torch.mul(dw_CV.T, ratio, out=dw)
         return dx, dw, None, None, None, None
 
 
