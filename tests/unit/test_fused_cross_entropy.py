@@ -108,20 +108,20 @@ def test_bf16_autocast_runs_the_gemms_in_bf16_and_keeps_fp32_weights_grads():
 
 
 @pytest.mark.parametrize("rows", [1, 4, 6, 100])  # blocks of the chunk, the last one short (4) or the whole chunk
-def test_one_exp_pass_gives_log_softmax_at_the_labels_and_the_softmax(rows):
+def test_block_wise_in_place_log_softmax_gives_the_labels_log_probability_and_the_softmax(rows):
     g = torch.Generator().manual_seed(3)
     logits_MV = torch.randn(6, 1000, generator=g) * 8
     logits_MV[0, 7] = 200.0  # a confident row: the label (0) lies ~200 nats below the max, its softmax is 0
     logits_MV[1] = 0.0  # a flat row: every probability is 1 / V
     labels_M1 = torch.tensor([[0], [5], [9], [999], [1], [2]])
     logp_MV = torch.log_softmax(logits_MV, dim=1)
-    expected_MV = torch.softmax(logits_MV, dim=1)
     probs_MV = logits_MV.clone()
     logp_M1 = _softmax_in_place_and_label_logp(probs_MV, labels_M1, rows)
-    torch.testing.assert_close(logp_M1, logp_MV.gather(1, labels_M1), rtol=1e-6, atol=1e-6)
+    # bitwise: F.cross_entropy's log_softmax at the labels, and the exp of it the logits path's backward uses
+    assert torch.equal(logp_M1, logp_MV.gather(1, labels_M1))
+    assert torch.equal(probs_MV, logp_MV.exp())
     assert torch.isfinite(logp_M1).all() and logp_M1[0, 0] < -150
-    torch.testing.assert_close(probs_MV, logp_MV.exp(), rtol=1e-6, atol=1e-9)
-    assert torch.equal(probs_MV, expected_MV)  # the in-place softmax is bitwise the out-of-place one
+    torch.testing.assert_close(probs_MV, torch.softmax(logits_MV, dim=1), rtol=1e-6, atol=1e-9)
 
 
 def test_a_second_backward_is_refused():
