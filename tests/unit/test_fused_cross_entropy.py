@@ -10,6 +10,7 @@ from trainer_support import build_trainer, run_losses, tiny_config
 
 from moetron.model.config import ModelConfig
 from moetron.model.fused_cross_entropy import (
+    CpuBufferPool,
     _softmax_in_place_and_label_logp,
     chunk_tokens,
     fused_linear_cross_entropy,
@@ -86,6 +87,34 @@ def test_softmax_blocks_are_cache_sized_at_one_cpu_thread_only():
     assert softmax_block_rows(10**7, cpu, threads=1) == 1
     assert softmax_block_rows(50304, cpu, threads=2) >= 2**30  # the whole chunk: fewer parallel regions
     assert softmax_block_rows(50304, torch.device("cuda"), threads=1) >= 2**30
+
+
+def test_buffers_are_reused_only_once_given_back_and_at_most_keep_are_kept():
+    pool, cpu = CpuBufferPool(keep=2), torch.device("cpu")
+    a, b = pool.take((3, 4), torch.float32, cpu), pool.take((3, 4), torch.float32, cpu)
+    assert a.data_ptr() != b.data_ptr()  # both in use: never the same memory
+    pool.give(a)
+    assert pool.take((3, 4), torch.float32, cpu) is a
+    assert pool.take((3, 4), torch.float16, cpu) is not a  # another dtype (or shape) is another buffer
+    for t in (a, b, torch.empty(5)):
+        pool.give(t)
+    assert pool.take((3, 4), torch.float32, cpu) is b and pool.take((5,), torch.float32, cpu).shape == (5,)
+    assert pool.take((3, 4), torch.float32, cpu) is not a  # the oldest was dropped beyond `keep`
+
+
+def test_two_heads_in_flight_on_one_weight_keep_their_own_gradients():
+    """Two forwards before one backward (e.g. the LM head and an MTP head sharing it): the pooled weight-gradient
+    buffer of the first is not the second's."""
+    x, w, labels, mask = inputs(6)
+    x2 = torch.randn(N, C).requires_grad_(True)
+    ref = plain_loss(x, w, labels, mask) + plain_loss(x2, w, labels.flip(0), mask)
+    gw = torch.autograd.grad(ref, w)[0]
+    weights = token_weights(mask, N, x.device)
+    for _ in range(2):  # the second time from the pool
+        w.grad = None
+        loss = fused_linear_cross_entropy(x, w, labels, weights, 8)
+        (loss + fused_linear_cross_entropy(x2, w, labels.flip(0), weights, 8)).backward()
+        torch.testing.assert_close(w.grad, gw, rtol=1e-5, atol=1e-7)
 
 
 def test_without_gradients_only_the_loss_is_computed():
