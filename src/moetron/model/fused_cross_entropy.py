@@ -2,18 +2,19 @@
 
     loss = fused_linear_cross_entropy(x_NC, weight_VC, labels_N, weight_N)   # Σ_n weight_N[n] · CE(x_n · Wᵀ, label_n)
 
-A plain head writes the fp32 logits `[N, V]`, log-softmax writes as much again, and the backward a gradient of
-the same size (plus a zero-filled one for the NLL): at GPT-2's 50k vocabulary that is 4 × 155 MB per 768 tokens,
-fresh memory every step, and on CPU a quarter of a small model's step. Here each chunk of M tokens goes through
-`logits_MV = x_MC · Wᵀ → log_softmax → exp → softmax − one-hot` in one reused buffer, in place, and the two
-gradient GEMMs run right away: `dx_MC = g_MV · W` and `dW += g_MVᵀ · x_MC` (Liger-Kernel's fused linear
-cross-entropy, written for CPU and GPU alike with plain torch ops). The forward therefore already holds both
-gradients, for the upstream gradient the caller announces (`grad_scale`: the factor it will multiply the loss by
-before its backward, e.g. the fp16 loss scale / micro-batches); the backward only rescales them by the upstream
-scalar over that announcement (× 1.0 exactly when it came true). Announcing the scale matters in fp16: the softmax
-gradient `(softmax − one-hot) · weight` is multiplied by the scale in fp32 BEFORE its cast to fp16 — where the
-logits path's backward multiplies it too — so it neither underflows unscaled nor overflows where the logits path
-would not. Under `torch.no_grad()` (evaluation) only the loss is computed (no gradient GEMMs).
+A plain head writes the fp32 logits `[N, V]`, log-softmax writes as much again, and the backward a gradient of the
+same size (plus a zero-filled one for the NLL): at GPT-2's 50k vocabulary that is 4 × 155 MB per 768 tokens, fresh
+memory every step, and on CPU a quarter of a small model's step. Here each chunk of M tokens goes through `logits_MV
+= x_MC · Wᵀ → log_softmax → exp → softmax − one-hot` in one reused buffer, in place, and the two gradient GEMMs run
+right away: `dx_MC = g_MV · W` and `dW += g_MVᵀ · x_MC` (the order of the factors and where the per-row weight
+enters: FusedLinearCrossEntropy) — Liger-Kernel's fused linear cross-entropy, written for CPU and GPU alike with
+plain torch ops. The forward therefore already holds both gradients, for the upstream gradient the caller announces
+(`grad_scale`: the factor it will multiply the loss by before its backward, e.g. the fp16 loss scale /
+micro-batches); the backward only rescales them by the upstream scalar over that announcement (× 1.0 exactly when it
+came true). Announcing the scale matters in fp16: the softmax gradient `(softmax − one-hot) · weight` is multiplied
+by the scale in fp32 BEFORE its cast to fp16 — where the logits path's backward multiplies it too — so it neither
+underflows unscaled nor overflows where the logits path would not. Under `torch.no_grad()` (evaluation) only the
+loss is computed (no gradient GEMMs).
 
 Numerics: logits and softmax are fp32 (as `language_model_loss` casts them); the GEMMs run in the autocast dtype
 when autocast is on (bf16/fp16 inputs, fp32 accumulation of dW across chunks), else in the inputs' dtype. The
@@ -50,7 +51,7 @@ def chunk_tokens(num_tokens: int, hidden: int, vocab: int, device: torch.device)
 
 
 def softmax_block_rows(vocab: int, device: torch.device, threads: int) -> int:
-    """Rows per element-wise block of a chunk (its max, softmax and probability max run block by block).
+    """Rows per element-wise block of a chunk (its log_softmax, label gather and exp run block by block).
 
     CPU, one thread: ~2 MiB of fp32 logits (a core's L2), so a block stays cached from its log_softmax to its exp —
     7% less CPU for that part than one block per chunk (256 × 50304). More threads: the whole chunk — every block is
