@@ -27,7 +27,10 @@ followed by the parameter counts, FLOPs per token (moetron's model formula, and 
 one step on each side), the losses after the same steps, with `--memory` the peak training memory per token
 (parameters + optimizer state + the step's allocator peak, from torch.profiler's allocation events), and with
 `--profile` the top operators of the slower side (and of moetron's where it misses its target: ≥ 1.5× nanoGPT,
-HF Mixtral and DeepSpeed-MoE, judged against the peer in the same environment).
+HF Mixtral and DeepSpeed-MoE, judged against the peer in the same environment), and (unless `--no-floor`) the GEMM
+floor: each side's own step GEMMs recorded and replayed back to back with nothing else (`gemm_floor.py`), each
+side's step time as a multiple of its own floor and of the lower of the two, and the multiple of that floor a
+1.5× lead needs from moetron (the peer's multiple / 1.5): what lead the same FLOPs physically allow.
 
 Environment: moetron's process gets the environment its CLI sets for itself on a machine without a GPU
 (`moetron.cli.cpu_allocator_defaults`: `THP_MEM_ALLOC_ENABLE=1`, transparent huge pages; `cpu_thread_defaults`:
@@ -132,6 +135,12 @@ def worker(args: argparse.Namespace) -> None:
                     step()
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
             reply.write(json.dumps({"table": table}) + "\n")
+        elif command == "floor":
+            from gemm_floor import gemm_flops, record_gemms, replay_seconds
+
+            calls = record_gemms(step)
+            floor = replay_seconds(calls, clock, int(count))
+            reply.write(json.dumps({"floor": floor, "flops": gemm_flops(calls), "calls": len(calls)}) + "\n")
         else:
             return
 
@@ -277,6 +286,8 @@ def compare(comparison: str, args: argparse.Namespace, tokens: str, workdir: Pat
             verdict = ("met" if ratios[env] >= TARGETS[comparison] else "NOT met") if judged else "not judged"
             lines += [line, f"  target ≥ {TARGETS[comparison]:.2f}× ({verdict})"]
         lines += details(sides, peer, losses, args)
+        if args.floor:
+            lines += floor_lines(sides, peer, comparison, times, args)
         if args.profile:
             lines += profiles(sides, peer, rate, ratios, comparison)
         return lines
@@ -296,6 +307,29 @@ def profiles(sides: dict, peer: str, rate: dict, ratios: dict, comparison: str) 
         lines.append(f"  profile of {which} ({label}, 3 steps, top operators by self CPU time):")
         lines += ["    " + row for row in sides[name].ask("profile 3")["table"].splitlines()]
     return lines
+
+
+def floor_lines(sides: dict, peer: str, comparison: str, times: dict, args: argparse.Namespace) -> list[str]:
+    """Each side's step time (these rounds) as a multiple of the GEMM floor (`gemm_floor.py`): its own GEMMs
+    replayed alone, and the lower of the two sides' floors (the same FLOPs; the layouts may differ)."""
+    floors = {name: worker.ask("floor 5") for name, worker in sides.items()}
+    step = {name: sum(t) / (args.rounds * args.steps) for name, t in times.items()}
+    label = {name: "moetron" if name == "moetron" else f"{peer} {PEER_ENVS[name]}" for name in sides}
+    low = min(f["floor"] for f in floors.values())
+    own = ", ".join(
+        f"{label[n]} {f['floor'] * 1e3:.0f} ms ({f['calls']} GEMMs, {f['flops'] / 1e9:.1f} GFLOP)"
+        for n, f in floors.items()
+    )
+    multiples = ", ".join(
+        f"{label[n]} {step[n] / floors[n]['floor']:.2f}× its own, {step[n] / low:.2f}× the lower" for n in sides
+    )
+    judged = "same" if "same" in sides else next(n for n in sides if n != "moetron")
+    need = step[judged] / low / TARGETS[comparison]
+    return [
+        f"  GEMM floor per step ({args.clock} clock, {args.threads} thread(s)): {own}",
+        f"  step time ÷ floor: {multiples}; a {TARGETS[comparison]:.1f}× lead over {label[judged]} needs "
+        f"moetron at ≤ {need:.2f}× the lower floor ({step['moetron'] / low:.2f}× now)",
+    ]
 
 
 def details(sides: dict, peer: str, losses: dict, args: argparse.Namespace) -> list[str]:
@@ -350,6 +384,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--moetron-flags", default="", help="extra `moetron train` flags for moetron's side")
     parser.add_argument("--memory", action="store_true", help="peak training memory per token")
     parser.add_argument("--profile", action="store_true", help="profile the slower side (and moetron below target)")
+    parser.add_argument(
+        "--no-floor",
+        dest="floor",
+        action="store_false",
+        help="skip the GEMM floor (each side's step GEMMs replayed alone, benchmarks/gemm_floor.py)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--comparison", help=argparse.SUPPRESS)
     parser.add_argument("--tokens-file", help=argparse.SUPPRESS)

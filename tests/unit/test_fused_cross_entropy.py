@@ -9,7 +9,13 @@ import torch.nn.functional as F
 from trainer_support import build_trainer, run_losses, tiny_config
 
 from moetron.model.config import ModelConfig
-from moetron.model.fused_cross_entropy import _softmax_and_label_logp, chunk_tokens, fused_linear_cross_entropy
+from moetron.model.fused_cross_entropy import (
+    CpuBufferPool,
+    _softmax_in_place_and_label_logp,
+    chunk_tokens,
+    fused_linear_cross_entropy,
+    softmax_block_rows,
+)
 from moetron.model.gpt import create_model
 from moetron.model.loss import FusedHeadLoss, LogitsHeadLoss, token_weights
 
@@ -44,6 +50,73 @@ def test_loss_and_gradients_match_the_plain_head(chunk):
     torch.testing.assert_close(w.grad, 3.0 * gw, rtol=1e-5, atol=1e-7)
 
 
+def test_row_weights_and_grad_scale_folded_into_the_gemms_match_the_plain_head():
+    """fp32: the per-row weight and the announced scale multiply the [M, C] side of the gradient GEMMs (not the
+    [M, V] chunk); the gradients are the plain head's × the scale, and a zero-weight row gets an exactly zero dx."""
+    x, w, labels, mask = inputs(4)
+    mask[:5] = 0.0
+    ref = plain_loss(x, w, labels, mask)
+    gx, gw = torch.autograd.grad(ref, (x, w))
+    for scale in (1.0, 1024.0, 1 / 3):
+        x.grad = w.grad = None
+        loss = fused_linear_cross_entropy(x, w, labels, token_weights(mask, N, x.device), 8, grad_scale=scale)
+        (loss * scale).backward()  # the announced scale came true: the backward's ratio is exactly 1
+        torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(x.grad, scale * gx, rtol=1e-5, atol=1e-7 * scale)
+        torch.testing.assert_close(w.grad, scale * gw, rtol=1e-5, atol=1e-7 * scale)
+        assert torch.equal(x.grad[:5], torch.zeros(5, C)) and w.grad.is_contiguous()
+
+
+def test_bf16_gradients_are_as_close_to_exact_as_the_logits_path():
+    """bf16: the row factor is applied in fp32 while the gradient is cast (one pass), dW accumulates in fp32."""
+    x, w, labels, mask = inputs(5)
+    exact = plain_loss(x.double(), w.double(), labels, mask.double())
+    gx, gw = torch.autograd.grad(exact, (x, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        px, pw = torch.autograd.grad(plain_loss(x, w, labels, mask), (x, w))
+        loss = fused_linear_cross_entropy(x, w, labels, token_weights(mask, N, x.device), 8, grad_scale=2.0**10)
+    fx, fw = torch.autograd.grad(loss * 2.0**10, (x, w))
+    torch.testing.assert_close(loss.double(), exact, rtol=2e-2, atol=2e-2)
+    for fused, plain, want in ((fx / 2.0**10, px, gx), (fw / 2.0**10, pw, gw)):
+        assert (fused.double() - want).abs().max() <= 1.5 * (plain.double() - want).abs().max() + 1e-7
+
+
+def test_softmax_blocks_are_cache_sized_at_one_cpu_thread_only():
+    cpu = torch.device("cpu")
+    assert softmax_block_rows(50304, cpu, threads=1) == 10  # 2 MiB of fp32 logits
+    assert softmax_block_rows(10**7, cpu, threads=1) == 1
+    assert softmax_block_rows(50304, cpu, threads=2) >= 2**30  # the whole chunk: fewer parallel regions
+    assert softmax_block_rows(50304, torch.device("cuda"), threads=1) >= 2**30
+
+
+def test_buffers_are_reused_only_once_given_back_and_at_most_keep_are_kept():
+    pool, cpu = CpuBufferPool(keep=2), torch.device("cpu")
+    a, b = pool.take((3, 4), torch.float32, cpu), pool.take((3, 4), torch.float32, cpu)
+    assert a.data_ptr() != b.data_ptr()  # both in use: never the same memory
+    pool.give(a)
+    assert pool.take((3, 4), torch.float32, cpu) is a
+    assert pool.take((3, 4), torch.float16, cpu) is not a  # another dtype (or shape) is another buffer
+    for t in (a, b, torch.empty(5)):
+        pool.give(t)
+    assert pool.take((3, 4), torch.float32, cpu) is b and pool.take((5,), torch.float32, cpu).shape == (5,)
+    assert pool.take((3, 4), torch.float32, cpu) is not a  # the oldest was dropped beyond `keep`
+
+
+def test_two_heads_in_flight_on_one_weight_keep_their_own_gradients():
+    """Two forwards before one backward (e.g. the LM head and an MTP head sharing it): the pooled weight-gradient
+    buffer of the first is not the second's."""
+    x, w, labels, mask = inputs(6)
+    x2 = torch.randn(N, C).requires_grad_(True)
+    ref = plain_loss(x, w, labels, mask) + plain_loss(x2, w, labels.flip(0), mask)
+    gw = torch.autograd.grad(ref, w)[0]
+    weights = token_weights(mask, N, x.device)
+    for _ in range(2):  # the second time from the pool
+        w.grad = None
+        loss = fused_linear_cross_entropy(x, w, labels, weights, 8)
+        (loss + fused_linear_cross_entropy(x2, w, labels.flip(0), weights, 8)).backward()
+        torch.testing.assert_close(w.grad, gw, rtol=1e-5, atol=1e-7)
+
+
 def test_without_gradients_only_the_loss_is_computed():
     x, w, labels, mask = inputs(1)
     with torch.no_grad():
@@ -63,17 +136,21 @@ def test_bf16_autocast_runs_the_gemms_in_bf16_and_keeps_fp32_weights_grads():
     torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
 
 
-def test_one_exp_pass_gives_log_softmax_at_the_labels_and_the_softmax():
+@pytest.mark.parametrize("rows", [1, 4, 6, 100])  # blocks of the chunk, the last one short (4) or the whole chunk
+def test_block_wise_in_place_log_softmax_gives_the_labels_log_probability_and_the_softmax(rows):
     g = torch.Generator().manual_seed(3)
     logits_MV = torch.randn(6, 1000, generator=g) * 8
     logits_MV[0, 7] = 200.0  # a confident row: the label (0) lies ~200 nats below the max, its softmax is 0
     logits_MV[1] = 0.0  # a flat row: every probability is 1 / V
     labels_M1 = torch.tensor([[0], [5], [9], [999], [1], [2]])
-    probs_MV, logp_M1 = _softmax_and_label_logp(logits_MV, labels_M1, torch.empty_like(logits_MV))
     logp_MV = torch.log_softmax(logits_MV, dim=1)
-    torch.testing.assert_close(logp_M1, logp_MV.gather(1, labels_M1), rtol=1e-6, atol=1e-6)
+    probs_MV = logits_MV.clone()
+    logp_M1 = _softmax_in_place_and_label_logp(probs_MV, labels_M1, rows)
+    # bitwise: F.cross_entropy's log_softmax at the labels, and the exp of it the logits path's backward uses
+    assert torch.equal(logp_M1, logp_MV.gather(1, labels_M1))
+    assert torch.equal(probs_MV, logp_MV.exp())
     assert torch.isfinite(logp_M1).all() and logp_M1[0, 0] < -150
-    torch.testing.assert_close(probs_MV, logp_MV.exp(), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(probs_MV, torch.softmax(logits_MV, dim=1), rtol=1e-6, atol=1e-9)
 
 
 def test_a_second_backward_is_refused():
