@@ -98,17 +98,22 @@ def unpermute(
     weights_TK: torch.Tensor,
     num_tokens: int,
     kept_R: torch.Tensor | None = None,
+    unit_weights: bool = False,
 ) -> torch.Tensor:
     """y_TD[t] = Σ over t's kept routes of weight · expert output; tokens with no kept route get 0.
 
     `kept_R` marks the rows that hold a kept route's output; the others (never computed, any value) reach
     neither the output nor a gradient. None: every row does. The weighted sum accumulates in fp32
-    (DeepSpeed >= 0.19.4) and is cast back to y's dtype. Gradients flow to y_RD and to weights_TK."""
+    (DeepSpeed >= 0.19.4) and is cast back to y's dtype. Gradients flow to y_RD and to weights_TK, except with
+    `unit_weights` (`Routing.unit_weights`: every kept weight is exactly 1): then no product and no weight gradient."""
     acc_dtype = torch.promote_types(y_RD.dtype, torch.float32)
-    weights_R = weights_TK.reshape(-1).index_select(0, order_R).to(acc_dtype)
+    weights_R = None if unit_weights else weights_TK.reshape(-1).index_select(0, order_R).to(acc_dtype)
     token_R = route_tokens(order_R, weights_TK.shape[1])
     if kept_R is not None:
-        weights_R = torch.where(kept_R, weights_R, 0.0)  # the gradient of a tail row's weight is 0, not 0·NaN
+        if weights_R is not None:  # the gradient of a tail row's weight is 0, not 0·NaN
+            weights_R = torch.where(kept_R, weights_R, 0.0)
+        else:  # a tail row is added with weight 0, not 1 (its values are never computed)
+            weights_R = kept_R.to(acc_dtype)
         token_R = torch.where(kept_R, token_R, num_tokens)  # the sink row
     if kept_R is None:  # no sink row, so no slice: a slice's backward is a zero fill and a copy of [T + 1, D]
         return WeightedIndexAdd.apply(y_RD.to(acc_dtype), weights_R, token_R, num_tokens).to(y_RD.dtype)
@@ -128,7 +133,8 @@ def chunk_rows(num_cols: int, itemsize: int) -> int:
 
 
 class WeightedIndexAdd(torch.autograd.Function):
-    """`zeros(rows, D).index_add_(0, token_R, y_RD · weights_R)` with a leaner backward than autograd's: the
+    """`zeros(rows, D).index_add_(0, token_R, y_RD · weights_R)` (weights None: all 1, no product, no weight
+    gradient) with a leaner backward than autograd's: the
     output gradient is gathered once and scaled in place for y, and row-dotted with y for the weights (autograd's
     chain of index_add, mul and sum allocates two more [R, D] tensors).
 
@@ -137,29 +143,31 @@ class WeightedIndexAdd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y_RD: torch.Tensor, weights_R: torch.Tensor, token_R: torch.Tensor, rows: int) -> torch.Tensor:
-        ctx.save_for_backward(y_RD, weights_R, token_R)
+        ctx.save_for_backward(y_RD if weights_R is not None else None, weights_R, token_R)  # y: for weight grads
         # In place on a fresh buffer: the out-of-place index_add would first copy the zeros.
         out_XD = y_RD.new_zeros(rows, y_RD.shape[1])
         step = chunk_rows(y_RD.shape[1], y_RD.element_size())
         for lo in range(0, y_RD.shape[0], step):
             hi = lo + step
-            out_XD.index_add_(0, token_R[lo:hi], y_RD[lo:hi] * weights_R[lo:hi, None])
+            rows_RD = y_RD[lo:hi] if weights_R is None else y_RD[lo:hi] * weights_R[lo:hi, None]
+            out_XD.index_add_(0, token_R[lo:hi], rows_RD)
         return out_XD
 
     @staticmethod
     def backward(ctx, grad_XD: torch.Tensor):
         y_RD, weights_R, token_R = ctx.saved_tensors
         grad_XD = grad_XD.contiguous()
-        grad_RD = grad_XD.new_empty(y_RD.shape[0], grad_XD.shape[1])
-        need_weights = ctx.needs_input_grad[1]
+        grad_RD = grad_XD.new_empty(token_R.shape[0], grad_XD.shape[1])
+        need_weights = weights_R is not None and ctx.needs_input_grad[1]
         grad_weights_R = y_RD.new_empty(y_RD.shape[0]) if need_weights else None
         step = chunk_rows(grad_XD.shape[1], grad_XD.element_size())
-        for lo in range(0, y_RD.shape[0], step):
+        for lo in range(0, token_R.shape[0], step):
             hi = lo + step
             chunk_RD = torch.index_select(grad_XD, 0, token_R[lo:hi], out=grad_RD[lo:hi])
             if need_weights:
                 torch.linalg.vecdot(chunk_RD, y_RD[lo:hi], out=grad_weights_R[lo:hi])
-            chunk_RD.mul_(weights_R[lo:hi, None])
+            if weights_R is not None:
+                chunk_RD.mul_(weights_R[lo:hi, None])
         return grad_RD, grad_weights_R, None, None
 
 
@@ -190,6 +198,7 @@ class LocalContext:
     kept_R: torch.Tensor | None  # bool: the sorted row is a kept route (the experts computed it); None: all are
     weights_TK: torch.Tensor
     num_tokens: int
+    unit_weights: bool = False  # `Routing.unit_weights`: the combine multiplies by no weight
 
 
 class LocalDispatcher:
@@ -200,11 +209,12 @@ class LocalDispatcher:
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, ExpertCounts, LocalContext]:
         x_RD, counts_E, order_R, kept_R = permute(x_TD, routing.expert_ids_TK, routing.kept_TK, self.num_experts)
-        ctx = LocalContext(order_R, self._kept_rows(routing, kept_R), routing.weights_TK, x_TD.shape[0])
+        kept = self._kept_rows(routing, kept_R)
+        ctx = LocalContext(order_R, kept, routing.weights_TK, x_TD.shape[0], routing.unit_weights)
         return x_RD, ExpertCounts(counts_E, routing.host_capacity), ctx
 
     def combine(self, y_RD: torch.Tensor, ctx: LocalContext) -> torch.Tensor:
-        return unpermute(y_RD, ctx.order_R, ctx.weights_TK, ctx.num_tokens, ctx.kept_R)
+        return unpermute(y_RD, ctx.order_R, ctx.weights_TK, ctx.num_tokens, ctx.kept_R, ctx.unit_weights)
 
     @staticmethod
     def _kept_rows(routing: Routing, kept_R: torch.Tensor) -> torch.Tensor | None:

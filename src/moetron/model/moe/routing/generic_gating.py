@@ -119,14 +119,17 @@ class MeanAndGather(torch.autograd.Function):
     def forward(ctx, probs_TE: torch.Tensor, ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.save_for_backward(ids_TK)
         ctx.shape = probs_TE.shape
+        ctx.set_materialize_grads(False)  # an unused output (unit weights: the routes' scores) adds nothing
         return probs_TE.mean(0), probs_TE.gather(1, ids_TK)
 
     @staticmethod
-    def backward(ctx, grad_E: torch.Tensor, grad_TK: torch.Tensor):
+    def backward(ctx, grad_E: torch.Tensor | None, grad_TK: torch.Tensor | None):
         (ids_TK,) = ctx.saved_tensors
         num_tokens, num_experts = ctx.shape
+        if grad_E is None:
+            grad_E = grad_TK.new_zeros(num_experts)
         grad_TE = grad_E.expand(num_tokens, num_experts) / num_tokens  # `mean`'s backward, bitwise
-        return grad_TE.scatter_add_(1, ids_TK, grad_TK), None
+        return grad_TE if grad_TK is None else grad_TE.scatter_add_(1, ids_TK, grad_TK), None
 
 
 def renormalises(cfg: RouterConfig, k: int) -> bool:
@@ -166,7 +169,18 @@ def generic_topk_gating(
     weights_TK = weights_TK * cfg.moe_router_topk_scaling_factor
     mean_probs_E = probs_TE.mean(0) if mean_probs_E is None else mean_probs_E
     aux_loss = balance_loss(mean_probs_E, route_fraction(counts_E, num_tokens), k)
-    return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, counts_E, probs_TE, "token")
+    routing = Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, counts_E, probs_TE, "token")
+    routing.unit_weights = has_unit_weights(cfg, k)
+    return routing
+
+
+def has_unit_weights(cfg: RouterConfig, k: int) -> bool:
+    """Whether every kept route's weight is exactly 1: one route, renormalised (s / max(s, eps) = s / s, as a
+    softmax's top score is >= 1/E > eps), or a pre-softmax over that one route (exp(0) / exp(0)), unscaled.
+    Sigmoid scores are left out: one below eps would be renormalised to s / eps."""
+    if k != 1 or cfg.moe_router_topk_scaling_factor != 1.0:
+        return False
+    return cfg.moe_router_pre_softmax or (renormalises(cfg, k) and cfg.moe_router_score_function == "softmax")
 
 
 def _keep_within_capacity(
