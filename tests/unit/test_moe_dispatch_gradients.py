@@ -1,11 +1,15 @@
 """How the dispatcher hands gradients back: values equal to autograd's own index_select backward, in tensors that let
-autograd add the layer input's second gradient (the router's) in place."""
+autograd add the layer input's second gradient (the router's) in place; and dropless top-1's permutation path."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from moetron.model.config import ModelConfig
+from moetron.model.moe import dispatch
 from moetron.model.moe.dispatch import gather_rows
+from moetron.model.moe.layer import MoELayer
 
 
 def test_gather_rows_gradient_is_index_selects_backward_in_a_whole_tensor():
@@ -44,3 +48,39 @@ def test_a_second_gradient_of_the_layer_input_is_added_in_place():
     names = [event.name for event in prof.events()]
     assert "aten::add_" in names and "aten::add" not in names
     assert torch.equal(x.grad, (torch.ones(12, 4) + w.sum(0)).reshape(1, 12, 4))
+
+
+@pytest.mark.parametrize("renorm", [True, False], ids=["unit-weights", "raw-weights"])
+def test_dropless_top1_permutation_path_equals_the_gather_and_index_add_path(monkeypatch, renorm):
+    """Dropless top-1: each token has exactly one row, so the dispatch is a permutation (`PermuteRows`, gradient by
+    the inverse permutation) and, with unit weights, so is the combine. Output and every gradient equal the path
+    every other mode takes (zeros + index_add_)."""
+    cfg = ModelConfig(hidden_size=16, num_attention_heads=1, ffn_hidden_size=32, swiglu=True)
+    cfg.add_bias_linear, cfg.num_experts, cfg.topk = False, [8], 1
+    cfg.moe_token_dropping, cfg.moe_router_topk_renorm = False, renorm
+    layer = MoELayer(cfg, 8, layer_index=0)
+    g = torch.Generator().manual_seed(2)
+    x_BTD, grad_BTD = torch.randn(2, 40, 16, generator=g), torch.randn(2, 40, 16, generator=g)
+    runs = []
+    for permutation in (True, False):
+        monkeypatch.setattr(dispatch, "TOP1_PERMUTATION", permutation)
+        calls = []
+        monkeypatch.setattr(dispatch.PermuteRows, "apply", _counting(dispatch.PermuteRows.apply, calls))
+        layer.zero_grad(set_to_none=True)
+        x = x_BTD.clone().requires_grad_()
+        y, _aux = layer(x)
+        y.backward(grad_BTD)
+        runs.append([y.detach(), x.grad, *(p.grad for p in layer.parameters())])
+        assert len(calls) == (0 if not permutation else 2 if renorm else 1)  # dispatch, and combine if unit weights
+        monkeypatch.undo()
+    assert len(runs[0]) == 6
+    for new, old in zip(*runs, strict=True):
+        assert torch.equal(new, old)
+
+
+def _counting(fn, calls):
+    def counted(*args):
+        calls.append(1)
+        return fn(*args)
+
+    return counted

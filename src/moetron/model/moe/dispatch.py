@@ -63,6 +63,34 @@ class GatherRows(torch.autograd.Function):
         return grad_XA.resize_(ctx.num_rows, *grad_RA.shape[1:]), None, None
 
 
+class PermuteRows(torch.autograd.Function):
+    """`src_XA.index_select(0, order_R)` where order_R is a permutation of src's rows (each row exactly once), with
+    the backward gathering through the inverse permutation instead of autograd's zeros + index_add_: no [X, A] zero
+    fill, and a gather instead of a scatter-add. The same values (0 + g = g; a -0.0 stays -0.0 instead of becoming
+    +0.0, which `torch.equal` counts as equal)."""
+
+    @staticmethod
+    def forward(ctx, src_XA: torch.Tensor, order_R: torch.Tensor, inverse_R: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse_R)
+        return src_XA.index_select(0, order_R)
+
+    @staticmethod
+    def backward(ctx, grad_RA: torch.Tensor):
+        (inverse_R,) = ctx.saved_tensors
+        return grad_RA.index_select(0, inverse_R), None, None
+
+
+def inverse_permutation(order_R: torch.Tensor) -> torch.Tensor:
+    """int64 [R]: inverse_R[order_R[r]] = r."""
+    rows_R = torch.arange(order_R.numel(), device=order_R.device)
+    return torch.empty_like(order_R).index_copy_(0, order_R, rows_R)
+
+
+# Off: dropless top-1 dispatches through `gather_rows` and `WeightedIndexAdd` like every other mode (the A/B of
+# `LocalDispatcher`'s permutation path; outputs and gradients have the same values either way).
+TOP1_PERMUTATION = True
+
+
 def gather_rows(src_XA: torch.Tensor, index_R: torch.Tensor, keep_grad_R: torch.Tensor) -> torch.Tensor:
     """Rows `index_R` of src; the gradient of row r reaches src only where `keep_grad_R[r]`."""
     return GatherRows.apply(src_XA, index_R, torch.where(keep_grad_R, index_R, src_XA.shape[0]))
@@ -203,6 +231,7 @@ class LocalContext:
     weights_TK: torch.Tensor
     num_tokens: int
     unit_weights: bool = False  # `Routing.unit_weights`: the combine multiplies by no weight
+    inverse_R: torch.Tensor | None = None  # dropless top-1: order_R is a permutation of the tokens, and its inverse
 
 
 class LocalDispatcher:
@@ -212,12 +241,21 @@ class LocalDispatcher:
         self.num_experts = num_experts
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, ExpertCounts, LocalContext]:
+        counts = routing.host_capacity
+        if TOP1_PERMUTATION and routing.topk == 1 and counts is None:  # dropless top-1: each token has one row
+            order_R, counts_E, _ = sort_routes(routing.expert_ids_TK, routing.kept_TK, self.num_experts)
+            inverse_R = inverse_permutation(order_R)
+            x_RD = PermuteRows.apply(x_TD, order_R, inverse_R)
+            ctx = LocalContext(order_R, None, routing.weights_TK, x_TD.shape[0], routing.unit_weights, inverse_R)
+            return x_RD, ExpertCounts(counts_E, counts), ctx
         x_RD, counts_E, order_R, kept_R = permute(x_TD, routing.expert_ids_TK, routing.kept_TK, self.num_experts)
         kept = self._kept_rows(routing, kept_R)
         ctx = LocalContext(order_R, kept, routing.weights_TK, x_TD.shape[0], routing.unit_weights)
-        return x_RD, ExpertCounts(counts_E, routing.host_capacity), ctx
+        return x_RD, ExpertCounts(counts_E, counts), ctx
 
     def combine(self, y_RD: torch.Tensor, ctx: LocalContext) -> torch.Tensor:
+        if ctx.inverse_R is not None and ctx.unit_weights:  # y_TD[t] = y_RD[inverse[t]], with no zeros to add to
+            return PermuteRows.apply(y_RD, ctx.inverse_R, ctx.order_R)
         return unpermute(y_RD, ctx.order_R, ctx.weights_TK, ctx.num_tokens, ctx.kept_R, ctx.unit_weights)
 
     @staticmethod
