@@ -27,10 +27,11 @@ def _reference_top1_keep(ids_T: torch.Tensor, keys_TE: torch.Tensor, capacity: i
     return kept_TE.gather(1, ids_T.unsqueeze(1)).squeeze(1).bool()
 
 
+@pytest.mark.parametrize("num_experts", [9, 16, 64, 130])  # the amax form; `max(dim=1)` from 16 experts on
 @pytest.mark.parametrize("seed", range(5))
-def test_first_argmax_is_argmax_with_ties(seed):
+def test_first_argmax_is_argmax_with_ties(seed, num_experts):
     g = torch.Generator().manual_seed(seed)
-    x_TE = torch.randint(0, 4, (300, 9), generator=g).float()  # many ties
+    x_TE = torch.randint(0, 4, (300, num_experts), generator=g).float()  # many ties
     x_TE[::7, 3] = float("-inf")
     x_TE[5] = float("-inf")
     x_TE[6, :] = 2.0

@@ -53,13 +53,23 @@ def multiplicative_jitter(x: torch.Tensor, epsilon: float = 1e-2) -> torch.Tenso
 
 
 # ---------------------------------------------------------------- helpers
+# From here `max(dim=1)` is faster on CPU than the vectorised amax form below (T=8192: 0.25 vs 0.29 ms at E=16; at
+# E=8 it is not, 0.16 vs 0.14 ms).
+_MAX_DIM_MIN_EXPERTS = 16
+
+
 def first_argmax(x_TE: torch.Tensor) -> torch.Tensor:
-    """int64 [T]: `torch.argmax(x_TE, dim=1)` (the FIRST maximal column), several times faster on CPU.
+    """int64 [T]: `torch.argmax(x_TE, dim=1)` (the FIRST maximal column), faster on CPU.
 
     argmax's CPU kernel is scalar; amax and the comparisons vectorise. Ties resolve to the lowest column
     exactly as argmax does. NaN rows differ (argmax points at the NaN); the router's logits have none.
+    On CPU with at least `_MAX_DIM_MIN_EXPERTS` columns, `max(dim=1)` instead: one pass and no [T, E]
+    temporaries (0.59 vs 0.79 ms at T=8192, E=64; 0.91 vs 1.58 ms at E=128), the first maximal column as
+    documented, NaN rows included (the NaN's column, as argmax).
     """
     num_experts = x_TE.shape[1]
+    if x_TE.device.type == "cpu" and num_experts >= _MAX_DIM_MIN_EXPERTS:
+        return x_TE.max(dim=1).indices
     is_max_TE = x_TE == x_TE.amax(dim=1, keepdim=True)
     # Score E - e at the maxima (0 elsewhere): the largest score is the lowest maximal column.
     reverse_E = torch.arange(num_experts, 0, -1, device=x_TE.device, dtype=torch.int32)
