@@ -84,3 +84,27 @@ def _counting(fn, calls):
         return fn(*args)
 
     return counted
+
+
+def test_weighted_index_add_with_a_sink_row_is_the_sliced_sum_without_the_slice():
+    """Dropped routes (weight 0) go to a sink row the output leaves out: the values and gradients of
+    `zeros(T + 1, D).index_add_(...)[:T]`, in a whole tensor (no slice, whose backward is a [T + 1, D] zero fill)."""
+    g = torch.Generator().manual_seed(3)
+    num_tokens, hidden, routes = 9, 4, 14
+    token_R = torch.randint(0, num_tokens + 1, (routes,), generator=g)
+    token_R[:3] = num_tokens  # some sink rows
+    y_RD = torch.randn(routes, hidden, generator=g)
+    weights_R = torch.where(token_R < num_tokens, torch.rand(routes, generator=g), 0.0)
+    grad_TD = torch.randn(num_tokens, hidden, generator=g)
+    outs = []
+    for sink in (True, False):
+        y, w = y_RD.clone().requires_grad_(), weights_R.clone().requires_grad_()
+        if sink:
+            out = dispatch.WeightedIndexAdd.apply(y, w, token_R, num_tokens, True)
+            assert out._base is None and out.shape == (num_tokens, hidden)
+        else:
+            out = dispatch.WeightedIndexAdd.apply(y, w, token_R, num_tokens + 1)[:num_tokens]
+        out.backward(grad_TD)
+        outs.append((out.detach(), y.grad, w.grad[token_R < num_tokens]))
+    for new, ref in zip(*outs, strict=True):
+        assert torch.equal(new, ref)

@@ -149,8 +149,7 @@ def unpermute(
         token_R = torch.where(kept_R, token_R, num_tokens)  # the sink row
     if kept_R is None:  # no sink row, so no slice: a slice's backward is a zero fill and a copy of [T + 1, D]
         return WeightedIndexAdd.apply(y_RD.to(acc_dtype), weights_R, token_R, num_tokens).to(y_RD.dtype)
-    y_TD = WeightedIndexAdd.apply(y_RD.to(acc_dtype), weights_R, token_R, num_tokens + 1)[:num_tokens]
-    return y_TD.to(y_RD.dtype)
+    return WeightedIndexAdd.apply(y_RD.to(acc_dtype), weights_R, token_R, num_tokens, True).to(y_RD.dtype)
 
 
 # Rows per pass of `WeightedIndexAdd`: ~512 KiB of [rows, D] per operand, so that each pass's temporaries stay in
@@ -171,23 +170,34 @@ class WeightedIndexAdd(torch.autograd.Function):
     chain of index_add, mul and sum allocates two more [R, D] tensors).
 
     Both passes run in chunks of `chunk_rows` rows. Bitwise the same as one pass: the products and the row dots
-    are per row, and index_add_ still adds every destination's rows in route order (chunk by chunk)."""
+    are per row, and index_add_ still adds every destination's rows in route order (chunk by chunk).
+
+    `sink`: token_R may also name row `rows` (the dropped routes' sink, whose weight is 0): it is added into one
+    extra row that the output drops by shrinking in place — not a slice, whose backward is a zero fill and a copy
+    of [rows + 1, D] per step (~1 ms at T=8192, D=128). Its rows' output gradient is then read from row rows - 1
+    instead of the sink's zeros: times their weight 0, the same 0 (its sign aside) wherever that gradient is finite,
+    and the rows past the kept routes pass no gradient on anyway (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, y_RD: torch.Tensor, weights_R: torch.Tensor, token_R: torch.Tensor, rows: int) -> torch.Tensor:
+    def forward(
+        ctx, y_RD: torch.Tensor, weights_R: torch.Tensor, token_R: torch.Tensor, rows: int, sink: bool = False
+    ) -> torch.Tensor:
         ctx.save_for_backward(y_RD if weights_R is not None else None, weights_R, token_R)  # y: for weight grads
+        ctx.sink_row = rows if sink else None
         # In place on a fresh buffer: the out-of-place index_add would first copy the zeros.
-        out_XD = y_RD.new_zeros(rows, y_RD.shape[1])
+        out_XD = y_RD.new_zeros(rows + sink, y_RD.shape[1])
         step = chunk_rows(y_RD.shape[1], y_RD.element_size())
         for lo in range(0, y_RD.shape[0], step):
             hi = lo + step
             rows_RD = y_RD[lo:hi] if weights_R is None else y_RD[lo:hi] * weights_R[lo:hi, None]
             out_XD.index_add_(0, token_R[lo:hi], rows_RD)
-        return out_XD
+        return out_XD.resize_(rows, y_RD.shape[1]) if sink else out_XD
 
     @staticmethod
     def backward(ctx, grad_XD: torch.Tensor):
         y_RD, weights_R, token_R = ctx.saved_tensors
+        if ctx.sink_row is not None:
+            token_R = token_R.clamp(max=ctx.sink_row - 1)
         grad_XD = grad_XD.contiguous()
         grad_RD = grad_XD.new_empty(token_R.shape[0], grad_XD.shape[1])
         need_weights = weights_R is not None and ctx.needs_input_grad[1]
@@ -200,7 +210,7 @@ class WeightedIndexAdd(torch.autograd.Function):
                 torch.linalg.vecdot(chunk_RD, y_RD[lo:hi], out=grad_weights_R[lo:hi])
             if weights_R is not None:
                 chunk_RD.mul_(weights_R[lo:hi, None])
-        return grad_RD, grad_weights_R, None, None
+        return grad_RD, grad_weights_R, None, None, None
 
 
 class TokenDispatcher(Protocol):
