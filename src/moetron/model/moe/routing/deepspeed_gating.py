@@ -22,6 +22,7 @@ from moetron.model.moe.routing.capacity_and_dropping import (
     keep_top_random_keys_top1,
 )
 from moetron.model.moe.routing.decision import Routing, RoutingInputError, buffer_slots, route_counts, route_fraction
+from moetron.model.moe.routing.mean_and_gather import MeanAndGather
 
 
 # ---------------------------------------------------------------- noise (torch.distributions' formulas)
@@ -114,8 +115,10 @@ def top1_gating(
     capacity = capacity_from_factor(num_tokens, num_experts, capacity_factor, 1, min_capacity)
 
     ids_T = first_argmax(noisy_logits_TE if noisy_logits_TE is not None else probs_TE)
+    ids_TK = ids_T.unsqueeze(1)
     counts_E = route_counts(ids_T, num_experts)
-    aux_loss = torch.sum(probs_TE.mean(0) * route_fraction(counts_E, num_tokens)) * num_experts
+    mean_probs_E, gates_TK = MeanAndGather.apply(probs_TE, ids_TK)  # autograd's mean and gather, one [T, E] grad
+    aux_loss = torch.sum(mean_probs_E * route_fraction(counts_E, num_tokens)) * num_experts
 
     # Random token selection: an over-full expert keeps the C routes with the largest random keys. The
     # draw happens even when nothing can overflow (dropless), to keep the RNG stream in step with DeepSpeed.
@@ -133,8 +136,8 @@ def top1_gating(
     else:  # DeepSpeed's int64 one-hot mask as the keys: its exact ties
         kept_T = keep_top_keys_top1(ids_T, _one_hot_bool(ids_T, num_experts).long(), capacity)
 
-    ids_TK, kept_TK = ids_T.unsqueeze(1), kept_T.unsqueeze(1)
-    weights_TK = probs_TE.gather(1, ids_TK) * kept_TK  # raw probability, no renormalisation for k = 1
+    kept_TK = kept_T.unsqueeze(1)
+    weights_TK = gates_TK * kept_TK  # raw probability, no renormalisation for k = 1
     return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, counts_E, probs_TE, "token")
 
 

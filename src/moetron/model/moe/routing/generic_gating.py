@@ -26,6 +26,7 @@ from moetron.model.moe.routing.capacity_and_dropping import (
     keep_top_keys,
 )
 from moetron.model.moe.routing.decision import Routing, route_counts, route_fraction
+from moetron.model.moe.routing.mean_and_gather import MeanAndGather
 from moetron.model.moe.routing.router_config import RouterConfig
 
 
@@ -108,28 +109,6 @@ def _choose_experts(scores_TE: torch.Tensor, cfg: RouterConfig, k: int, expert_b
 
 # Off: the plain `probs.mean(0)` and `probs.gather` (benchmarks/moe_layer.py --fast-paths times both ways).
 FUSE_MEAN_AND_GATHER = True
-
-
-class MeanAndGather(torch.autograd.Function):
-    """(probs_TE.mean(0), probs_TE.gather(1, ids_TK)) with one [T, E] gradient instead of two: the mean's
-    (grad / T, expanded) with the routes' gradients scatter-added into it. Autograd would build the gather's
-    gradient as a zero-filled [T, E] and add the two; the sums are the same bits (a + (0 + g) = a + g)."""
-
-    @staticmethod
-    def forward(ctx, probs_TE: torch.Tensor, ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.save_for_backward(ids_TK)
-        ctx.shape = probs_TE.shape
-        ctx.set_materialize_grads(False)  # an unused output (unit weights: the routes' scores) adds nothing
-        return probs_TE.mean(0), probs_TE.gather(1, ids_TK)
-
-    @staticmethod
-    def backward(ctx, grad_E: torch.Tensor | None, grad_TK: torch.Tensor | None):
-        (ids_TK,) = ctx.saved_tensors
-        num_tokens, num_experts = ctx.shape
-        if grad_E is None:
-            grad_E = grad_TK.new_zeros(num_experts)
-        grad_TE = grad_E.expand(num_tokens, num_experts) / num_tokens  # `mean`'s backward, bitwise
-        return grad_TE if grad_TK is None else grad_TE.scatter_add_(1, ids_TK, grad_TK), None
 
 
 def renormalises(cfg: RouterConfig, k: int) -> bool:
