@@ -295,9 +295,13 @@ def phase_step(layer: MoELayer, x_BTD: torch.Tensor, grad_BTD: torch.Tensor, clo
     def on_grad(name: str) -> Callable[[torch.Tensor], None]:
         return lambda _grad: mark(name)
 
+    last = {"name": "backward: router + input-gradient sum"}
+
     def after_router(_module, _inputs, routing) -> None:
         mark("router")
-        if routing.weights_TK.requires_grad:
+        if routing.unit_weights:  # the combine leaves the weights out of the graph: no mark between the two
+            last["name"] = "backward: permute + router + input-gradient sum"
+        elif routing.weights_TK.requires_grad:
             routing.weights_TK.register_hook(on_grad("backward: permute"))  # reached after the experts' backward
 
     def before_experts(_module, inputs) -> None:
@@ -320,7 +324,7 @@ def phase_step(layer: MoELayer, x_BTD: torch.Tensor, grad_BTD: torch.Tensor, clo
         y_BTD, _aux = layer(x_BTD)
         mark("combine + aux")
         y_BTD.backward(grad_BTD)
-        mark("backward: router + input-gradient sum")
+        mark(last["name"])
         return y_BTD
 
     return Step(step, [x_BTD, *layer.parameters()]), marks

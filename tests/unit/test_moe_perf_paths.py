@@ -27,10 +27,11 @@ def _reference_top1_keep(ids_T: torch.Tensor, keys_TE: torch.Tensor, capacity: i
     return kept_TE.gather(1, ids_T.unsqueeze(1)).squeeze(1).bool()
 
 
+@pytest.mark.parametrize("num_experts", [9, 16, 64, 130])  # the amax form; `max(dim=1)` from 16 experts on
 @pytest.mark.parametrize("seed", range(5))
-def test_first_argmax_is_argmax_with_ties(seed):
+def test_first_argmax_is_argmax_with_ties(seed, num_experts):
     g = torch.Generator().manual_seed(seed)
-    x_TE = torch.randint(0, 4, (300, 9), generator=g).float()  # many ties
+    x_TE = torch.randint(0, 4, (300, num_experts), generator=g).float()  # many ties
     x_TE[::7, 3] = float("-inf")
     x_TE[5] = float("-inf")
     x_TE[6, :] = 2.0
@@ -278,4 +279,42 @@ def test_mean_and_gather_is_bitwise_autograds_mean_and_gather(topk):
         ((mean_E * grad_E).sum() + (route_TK * grad_TK).sum()).backward()
         grads.append((mean_E.detach(), route_TK.detach(), logits.grad))
     for new, ref in zip(*grads, strict=True):
+        assert torch.equal(new, ref)
+
+
+class _AutogradMeanAndGather:
+    """What `MeanAndGather` replaces: autograd's own mean and gather (two [T, E] gradients, summed)."""
+
+    @staticmethod
+    def apply(probs_TE, ids_TK):
+        return probs_TE.mean(0), probs_TE.gather(1, ids_TK)
+
+
+@pytest.mark.parametrize("drop", [True, False], ids=["capacity", "dropless"])
+def test_deepspeed_top1_layer_with_mean_and_gather_is_bitwise_autograds(monkeypatch, drop):
+    """DeepSpeed's top-1 gating (RTS, capacity 1.0 or dropless) shares `MeanAndGather` with the generic path: the
+    layer's output and every gradient equal those with autograd's mean and gather."""
+    from moetron.model.config import ModelConfig
+    from moetron.model.moe.layer import MoELayer
+    from moetron.model.moe.routing import deepspeed_gating
+
+    cfg = ModelConfig(hidden_size=16, num_attention_heads=1, ffn_hidden_size=32, swiglu=True)
+    cfg.add_bias_linear, cfg.num_experts, cfg.topk = False, [64], 1
+    cfg.moe_train_capacity_factor, cfg.moe_min_capacity, cfg.moe_token_dropping = 1.0, 4, drop
+    cfg.moe_loss_coeff = 0.1  # a visible aux-loss gradient
+    layer = MoELayer(cfg, 64, layer_index=0)
+    g = torch.Generator().manual_seed(4)
+    x_BTD, grad_BTD = torch.randn(2, 200, 16, generator=g), torch.randn(2, 200, 16, generator=g)
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(deepspeed_gating, "MeanAndGather", _AutogradMeanAndGather)
+        layer.zero_grad(set_to_none=True)
+        x = x_BTD.clone().requires_grad_()
+        torch.manual_seed(0)  # the same RTS draws
+        y, _aux = layer(x)
+        y.backward(grad_BTD)
+        runs.append([y.detach(), x.grad, *(p.grad for p in layer.parameters())])
+    assert len(runs[0]) == 6
+    for new, ref in zip(*runs, strict=True):
         assert torch.equal(new, ref)

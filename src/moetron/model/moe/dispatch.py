@@ -56,7 +56,39 @@ class GatherRows(torch.autograd.Function):
         (grad_index_R,) = ctx.saved_tensors
         # index_select's own backward (zeros + index_add_, same order) into one extra row, then dropped.
         grad_XA = grad_RA.new_zeros(ctx.num_rows + 1, *grad_RA.shape[1:]).index_add_(0, grad_index_R, grad_RA)
-        return grad_XA[: ctx.num_rows], None, None
+        # Dropped by shrinking the tensor in place, not by slicing: autograd adds a second gradient of the same
+        # input (the router's, for the layer's x) in place into a first one that is a whole tensor, but into a
+        # fresh [T, D] buffer when the first is a view (torch's InputBuffer::accumulate), one more cold 4 MiB
+        # write per step at T=8192, D=128. The same values either way.
+        return grad_XA.resize_(ctx.num_rows, *grad_RA.shape[1:]), None, None
+
+
+class PermuteRows(torch.autograd.Function):
+    """`src_XA.index_select(0, order_R)` where order_R is a permutation of src's rows (each row exactly once), with
+    the backward gathering through the inverse permutation instead of autograd's zeros + index_add_: no [X, A] zero
+    fill, and a gather instead of a scatter-add. The same values (0 + g = g; a -0.0 stays -0.0 instead of becoming
+    +0.0, which `torch.equal` counts as equal)."""
+
+    @staticmethod
+    def forward(ctx, src_XA: torch.Tensor, order_R: torch.Tensor, inverse_R: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse_R)
+        return src_XA.index_select(0, order_R)
+
+    @staticmethod
+    def backward(ctx, grad_RA: torch.Tensor):
+        (inverse_R,) = ctx.saved_tensors
+        return grad_RA.index_select(0, inverse_R), None, None
+
+
+def inverse_permutation(order_R: torch.Tensor) -> torch.Tensor:
+    """int64 [R]: inverse_R[order_R[r]] = r."""
+    rows_R = torch.arange(order_R.numel(), device=order_R.device)
+    return torch.empty_like(order_R).index_copy_(0, order_R, rows_R)
+
+
+# Off: dropless top-1 dispatches through `gather_rows` and `WeightedIndexAdd` like every other mode (the A/B of
+# `LocalDispatcher`'s permutation path; outputs and gradients have the same values either way).
+TOP1_PERMUTATION = True
 
 
 def gather_rows(src_XA: torch.Tensor, index_R: torch.Tensor, keep_grad_R: torch.Tensor) -> torch.Tensor:
@@ -98,22 +130,26 @@ def unpermute(
     weights_TK: torch.Tensor,
     num_tokens: int,
     kept_R: torch.Tensor | None = None,
+    unit_weights: bool = False,
 ) -> torch.Tensor:
     """y_TD[t] = Σ over t's kept routes of weight · expert output; tokens with no kept route get 0.
 
     `kept_R` marks the rows that hold a kept route's output; the others (never computed, any value) reach
     neither the output nor a gradient. None: every row does. The weighted sum accumulates in fp32
-    (DeepSpeed >= 0.19.4) and is cast back to y's dtype. Gradients flow to y_RD and to weights_TK."""
+    (DeepSpeed >= 0.19.4) and is cast back to y's dtype. Gradients flow to y_RD and to weights_TK, except with
+    `unit_weights` (`Routing.unit_weights`: every kept weight is exactly 1): then no product and no weight gradient."""
     acc_dtype = torch.promote_types(y_RD.dtype, torch.float32)
-    weights_R = weights_TK.reshape(-1).index_select(0, order_R).to(acc_dtype)
+    weights_R = None if unit_weights else weights_TK.reshape(-1).index_select(0, order_R).to(acc_dtype)
     token_R = route_tokens(order_R, weights_TK.shape[1])
     if kept_R is not None:
-        weights_R = torch.where(kept_R, weights_R, 0.0)  # the gradient of a tail row's weight is 0, not 0·NaN
+        if weights_R is not None:  # the gradient of a tail row's weight is 0, not 0·NaN
+            weights_R = torch.where(kept_R, weights_R, 0.0)
+        else:  # a tail row is added with weight 0, not 1 (its values are never computed)
+            weights_R = kept_R.to(acc_dtype)
         token_R = torch.where(kept_R, token_R, num_tokens)  # the sink row
     if kept_R is None:  # no sink row, so no slice: a slice's backward is a zero fill and a copy of [T + 1, D]
         return WeightedIndexAdd.apply(y_RD.to(acc_dtype), weights_R, token_R, num_tokens).to(y_RD.dtype)
-    y_TD = WeightedIndexAdd.apply(y_RD.to(acc_dtype), weights_R, token_R, num_tokens + 1)[:num_tokens]
-    return y_TD.to(y_RD.dtype)
+    return WeightedIndexAdd.apply(y_RD.to(acc_dtype), weights_R, token_R, num_tokens, True).to(y_RD.dtype)
 
 
 # Rows per pass of `WeightedIndexAdd`: ~512 KiB of [rows, D] per operand, so that each pass's temporaries stay in
@@ -128,39 +164,53 @@ def chunk_rows(num_cols: int, itemsize: int) -> int:
 
 
 class WeightedIndexAdd(torch.autograd.Function):
-    """`zeros(rows, D).index_add_(0, token_R, y_RD · weights_R)` with a leaner backward than autograd's: the
+    """`zeros(rows, D).index_add_(0, token_R, y_RD · weights_R)` (weights None: all 1, no product, no weight
+    gradient) with a leaner backward than autograd's: the
     output gradient is gathered once and scaled in place for y, and row-dotted with y for the weights (autograd's
     chain of index_add, mul and sum allocates two more [R, D] tensors).
 
     Both passes run in chunks of `chunk_rows` rows. Bitwise the same as one pass: the products and the row dots
-    are per row, and index_add_ still adds every destination's rows in route order (chunk by chunk)."""
+    are per row, and index_add_ still adds every destination's rows in route order (chunk by chunk).
+
+    `sink`: token_R may also name row `rows` (the dropped routes' sink, whose weight is 0): it is added into one
+    extra row that the output drops by shrinking in place — not a slice, whose backward is a zero fill and a copy
+    of [rows + 1, D] per step (~1 ms at T=8192, D=128). Its rows' output gradient is then read from row rows - 1
+    instead of the sink's zeros: times their weight 0, the same 0 (its sign aside) wherever that gradient is finite,
+    and the rows past the kept routes pass no gradient on anyway (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, y_RD: torch.Tensor, weights_R: torch.Tensor, token_R: torch.Tensor, rows: int) -> torch.Tensor:
-        ctx.save_for_backward(y_RD, weights_R, token_R)
+    def forward(
+        ctx, y_RD: torch.Tensor, weights_R: torch.Tensor, token_R: torch.Tensor, rows: int, sink: bool = False
+    ) -> torch.Tensor:
+        ctx.save_for_backward(y_RD if weights_R is not None else None, weights_R, token_R)  # y: for weight grads
+        ctx.sink_row = rows if sink else None
         # In place on a fresh buffer: the out-of-place index_add would first copy the zeros.
-        out_XD = y_RD.new_zeros(rows, y_RD.shape[1])
+        out_XD = y_RD.new_zeros(rows + sink, y_RD.shape[1])
         step = chunk_rows(y_RD.shape[1], y_RD.element_size())
         for lo in range(0, y_RD.shape[0], step):
             hi = lo + step
-            out_XD.index_add_(0, token_R[lo:hi], y_RD[lo:hi] * weights_R[lo:hi, None])
-        return out_XD
+            rows_RD = y_RD[lo:hi] if weights_R is None else y_RD[lo:hi] * weights_R[lo:hi, None]
+            out_XD.index_add_(0, token_R[lo:hi], rows_RD)
+        return out_XD.resize_(rows, y_RD.shape[1]) if sink else out_XD
 
     @staticmethod
     def backward(ctx, grad_XD: torch.Tensor):
         y_RD, weights_R, token_R = ctx.saved_tensors
+        if ctx.sink_row is not None:
+            token_R = token_R.clamp(max=ctx.sink_row - 1)
         grad_XD = grad_XD.contiguous()
-        grad_RD = grad_XD.new_empty(y_RD.shape[0], grad_XD.shape[1])
-        need_weights = ctx.needs_input_grad[1]
+        grad_RD = grad_XD.new_empty(token_R.shape[0], grad_XD.shape[1])
+        need_weights = weights_R is not None and ctx.needs_input_grad[1]
         grad_weights_R = y_RD.new_empty(y_RD.shape[0]) if need_weights else None
         step = chunk_rows(grad_XD.shape[1], grad_XD.element_size())
-        for lo in range(0, y_RD.shape[0], step):
+        for lo in range(0, token_R.shape[0], step):
             hi = lo + step
             chunk_RD = torch.index_select(grad_XD, 0, token_R[lo:hi], out=grad_RD[lo:hi])
             if need_weights:
                 torch.linalg.vecdot(chunk_RD, y_RD[lo:hi], out=grad_weights_R[lo:hi])
-            chunk_RD.mul_(weights_R[lo:hi, None])
-        return grad_RD, grad_weights_R, None, None
+            if weights_R is not None:
+                chunk_RD.mul_(weights_R[lo:hi, None])
+        return grad_RD, grad_weights_R, None, None, None
 
 
 class TokenDispatcher(Protocol):
@@ -190,6 +240,8 @@ class LocalContext:
     kept_R: torch.Tensor | None  # bool: the sorted row is a kept route (the experts computed it); None: all are
     weights_TK: torch.Tensor
     num_tokens: int
+    unit_weights: bool = False  # `Routing.unit_weights`: the combine multiplies by no weight
+    inverse_R: torch.Tensor | None = None  # dropless top-1: order_R is a permutation of the tokens, and its inverse
 
 
 class LocalDispatcher:
@@ -199,12 +251,22 @@ class LocalDispatcher:
         self.num_experts = num_experts
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, ExpertCounts, LocalContext]:
+        counts = routing.host_capacity
+        if TOP1_PERMUTATION and routing.topk == 1 and counts is None:  # dropless top-1: each token has one row
+            order_R, counts_E, _ = sort_routes(routing.expert_ids_TK, routing.kept_TK, self.num_experts)
+            inverse_R = inverse_permutation(order_R)
+            x_RD = PermuteRows.apply(x_TD, order_R, inverse_R)
+            ctx = LocalContext(order_R, None, routing.weights_TK, x_TD.shape[0], routing.unit_weights, inverse_R)
+            return x_RD, ExpertCounts(counts_E, counts), ctx
         x_RD, counts_E, order_R, kept_R = permute(x_TD, routing.expert_ids_TK, routing.kept_TK, self.num_experts)
-        ctx = LocalContext(order_R, self._kept_rows(routing, kept_R), routing.weights_TK, x_TD.shape[0])
-        return x_RD, ExpertCounts(counts_E, routing.host_capacity), ctx
+        kept = self._kept_rows(routing, kept_R)
+        ctx = LocalContext(order_R, kept, routing.weights_TK, x_TD.shape[0], routing.unit_weights)
+        return x_RD, ExpertCounts(counts_E, counts), ctx
 
     def combine(self, y_RD: torch.Tensor, ctx: LocalContext) -> torch.Tensor:
-        return unpermute(y_RD, ctx.order_R, ctx.weights_TK, ctx.num_tokens, ctx.kept_R)
+        if ctx.inverse_R is not None and ctx.unit_weights:  # y_TD[t] = y_RD[inverse[t]], with no zeros to add to
+            return PermuteRows.apply(y_RD, ctx.inverse_R, ctx.order_R)
+        return unpermute(y_RD, ctx.order_R, ctx.weights_TK, ctx.num_tokens, ctx.kept_R, ctx.unit_weights)
 
     @staticmethod
     def _kept_rows(routing: Routing, kept_R: torch.Tensor) -> torch.Tensor | None:

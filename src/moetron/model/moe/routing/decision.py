@@ -43,6 +43,9 @@ class Routing:
     slot_order: str = "token"
     # fp32 scalar router z-loss (NOT multiplied by moe_z_loss_coeff), or a function computing it on first read.
     z_loss_source: torch.Tensor | Callable[[], torch.Tensor] | None = field(default=None, repr=False)
+    # Every kept route's weight is exactly 1 (top-1 of softmax scores renormalised over its one route: s / s), so a
+    # combine may skip the product, and the weights' gradient (0 there, up to the rounding of s / s's backward).
+    unit_weights: bool = False
     _slots_TK: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     @property

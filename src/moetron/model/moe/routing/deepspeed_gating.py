@@ -22,6 +22,7 @@ from moetron.model.moe.routing.capacity_and_dropping import (
     keep_top_random_keys_top1,
 )
 from moetron.model.moe.routing.decision import Routing, RoutingInputError, buffer_slots, route_counts, route_fraction
+from moetron.model.moe.routing.mean_and_gather import MeanAndGather
 
 
 # ---------------------------------------------------------------- noise (torch.distributions' formulas)
@@ -53,13 +54,23 @@ def multiplicative_jitter(x: torch.Tensor, epsilon: float = 1e-2) -> torch.Tenso
 
 
 # ---------------------------------------------------------------- helpers
+# From here `max(dim=1)` is faster on CPU than the vectorised amax form below (T=8192: 0.25 vs 0.29 ms at E=16; at
+# E=8 it is not, 0.16 vs 0.14 ms).
+_MAX_DIM_MIN_EXPERTS = 16
+
+
 def first_argmax(x_TE: torch.Tensor) -> torch.Tensor:
-    """int64 [T]: `torch.argmax(x_TE, dim=1)` (the FIRST maximal column), several times faster on CPU.
+    """int64 [T]: `torch.argmax(x_TE, dim=1)` (the FIRST maximal column), faster on CPU.
 
     argmax's CPU kernel is scalar; amax and the comparisons vectorise. Ties resolve to the lowest column
     exactly as argmax does. NaN rows differ (argmax points at the NaN); the router's logits have none.
+    On CPU with at least `_MAX_DIM_MIN_EXPERTS` columns, `max(dim=1)` instead: one pass and no [T, E]
+    temporaries (0.59 vs 0.79 ms at T=8192, E=64; 0.91 vs 1.58 ms at E=128), the first maximal column as
+    documented, NaN rows included (the NaN's column, as argmax).
     """
     num_experts = x_TE.shape[1]
+    if x_TE.device.type == "cpu" and num_experts >= _MAX_DIM_MIN_EXPERTS:
+        return x_TE.max(dim=1).indices
     is_max_TE = x_TE == x_TE.amax(dim=1, keepdim=True)
     # Score E - e at the maxima (0 elsewhere): the largest score is the lowest maximal column.
     reverse_E = torch.arange(num_experts, 0, -1, device=x_TE.device, dtype=torch.int32)
@@ -104,8 +115,10 @@ def top1_gating(
     capacity = capacity_from_factor(num_tokens, num_experts, capacity_factor, 1, min_capacity)
 
     ids_T = first_argmax(noisy_logits_TE if noisy_logits_TE is not None else probs_TE)
+    ids_TK = ids_T.unsqueeze(1)
     counts_E = route_counts(ids_T, num_experts)
-    aux_loss = torch.sum(probs_TE.mean(0) * route_fraction(counts_E, num_tokens)) * num_experts
+    mean_probs_E, gates_TK = MeanAndGather.apply(probs_TE, ids_TK)  # autograd's mean and gather, one [T, E] grad
+    aux_loss = torch.sum(mean_probs_E * route_fraction(counts_E, num_tokens)) * num_experts
 
     # Random token selection: an over-full expert keeps the C routes with the largest random keys. The
     # draw happens even when nothing can overflow (dropless), to keep the RNG stream in step with DeepSpeed.
@@ -123,8 +136,8 @@ def top1_gating(
     else:  # DeepSpeed's int64 one-hot mask as the keys: its exact ties
         kept_T = keep_top_keys_top1(ids_T, _one_hot_bool(ids_T, num_experts).long(), capacity)
 
-    ids_TK, kept_TK = ids_T.unsqueeze(1), kept_T.unsqueeze(1)
-    weights_TK = probs_TE.gather(1, ids_TK) * kept_TK  # raw probability, no renormalisation for k = 1
+    kept_TK = kept_T.unsqueeze(1)
+    weights_TK = gates_TK * kept_TK  # raw probability, no renormalisation for k = 1
     return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, counts_E, probs_TE, "token")
 
 

@@ -26,6 +26,7 @@ from moetron.model.moe.routing.capacity_and_dropping import (
     keep_top_keys,
 )
 from moetron.model.moe.routing.decision import Routing, route_counts, route_fraction
+from moetron.model.moe.routing.mean_and_gather import MeanAndGather
 from moetron.model.moe.routing.router_config import RouterConfig
 
 
@@ -110,25 +111,6 @@ def _choose_experts(scores_TE: torch.Tensor, cfg: RouterConfig, k: int, expert_b
 FUSE_MEAN_AND_GATHER = True
 
 
-class MeanAndGather(torch.autograd.Function):
-    """(probs_TE.mean(0), probs_TE.gather(1, ids_TK)) with one [T, E] gradient instead of two: the mean's
-    (grad / T, expanded) with the routes' gradients scatter-added into it. Autograd would build the gather's
-    gradient as a zero-filled [T, E] and add the two; the sums are the same bits (a + (0 + g) = a + g)."""
-
-    @staticmethod
-    def forward(ctx, probs_TE: torch.Tensor, ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.save_for_backward(ids_TK)
-        ctx.shape = probs_TE.shape
-        return probs_TE.mean(0), probs_TE.gather(1, ids_TK)
-
-    @staticmethod
-    def backward(ctx, grad_E: torch.Tensor, grad_TK: torch.Tensor):
-        (ids_TK,) = ctx.saved_tensors
-        num_tokens, num_experts = ctx.shape
-        grad_TE = grad_E.expand(num_tokens, num_experts) / num_tokens  # `mean`'s backward, bitwise
-        return grad_TE.scatter_add_(1, ids_TK, grad_TK), None
-
-
 def renormalises(cfg: RouterConfig, k: int) -> bool:
     """DeepSpeed's rule unless forced: k = 1 keeps the raw score, k >= 2 renormalises over kept routes."""
     return cfg.moe_router_topk_renorm if cfg.moe_router_topk_renorm is not None else k >= 2
@@ -166,7 +148,18 @@ def generic_topk_gating(
     weights_TK = weights_TK * cfg.moe_router_topk_scaling_factor
     mean_probs_E = probs_TE.mean(0) if mean_probs_E is None else mean_probs_E
     aux_loss = balance_loss(mean_probs_E, route_fraction(counts_E, num_tokens), k)
-    return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, counts_E, probs_TE, "token")
+    routing = Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, counts_E, probs_TE, "token")
+    routing.unit_weights = has_unit_weights(cfg, k)
+    return routing
+
+
+def has_unit_weights(cfg: RouterConfig, k: int) -> bool:
+    """Whether every kept route's weight is exactly 1: one route, renormalised (s / max(s, eps) = s / s, as a
+    softmax's top score is >= 1/E > eps), or a pre-softmax over that one route (exp(0) / exp(0)), unscaled.
+    Sigmoid scores are left out: one below eps would be renormalised to s / eps."""
+    if k != 1 or cfg.moe_router_topk_scaling_factor != 1.0:
+        return False
+    return cfg.moe_router_pre_softmax or (renormalises(cfg, k) and cfg.moe_router_score_function == "softmax")
 
 
 def _keep_within_capacity(

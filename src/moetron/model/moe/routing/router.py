@@ -126,6 +126,11 @@ class Router(nn.Module):
             k = 1 if first_choices else self.topk
             routing.aux_loss = split_micro_batch_aux_loss(routing.probs_TE, counted_TK, k, self.sequence_mean)
         routing.z_loss_source = self._z_loss(routing, logits_TE)
+        trained_by_a_loss = routing.aux_loss.requires_grad or self.cfg.moe_z_loss_coeff != 0
+        if routing.unit_weights and logits_TE.requires_grad and not trained_by_a_loss:
+            # The weights are then the gate's only gradient path (0 up to rounding, but a gradient): without it the
+            # gate would get none, which optimizers treat as "skip this parameter" and DDP as an unused parameter.
+            routing.unit_weights = False
         return routing
 
     def _z_loss(self, routing: Routing, logits_TE: torch.Tensor):

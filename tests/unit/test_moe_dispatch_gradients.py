@@ -1,0 +1,110 @@
+"""How the dispatcher hands gradients back: values equal to autograd's own index_select backward, in tensors that let
+autograd add the layer input's second gradient (the router's) in place; and dropless top-1's permutation path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetron.model.config import ModelConfig
+from moetron.model.moe import dispatch
+from moetron.model.moe.dispatch import gather_rows
+from moetron.model.moe.layer import MoELayer
+
+
+def test_gather_rows_gradient_is_index_selects_backward_in_a_whole_tensor():
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(10, 4, generator=g)
+    index_R = torch.tensor([3, 0, 3, 9, 5, 1])
+    keep_R = torch.tensor([True, True, False, True, True, False])
+    grad_RA = torch.randn(6, 4, generator=g)
+    x = src.clone().requires_grad_()
+    gather_rows(x, index_R, keep_R).backward(grad_RA)
+    want = src.clone().requires_grad_()
+    (want.index_select(0, index_R[keep_R])).backward(grad_RA[keep_R])
+    assert torch.equal(x.grad, want.grad)
+
+    grads = []
+    x2 = src.clone().requires_grad_()
+    x2.register_hook(grads.append)
+    gather_rows(x2, index_R, keep_R).backward(grad_RA)
+    # Not a view of the [X + 1, A] buffer with the sink row: autograd accumulates into a view out of place (a fresh
+    # [X, A] sum), into a whole tensor in place (torch's InputBuffer::accumulate).
+    assert grads[0]._base is None and grads[0].shape == src.shape and grads[0].is_contiguous()
+
+
+def test_a_second_gradient_of_the_layer_input_is_added_in_place():
+    """x feeding the router (a matmul) and the dispatch, as in the MoE layer: the two gradients sum without an
+    out-of-place [T, D] add."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 12, 4, generator=g, requires_grad=True)
+    x_TD = x.reshape(-1, 4)
+    w = torch.randn(3, 4, generator=g)
+    index_R = torch.randperm(12, generator=g)
+    logits = torch.nn.functional.linear(x_TD, w)  # first, as the router: its backward runs after the dispatch's
+    out = gather_rows(x_TD, index_R, torch.ones(12, dtype=torch.bool)).sum() + logits.sum()
+    with torch.profiler.profile() as prof:
+        out.backward()
+    names = [event.name for event in prof.events()]
+    assert "aten::add_" in names and "aten::add" not in names
+    assert torch.equal(x.grad, (torch.ones(12, 4) + w.sum(0)).reshape(1, 12, 4))
+
+
+@pytest.mark.parametrize("renorm", [True, False], ids=["unit-weights", "raw-weights"])
+def test_dropless_top1_permutation_path_equals_the_gather_and_index_add_path(monkeypatch, renorm):
+    """Dropless top-1: each token has exactly one row, so the dispatch is a permutation (`PermuteRows`, gradient by
+    the inverse permutation) and, with unit weights, so is the combine. Output and every gradient equal the path
+    every other mode takes (zeros + index_add_)."""
+    cfg = ModelConfig(hidden_size=16, num_attention_heads=1, ffn_hidden_size=32, swiglu=True)
+    cfg.add_bias_linear, cfg.num_experts, cfg.topk = False, [8], 1
+    cfg.moe_token_dropping, cfg.moe_router_topk_renorm = False, renorm
+    layer = MoELayer(cfg, 8, layer_index=0)
+    g = torch.Generator().manual_seed(2)
+    x_BTD, grad_BTD = torch.randn(2, 40, 16, generator=g), torch.randn(2, 40, 16, generator=g)
+    runs = []
+    for permutation in (True, False):
+        monkeypatch.setattr(dispatch, "TOP1_PERMUTATION", permutation)
+        calls = []
+        monkeypatch.setattr(dispatch.PermuteRows, "apply", _counting(dispatch.PermuteRows.apply, calls))
+        layer.zero_grad(set_to_none=True)
+        x = x_BTD.clone().requires_grad_()
+        y, _aux = layer(x)
+        y.backward(grad_BTD)
+        runs.append([y.detach(), x.grad, *(p.grad for p in layer.parameters())])
+        assert len(calls) == (0 if not permutation else 2 if renorm else 1)  # dispatch, and combine if unit weights
+        monkeypatch.undo()
+    assert len(runs[0]) == 6
+    for new, old in zip(*runs, strict=True):
+        assert torch.equal(new, old)
+
+
+def _counting(fn, calls):
+    def counted(*args):
+        calls.append(1)
+        return fn(*args)
+
+    return counted
+
+
+def test_weighted_index_add_with_a_sink_row_is_the_sliced_sum_without_the_slice():
+    """Dropped routes (weight 0) go to a sink row the output leaves out: the values and gradients of
+    `zeros(T + 1, D).index_add_(...)[:T]`, in a whole tensor (no slice, whose backward is a [T + 1, D] zero fill)."""
+    g = torch.Generator().manual_seed(3)
+    num_tokens, hidden, routes = 9, 4, 14
+    token_R = torch.randint(0, num_tokens + 1, (routes,), generator=g)
+    token_R[:3] = num_tokens  # some sink rows
+    y_RD = torch.randn(routes, hidden, generator=g)
+    weights_R = torch.where(token_R < num_tokens, torch.rand(routes, generator=g), 0.0)
+    grad_TD = torch.randn(num_tokens, hidden, generator=g)
+    outs = []
+    for sink in (True, False):
+        y, w = y_RD.clone().requires_grad_(), weights_R.clone().requires_grad_()
+        if sink:
+            out = dispatch.WeightedIndexAdd.apply(y, w, token_R, num_tokens, True)
+            assert out._base is None and out.shape == (num_tokens, hidden)
+        else:
+            out = dispatch.WeightedIndexAdd.apply(y, w, token_R, num_tokens + 1)[:num_tokens]
+        out.backward(grad_TD)
+        outs.append((out.detach(), y.grad, w.grad[token_R < num_tokens]))
+    for new, ref in zip(*outs, strict=True):
+        assert torch.equal(new, ref)
