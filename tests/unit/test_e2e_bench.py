@@ -44,3 +44,23 @@ def test_rates_and_ratio_lines_read_the_summed_iteration_times(e2e):
     line, ratio = e2e.ratio_line("dense", "nanogpt", "same", rate, times)
     assert ratio == pytest.approx(4 / 3)
     assert line == "dense [same environment]: moetron 400 tok/s, nanogpt 300 tok/s, ratio 1.33 (rounds 2.00 1.00)"
+
+
+def test_floor_lines_put_each_step_against_its_own_and_the_lower_gemm_floor(e2e):
+    class FakeWorker:
+        def __init__(self, floor: float):
+            self.floor = floor
+
+        def ask(self, command: str) -> dict:
+            assert command.startswith("floor ")
+            return {"floor": self.floor, "flops": 33.3e9, "calls": 57}
+
+    sides = {"moetron": FakeWorker(0.2), "same": FakeWorker(0.25)}
+    times = {"moetron": [1.5, 1.5], "same": [3.0, 3.0]}  # 2 rounds × 5 steps: 0.3 and 0.6 s per step
+    args = e2e.parse_args(["--rounds", "2", "--steps", "5", "--threads", "1", "--clock", "cpu"])
+    floor, multiples = e2e.floor_lines(sides, "nanogpt", "dense", times, args)
+    assert "moetron 200 ms (57 GEMMs, 33.3 GFLOP), nanogpt same environment 250 ms" in floor
+    assert (
+        "moetron 1.50× its own, 1.50× the lower, nanogpt same environment 2.40× its own, 3.00× the lower" in multiples
+    )
+    assert multiples.endswith("needs moetron at ≤ 2.00× the lower floor (1.50× now)")  # 3.00 / 1.5
