@@ -108,3 +108,26 @@ def test_weighted_index_add_with_a_sink_row_is_the_sliced_sum_without_the_slice(
         outs.append((out.detach(), y.grad, w.grad[token_R < num_tokens]))
     for new, ref in zip(*outs, strict=True):
         assert torch.equal(new, ref)
+
+
+def test_dispatch_and_combine_with_dropped_routes_trace_as_one_graph():
+    """Under torch.compile the sink row is dropped by a view, not `resize_` (which Dynamo cannot trace): the
+    LocalDispatcher's permute and unpermute compile with fullgraph=True and give eager's values."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 8, generator=g, requires_grad=True)
+    weights = torch.rand(64, 1, generator=g, requires_grad=True)
+    expert_ids = torch.randint(0, 4, (64, 1), generator=g)
+    kept = torch.rand(64, 1, generator=g) > 0.3
+    scale_D = torch.arange(8.0)
+
+    def layer(x, weights):
+        x_RD, _, order_R, kept_R = dispatch.permute(x, expert_ids, kept, 4)
+        return (dispatch.unpermute(x_RD * 2, order_R, weights, 64, kept_R) * scale_D).sum()
+
+    eager = layer(x, weights)
+    eager_grads = torch.autograd.grad(eager, (x, weights))
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x, weights)
+    compiled_grads = torch.autograd.grad(compiled, (x, weights))
+    torch.testing.assert_close(compiled, eager)
+    for got, want in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want)

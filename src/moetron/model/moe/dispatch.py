@@ -41,6 +41,15 @@ class ExpertCounts:
     capacity: int | None = None  # host bound on every count (capacity-factor mode), None = unknown
 
 
+def without_last_row(t_XA: torch.Tensor) -> torch.Tensor:
+    """`t_XA[:-1]` for a fresh tensor nothing else holds: shrunk in place in eager mode (a whole tensor, not a
+    view — see GatherRows.backward for why that matters), a view under torch.compile, as Dynamo cannot trace
+    `resize_` (a graph break in the middle of the MoE layer otherwise). The same values either way."""
+    if torch.compiler.is_compiling():
+        return t_XA.narrow(0, 0, t_XA.shape[0] - 1)
+    return t_XA.resize_(t_XA.shape[0] - 1, *t_XA.shape[1:])
+
+
 class GatherRows(torch.autograd.Function):
     """`src_XA.index_select(0, index_R)` whose backward sends row r's gradient to row `grad_index_R[r]`;
     rows whose grad index is X (one past the last row, a sink) pass no gradient back, whatever it holds."""
@@ -60,7 +69,7 @@ class GatherRows(torch.autograd.Function):
         # input (the router's, for the layer's x) in place into a first one that is a whole tensor, but into a
         # fresh [T, D] buffer when the first is a view (torch's InputBuffer::accumulate), one more cold 4 MiB
         # write per step at T=8192, D=128. The same values either way.
-        return grad_XA.resize_(ctx.num_rows, *grad_RA.shape[1:]), None, None
+        return without_last_row(grad_XA), None, None
 
 
 class PermuteRows(torch.autograd.Function):
@@ -191,7 +200,7 @@ class WeightedIndexAdd(torch.autograd.Function):
             hi = lo + step
             rows_RD = y_RD[lo:hi] if weights_R is None else y_RD[lo:hi] * weights_R[lo:hi, None]
             out_XD.index_add_(0, token_R[lo:hi], rows_RD)
-        return out_XD.resize_(rows, y_RD.shape[1]) if sink else out_XD
+        return without_last_row(out_XD) if sink else out_XD
 
     @staticmethod
     def backward(ctx, grad_XD: torch.Tensor):
