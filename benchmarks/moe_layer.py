@@ -19,6 +19,11 @@ Memory: peak bytes live in torch's CPU allocator between the start of forward an
 (torch.profiler's allocation events, profile_memory=True, summed in time order), minus what was live at
 the start: saved activations, temporaries and gradients, the same accounting for every implementation.
 Gradients are set to None before every step (zero_grad(set_to_none=True)), as in training.
+Page faults: median minor faults per step (getrusage). Their system time is in the CPU clock, and whether a step
+faults depends on the heap's state (glibc trims freed blocks off the top of the heap or unmaps large ones, and the
+next step faults them back in), so it can differ between processes of the same code: at E=64 the floor faulted
+0 pages per step in one process and ~5000 (~7 ms, its ratio 1.30× → 1.16×) in the next. Read a ratio beside the
+floor's fault count.
 --phases: instead, moetron's two layers split into phases (forward: router, permute, experts, combine + aux;
 backward: combine, experts, permute, router + input-gradient sum), each a median over --reps steps as a
 fraction of the floor measured alternately with them; clock marks come from module hooks in the forward and
@@ -40,6 +45,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+try:
+    import resource
+except ImportError:  # not Unix: no fault counts
+    resource = None
 
 from memory_peak import peak_cpu_bytes
 from moetron.model.config import ModelConfig
@@ -247,18 +257,29 @@ def peak_bytes(step: Step) -> int:
     return peak_cpu_bytes(step)
 
 
-def median_times(steps: dict[str, Step], reps: int, warmup: int, clock: Callable[[], float]) -> dict[str, float]:
+def minor_faults() -> int:
+    """Minor page faults of this process so far (0 where `resource` is missing: not Unix)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
+
+
+def median_times(
+    steps: dict[str, Step], reps: int, warmup: int, clock: Callable[[], float]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """(median step time, median minor page faults per step) of each implementation."""
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
+    faults: dict[str, list[int]] = {n: [] for n in names}
     for rep in range(warmup + reps):
         rotated = names[rep % len(names) :] + names[: rep % len(names)]
         for name in rotated:
             steps[name].clear_grads()
-            start = clock()
+            faults_before, start = minor_faults(), clock()
             steps[name]()
+            elapsed, faulted = clock() - start, minor_faults() - faults_before
             if rep >= warmup:
-                times[name].append(clock() - start)
-    return {n: statistics.median(t) for n, t in times.items()}
+                times[name].append(elapsed)
+                faults[name].append(faulted)
+    return {n: statistics.median(t) for n, t in times.items()}, {n: statistics.median(f) for n, f in faults.items()}
 
 
 def cross_checks(steps: dict[str, Step]) -> list[str]:
@@ -275,10 +296,11 @@ def cross_checks(steps: dict[str, Step]) -> list[str]:
 def run_shape(s: Shape, reps: int, warmup: int, clock: Callable[[], float]) -> list[str]:
     steps, notes = build_steps(s)
     checks = cross_checks(steps)
-    seconds = median_times(steps, reps, warmup, clock)
+    seconds, faults = median_times(steps, reps, warmup, clock)
     memory = {name: peak_bytes(step) for name, step in steps.items()}
     rows = [
-        f"| {s} | {name} | {seconds[name] / seconds['floor']:.2f}× | {memory[name] / memory['floor']:.2f}× |"
+        f"| {s} | {name} | {seconds[name] / seconds['floor']:.2f}× | {memory[name] / memory['floor']:.2f}× "
+        f"| {faults[name]:.0f} |"
         for name in steps
     ]
     return rows + [f"<!-- {line} -->" for line in notes + checks]
@@ -427,8 +449,8 @@ def main() -> None:
                 for line in rows(SHAPES[index], args.reps, args.warmup, CLOCKS[args.clock]):
                     print(line, flush=True)
             return
-    print("| shape | implementation | time / floor | peak memory / floor |")
-    print("|---|---|---|---|")
+    print("| shape | implementation | time / floor | peak memory / floor | minor page faults / step |")
+    print("|---|---|---|---|---|")
     for index in args.shapes:
         for line in run_shape(SHAPES[index], args.reps, args.warmup, CLOCKS[args.clock]):
             print(line, flush=True)

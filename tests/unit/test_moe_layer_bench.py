@@ -1,0 +1,37 @@
+"""benchmarks/moe_layer.py's timing loop: a median time and a median page-fault count per implementation."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def moe_layer(monkeypatch):
+    monkeypatch.syspath_prepend(REPO / "benchmarks")  # the benchmark under test, not a helper
+    import moe_layer
+
+    return moe_layer
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="minor-fault counts are read from getrusage")
+def test_median_times_counts_the_page_faults_of_each_step(moe_layer):
+    leaf = torch.zeros(4, requires_grad=True)
+
+    def fresh_pages() -> torch.Tensor:  # 64 MiB: above glibc's mmap ceiling, so new pages every call
+        return torch.ones(16 << 20).sum()
+
+    def nothing() -> torch.Tensor:
+        return leaf
+
+    steps = {"faults": moe_layer.Step(fresh_pages, [leaf]), "none": moe_layer.Step(nothing, [leaf])}
+    seconds, faults = moe_layer.median_times(steps, reps=3, warmup=1, clock=moe_layer.CLOCKS["cpu"])
+    assert set(seconds) == set(faults) == set(steps)
+    assert all(value >= 0 for value in seconds.values())
+    assert faults["faults"] >= 16  # 16384 4 KiB pages, or 32 huge pages where THP is "always"
+    assert faults["none"] == 0
