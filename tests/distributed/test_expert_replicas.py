@@ -11,9 +11,9 @@ One spawned group carries every check (spawning is the expensive part):
   - host reads: one layer step with replicas on the CUDA code path (grouped_mm) reads the device once per rank
     (the `.tolist()` of every split size), as the plain dispatcher does;
   - composition, EP 2, 10 steps: with ZeRO 2 (capacity) and ZeRO 3 (dropless) on FSDP2, PP 2 × ZeRO 1, PP 2 zero
-    bubble (torch's parameter groups split the expert weights: `parallel/pp/weight_groups.py`), TP 2 + SP
-    (folding) × ZeRO 2 and TP 2 × expert TP 2 × ZeRO 3, the loss curve and the gradient norms equal those of the
-    same layout without replicas within 1e-5 relative, with the same routed and balanced computed loads. (Under
+    bubble × ZeRO 1 and × ZeRO 3 (torch's parameter groups split the expert weights: `parallel/pp/weight_groups.py`),
+    TP 2 + SP (folding) × ZeRO 2 and TP 2 × expert TP 2 × ZeRO 3, the loss curve and the gradient norms equal those of
+    the same layout without replicas within 1e-5 relative, with the same routed and balanced computed loads. (Under
     FSDP2 the replica weights must be read after its gather and their gradients reach the owner before its
     reduce-scatter; a replica of expert-TP experts must add its output bias on one TP rank: each broke this.)
   - `--compile`, EP 2 with one slot, 6 steps: the loss curve equals the eager run without replicas within 1e-5;
@@ -51,6 +51,7 @@ LAYOUTS = {  # name: (dropless, layers, parallel settings), each at EP 2 on 4 pr
     "zero3": (True, 2, {"zero_stage": 3}),
     "pp2 zero1": (True, 4, {"pipeline_model_parallel_size": 2, "zero_stage": 1}),
     "pp2 zb zero1": (True, 4, {"pipeline_model_parallel_size": 2, "zero_stage": 1, **ZERO_BUBBLE}),
+    "pp2 zb zero3": (True, 4, {"pipeline_model_parallel_size": 2, "zero_stage": 3, **ZERO_BUBBLE}),
     "tp2 sp zero2": (True, 2, {"tensor_model_parallel_size": 2, "sequence_parallel": True, "zero_stage": 2}),
     "tp2 etp2 zero3": (True, 2, {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2, "zero_stage": 3}),
 }
