@@ -23,7 +23,7 @@ Two spawned groups carry every check (spawning is the expensive part):
                         one-process curve for 6 steps (lm, moe and mtp loss, gradient norm); PP = 2 ×
                         TP = 2 with sequence parallelism follows the one-process curve (attention dropout off:
                         head shards draw their own masks) and saves; so does PP = 2 × TP = 2 with two MTP
-                        modules on the last stage (4 steps, no sequence parallelism: validate() refuses it).
+                        modules on the last stage (4 steps), with and without sequence parallelism.
 This process loads the PP = 2, PP = 2 × EP = 2 and PP = 2 × TP = 2 checkpoints at PP = 1: the same validation loss,
 and training from step 6 continues on the one-process curve (optimizer state included).
 """
@@ -185,6 +185,7 @@ def four_process_checks(rank: int, world_size: int, tmp: str) -> dict:
     tp.save()
     out["pp2tp2_valid"] = valid_loss(tp)
     out["pp2tp2_mtp"] = curve(pp_trainer(pp_config(2, **PP_TP_MTP), env), 4)
+    out["pp2tp2sp_mtp"] = curve(pp_trainer(pp_config(2, sequence_parallel=True, **PP_TP_MTP), env), 4)
     pp4 = pp_trainer(pp_config(4), env)
     out["pp4_layers"] = [i for i, _ in pp4.model.layer_items()]
     pp4.load(resolve_checkpoint(f"{tmp}/pp2"))
@@ -277,6 +278,7 @@ def test_pipeline_parallel_training_and_checkpoints(tmp_path):
     for r in four:
         assert_same_curve(r["pp2tp2"], no_attention_dropout)
         assert_same_curve(r["pp2tp2_mtp"], mtp_tp)
+        assert_same_curve(r["pp2tp2sp_mtp"], mtp_tp)  # each MTP depth's input a sequence shard on the last stage
     back = pp_trainer(pp_config(1, attention_dropout=0.0))
     back.load(resolve_checkpoint(f"{tmp}/pp2tp2"))
     assert valid_loss(back) == pytest.approx(four[0]["pp2tp2_valid"], rel=1e-5)
