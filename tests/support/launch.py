@@ -69,6 +69,23 @@ def _worker(fn, rank: int, world_size: int, port: int, args: tuple, results) -> 
             env.close()
 
 
+def _late_errors(results, procs, collected: dict, errors: list[str]) -> list[str]:
+    """What the other ranks reported after the first error, and which ranks exited without reporting."""
+    late, reported = [], set(collected) | {int(e.split()[1]) for e in errors}
+    while True:
+        try:
+            rank, status, value = results.get(timeout=1)
+        except queue.Empty:
+            break
+        reported.add(rank)
+        if status == "error":
+            late.append(f"rank {rank} failed too:\n{value}")
+    for rank, p in enumerate(procs):
+        if rank not in reported:
+            late.append(f"rank {rank} exited with code {p.exitcode} without a result (negative: killed by that signal)")
+    return late
+
+
 def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 180.0) -> list:
     """`[fn(0, world_size, *args), fn(1, world_size, *args), ...]`, each computed in its own process."""
     ctx = mp.get_context("spawn")
@@ -97,5 +114,8 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 
                 p.terminate()
                 p.join()
     if errors:
+        # the first error is often a peer's "connection reset": name the rank that died without a word (a
+        # signal, e.g. -11 for a segfault) and the other ranks' own errors, so the cause is in the report
+        errors += _late_errors(results, procs, collected, errors)
         raise AssertionError("\n".join(errors))
     return [collected[r] for r in range(world_size)]
