@@ -260,17 +260,17 @@ class LocalDispatcher:
         self.num_experts = num_experts
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, ExpertCounts, LocalContext]:
-        counts = routing.host_capacity
-        if TOP1_PERMUTATION and routing.topk == 1 and counts is None:  # dropless top-1: each token has one row
+        capacity = routing.host_capacity
+        if TOP1_PERMUTATION and routing.topk == 1 and capacity is None:  # dropless top-1: each token has one row
             order_R, counts_E, _ = sort_routes(routing.expert_ids_TK, routing.kept_TK, self.num_experts)
             inverse_R = inverse_permutation(order_R)
             x_RD = PermuteRows.apply(x_TD, order_R, inverse_R)
             ctx = LocalContext(order_R, None, routing.weights_TK, x_TD.shape[0], routing.unit_weights, inverse_R)
-            return x_RD, ExpertCounts(counts_E, counts), ctx
+            return x_RD, ExpertCounts(counts_E, capacity), ctx
         x_RD, counts_E, order_R, kept_R = permute(x_TD, routing.expert_ids_TK, routing.kept_TK, self.num_experts)
         kept = self._kept_rows(routing, kept_R)
         ctx = LocalContext(order_R, kept, routing.weights_TK, x_TD.shape[0], routing.unit_weights)
-        return x_RD, ExpertCounts(counts_E, counts), ctx
+        return x_RD, ExpertCounts(counts_E, capacity), ctx
 
     def combine(self, y_RD: torch.Tensor, ctx: LocalContext) -> torch.Tensor:
         if ctx.inverse_R is not None and ctx.unit_weights:  # y_TD[t] = y_RD[inverse[t]], with no zeros to add to
