@@ -20,6 +20,14 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(paths + inherited)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build (or load) the CPU expert kernel once, here, before any test runs: otherwise the first test to use it
+    would pay the ~30 s build, and every rank of a first distributed group would build its own copy at once."""
+    from moetron.model.moe.experts.compiled_kernel import compiled_swiglu_kernel
+
+    compiled_swiglu_kernel()
+
+
 # `python -m pytest -m quick`: the README's quick subset (README.md, "The quick subset"), a few minutes on 2 cores:
 # the config layer, the CLI, the recipes and --scale-down, the README's own commands, and the core model, routing,
 # data and planner unit tests. Their slow tests stay out.

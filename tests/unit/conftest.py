@@ -6,3 +6,18 @@ import pytest
 @pytest.fixture(autouse=True, scope="module")
 def unit_tests_on_one_thread(one_thread):
     yield
+
+
+@pytest.fixture(params=["compiled", "python"])
+def each_swiglu_engine(request, monkeypatch):
+    """Run the test once with each engine of `ExpertByExpertSwiGLU`: the C++ kernel (skipped where it does not
+    build, with the reason) and the Python loop (forced)."""
+    from moetron.model.moe.experts import compiled_kernel, cpu_kernels
+
+    if request.param == "compiled":
+        reason = compiled_kernel.unavailable_reason()
+        if reason is not None or cpu_kernels.compiled_engine() is None:
+            pytest.skip(f"the CPU expert kernel is not available here: {reason or 'it did not build'}")
+    else:
+        monkeypatch.setattr(cpu_kernels, "swiglu_engine", lambda *tensors: cpu_kernels.PYTHON_LOOP)
+    return request.param

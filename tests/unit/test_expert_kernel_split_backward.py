@@ -5,7 +5,8 @@
 (`stage_backward_weight`, restarting at the nodes both paths share, the expert kernel among them). The kernel's
 backward then runs twice on one graph; it once freed its activations in the first call and crashed in the second
 ("Value after * must be an iterable, not NoneType"). These run torch's own two passes on a router + experts stage
-whose experts take the kernel path and compare every gradient with one full backward, bit for bit.
+whose experts take the kernel path and compare every gradient with one full backward, bit for bit, with each of
+the kernel's two engines (C++ and the Python loop).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _grads(stage: _Stage, x_ND: torch.Tensor, counts_E: torch.Tensor, split: boo
 
 
 @pytest.mark.quick
-def test_split_backward_matches_one_full_backward_bit_for_bit() -> None:
+def test_split_backward_matches_one_full_backward_bit_for_bit(each_swiglu_engine) -> None:
     torch.manual_seed(0)
     stage = _Stage()
     assert stage.experts._runs_expert_by_expert(torch.zeros(1, D)), "the test must exercise the CPU kernel"
@@ -60,7 +61,7 @@ def test_split_backward_matches_one_full_backward_bit_for_bit() -> None:
 
 
 @pytest.mark.quick
-def test_weight_pass_first_then_input_pass_and_a_third_call_is_a_clear_error() -> None:
+def test_weight_pass_first_then_input_pass_and_a_third_call_is_a_clear_error(each_swiglu_engine) -> None:
     torch.manual_seed(1)
     x = torch.randn(N, D, requires_grad=True)
     weights = [torch.randn(E, D, F, requires_grad=True), torch.randn(E, D, F, requires_grad=True)]
@@ -78,7 +79,7 @@ def test_weight_pass_first_then_input_pass_and_a_third_call_is_a_clear_error() -
         torch.autograd.grad(y.sum(), [x])
 
 
-def test_frozen_weights_get_no_gradient_and_the_input_still_does() -> None:
+def test_frozen_weights_get_no_gradient_and_the_input_still_does(each_swiglu_engine) -> None:
     x = torch.randn(8, D, requires_grad=True)
     w1, w3 = torch.randn(E, D, F), torch.randn(E, D, F)
     w2 = torch.randn(E, F, D)

@@ -120,7 +120,7 @@ def _swiglu_experts(backend: str):
     return experts
 
 
-def test_expert_by_expert_swiglu_matches_the_loop_backend_values_and_gradients():
+def test_expert_by_expert_swiglu_matches_the_loop_backend_values_and_gradients(each_swiglu_engine):
     counts_E = torch.tensor([3, 0, 5, 2])  # an expert without rows gets a zero gradient
     grouped, loop = _swiglu_experts("grouped_mm"), _swiglu_experts("loop")
     x_ND = torch.randn(10, 16)
@@ -137,7 +137,7 @@ def test_expert_by_expert_swiglu_matches_the_loop_backend_values_and_gradients()
     assert torch.equal(outs[0][2][1], torch.zeros(16, 32))
 
 
-def test_expert_by_expert_swiglu_is_bitwise_the_autograd_graph_of_its_per_expert_ops():
+def test_expert_by_expert_swiglu_is_bitwise_the_autograd_graph_of_its_per_expert_ops(each_swiglu_engine):
     """Saved silu/product and the in-place backward change no bit against autograd on the same mm calls."""
     from moetron.model.moe.experts.cpu_kernels import ExpertByExpertSwiGLU
 
@@ -185,7 +185,7 @@ def test_empty_for_gradient_is_empty_like_large_or_small():
         assert out.sum().item() == 2.0 * like.numel()
 
 
-def test_expert_by_expert_swiglu_input_without_gradient():
+def test_expert_by_expert_swiglu_input_without_gradient(each_swiglu_engine):
     experts = _swiglu_experts("grouped_mm")
     experts(torch.randn(6, 16), torch.tensor([1, 2, 0, 3])).sum().backward()  # frozen input: weights only
     assert experts.w1_EDF.grad is not None and torch.isfinite(experts.w1_EDF.grad).all()

@@ -12,9 +12,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+import warnings
 from collections.abc import Callable
 
 import torch
+
+from moetron.model.moe.experts.compiled_kernel import compiled_swiglu_kernel
 
 _HUGE_PAGE = 2 << 20
 # Blocks of at least two huge pages (so that one aligned 2 MiB page lies inside) get the hint: glibc serves blocks
@@ -58,22 +61,15 @@ def empty_for_gradient(like: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class ExpertByExpertSwiGLU(torch.autograd.Function):
-    """`(silu(x·w1) * (x·w3))·w2` on rows sorted by expert, running each expert's WHOLE MLP (and then its
-    whole backward) before the next expert's.
+class PythonLoop:
+    """The reference engine of `ExpertByExpertSwiGLU`: its per-expert ATen calls from Python.
 
-    On CPU `torch._grouped_mm` is a loop of one mm per expert, so the three grouped projections stream
-    every expert's rows and [N, F] activations through memory three times forward and more backward.
-    Expert by expert, an expert's rows and activations are reused from cache by its next GEMM: ~10% less
-    CPU time than the grouped projections (or one bmm per projection) at E=64, D=128, F=256.
-    Same per-expert mm calls on the same operands as the grouped_mm fallback, so the same values.
     Saves what autograd would (x·w1, x·w3, silu(x·w1) and the product, per expert): recomputing the last two in
     the backward, as this did before, was one silu and one mul per expert more, and measured ~3.5% slower on the
-    whole layer at E=64, for two [N, F] activations less (16 MiB there; benchmarks/RESULTS.md, "MoE layer").
-    """
+    whole layer at E=64, for two [N, F] activations less (16 MiB there; benchmarks/RESULTS.md, "MoE layer")."""
 
-    @staticmethod
-    def forward(ctx, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int]):
+    def forward(self, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int]):
+        """(y_ND, activations for `backward`, h per expert)."""
         y_ND = x_ND.new_empty(x_ND.shape[0], w2_EFD.shape[-1])
         y_ND[sum(counts) :].zero_()  # rows past the counts (dropped routes) are not computed
         # Per-expert activation tensors, not one [N, F] buffer: allocations past glibc's 32 MiB mmap ceiling
@@ -94,37 +90,16 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
             b_list.append(b_e)
             silu_list.append(silu_e)
             h_list.append(h_e)
-        ctx.save_for_backward(x_ND, w1_EDF, w3_EDF, w2_EFD)
-        ctx.activations, ctx.h_list, ctx.counts = (a_list, b_list, silu_list), h_list, counts
-        ctx.activation_grads = None  # (da, db) per expert, kept by a pass that leaves the rest to a later one
-        ctx.input_grad_done = ctx.weight_grads_done = False
-        return y_ND
+        return y_ND, (a_list, b_list, silu_list), h_list
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_ND):
-        """Zero bubble (`torch.distributed.pipelining`) calls this twice on one graph: once for the input gradient
-        (autograd.grad w.r.t. the stage inputs) and once for the weight gradients, from the same output gradient.
-        Each call computes only what its pass will use (`_wanted`), and the first keeps the SwiGLU's two
-        activation gradients for the second: the same products as one full backward, so the same bits."""
-        x_ND, w1_EDF, w3_EDF, w2_EFD = ctx.saved_tensors
-        counts = ctx.counts
-        want_x, want_w = _wanted(ctx)
-        if ctx.activations is None and ctx.activation_grads is None:
-            raise RuntimeError(
-                "ExpertByExpertSwiGLU: backward through this graph a second time (its activations are freed); "
-                "call backward once, or once for the inputs and once for the weights"
-            )
-        grad_x = empty_for_gradient(x_ND) if want_x else None
+    def backward(self, grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, activations, h_list, kept, grads, keep):
+        """Writes `grads` (grad_x, grad_w1, grad_w3, grad_w2; None: not wanted) and returns (da, db) per expert
+        when `keep`. `activations` (consumed here: the in-place ops reuse them) or, once they are, `kept`."""
+        grad_x, grad_w1, grad_w3, grad_w2 = grads
         if grad_x is not None:
             grad_x[sum(counts) :].zero_()
-        grad_w1, grad_w3, grad_w2 = (empty_for_gradient(w) if want_w else None for w in (w1_EDF, w3_EDF, w2_EFD))
         num = len(counts)
-        stashed = ctx.activation_grads  # (da, db) per expert from an earlier input-only or weight-only pass
-        a_list, b_list, silu_list = ctx.activations if ctx.activations is not None else ([None] * num,) * 3
-        ctx.input_grad_done |= want_x
-        ctx.weight_grads_done |= want_w
-        keep = not (ctx.input_grad_done and ctx.weight_grads_done)  # the other pass still comes
+        a_list, b_list, silu_list = activations if activations is not None else ([None] * num,) * 3
         da_kept, db_kept = [], []
         per_expert = zip(
             _per_expert(grad_ND, counts),
@@ -132,8 +107,8 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
             a_list,
             b_list,
             silu_list,
-            stashed[0] if stashed is not None else [None] * num,
-            stashed[1] if stashed is not None else [None] * num,
+            kept[0] if kept is not None else [None] * num,
+            kept[1] if kept is not None else [None] * num,
             _per_expert(grad_x, counts) if grad_x is not None else [None] * num,
             w1_EDF.transpose(1, 2).unbind(0),
             w3_EDF.transpose(1, 2).unbind(0),
@@ -141,11 +116,12 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
             *((g.unbind(0) if g is not None else [None] * num) for g in (grad_w1, grad_w3, grad_w2)),
             strict=True,
         )
+        want_w = grad_w1 is not None
         for e, (g_e, x_e, a_e, b_e, silu_e, da_e, db_e, gx_e, w1_FD, w3_FD, w2_DF, gw1_DF, gw3_DF, gw2_FD) in enumerate(
             per_expert
         ):
             if want_w:  # before the in-place ops below: h is read here only, so nothing else must go first
-                torch.mm(ctx.h_list[e].t(), g_e, out=gw2_FD)
+                torch.mm(h_list[e].t(), g_e, out=gw2_FD)
             if da_e is None:
                 dh_e = torch.mm(g_e, w2_DF)
                 # The autograd graph's MulBackward and SiluBackward, op for op (same products, so the same bits),
@@ -161,11 +137,129 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
             if keep:
                 da_kept.append(da_e)
                 db_kept.append(db_e)
-        ctx.activations = None  # the saved silu holds db now
-        ctx.activation_grads = (da_kept, db_kept) if keep else None
+        return (da_kept, db_kept) if keep else None
+
+
+PYTHON_LOOP = PythonLoop()
+
+
+class CompiledLoop:
+    """The same engine in C++ (`compiled_kernel.py`): the same values, without the interpreter between the calls
+    and with the element-wise passes fused. Saves x·w1, x·w3 and the product per expert (silu is recomputed)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def forward(self, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int]):
+        y_ND, a_list, b_list, h_list = self.module.forward(x_ND, w1_EDF, w3_EDF, w2_EFD, counts)
+        return y_ND, (a_list, b_list), h_list
+
+    def backward(self, grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, activations, h_list, kept, grads, keep):
+        a_list, b_list = activations if activations is not None else ([], [])
+        da_kept, db_kept = kept if kept is not None else ([], [])
+        out = self.module.backward(
+            grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, a_list, b_list, h_list or [], da_kept, db_kept, *grads, keep
+        )
+        return out if keep else None
+
+
+def swiglu_engine(x_ND: torch.Tensor, *weights: torch.Tensor) -> PythonLoop | CompiledLoop:
+    """The C++ engine for fp32 operands where it loads (and matches the Python loop), else the Python loop."""
+    if all(t.dtype == torch.float32 for t in (x_ND, *weights)):
+        engine = compiled_engine()
+        if engine is not None:
+            return engine
+    return PYTHON_LOOP
+
+
+@functools.cache
+def compiled_engine() -> CompiledLoop | None:
+    """The C++ engine, once per process: None where the kernel does not load, or computes a single bit differently
+    from the Python loop here (one warning then)."""
+    module = compiled_swiglu_kernel()
+    if module is None:
+        return None
+    engine = CompiledLoop(module)
+    if not matches_the_python_loop(engine):
+        warnings.warn(
+            "moetron: the CPU expert kernel differs from the Python loop here; using the Python loop", stacklevel=2
+        )
+        return None
+    return engine
+
+
+def matches_the_python_loop(engine: CompiledLoop) -> bool:
+    """Forward and backward of both on a small problem with vector-loop tails (F = 37), an expert without rows, a
+    dropped-route tail and large activations (saturated exps): every output and gradient bitwise equal."""
+    generator = torch.Generator().manual_seed(0)
+    counts, hidden, ffn = [5, 0, 40, 3], 8, 37
+    x_ND = torch.randn(sum(counts) + 2, hidden, generator=generator) * 30
+    shapes = ((hidden, ffn), (hidden, ffn), (ffn, hidden))
+    weights = [torch.randn(len(counts), *shape, generator=generator) for shape in shapes]
+    grad_ND = torch.randn(x_ND.shape[0], hidden, generator=generator)
+    with torch.no_grad():
+        ours, reference = (run_swiglu(e, grad_ND, x_ND, *weights, counts) for e in (engine, PYTHON_LOOP))
+    return all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True))
+
+
+def run_swiglu(engine, grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int]) -> list[torch.Tensor]:
+    """[y, grad_x, grad_w1, grad_w3, grad_w2] of one forward and full backward of `engine` (no autograd)."""
+    y_ND, activations, h_list = engine.forward(x_ND, w1_EDF, w3_EDF, w2_EFD, counts)
+    grads = tuple(torch.empty_like(t) for t in (x_ND, w1_EDF, w3_EDF, w2_EFD))
+    engine.backward(grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, activations, h_list, None, grads, False)
+    return [y_ND, *grads]
+
+
+class ExpertByExpertSwiGLU(torch.autograd.Function):
+    """`(silu(x·w1) * (x·w3))·w2` on rows sorted by expert, running each expert's WHOLE MLP (and then its
+    whole backward) before the next expert's.
+
+    On CPU `torch._grouped_mm` is a loop of one mm per expert, so the three grouped projections stream
+    every expert's rows and [N, F] activations through memory three times forward and more backward.
+    Expert by expert, an expert's rows and activations are reused from cache by its next GEMM: ~10% less
+    CPU time than the grouped projections (or one bmm per projection) at E=64, D=128, F=256.
+    Same per-expert mm calls on the same operands as the grouped_mm fallback, so the same values.
+    Two engines compute it, with the same bits (`swiglu_engine`): the C++ one for fp32 where it builds, else the
+    Python loop (`PythonLoop`).
+    """
+
+    @staticmethod
+    def forward(ctx, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int]):
+        ctx.engine = swiglu_engine(x_ND, w1_EDF, w3_EDF, w2_EFD)
+        y_ND, ctx.activations, ctx.h_list = ctx.engine.forward(x_ND, w1_EDF, w3_EDF, w2_EFD, counts)
+        ctx.save_for_backward(x_ND, w1_EDF, w3_EDF, w2_EFD)
+        ctx.counts = counts
+        ctx.activation_grads = None  # (da, db) per expert, kept by a pass that leaves the rest to a later one
+        ctx.input_grad_done = ctx.weight_grads_done = False
+        return y_ND
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_ND):
+        """Zero bubble (`torch.distributed.pipelining`) calls this twice on one graph: once for the input gradient
+        (autograd.grad w.r.t. the stage inputs) and once for the weight gradients, from the same output gradient.
+        Each call computes only what its pass will use (`_wanted`), and the first keeps the SwiGLU's two
+        activation gradients for the second: the same products as one full backward, so the same bits."""
+        x_ND, w1_EDF, w3_EDF, w2_EFD = ctx.saved_tensors
+        want_x, want_w = _wanted(ctx)
+        if ctx.activations is None and ctx.activation_grads is None:
+            raise RuntimeError(
+                "ExpertByExpertSwiGLU: backward through this graph a second time (its activations are freed); "
+                "call backward once, or once for the inputs and once for the weights"
+            )
+        grad_x = empty_for_gradient(x_ND) if want_x else None
+        grads_w = tuple(empty_for_gradient(w) if want_w else None for w in (w1_EDF, w3_EDF, w2_EFD))
+        ctx.input_grad_done |= want_x
+        ctx.weight_grads_done |= want_w
+        keep = not (ctx.input_grad_done and ctx.weight_grads_done)  # the other pass still comes
+        ctx.activation_grads = ctx.engine.backward(
+            grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, ctx.counts, ctx.activations, ctx.h_list,
+            ctx.activation_grads, (grad_x, *grads_w), keep,
+        )  # fmt: skip
+        ctx.activations = None  # consumed: the in-place ops reused them
         if want_w:  # the weight gradients are done: h was their last reader
             ctx.h_list = None
-        return grad_x, grad_w1, grad_w3, grad_w2, None
+        return grad_x, *grads_w, None
 
 
 def _wanted(ctx) -> tuple[bool, bool]:

@@ -1,0 +1,125 @@
+"""The C++ build of the CPU SwiGLU experts (`csrc/expert_by_expert_swiglu.cpp`), compiled on first use and cached.
+
+    kernel = compiled_swiglu_kernel()  # the loaded module, or None: `ExpertByExpertSwiGLU` then runs its Python loop
+
+Why C++: at E = 64 small experts the Python loop makes ~17 ATen calls per expert, and the interpreter between them
+cost more than the element-wise work; the kernel also fuses the element-wise passes (see the source). It computes
+the same bits as the Python loop: every process checks that on a small problem before using it
+(`cpu_kernels.compiled_engine`) and refuses it if any output or gradient differs, so the two are interchangeable.
+
+Built with torch's JIT extension builder (it needs a C++ compiler and ninja; none is needed to install moetron) for
+the CPU capability ATen dispatches to here (`torch.backends.cpu.get_cpu_capability()`), so that ATen's vector
+code is the same. The build goes to a private temporary directory and is then moved into the cache under a key
+of the source, flags and torch version, so concurrent processes never wait on a lock (a killed build leaves no
+stale lock behind, as torch's shared build directory would). Cache: `$MOETRON_KERNEL_CACHE`, else
+`~/.cache/moetron/kernels`. `MOETRON_CPU_KERNELS=0` turns it off (the Python loop runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "expert_by_expert_swiglu.cpp"
+# The ISA flags ATen's own kernels of each capability are compiled with (cmake/Codegen.cmake), and the macros
+# that select that capability's Vectorized<float> in the ATen headers.
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+    "DEFAULT": [],
+}
+
+
+def _capability() -> str:
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability if capability in _CAPABILITY_FLAGS else "DEFAULT"
+
+
+def build_flags(capability: str) -> list[str]:
+    """-O3, the capability's ISA flags and macros, and -fopenmp where ATen runs on OpenMP: `at::parallel_for` is
+    inline OpenMP code in the ATen headers, and without the pragma compiled in it runs one chunk, whose vector-loop
+    tail falls elsewhere than in ATen's kernels at two threads and more. Compiled only, not linked: the GOMP calls
+    resolve to the OpenMP runtime torch has loaded, so the team sizes are torch's (`torch.set_num_threads`)."""
+    defines = [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+    openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+    return ["-O3", *_CAPABILITY_FLAGS[capability], *defines, *openmp]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MOETRON_KERNEL_CACHE") or Path.home() / ".cache" / "moetron" / "kernels")
+
+
+def _module_name(flags: list[str]) -> str:
+    key = "\n".join([SOURCE.read_text(), *flags, torch.__version__, sys.version, platform.machine()])
+    return "moetron_swiglu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot be built here (None: it can be tried)."""
+    if os.environ.get("MOETRON_CPU_KERNELS", "1") == "0":
+        return "MOETRON_CPU_KERNELS=0"
+    if not sys.platform.startswith("linux"):
+        return f"built on Linux only (this is {sys.platform})"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} not on PATH)"
+    if not is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def _load_cached(name: str) -> ModuleType | None:
+    path = cache_dir() / f"{name}.so"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(
+        name, path, loader=importlib.machinery.ExtensionFileLoader(name, str(path))
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(name: str, flags: list[str]) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    print(f"moetron: compiling the CPU expert kernel once (~30 s; cached in {cache})", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(dir=cache, prefix=f".{name}-") as build_dir:
+        module = load(name, [str(SOURCE)], extra_cflags=flags, build_directory=build_dir, verbose=False)
+        os.replace(module.__file__, cache / f"{name}.so")  # atomic: another process sees all of it or none
+    return module
+
+
+@functools.cache
+def compiled_swiglu_kernel() -> ModuleType | None:
+    """The kernel module (forward, backward), built or loaded once per process; None where it is unavailable
+    (`unavailable_reason`: then the Python loop is simply what runs) or fails to build (with one warning).
+    `cpu_kernels.compiled_engine` also checks it against the Python loop before using it."""
+    if unavailable_reason() is not None:
+        return None
+    flags = build_flags(_capability())
+    name = _module_name(flags)
+    try:
+        return _load_cached(name) or _build(name, flags)
+    except Exception as error:  # a compiler error, a full disk, an incompatible cached build …
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        warnings.warn(
+            f"moetron: the CPU expert kernel did not build ({first_line}); using the Python loop", stacklevel=2
+        )
+        return None

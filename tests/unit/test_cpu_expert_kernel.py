@@ -1,0 +1,116 @@
+"""The C++ engine of the CPU expert-by-expert SwiGLU (`compiled_kernel.py`): bitwise the Python loop, and every
+way of not getting it (turned off, no build, a differing build) leaves the Python loop running."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moetron.model.moe.experts import compiled_kernel, cpu_kernels
+
+
+@pytest.fixture
+def engine():
+    reason = compiled_kernel.unavailable_reason()
+    loaded = None if reason else cpu_kernels.compiled_engine()
+    if loaded is None:
+        pytest.skip(f"the CPU expert kernel is not available here: {reason or 'it did not build'}")
+    return loaded
+
+
+@pytest.fixture
+def fresh_load():
+    """The kernel and the engine are decided again (their per-process caches cleared before and after)."""
+    for cached in (compiled_kernel.compiled_swiglu_kernel, cpu_kernels.compiled_engine):
+        cached.cache_clear()
+    yield
+    for cached in (compiled_kernel.compiled_swiglu_kernel, cpu_kernels.compiled_engine):
+        cached.cache_clear()
+
+
+def _problem(counts: list[int], hidden: int, ffn: int, scale: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(counts) + 3, hidden, generator=g) * scale
+    w1, w3 = (torch.randn(len(counts), hidden, ffn, generator=g) * hidden**-0.5 for _ in range(2))
+    w2 = torch.randn(len(counts), ffn, hidden, generator=g) * ffn**-0.5
+    return torch.randn(x.shape[0], hidden, generator=g), x, w1, w3, w2
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_engine_is_bitwise_the_python_loop(engine, threads):
+    """Tails of the vector loop (F = 257) inside TensorIterator's parallel chunks (an expert of 300 x 257 elements
+    is split at two threads), an expert without rows, a dropped-route tail, saturated exps (scale 40)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for counts, hidden, ffn, scale in (([300, 0, 17, 64], 16, 257, 1.0), ([5, 9, 2], 8, 40, 40.0)):
+            grad, *operands = _problem(counts, hidden, ffn, scale, seed=ffn)
+            with torch.no_grad():
+                ours = cpu_kernels.run_swiglu(engine, grad, *operands, counts)
+                reference = cpu_kernels.run_swiglu(cpu_kernels.PYTHON_LOOP, grad, *operands, counts)
+            for a, b in zip(ours, reference, strict=True):
+                assert torch.equal(a, b)
+            assert torch.equal(ours[0][sum(counts) :], torch.zeros(3, hidden))  # the tail: zero out, zero grad
+            assert torch.equal(ours[1][sum(counts) :], torch.zeros(3, hidden))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_engine_choice_by_dtype(engine):
+    x, w = torch.zeros(4, 8), torch.zeros(2, 8, 8)
+    assert cpu_kernels.swiglu_engine(x, w, w, w) is engine
+    bf16 = (t.bfloat16() for t in (x, w, w, w))
+    assert cpu_kernels.swiglu_engine(*bf16) is cpu_kernels.PYTHON_LOOP
+
+
+def test_turned_off_by_the_environment(monkeypatch, fresh_load):
+    monkeypatch.setenv("MOETRON_CPU_KERNELS", "0")
+    assert compiled_kernel.unavailable_reason() == "MOETRON_CPU_KERNELS=0"
+    assert compiled_kernel.compiled_swiglu_kernel() is None and cpu_kernels.compiled_engine() is None
+    x, w = torch.zeros(4, 8), torch.zeros(2, 8, 8)
+    assert cpu_kernels.swiglu_engine(x, w, w, w) is cpu_kernels.PYTHON_LOOP
+
+
+def test_a_failed_build_warns_once_and_the_python_loop_runs(monkeypatch, fresh_load, tmp_path):
+    if compiled_kernel.unavailable_reason():
+        pytest.skip(compiled_kernel.unavailable_reason())
+    monkeypatch.setenv("MOETRON_KERNEL_CACHE", str(tmp_path))  # nothing cached there
+
+    def failing_build(name, flags):
+        raise RuntimeError("Error building extension 'moetron_swiglu'\nsecond line")
+
+    monkeypatch.setattr(compiled_kernel, "_build", failing_build)
+    with pytest.warns(UserWarning, match=r"did not build \(Error building extension 'moetron_swiglu'\); using"):
+        assert compiled_kernel.compiled_swiglu_kernel() is None
+    assert compiled_kernel.compiled_swiglu_kernel() is None  # decided once per process: no second warning
+
+
+def test_a_build_that_differs_by_one_bit_is_refused(engine, monkeypatch, fresh_load):
+    module = engine.module
+
+    class OffByOneUlp:
+        backward = staticmethod(module.backward)
+
+        @staticmethod
+        def forward(*args):
+            y, *rest = module.forward(*args)
+            return (torch.nextafter(y, torch.full_like(y, float("inf"))), *rest)
+
+    assert cpu_kernels.matches_the_python_loop(engine)
+    assert not cpu_kernels.matches_the_python_loop(cpu_kernels.CompiledLoop(OffByOneUlp))
+    monkeypatch.setattr(cpu_kernels, "compiled_swiglu_kernel", lambda: OffByOneUlp)
+    with pytest.warns(UserWarning, match="differs from the Python loop here; using the Python loop"):
+        assert cpu_kernels.compiled_engine() is None
+
+
+def test_another_process_loads_the_cached_build_without_compiling(engine):
+    code = (
+        "from moetron.model.moe.experts.compiled_kernel import compiled_swiglu_kernel as k, cache_dir;"
+        "m = k(); print(m is not None, str(cache_dir()) in m.__file__)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == ["True", "True"]
+    assert "compiling" not in done.stderr
