@@ -42,11 +42,14 @@ def _problem(counts: list[int], hidden: int, ffn: int, scale: float, seed: int):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_compiled_engine_is_bitwise_the_python_loop(engine, threads):
     """Tails of the vector loop (F = 257) inside TensorIterator's parallel chunks (an expert of 300 x 257 elements
-    is split at two threads), an expert without rows, a dropped-route tail, saturated exps (scale 40)."""
+    is split at two threads), an expert without rows, a dropped-route tail, saturated exps (scale 40), and the
+    one-row, one-column and width-1 GEMMs whose BLAS arguments at::mm picks by their own rule."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for counts, hidden, ffn, scale in (([300, 0, 17, 64], 16, 257, 1.0), ([5, 9, 2], 8, 40, 40.0)):
+        cases = [([300, 0, 17, 64], 16, 257, 1.0), ([5, 9, 2], 8, 40, 40.0)]
+        cases += [([1, 1, 3], 1, 1, 1.0), ([3, 1], 16, 1, 1.0), ([2, 1], 1, 5, 1.0)]  # BLAS layouts of size-1 dims
+        for counts, hidden, ffn, scale in cases:
             grad, *operands = _problem(counts, hidden, ffn, scale, seed=ffn)
             with torch.no_grad():
                 ours = cpu_kernels.run_swiglu(engine, grad, *operands, counts)
@@ -59,11 +62,12 @@ def test_compiled_engine_is_bitwise_the_python_loop(engine, threads):
         torch.set_num_threads(before)
 
 
-def test_engine_choice_by_dtype(engine):
+def test_engine_choice_by_dtype_and_layout(engine):
     x, w = torch.zeros(4, 8), torch.zeros(2, 8, 8)
     assert cpu_kernels.swiglu_engine(x, w, w, w) is engine
     bf16 = (t.bfloat16() for t in (x, w, w, w))
     assert cpu_kernels.swiglu_engine(*bf16) is cpu_kernels.PYTHON_LOOP
+    assert cpu_kernels.swiglu_engine(x, w.transpose(1, 2), w, w) is cpu_kernels.PYTHON_LOOP
 
 
 def test_turned_off_by_the_environment(monkeypatch, fresh_load):

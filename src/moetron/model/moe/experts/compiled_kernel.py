@@ -2,8 +2,9 @@
 
     kernel = compiled_swiglu_kernel()  # the loaded module, or None: `ExpertByExpertSwiGLU` then runs its Python loop
 
-Why C++: at E = 64 small experts the Python loop makes ~17 ATen calls per expert, and the interpreter between them
-cost more than the element-wise work; the kernel also fuses the element-wise passes (see the source). It computes
+Why C++: at E = 64 small experts the Python loop makes ~17 ATen calls per expert, and the interpreter and ATen's
+dispatch around them cost more than the element-wise work; the kernel makes the same BLAS calls directly and fuses
+the element-wise passes (see the source). It computes
 the same bits as the Python loop: every process checks that on a small problem before using it
 (`cpu_kernels.compiled_engine`) and refuses it if any output or gradient differs, so the two are interchangeable.
 
@@ -42,19 +43,23 @@ _CAPABILITY_FLAGS = {
 }
 
 
+# torch's release builds (torch.__config__.show()): the same code generation for the scalar tails.
+_TORCH_BUILD_FLAGS = ["-O2", "-fno-math-errno", "-fno-trapping-math"]
+
+
 def _capability() -> str:
     capability = torch.backends.cpu.get_cpu_capability()
     return capability if capability in _CAPABILITY_FLAGS else "DEFAULT"
 
 
 def build_flags(capability: str) -> list[str]:
-    """-O3, the capability's ISA flags and macros, and -fopenmp where ATen runs on OpenMP: `at::parallel_for` is
-    inline OpenMP code in the ATen headers, and without the pragma compiled in it runs one chunk, whose vector-loop
-    tail falls elsewhere than in ATen's kernels at two threads and more. Compiled only, not linked: the GOMP calls
-    resolve to the OpenMP runtime torch has loaded, so the team sizes are torch's (`torch.set_num_threads`)."""
+    """torch's own optimisation flags, the capability's ISA flags and macros, and -fopenmp where ATen runs on
+    OpenMP: `at::parallel_for` is inline OpenMP code in the ATen headers, and without the pragma compiled in it runs
+    one chunk, whose vector-loop tail falls elsewhere than in ATen's kernels at two threads and more. Compiled only,
+    not linked: the GOMP calls resolve to the OpenMP runtime torch has loaded, so the team sizes are torch's."""
     defines = [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
     openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
-    return ["-O3", *_CAPABILITY_FLAGS[capability], *defines, *openmp]
+    return [*_TORCH_BUILD_FLAGS, *_CAPABILITY_FLAGS[capability], *defines, *openmp]
 
 
 def cache_dir() -> Path:

@@ -164,8 +164,9 @@ class CompiledLoop:
 
 
 def swiglu_engine(x_ND: torch.Tensor, *weights: torch.Tensor) -> PythonLoop | CompiledLoop:
-    """The C++ engine for fp32 operands where it loads (and matches the Python loop), else the Python loop."""
-    if all(t.dtype == torch.float32 for t in (x_ND, *weights)):
+    """The C++ engine for contiguous fp32 operands where it loads (and matches the Python loop), else the Python
+    loop."""
+    if all(t.dtype == torch.float32 and t.is_contiguous() for t in (x_ND, *weights)):
         engine = compiled_engine()
         if engine is not None:
             return engine

@@ -1,10 +1,11 @@
 // moetron's CPU SwiGLU experts, expert by expert, in C++ (loaded by `compiled_kernel.py`).
 //
-// The same per-expert at::mm calls as the Python loop in `cpu_kernels.py`, and the same element-wise values, with
-// the element-wise work fused into one pass per expert in each direction:
+// The same per-expert GEMMs as the Python loop in `cpu_kernels.py` (the very BLAS calls at::mm makes: `gemm_into`,
+// without ATen's dispatch, views and output allocation around each of the ~10 per expert), and the same element-wise
+// values, with the element-wise work fused into one pass per expert in each direction:
 //   forward   h = silu(a) * b                      (ATen: silu, then mul: two passes, one more [n, F] buffer)
 //   backward  db = silu(a) * dh, da = silu'(a)·(dh * b)   (ATen: mul_, mul_, silu_backward: three passes)
-// and without the Python interpreter between the ~17 calls per expert. silu is recomputed in the backward from
+// and without the Python interpreter between the calls. silu is recomputed in the backward from
 // the one exp it needs anyway, so the forward saves a, b and h only (one [n, F] activation less per expert).
 //
 // Bitwise ATen's values: the vector code is ATen's own silu / silu_backward expressions on ATen's Vectorized<float>
@@ -21,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -90,6 +92,86 @@ void swiglu_gradients(const float* a, float* b_then_db, float* dh_then_da, int64
   });
 }
 
+
+// The BLAS torch links (MKL here), which ATen's cpublas::gemm calls for float.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
+// Every operand, output and gradient is contiguous (`cpu_kernels.swiglu_engine` hands this engine contiguous
+// tensors only; a gradient is made contiguous here), or a transpose of a contiguous matrix.
+// A matrix view: element (i, j) at data[i * s0 + j * s1].
+struct Matrix {
+  const float* data;
+  int64_t rows, cols, s0, s1;
+  Matrix t() const { return {data, cols, rows, s1, s0}; }
+};
+
+Matrix matrix(const Tensor& t) { return {t.const_data_ptr<float>(), t.size(0), t.size(1), t.stride(0), t.stride(1)}; }
+Matrix rows_of(const Tensor& t, int64_t row, int64_t n) {
+  return {t.const_data_ptr<float>() + row * t.stride(0), n, t.size(1), t.stride(0), t.stride(1)};
+}
+Matrix expert(const Tensor& w, int64_t e) {
+  return {w.const_data_ptr<float>() + e * w.stride(0), w.size(1), w.size(2), w.stride(1), w.stride(2)};
+}
+float* expert_out(Tensor& w, int64_t e) { return w.mutable_data_ptr<float>() + e * w.stride(0); }
+
+// c [rows, cols] (element (i, j) at c[i * c_s0 + j * c_s1]) = a · b, by the BLAS call at::mm makes for these
+// strides: addmm_impl_cpu_'s layout choice (a result with unit row stride is computed as it is, one with unit column
+// stride as cᵀ = bᵀ · aᵀ; each operand transposed or not by its strides; lda/ldb/ldc from them), cpublas'
+// normalize_last_dims, then sgemm_. The same call, so the same bits (checked on every load).
+void gemm_into(float* c, int64_t c_s0, int64_t c_s1, Matrix m1, Matrix m2) {
+  int64_t m = m1.rows, k = m1.cols, n = m2.cols;
+  if (m == 0 || n == 0) return;
+  if (k == 0) {  // at::mm zero-fills: [m, 0] x [0, n]
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) c[i * c_s0 + j * c_s1] = 0.0f;
+    return;
+  }
+  bool tc;
+  if (c_s0 == 1 && (n == 1 || c_s1 >= std::max<int64_t>(1, m))) {
+    tc = false;
+  } else {
+    TORCH_CHECK(c_s1 == 1 && (m == 1 || c_s0 >= std::max<int64_t>(1, n)), "gemm_into: unsupported output strides");
+    std::swap(m1, m2);
+    std::swap(m, n);
+    tc = true;
+  }
+  auto stride = [](const Matrix& x, int i) { return i == 0 ? x.s0 : x.s1; };
+  const int row = tc ? 1 : 0, col = tc ? 0 : 1;
+  bool ta, tb;
+  if (stride(m1, row) == 1 && stride(m1, col) >= std::max<int64_t>(1, m)) {
+    ta = false;
+  } else {
+    TORCH_CHECK(stride(m1, col) == 1 && stride(m1, row) >= std::max<int64_t>(1, k), "gemm_into: unsupported strides");
+    ta = true;
+  }
+  if (stride(m2, row) == 1 && stride(m2, col) >= std::max<int64_t>(1, k)) {
+    tb = false;
+  } else {
+    TORCH_CHECK(stride(m2, col) == 1 && stride(m2, row) >= std::max<int64_t>(1, n), "gemm_into: unsupported strides");
+    tb = true;
+  }
+  int64_t lda = stride(m1, ta == tc ? 1 : 0), ldb = stride(m2, tb == tc ? 1 : 0), ldc = tc ? c_s0 : c_s1;
+  if (n == 1) ldc = m;  // cpublas::normalize_last_dims
+  if (ta) { if (m == 1) lda = k; } else if (k == 1) lda = m;
+  if (tb) { if (k == 1) ldb = n; } else if (n == 1) ldb = k;
+  const char transa = ta ? 't' : 'n', transb = tb ? 't' : 'n';
+  const int im = m, in = n, ik = k, ilda = lda, ildb = ldb, ildc = ldc;
+  const float one = 1.0f, zero = 0.0f;
+  sgemm_(&transa, &transb, &im, &in, &ik, &one, m1.data, &ilda, m2.data, &ildb, &zero, c, &ildc);
+}
+
+// c: rows with unit column stride and row stride ld (a fresh tensor, or rows of one)
+void gemm_into(float* c, int64_t ld, const Matrix& a, const Matrix& b) { gemm_into(c, ld, 1, a, b); }
+
+// c += d: ATen's add_ (one IEEE add per element, so the same sums in any order)
+void add_into(float* c, const float* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) (Vec::loadu(c + i) + Vec::loadu(d + i)).store(c + i);
+  for (; i < n; ++i) c[i] += d[i];
+}
+
 using Activations = std::tuple<Tensor, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>>;
 
 // (y, a, b, h per expert): y[row of expert e] = (silu(x_e·w1_e) * (x_e·w3_e))·w2_e; rows past the counts are 0.
@@ -102,14 +184,15 @@ Activations forward(const Tensor& x, const Tensor& w1, const Tensor& w3, const T
   b_list.reserve(counts.size());
   h_list.reserve(counts.size());
   int64_t row = 0;
+  const int64_t F = w1.size(2), D = w2.size(2);
   for (size_t e = 0; e < counts.size(); ++e) {
     const int64_t n = counts[e];
-    const Tensor x_e = x.narrow(0, row, n);
-    Tensor a = at::mm(x_e, w1.select(0, e)), b = at::mm(x_e, w3.select(0, e));
-    Tensor h = at::empty_like(a);
+    const Matrix x_e = rows_of(x, row, n);
+    Tensor a = at::empty({n, F}, x.options()), b = at::empty({n, F}, x.options()), h = at::empty({n, F}, x.options());
+    gemm_into(a.mutable_data_ptr<float>(), F, x_e, expert(w1, e));
+    gemm_into(b.mutable_data_ptr<float>(), F, x_e, expert(w3, e));
     silu_times(a.const_data_ptr<float>(), b.const_data_ptr<float>(), h.mutable_data_ptr<float>(), a.numel());
-    Tensor y_e = y.narrow(0, row, n);
-    at::mm_out(y_e, h, w2.select(0, e));
+    gemm_into(y.mutable_data_ptr<float>() + row * D, D, matrix(h), expert(w2, e));
     a_list.push_back(std::move(a));
     b_list.push_back(std::move(b));
     h_list.push_back(std::move(h));
@@ -123,24 +206,25 @@ Activations forward(const Tensor& x, const Tensor& w1, const Tensor& w3, const T
 // (da, db) per expert when `keep` (zero bubble's second pass reuses them), else empty lists. `da_kept`/`db_kept`
 // from an earlier pass replace a and b (which that pass consumed); h is needed only for the weight gradients.
 std::tuple<std::vector<Tensor>, std::vector<Tensor>> backward(
-    const Tensor& grad, const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2,
+    const Tensor& grad_in, const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2,
     const std::vector<int64_t>& counts, const std::vector<Tensor>& a_list, const std::vector<Tensor>& b_list,
     const std::vector<Tensor>& h_list, const std::vector<Tensor>& da_kept, const std::vector<Tensor>& db_kept,
     std::optional<Tensor> grad_x, std::optional<Tensor> w1_grad, std::optional<Tensor> w3_grad,
     std::optional<Tensor> w2_grad, bool keep) {
+  const Tensor grad = grad_in.contiguous();  // an expanded (stride 0) gradient: at::mm would copy it the same way
   const bool weights = w1_grad.has_value();
+  const int64_t F = w1.size(2), D = w1.size(1);
   std::vector<Tensor> da_out, db_out;
+  Tensor scratch = at::empty({0, D}, x.options());  // db · w3ᵀ of one expert, added to its rows of grad_x
   int64_t row = 0;
   for (size_t e = 0; e < counts.size(); ++e) {
     const int64_t n = counts[e];
-    const Tensor g_e = grad.narrow(0, row, n), x_e = x.narrow(0, row, n);
-    if (weights) {
-      Tensor w2_grad_e = w2_grad->select(0, e);
-      at::mm_out(w2_grad_e, h_list[e].t(), g_e);
-    }
+    const Matrix g_e = rows_of(grad, row, n), x_e = rows_of(x, row, n);
+    if (weights) gemm_into(expert_out(*w2_grad, e), D, matrix(h_list[e]).t(), g_e);
     Tensor da, db;
     if (da_kept.empty()) {
-      da = at::mm(g_e, w2.select(0, e).t());  // dh, then da in place
+      da = at::empty({n, F}, x.options());  // dh, then da in place
+      gemm_into(da.mutable_data_ptr<float>(), F, g_e, expert(w2, e).t());
       db = b_list[e];                          // b, then db in place: b is dead after this
       swiglu_gradients(a_list[e].const_data_ptr<float>(), db.mutable_data_ptr<float>(), da.mutable_data_ptr<float>(),
                        da.numel());
@@ -149,14 +233,15 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>> backward(
       db = db_kept[e];
     }
     if (weights) {
-      const Tensor x_t = x_e.t();
-      Tensor w1_grad_e = w1_grad->select(0, e), w3_grad_e = w3_grad->select(0, e);
-      at::mm_out(w1_grad_e, x_t, da);
-      at::mm_out(w3_grad_e, x_t, db);
+      gemm_into(expert_out(*w1_grad, e), F, x_e.t(), matrix(da));
+      gemm_into(expert_out(*w3_grad, e), F, x_e.t(), matrix(db));
     }
     if (grad_x.has_value()) {
-      Tensor grad_x_e = grad_x->narrow(0, row, n);
-      at::mm_out(grad_x_e, da, w1.select(0, e).t()).add_(at::mm(db, w3.select(0, e).t()));
+      float* gx = grad_x->mutable_data_ptr<float>() + row * D;
+      gemm_into(gx, D, matrix(da), expert(w1, e).t());
+      if (scratch.size(0) < n) scratch = at::empty({n, D}, x.options());
+      gemm_into(scratch.mutable_data_ptr<float>(), D, matrix(db), expert(w3, e).t());
+      add_into(gx, scratch.const_data_ptr<float>(), n * D);
     }
     if (keep) {
       da_out.push_back(std::move(da));
