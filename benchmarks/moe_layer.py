@@ -28,6 +28,9 @@ floor's fault count.
 backward: combine, experts, permute, router + input-gradient sum), each a median over --reps steps as a
 fraction of the floor measured alternately with them; clock marks come from module hooks in the forward and
 tensor gradient hooks in the backward, so the layer runs its own code.
+--kernel: instead, moetron dropless and capacity stepped alternately with the experts' C++ engine and with their
+Python loop (`ExpertByExpertSwiGLU`'s two engines, moetron/model/moe/experts/compiled_kernel.py), outputs and
+gradients checked bitwise equal; prints the median step times and the median of the per-rep ratios.
 --fast-paths: instead, moetron dropless stepped alternately with and without its router/combine fast paths (k = 1
 top-k by `max`, the mean and gather of the router probabilities with one backward, the combine in L2-sized chunks;
 "without" = topk, autograd's mean and gather, and one pass), outputs and gradients checked
@@ -381,23 +384,14 @@ def run_phases(s: Shape, reps: int, warmup: int, clock: Callable[[], float]) -> 
 
 
 # ---------------------------------------------------------------- fast paths A/B
-def run_fast_paths(s: Shape, reps: int, warmup: int, clock: Callable[[], float]) -> list[str]:
-    """moetron dropless with its router/combine fast paths on and off, interleaved (order alternates per rep)."""
-    from moetron.model.moe import dispatch
-    from moetron.model.moe.routing import generic_gating
+def alternate(
+    step: Step, use: Callable[[bool], None], reps: int, warmup: int, clock: Callable[[], float]
+) -> tuple[float, float, float, bool]:
+    """`step` run alternately with `use(True)` and `use(False)` (the order alternates per rep): (median time with,
+    median time without, median of the per-rep ratios with / without, outputs and gradients bitwise equal)."""
 
-    w = make_weights(s)
-    x_BTD = _leaf(torch.randn(1, s.tokens, s.hidden))
-    layer = moetron_layer(s, w, dropless=True)
-    step = module_step(layer, s, x_BTD, torch.randn(x_BTD.shape))
-    fast = (generic_gating.top_experts, dispatch.CHUNK_BYTES, True)
-    slow = (lambda select_TE, k: torch.topk(select_TE, k=k, dim=1).indices, 1 << 62, False)  # one chunk: one pass
-
-    def use(paths: tuple) -> None:
-        generic_gating.top_experts, dispatch.CHUNK_BYTES, generic_gating.FUSE_MEAN_AND_GATHER = paths
-
-    def timed(paths: tuple) -> tuple[float, list[torch.Tensor]]:
-        use(paths)
+    def timed(flag: bool) -> tuple[float, list[torch.Tensor]]:
+        use(flag)
         step.clear_grads()
         start = clock()
         y = step()
@@ -405,19 +399,60 @@ def run_fast_paths(s: Shape, reps: int, warmup: int, clock: Callable[[], float])
         return elapsed, [y.detach(), *(leaf.grad for leaf in step.leaves if leaf.grad is not None)]
 
     try:
-        (_, on), (_, off) = timed(fast), timed(slow)
+        (_, on), (_, off) = timed(True), timed(False)
         equal = len(on) == len(off) and all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
         times: dict[bool, list[float]] = {True: [], False: []}
         for rep in range(warmup + reps):
-            for use_fast in (True, False) if rep % 2 else (False, True):
-                elapsed = timed(fast if use_fast else slow)[0]
+            for flag in (True, False) if rep % 2 else (False, True):
+                elapsed = timed(flag)[0]
                 if rep >= warmup:
-                    times[use_fast].append(elapsed)
+                    times[flag].append(elapsed)
     finally:
-        use(fast)
+        use(True)
     ratio = statistics.median(a / b for a, b in zip(times[True], times[False], strict=True))
-    on_ms, off_ms = (statistics.median(times[flag]) * 1e3 for flag in (True, False))
-    return [f"| {s} | {off_ms:.1f} ms | {on_ms:.1f} ms | {ratio:.3f} | {equal} |"]
+    return statistics.median(times[True]), statistics.median(times[False]), ratio, equal
+
+
+def run_fast_paths(s: Shape, reps: int, warmup: int, clock: Callable[[], float]) -> list[str]:
+    """moetron dropless with its router/combine fast paths on and off, interleaved (order alternates per rep)."""
+    from moetron.model.moe import dispatch
+    from moetron.model.moe.routing import generic_gating
+
+    w = make_weights(s)
+    x_BTD = _leaf(torch.randn(1, s.tokens, s.hidden))
+    step = module_step(moetron_layer(s, w, dropless=True), s, x_BTD, torch.randn(x_BTD.shape))
+    fast = (generic_gating.top_experts, dispatch.CHUNK_BYTES, True)
+    slow = (lambda select_TE, k: torch.topk(select_TE, k=k, dim=1).indices, 1 << 62, False)  # one chunk: one pass
+
+    def use(on: bool) -> None:
+        generic_gating.top_experts, dispatch.CHUNK_BYTES, generic_gating.FUSE_MEAN_AND_GATHER = fast if on else slow
+
+    on, off, ratio, equal = alternate(step, use, reps, warmup, clock)
+    return [f"| {s} | {off * 1e3:.1f} ms | {on * 1e3:.1f} ms | {ratio:.3f} | {equal} |"]
+
+
+def run_kernel(s: Shape, reps: int, warmup: int, clock: Callable[[], float]) -> list[str]:
+    """moetron dropless and capacity with the experts' C++ engine and with their Python loop, interleaved."""
+    from moetron.model.moe.experts import cpu_kernels
+
+    if cpu_kernels.compiled_engine() is None:
+        from moetron.model.moe.experts.compiled_kernel import unavailable_reason
+
+        return [f"<!-- the C++ engine is not available here: {unavailable_reason() or 'it did not build'} -->"]
+    chosen = cpu_kernels.swiglu_engine
+
+    def use(compiled: bool) -> None:
+        cpu_kernels.swiglu_engine = chosen if compiled else (lambda *tensors: cpu_kernels.PYTHON_LOOP)
+
+    w = make_weights(s)
+    x_BTD = _leaf(torch.randn(1, s.tokens, s.hidden))
+    rows = []
+    for dropless in (True, False):
+        step = module_step(moetron_layer(s, w, dropless), s, x_BTD, torch.randn(x_BTD.shape))
+        on, off, ratio, equal = alternate(step, use, reps, warmup, clock)
+        kind = "dropless" if dropless else "capacity"
+        rows.append(f"| {s} | {kind} | {off * 1e3:.1f} ms | {on * 1e3:.1f} ms | {ratio:.3f} | {equal} |")
+    return rows
 
 
 def main() -> None:
@@ -429,6 +464,7 @@ def main() -> None:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help=CLOCK_HELP)
     parser.add_argument("--phases", action="store_true", help="moetron's step split into phases, / floor")
     parser.add_argument("--fast-paths", action="store_true", help="A/B of the router/combine fast paths")
+    parser.add_argument("--kernel", action="store_true", help="A/B of the experts' C++ engine and Python loop")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -440,6 +476,11 @@ def main() -> None:
             "| shape | without | with | with / without (median of reps) | outputs and grads equal |\n"
             "|---|---|---|---|---|",
             run_fast_paths,
+        ),
+        "kernel": (
+            "| shape | layer | Python loop | C++ engine | C++ / Python (median of reps) | outputs and grads equal |\n"
+            "|---|---|---|---|---|---|",
+            run_kernel,
         ),
     }
     for mode, (header, rows) in tables.items():

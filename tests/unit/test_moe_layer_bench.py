@@ -35,3 +35,15 @@ def test_median_times_counts_the_page_faults_of_each_step(moe_layer):
     assert all(value >= 0 for value in seconds.values())
     assert faults["faults"] >= 16  # 16384 4 KiB pages, or 32 huge pages where THP is "always"
     assert faults["none"] == 0
+
+
+def test_kernel_mode_steps_both_engines_and_checks_their_bits(moe_layer):
+    from moetron.model.moe.experts import cpu_kernels
+
+    rows = moe_layer.run_kernel(moe_layer.Shape(64, 16, 32, 4, 1), reps=1, warmup=0, clock=moe_layer.CLOCKS["cpu"])
+    if cpu_kernels.compiled_engine() is None:
+        assert rows[0].startswith("<!-- the C++ engine is not available here")
+        return
+    assert [row.split(" | ")[1] for row in rows] == ["dropless", "capacity"]
+    assert all(row.endswith("| True |") for row in rows)  # both engines: the same outputs and gradients
+    assert cpu_kernels.swiglu_engine(torch.zeros(2, 8), *(torch.zeros(1, 8, 8),) * 3) is cpu_kernels.compiled_engine()
