@@ -23,9 +23,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Build (or load) the CPU expert kernel once, here, before any test runs: otherwise the first test to use it
     would pay the ~30 s build, and every rank of a first distributed group would build its own copy at once."""
-    from moetron.model.moe.experts.compiled_kernel import compiled_swiglu_kernel
+    from moetron.model.moe.experts.compiled_kernels import compiled_cpu_kernels
 
-    compiled_swiglu_kernel()
+    compiled_cpu_kernels()
 
 
 # `python -m pytest -m quick`: the README's quick subset (README.md, "The quick subset"), a few minutes on 2 cores:

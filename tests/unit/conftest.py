@@ -12,10 +12,10 @@ def unit_tests_on_one_thread(one_thread):
 def each_swiglu_engine(request, monkeypatch):
     """Run the test once with each engine of `ExpertByExpertSwiGLU`: the C++ kernel (skipped where it does not
     build, with the reason) and the Python loop (forced)."""
-    from moetron.model.moe.experts import compiled_kernel, cpu_kernels
+    from moetron.model.moe.experts import compiled_kernels, cpu_kernels
 
     if request.param == "compiled":
-        reason = compiled_kernel.unavailable_reason()
+        reason = compiled_kernels.unavailable_reason()
         if reason is not None or cpu_kernels.compiled_engine() is None:
             pytest.skip(f"the CPU expert kernel is not available here: {reason or 'it did not build'}")
     else:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from moetron.model.moe.experts.compiled_kernel import compiled_swiglu_kernel
+from moetron.model.moe.experts.compiled_kernels import compiled_cpu_kernels
 
 _HUGE_PAGE = 2 << 20
 # Blocks of at least two huge pages (so that one aligned 2 MiB page lies inside) get the hint: glibc serves blocks
@@ -144,20 +144,20 @@ PYTHON_LOOP = PythonLoop()
 
 
 class CompiledLoop:
-    """The same engine in C++ (`compiled_kernel.py`): the same values, without the interpreter between the calls
+    """The same engine in C++ (`compiled_kernels.py`): the same values, without the interpreter between the calls
     and with the element-wise passes fused. Saves x·w1, x·w3 and the product per expert (silu is recomputed)."""
 
     def __init__(self, module):
         self.module = module
 
     def forward(self, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int]):
-        y_ND, a_list, b_list, h_list = self.module.forward(x_ND, w1_EDF, w3_EDF, w2_EFD, counts)
+        y_ND, a_list, b_list, h_list = self.module.swiglu_forward(x_ND, w1_EDF, w3_EDF, w2_EFD, counts)
         return y_ND, (a_list, b_list), h_list
 
     def backward(self, grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, activations, h_list, kept, grads, keep):
         a_list, b_list = activations if activations is not None else ([], [])
         da_kept, db_kept = kept if kept is not None else ([], [])
-        out = self.module.backward(
+        out = self.module.swiglu_backward(
             grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, a_list, b_list, h_list or [], da_kept, db_kept, *grads, keep
         )
         return out if keep else None
@@ -177,7 +177,7 @@ def swiglu_engine(x_ND: torch.Tensor, *weights: torch.Tensor) -> PythonLoop | Co
 def compiled_engine() -> CompiledLoop | None:
     """The C++ engine, once per process: None where the kernel does not load, or computes a single bit differently
     from the Python loop here (one warning then)."""
-    module = compiled_swiglu_kernel()
+    module = compiled_cpu_kernels()
     if module is None:
         return None
     engine = CompiledLoop(module)

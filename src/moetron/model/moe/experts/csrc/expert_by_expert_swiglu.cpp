@@ -1,4 +1,4 @@
-// moetron's CPU SwiGLU experts, expert by expert, in C++ (loaded by `compiled_kernel.py`).
+// moetron's CPU SwiGLU experts, expert by expert, in C++ (loaded by `compiled_kernels.py`).
 //
 // The same per-expert GEMMs as the Python loop in `cpu_kernels.py` (the very BLAS calls at::mm makes: `gemm_into`,
 // without ATen's dispatch, views and output allocation around each of the ~10 per expert), and the same element-wise
@@ -12,12 +12,14 @@
 // (compiled for the CPU capability ATen dispatches to here, so the same Sleef exp), over the same chunks that
 // TensorIterator's parallel_for gives (GRAIN_SIZE), two vectors per step and the scalar expression for the tail,
 // as ATen's vectorized_loop does. The products (s * b, s * dh, dh * b) are single IEEE multiplies either way.
-// `compiled_kernel.py` checks this against the Python loop on every load and falls back to it if a bit differs.
+// `compiled_kernels.py` checks this against the Python loop on every load and falls back to it if a bit differs.
 //
 // Shape legend: N rows sorted by expert (rows past the sum of counts are not computed), E experts, D hidden,
 // F ffn size per expert; n the rows of one expert.
 
-#include <torch/extension.h>
+#include "kernels.h"
+
+#include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -28,9 +30,9 @@
 #include <tuple>
 #include <vector>
 
+namespace moetron_cpu {
 namespace {
 
-using at::Tensor;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kStep = 2 * Vec::size();  // ATen's vectorized_loop: two vectors per iteration
 
@@ -172,10 +174,10 @@ void add_into(float* c, const float* d, int64_t n) {
   for (; i < n; ++i) c[i] += d[i];
 }
 
-using Activations = std::tuple<Tensor, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>>;
+}  // namespace
 
 // (y, a, b, h per expert): y[row of expert e] = (silu(x_e·w1_e) * (x_e·w3_e))·w2_e; rows past the counts are 0.
-Activations forward(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2,
+Activations swiglu_forward(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2,
                     const std::vector<int64_t>& counts) {
   const int64_t num_rows = x.size(0);
   Tensor y = at::empty({num_rows, w2.size(2)}, x.options());
@@ -205,7 +207,7 @@ Activations forward(const Tensor& x, const Tensor& w1, const Tensor& w3, const T
 // Writes the gradients asked for (grad_x: the input's, zero past the counts; w*_grad: the weights') and returns
 // (da, db) per expert when `keep` (zero bubble's second pass reuses them), else empty lists. `da_kept`/`db_kept`
 // from an earlier pass replace a and b (which that pass consumed); h is needed only for the weight gradients.
-std::tuple<std::vector<Tensor>, std::vector<Tensor>> backward(
+Gradients swiglu_backward(
     const Tensor& grad_in, const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2,
     const std::vector<int64_t>& counts, const std::vector<Tensor>& a_list, const std::vector<Tensor>& b_list,
     const std::vector<Tensor>& h_list, const std::vector<Tensor>& da_kept, const std::vector<Tensor>& db_kept,
@@ -253,10 +255,4 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>> backward(
   return {da_out, db_out};
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // Only tensors and vectors are touched after the arguments are converted: the GIL goes while it runs.
-  m.def("forward", &forward, py::call_guard<py::gil_scoped_release>());
-  m.def("backward", &backward, py::call_guard<py::gil_scoped_release>());
-}
+}  // namespace moetron_cpu

@@ -1,6 +1,6 @@
-"""The C++ engine of the CPU expert-by-expert SwiGLU (`compiled_kernel.py`): bitwise the Python loop, and every
-way of not getting it (turned off, no build, a differing build) leaves the Python loop running."""
-
+"""moetron's C++ CPU kernels (`compiled_kernels.py`): the SwiGLU engine is bitwise the Python loop, the router's
+first_max_column is max/argmax's column, and every way of not getting them (turned off, no build, a differing
+build) leaves the Python code running."""
 from __future__ import annotations
 
 import subprocess
@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
-from moetron.model.moe.experts import compiled_kernel, cpu_kernels
+from moetron.model.moe.experts import compiled_kernels, cpu_kernels
 
 
 @pytest.fixture
 def engine():
-    reason = compiled_kernel.unavailable_reason()
+    reason = compiled_kernels.unavailable_reason()
     loaded = None if reason else cpu_kernels.compiled_engine()
     if loaded is None:
         pytest.skip(f"the CPU expert kernel is not available here: {reason or 'it did not build'}")
@@ -24,10 +24,10 @@ def engine():
 @pytest.fixture
 def fresh_load():
     """The kernel and the engine are decided again (their per-process caches cleared before and after)."""
-    for cached in (compiled_kernel.compiled_swiglu_kernel, cpu_kernels.compiled_engine):
+    for cached in (compiled_kernels.compiled_cpu_kernels, cpu_kernels.compiled_engine):
         cached.cache_clear()
     yield
-    for cached in (compiled_kernel.compiled_swiglu_kernel, cpu_kernels.compiled_engine):
+    for cached in (compiled_kernels.compiled_cpu_kernels, cpu_kernels.compiled_engine):
         cached.cache_clear()
 
 
@@ -72,49 +72,69 @@ def test_engine_choice_by_dtype_and_layout(engine):
 
 def test_turned_off_by_the_environment(monkeypatch, fresh_load):
     monkeypatch.setenv("MOETRON_CPU_KERNELS", "0")
-    assert compiled_kernel.unavailable_reason() == "MOETRON_CPU_KERNELS=0"
-    assert compiled_kernel.compiled_swiglu_kernel() is None and cpu_kernels.compiled_engine() is None
+    assert compiled_kernels.unavailable_reason() == "MOETRON_CPU_KERNELS=0"
+    assert compiled_kernels.compiled_cpu_kernels() is None and cpu_kernels.compiled_engine() is None
     x, w = torch.zeros(4, 8), torch.zeros(2, 8, 8)
     assert cpu_kernels.swiglu_engine(x, w, w, w) is cpu_kernels.PYTHON_LOOP
 
 
-def test_a_failed_build_warns_once_and_the_python_loop_runs(monkeypatch, fresh_load, tmp_path):
-    if compiled_kernel.unavailable_reason():
-        pytest.skip(compiled_kernel.unavailable_reason())
+def test_a_failed_build_warns_once_and_the_python_code_runs(monkeypatch, fresh_load, tmp_path):
+    if compiled_kernels.unavailable_reason():
+        pytest.skip(compiled_kernels.unavailable_reason())
     monkeypatch.setenv("MOETRON_KERNEL_CACHE", str(tmp_path))  # nothing cached there
 
     def failing_build(name, flags):
         raise RuntimeError("Error building extension 'moetron_swiglu'\nsecond line")
 
-    monkeypatch.setattr(compiled_kernel, "_build", failing_build)
-    with pytest.warns(UserWarning, match=r"did not build \(Error building extension 'moetron_swiglu'\); using"):
-        assert compiled_kernel.compiled_swiglu_kernel() is None
-    assert compiled_kernel.compiled_swiglu_kernel() is None  # decided once per process: no second warning
+    monkeypatch.setattr(compiled_kernels, "_build", failing_build)
+    with pytest.warns(
+        UserWarning, match=r"did not build \(Error building extension 'moetron_swiglu'\); using the Python code"
+    ):
+        assert compiled_kernels.compiled_cpu_kernels() is None
+    assert compiled_kernels.compiled_cpu_kernels() is None  # decided once per process: no second warning
 
 
 def test_a_build_that_differs_by_one_bit_is_refused(engine, monkeypatch, fresh_load):
     module = engine.module
 
     class OffByOneUlp:
-        backward = staticmethod(module.backward)
+        swiglu_backward = staticmethod(module.swiglu_backward)
 
         @staticmethod
-        def forward(*args):
-            y, *rest = module.forward(*args)
+        def swiglu_forward(*args):
+            y, *rest = module.swiglu_forward(*args)
             return (torch.nextafter(y, torch.full_like(y, float("inf"))), *rest)
 
     assert cpu_kernels.matches_the_python_loop(engine)
     assert not cpu_kernels.matches_the_python_loop(cpu_kernels.CompiledLoop(OffByOneUlp))
-    monkeypatch.setattr(cpu_kernels, "compiled_swiglu_kernel", lambda: OffByOneUlp)
+    monkeypatch.setattr(cpu_kernels, "compiled_cpu_kernels", lambda: OffByOneUlp)
     with pytest.warns(UserWarning, match="differs from the Python loop here; using the Python loop"):
         assert cpu_kernels.compiled_engine() is None
 
 
 def test_another_process_loads_the_cached_build_without_compiling(engine):
     code = (
-        "from moetron.model.moe.experts.compiled_kernel import compiled_swiglu_kernel as k, cache_dir;"
+        "from moetron.model.moe.experts.compiled_kernels import compiled_cpu_kernels as k, cache_dir;"
         "m = k(); print(m is not None, str(cache_dir()) in m.__file__)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.split() == ["True", "True"]
     assert "compiling" not in done.stderr
+
+
+@pytest.mark.parametrize("num_experts", [1, 2, 7, 16, 64, 129])
+def test_first_max_column_is_max_and_argmax_with_ties_nan_zeros_and_infinities(engine, num_experts):
+    g = torch.Generator().manual_seed(num_experts)
+    x_TE = (torch.randint(0, 3, (700, num_experts), generator=g).float() - 1) / 3  # many ties
+    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0])
+    picks = torch.randint(0, 700 * num_experts, (300,), generator=g)
+    x_TE.view(-1)[picks] = specials[torch.randint(0, 5, (300,), generator=g)]
+    x_TE[0] = float("nan")  # an all-NaN row
+    x_TE[1] = -0.0
+    if num_experts > 1:
+        x_TE[1, 1] = 0.0  # -0.0 and +0.0 tie: the first
+    picked_T = compiled_kernels.first_max_column(x_TE)
+    assert torch.equal(picked_T, x_TE.max(dim=1).indices)
+    assert torch.equal(picked_T, torch.argmax(x_TE, dim=1))
+    assert torch.equal(compiled_kernels.first_max_column(x_TE.t().contiguous().t()), picked_T)  # any layout
+    assert compiled_kernels.first_max_column(x_TE.double()) is None  # other dtypes: the caller's own code
