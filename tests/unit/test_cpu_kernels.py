@@ -1,6 +1,7 @@
 """moetron's C++ CPU kernels (`compiled_kernels.py`): the SwiGLU engine is bitwise the Python loop, the router's
 first_max_column is max/argmax's column, and every way of not getting them (turned off, no build, a differing
 build) leaves the Python code running."""
+
 from __future__ import annotations
 
 import subprocess
