@@ -84,14 +84,20 @@ class Step:
 
     run: Callable[[], torch.Tensor]
     leaves: list[torch.Tensor]
+    reseed: bool = False  # the step draws random routing choices: the same ones every call (`reset`)
 
     def __call__(self) -> torch.Tensor:
         return self.run()
 
-    def clear_grads(self) -> None:
-        """optimizer.zero_grad(set_to_none=True) before every step, as in training: no accumulation work."""
+    def reset(self) -> None:
+        """Before every step, outside its timing: optimizer.zero_grad(set_to_none=True), as in training (no
+        accumulation work), and `torch.manual_seed(1)` for a step that draws random routing choices (RTS, the 2nd
+        expert's sampling), so every implementation and every call draws the same ones. Not timed: the seed call
+        (~0.1 ms, CUDA/XPU/MTIA lazy-init bookkeeping included) is no part of a layer, and the floor makes none."""
         for leaf in self.leaves:
             leaf.grad = None
+        if self.reseed:
+            torch.manual_seed(1)
 
 
 @dataclass
@@ -156,13 +162,12 @@ def moetron_layer(s: Shape, w: Weights, dropless: bool) -> MoELayer:
 
 def module_step(module: nn.Module, s: Shape, x_BTD: torch.Tensor, grad_BTD: torch.Tensor) -> Step:
     def step() -> torch.Tensor:
-        torch.manual_seed(1)  # the same random routing choices (RTS, 2nd-expert sampling) every call
         out = module(x_BTD)
         y_BTD = out[0] if isinstance(out, tuple) else out
         y_BTD.backward(grad_BTD)
         return y_BTD
 
-    return Step(step, [x_BTD, *module.parameters()])
+    return Step(step, [x_BTD, *module.parameters()], reseed=True)
 
 
 def hf_block(s: Shape, w: Weights, implementation: str) -> nn.Module | None:
@@ -256,7 +261,7 @@ def build_steps(s: Shape) -> tuple[dict[str, Step], list[str]]:
 # ---------------------------------------------------------------- measurement
 def peak_bytes(step: Step) -> int:
     """Peak of (bytes live in torch's CPU allocator) during one step, relative to the start."""
-    step.clear_grads()
+    step.reset()
     return peak_cpu_bytes(step)
 
 
@@ -275,7 +280,7 @@ def median_times(
     for rep in range(warmup + reps):
         rotated = names[rep % len(names) :] + names[: rep % len(names)]
         for name in rotated:
-            steps[name].clear_grads()
+            steps[name].reset()
             faults_before, start = minor_faults(), clock()
             steps[name]()
             elapsed, faulted = clock() - start, minor_faults() - faults_before
@@ -291,7 +296,11 @@ def cross_checks(steps: dict[str, Step]) -> list[str]:
     pairs = [("moetron dropless", "hf eager"), ("moetron dropless", "hf grouped_mm"), ("moetron capacity", "deepspeed")]
     for ours, theirs in pairs:
         if theirs in steps:
-            diff = (steps[ours]().detach() - steps[theirs]().detach()).abs().max().item()
+            outputs = []
+            for name in (ours, theirs):
+                steps[name].reset()
+                outputs.append(steps[name]().detach())
+            diff = (outputs[0] - outputs[1]).abs().max().item()
             lines.append(f"max |{ours} − {theirs}| = {diff:.2e}")
     return lines
 
@@ -365,11 +374,11 @@ def run_phases(s: Shape, reps: int, warmup: int, clock: Callable[[], float]) -> 
         step, marks = phase_step(moetron_layer(s, w, dropless), x_BTD, grad_BTD, clock)
         floor_times, phases = [], {}
         for rep in range(warmup + reps):
-            floor.clear_grads()
+            floor.reset()
             start = clock()
             floor()
             floor_time = clock() - start
-            step.clear_grads()
+            step.reset()
             step()
             if rep < warmup:
                 continue
@@ -392,7 +401,7 @@ def alternate(
 
     def timed(flag: bool) -> tuple[float, list[torch.Tensor]]:
         use(flag)
-        step.clear_grads()
+        step.reset()
         start = clock()
         y = step()
         elapsed = clock() - start
