@@ -139,3 +139,17 @@ def test_first_max_column_is_max_and_argmax_with_ties_nan_zeros_and_infinities(e
     assert torch.equal(picked_T, torch.argmax(x_TE, dim=1))
     assert torch.equal(compiled_kernels.first_max_column(x_TE.t().contiguous().t()), picked_T)  # any layout
     assert compiled_kernels.first_max_column(x_TE.double()) is None  # other dtypes: the caller's own code
+
+
+def test_the_top1_pick_compiles_without_a_graph_break():
+    """Under torch.compile the router's pick is `max` again (an extension call would break the graph)."""
+    from moetron.model.moe.routing.deepspeed_gating import first_argmax
+    from moetron.model.moe.routing.generic_gating import top_experts
+
+    x_TE = torch.randn(32, 64)
+    for pick, expected in (
+        (lambda x: top_experts(x, 1), x_TE.max(dim=1, keepdim=True).indices),
+        (first_argmax, x_TE.argmax(1)),
+    ):
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(pick, fullgraph=True, backend="eager")(x_TE), expected)
