@@ -153,3 +153,28 @@ def test_the_top1_pick_compiles_without_a_graph_break():
     ):
         torch._dynamo.reset()
         assert torch.equal(torch.compile(pick, fullgraph=True, backend="eager")(x_TE), expected)
+
+
+def test_tensor_subclasses_and_bad_shapes_never_reach_a_pointer(engine):
+    """A tensor subclass has no data of its own (a DTensor is a wrapper): the Python loop, which dispatches, runs it.
+    Shapes or counts that do not fit are an error from the kernel, never a write past a buffer."""
+
+    class Wrapped(torch.Tensor):
+        pass
+
+    x, w = torch.zeros(4, 8), torch.zeros(2, 8, 8)
+    assert cpu_kernels.swiglu_engine(x.as_subclass(Wrapped), w, w, w) is cpu_kernels.PYTHON_LOOP
+    assert compiled_kernels.first_max_column(torch.zeros(4, 16).as_subclass(Wrapped)) is None
+    module = engine.module
+    with pytest.raises(RuntimeError, match="counts sum to 5 rows, x has 4"):
+        module.swiglu_forward(x, w, w, w, [2, 3])
+    with pytest.raises(RuntimeError, match="a negative count"):
+        module.swiglu_forward(x, w, w, w, [5, -1])
+    with pytest.raises(RuntimeError, match="w2 must be a contiguous CPU float32 tensor of shape"):
+        module.swiglu_forward(x, w, w, torch.zeros(2, 4, 8), [2, 2])
+    y, a, b, h = module.swiglu_forward(x, w, w, w, [2, 2])
+    grads = [torch.zeros(4, 8), torch.zeros(2, 8, 8), torch.zeros(2, 8, 8), torch.zeros(2, 8, 8)]
+    with pytest.raises(RuntimeError, match="grad must be a contiguous CPU float32 tensor of shape"):
+        module.swiglu_backward(torch.zeros(3, 8), x, w, w, w, [2, 2], a, b, h, [], [], *grads, False)
+    with pytest.raises(RuntimeError, match="of every expert"):
+        module.swiglu_backward(torch.zeros(4, 8), x, w, w, w, [2, 2], a[:1], b, h, [], [], *grads, False)

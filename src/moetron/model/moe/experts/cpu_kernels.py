@@ -164,13 +164,18 @@ class CompiledLoop:
 
 
 def swiglu_engine(x_ND: torch.Tensor, *weights: torch.Tensor) -> PythonLoop | CompiledLoop:
-    """The C++ engine for contiguous fp32 operands where it loads (and matches the Python loop), else the Python
-    loop."""
-    if all(t.dtype == torch.float32 and t.is_contiguous() for t in (x_ND, *weights)):
+    """The C++ engine for plain contiguous fp32 CPU tensors where it loads (and matches the Python loop), else the
+    Python loop. A tensor subclass (DTensor, FakeTensor, …) has no data of its own for the kernel to read: only
+    ATen's dispatch, which the Python loop goes through, computes with it."""
+    if all(_plain_fp32(t) for t in (x_ND, *weights)):
         engine = compiled_engine()
         if engine is not None:
             return engine
     return PYTHON_LOOP
+
+
+def _plain_fp32(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == torch.float32 and t.is_contiguous()
 
 
 @functools.cache

@@ -174,11 +174,41 @@ void add_into(float* c, const float* d, int64_t n) {
   for (; i < n; ++i) c[i] += d[i];
 }
 
+// Every pointer below is computed from these shapes: check them all, so that a caller's mistake is an error and
+// never a write past a buffer. Plain CPU float32 tensors only: a tensor subclass (DTensor, FakeTensor, ...) has no
+// data of its own to point at.
+void check_plain(const Tensor& t, const char* name, at::IntArrayRef shape) {
+  TORCH_CHECK(t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat && t.has_storage() &&
+                  !t.key_set().has(c10::DispatchKey::Python) && t.sizes() == shape && t.is_contiguous(),
+              "moetron CPU SwiGLU kernel: ", name, " must be a contiguous CPU float32 tensor of shape ", shape,
+              ", got ", t.sizes());
+}
+
+int64_t checked_rows(const std::vector<int64_t>& counts, const Tensor& x, const Tensor& w1, const Tensor& w3,
+                     const Tensor& w2) {
+  TORCH_CHECK(w1.dim() == 3 && x.dim() == 2, "moetron CPU SwiGLU kernel: x [N, D] and weights [E, D, F]");
+  const int64_t E = w1.size(0), D = w1.size(1), F = w1.size(2);
+  check_plain(x, "x", {x.size(0), D});
+  check_plain(w1, "w1", {E, D, F});
+  check_plain(w3, "w3", {E, D, F});
+  check_plain(w2, "w2", {E, F, D});
+  TORCH_CHECK(static_cast<int64_t>(counts.size()) == E, "moetron CPU SwiGLU kernel: ", counts.size(),
+              " counts for ", E, " experts");
+  int64_t rows = 0;
+  for (const int64_t n : counts) {
+    TORCH_CHECK(n >= 0, "moetron CPU SwiGLU kernel: a negative count");
+    rows += n;
+  }
+  TORCH_CHECK(rows <= x.size(0), "moetron CPU SwiGLU kernel: counts sum to ", rows, " rows, x has ", x.size(0));
+  return rows;
+}
+
 }  // namespace
 
 // (y, a, b, h per expert): y[row of expert e] = (silu(x_e·w1_e) * (x_e·w3_e))·w2_e; rows past the counts are 0.
 Activations swiglu_forward(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2,
                     const std::vector<int64_t>& counts) {
+  checked_rows(counts, x, w1, w3, w2);
   const int64_t num_rows = x.size(0);
   Tensor y = at::empty({num_rows, w2.size(2)}, x.options());
   std::vector<Tensor> a_list, b_list, h_list;
@@ -213,9 +243,30 @@ Gradients swiglu_backward(
     const std::vector<Tensor>& h_list, const std::vector<Tensor>& da_kept, const std::vector<Tensor>& db_kept,
     std::optional<Tensor> grad_x, std::optional<Tensor> w1_grad, std::optional<Tensor> w3_grad,
     std::optional<Tensor> w2_grad, bool keep) {
+  checked_rows(counts, x, w1, w3, w2);
   const Tensor grad = grad_in.contiguous();  // an expanded (stride 0) gradient: at::mm would copy it the same way
   const bool weights = w1_grad.has_value();
-  const int64_t F = w1.size(2), D = w1.size(1);
+  const int64_t E = w1.size(0), F = w1.size(2), D = w1.size(1), N = x.size(0);
+  check_plain(grad, "grad", {N, D});
+  if (grad_x.has_value()) check_plain(*grad_x, "grad_x", {N, D});
+  TORCH_CHECK(weights == w3_grad.has_value() && weights == w2_grad.has_value(), "moetron CPU SwiGLU kernel: all "
+              "three weight gradients or none");
+  if (weights) {
+    check_plain(*w1_grad, "w1_grad", {E, D, F});
+    check_plain(*w3_grad, "w3_grad", {E, D, F});
+    check_plain(*w2_grad, "w2_grad", {E, F, D});
+    TORCH_CHECK(static_cast<int64_t>(h_list.size()) == E, "moetron CPU SwiGLU kernel: h of every expert");
+  }
+  const bool stashed = !da_kept.empty();
+  TORCH_CHECK(stashed ? (static_cast<int64_t>(da_kept.size()) == E && static_cast<int64_t>(db_kept.size()) == E)
+                      : (static_cast<int64_t>(a_list.size()) == E && static_cast<int64_t>(b_list.size()) == E),
+              "moetron CPU SwiGLU kernel: the activations (or their kept gradients) of every expert");
+  for (int64_t e = 0; e < E; ++e) {
+    const std::vector<int64_t> rows_F = {counts[e], F};
+    if (weights) check_plain(h_list[e], "h", rows_F);
+    check_plain(stashed ? da_kept[e] : a_list[e], stashed ? "da" : "a", rows_F);
+    check_plain(stashed ? db_kept[e] : b_list[e], stashed ? "db" : "b", rows_F);
+  }
   std::vector<Tensor> da_out, db_out;
   Tensor scratch = at::empty({0, D}, x.options());  // db · w3ᵀ of one expert, added to its rows of grad_x
   int64_t row = 0;

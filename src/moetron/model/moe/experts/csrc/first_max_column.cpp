@@ -20,7 +20,9 @@ namespace moetron_cpu {
 using Vec = at::vec::Vectorized<float>;
 
 Tensor first_max_column(const Tensor& x_in) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "first_max_column: a 2-D float32 tensor");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu() && x_in.has_storage() &&
+                  !x_in.key_set().has(c10::DispatchKey::Python),
+              "first_max_column: a plain 2-D CPU float32 tensor (no tensor subclass)");
   const Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), cols = x.size(1);
   TORCH_CHECK(cols > 0, "first_max_column: no columns");
