@@ -9,16 +9,25 @@ variables, one CPU thread, and a gloo process group (initialised by `moetron.par
 so the code under test sees exactly what it sees under torchrun). A failure in any rank raises here with that
 rank's traceback; a hang raises after `timeout` seconds. Keep groups few: put several checks in one `fn`.
 `fn`'s module resolves in the children because spawn hands them the parent's `sys.path` (pytest's `pythonpath`).
+
+A rank killed by a signal (a segfault in a native thread: gloo's, say) reports nothing itself; the error then
+names its exit signal and quotes its `faulthandler` dump, the Python stack of every one of its threads at the
+moment it died — which line the main thread was running, e.g. which collective. Such a rank is noticed within
+about a second even when its peers finish without it.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import multiprocessing as mp
 import os
 import queue
 import socket
+import tempfile
+import time
 import traceback
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -43,7 +52,10 @@ def _from_bytes(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(fn, rank: int, world_size: int, port: int, args: tuple, results) -> None:
+def _worker(fn, rank: int, world_size: int, port: int, args: tuple, results, dump_dir: str) -> None:
+    # on SIGSEGV / SIGABRT / SIGBUS / SIGFPE / SIGILL: every thread's Python stack, read back by the parent
+    dump = open(_dump_path(dump_dir, rank), "w")  # noqa: SIM115 - open until the process dies
+    faulthandler.enable(file=dump, all_threads=True)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -69,7 +81,23 @@ def _worker(fn, rank: int, world_size: int, port: int, args: tuple, results) -> 
             env.close()
 
 
-def _late_errors(results, procs, collected: dict, errors: list[str]) -> list[str]:
+def _dump_path(dump_dir: str, rank: int) -> Path:
+    return Path(dump_dir) / f"rank_{rank}.faulthandler"
+
+
+def _signal_dump(dump_dir: str, rank: int) -> str:
+    """What faulthandler wrote when `rank` died (empty when it did not die of a fatal signal)."""
+    path = _dump_path(dump_dir, rank)
+    return path.read_text(errors="replace").strip() if path.exists() else ""
+
+
+def _died_silently(procs, collected: dict, errors: list[str]) -> bool:
+    """A rank has exited with a failure code but reported nothing (a signal, or os._exit)."""
+    reported = set(collected) | {int(e.split()[1]) for e in errors}
+    return any(p.exitcode not in (None, 0) and rank not in reported for rank, p in enumerate(procs))
+
+
+def _late_errors(results, procs, collected: dict, errors: list[str], dump_dir: str) -> list[str]:
     """What the other ranks reported after the first error, and which ranks exited without reporting."""
     late, reported = [], set(collected) | {int(e.split()[1]) for e in errors}
     while True:
@@ -83,39 +111,54 @@ def _late_errors(results, procs, collected: dict, errors: list[str]) -> list[str
     for rank, p in enumerate(procs):
         if rank not in reported:
             late.append(f"rank {rank} exited with code {p.exitcode} without a result (negative: killed by that signal)")
+            if dump := _signal_dump(dump_dir, rank):
+                late.append(f"rank {rank}'s faulthandler dump (every thread's Python stack when it died):\n{dump}")
     return late
 
 
 def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 180.0) -> list:
     """`[fn(0, world_size, *args), fn(1, world_size, *args), ...]`, each computed in its own process."""
+    with tempfile.TemporaryDirectory(prefix="launch_dumps_") as dump_dir:
+        return _run(fn, world_size, args, timeout, dump_dir)
+
+
+def _run(fn, world_size: int, args: tuple, timeout: float, dump_dir: str) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, dump_dir)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     collected: dict[int, object] = {}
     errors = []
+    deadline = time.monotonic() + timeout
     try:
         while len(collected) + len(errors) < world_size:
             try:
-                rank, status, value = results.get(timeout=timeout)
+                rank, status, value = results.get(timeout=1)
             except queue.Empty:
-                raise TimeoutError(f"distributed test: no result from every rank within {timeout}s") from None
+                if _died_silently(procs, collected, errors):
+                    break  # its peers may finish, or wait in a collective until their own timeout: report it now
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"distributed test: no result from every rank within {timeout}s") from None
+                continue
             if status == "ok":
                 collected[rank] = _from_bytes(value)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
                 break  # the other ranks are likely blocked in a collective
     finally:
+        failed = bool(errors) or len(collected) < world_size
         for p in procs:
-            p.join(timeout=5 if errors else 30)
+            p.join(timeout=5 if failed else 30)
             if p.is_alive():
                 p.terminate()
                 p.join()
-    if errors:
+    if failed:
         # the first error is often a peer's "connection reset": name the rank that died without a word (a
-        # signal, e.g. -11 for a segfault) and the other ranks' own errors, so the cause is in the report
-        errors += _late_errors(results, procs, collected, errors)
+        # signal, e.g. -11 for a segfault, with its threads' Python stacks) and the other ranks' own errors
+        errors += _late_errors(results, procs, collected, errors, dump_dir)
         raise AssertionError("\n".join(errors))
     return [collected[r] for r in range(world_size)]
