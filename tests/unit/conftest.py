@@ -8,16 +8,27 @@ def unit_tests_on_one_thread(one_thread):
     yield
 
 
+@pytest.fixture
+def swiglu_cpp_engine():
+    """The C++ engine of `ExpertByExpertSwiGLU` (skipped, with the reason, where it does not build or load)."""
+    from moetron.model.moe import compiled_kernels
+    from moetron.model.moe.experts import cpu_kernels
+
+    reason = compiled_kernels.unavailable_reason()
+    engine = None if reason else cpu_kernels.compiled_engine()
+    if engine is None:
+        pytest.skip(f"the CPU expert kernel is not available here: {reason or 'it did not build'}")
+    return engine
+
+
 @pytest.fixture(params=["compiled", "python"])
 def each_swiglu_engine(request, monkeypatch):
     """Run the test once with each engine of `ExpertByExpertSwiGLU`: the C++ kernel (skipped where it does not
     build, with the reason) and the Python loop (forced)."""
-    from moetron.model.moe.experts import compiled_kernels, cpu_kernels
+    from moetron.model.moe.experts import cpu_kernels
 
     if request.param == "compiled":
-        reason = compiled_kernels.unavailable_reason()
-        if reason is not None or cpu_kernels.compiled_engine() is None:
-            pytest.skip(f"the CPU expert kernel is not available here: {reason or 'it did not build'}")
+        request.getfixturevalue("swiglu_cpp_engine")
     else:
         monkeypatch.setattr(cpu_kernels, "swiglu_engine", lambda *tensors: cpu_kernels.PYTHON_LOOP)
     return request.param

@@ -10,16 +10,13 @@ import sys
 import pytest
 import torch
 
-from moetron.model.moe.experts import compiled_kernels, cpu_kernels
+from moetron.model.moe import compiled_kernels
+from moetron.model.moe.experts import cpu_kernels
 
 
 @pytest.fixture
-def engine():
-    reason = compiled_kernels.unavailable_reason()
-    loaded = None if reason else cpu_kernels.compiled_engine()
-    if loaded is None:
-        pytest.skip(f"the CPU expert kernel is not available here: {reason or 'it did not build'}")
-    return loaded
+def engine(swiglu_cpp_engine):
+    return swiglu_cpp_engine
 
 
 @pytest.fixture
@@ -115,7 +112,7 @@ def test_a_build_that_differs_by_one_bit_is_refused(engine, monkeypatch, fresh_l
 
 def test_another_process_loads_the_cached_build_without_compiling(engine):
     code = (
-        "from moetron.model.moe.experts.compiled_kernels import compiled_cpu_kernels as k, cache_dir;"
+        "from moetron.model.moe.compiled_kernels import compiled_cpu_kernels as k, cache_dir;"
         "m = k(); print(m is not None, str(cache_dir()) in m.__file__)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

@@ -12,7 +12,8 @@
 // (compiled for the CPU capability ATen dispatches to here, so the same Sleef exp), over the same chunks that
 // TensorIterator's parallel_for gives (GRAIN_SIZE), two vectors per step and the scalar expression for the tail,
 // as ATen's vectorized_loop does. The products (s * b, s * dh, dh * b) are single IEEE multiplies either way.
-// `compiled_kernels.py` checks this against the Python loop on every load and falls back to it if a bit differs.
+// `cpu_kernels.compiled_engine` checks this against the Python loop in every process and falls back to it if a bit
+// differs.
 //
 // Shape legend: N rows sorted by expert (rows past the sum of counts are not computed), E experts, D hidden,
 // F ffn size per expert; n the rows of one expert.
