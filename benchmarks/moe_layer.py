@@ -35,6 +35,9 @@ gradients checked bitwise equal; prints the median step times and the median of 
 top-k by `max`, the mean and gather of the router probabilities with one backward, the combine in L2-sized chunks;
 "without" = topk, autograd's mean and gather, and one pass), outputs and gradients checked
 bitwise equal; prints the median step times and the median of the per-rep ratios.
+--token-order: instead, moetron dropless (top-1, unit weights) stepped alternately with the experts reading and writing
+the rows in token order (`dispatch.TokenOrder`: the C++ kernel gathers each expert's rows itself) and with the
+dispatcher's two permutations of x and y (`PermuteRows`), outputs and gradients checked bitwise equal.
 """
 
 from __future__ import annotations
@@ -440,6 +443,20 @@ def run_fast_paths(s: Shape, reps: int, warmup: int, clock: Callable[[], float])
     return [f"| {s} | {off * 1e3:.1f} ms | {on * 1e3:.1f} ms | {ratio:.3f} | {equal} |"]
 
 
+def run_token_order(s: Shape, reps: int, warmup: int, clock: Callable[[], float]) -> list[str]:
+    """moetron dropless with the rows in token order (read in place by the experts) and permuted, interleaved."""
+    from moetron.model.moe import dispatch
+
+    def use(on: bool) -> None:
+        dispatch.TOKEN_ORDER = on
+
+    w = make_weights(s)
+    x_BTD = _leaf(torch.randn(1, s.tokens, s.hidden))
+    step = module_step(moetron_layer(s, w, dropless=True), s, x_BTD, torch.randn(x_BTD.shape))
+    on, off, ratio, equal = alternate(step, use, reps, warmup, clock)
+    return [f"| {s} | {off * 1e3:.1f} ms | {on * 1e3:.1f} ms | {ratio:.3f} | {equal} |"]
+
+
 def run_kernel(s: Shape, reps: int, warmup: int, clock: Callable[[], float]) -> list[str]:
     """moetron dropless and capacity with the experts' C++ engine and with their Python loop, interleaved."""
     from moetron.model.moe.experts import cpu_kernels
@@ -474,6 +491,7 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true", help="moetron's step split into phases, / floor")
     parser.add_argument("--fast-paths", action="store_true", help="A/B of the router/combine fast paths")
     parser.add_argument("--kernel", action="store_true", help="A/B of the experts' C++ engine and Python loop")
+    parser.add_argument("--token-order", action="store_true", help="A/B of the rows in token order and permuted")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -485,6 +503,11 @@ def main() -> None:
             "| shape | without | with | with / without (median of reps) | outputs and grads equal |\n"
             "|---|---|---|---|---|",
             run_fast_paths,
+        ),
+        "token_order": (
+            "| shape | permuted | token order | token order / permuted (median of reps) | outputs and grads equal |\n"
+            "|---|---|---|---|---|",
+            run_token_order,
         ),
         "kernel": (
             "| shape | layer | Python loop | C++ engine | C++ / Python (median of reps) | outputs and grads equal |\n"

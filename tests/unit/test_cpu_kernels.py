@@ -56,6 +56,23 @@ def test_compiled_engine_is_bitwise_the_python_loop(engine, threads):
                 assert torch.equal(a, b)
             assert torch.equal(ours[0][sum(counts) :], torch.zeros(3, hidden))  # the tail: zero out, zero grad
             assert torch.equal(ours[1][sum(counts) :], torch.zeros(3, hidden))
+            # token order: the rows read and written in place through a permutation give the same rows
+            rows = sum(counts)
+            tokens = torch.randperm(rows, generator=torch.Generator().manual_seed(rows))
+            x, *weights = operands
+            with torch.no_grad():
+                in_place = cpu_kernels.run_swiglu(engine, grad[:rows], x[:rows], *weights, counts, tokens)
+                loop = cpu_kernels.run_swiglu(cpu_kernels.PYTHON_LOOP, grad[:rows], x[:rows], *weights, counts, tokens)
+            inverse = torch.argsort(tokens)
+            for a, b in zip(in_place, loop, strict=True):
+                assert torch.equal(a, b)
+            y_token_order, grad_x_token_order = in_place[0], in_place[1]
+            # the same values as the sorted run whose rows were x[tokens] (row r of it is token tokens[r])
+            sorted_run = cpu_kernels.run_swiglu(engine, grad[:rows][tokens], x[:rows][tokens], *weights, counts)
+            assert torch.equal(y_token_order, sorted_run[0][inverse])
+            assert torch.equal(grad_x_token_order, sorted_run[1][inverse])
+            for a, b in zip(in_place[2:], sorted_run[2:], strict=True):
+                assert torch.equal(a, b)
     finally:
         torch.set_num_threads(before)
 
@@ -164,14 +181,30 @@ def test_tensor_subclasses_and_bad_shapes_never_reach_a_pointer(engine):
     assert compiled_kernels.first_max_column(torch.zeros(4, 16).as_subclass(Wrapped)) is None
     module = engine.module
     with pytest.raises(RuntimeError, match="counts sum to 5 rows, x has 4"):
-        module.swiglu_forward(x, w, w, w, [2, 3])
+        module.swiglu_forward(x, w, w, w, [2, 3], None)
     with pytest.raises(RuntimeError, match="a negative count"):
-        module.swiglu_forward(x, w, w, w, [5, -1])
+        module.swiglu_forward(x, w, w, w, [5, -1], None)
     with pytest.raises(RuntimeError, match="w2 must be a contiguous CPU float32 tensor of shape"):
-        module.swiglu_forward(x, w, w, torch.zeros(2, 4, 8), [2, 2])
-    y, a, b, h = module.swiglu_forward(x, w, w, w, [2, 2])
+        module.swiglu_forward(x, w, w, torch.zeros(2, 4, 8), [2, 2], None)
+    # token order: a permutation of x's rows, covered by the counts, or an error before any row is read
+    for tokens, message in [
+        (torch.tensor([0, 1, 1, 3]), "not a permutation of 0..3 \\(row 2 names 1\\)"),
+        (torch.tensor([0, 1, 2, 9]), "not a permutation of 0..3 \\(row 3 names 9\\)"),
+        (torch.tensor([0, -1, 2, 3]), "not a permutation"),
+        (torch.tensor([0, 1, 2, 3], dtype=torch.int32), "tokens must be a contiguous CPU int64 tensor of 4 rows"),
+        (torch.tensor([0, 1, 2]), "tokens must be a contiguous CPU int64 tensor of 4 rows"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            module.swiglu_forward(x, w, w, w, [2, 2], tokens)
+    with pytest.raises(RuntimeError, match="the counts must cover every row \\(3 of 4\\)"):
+        module.swiglu_forward(x, w, w, w, [2, 1], torch.arange(4))
+    y, a, b, h = module.swiglu_forward(x, w, w, w, [2, 2], None)
     grads = [torch.zeros(4, 8), torch.zeros(2, 8, 8), torch.zeros(2, 8, 8), torch.zeros(2, 8, 8)]
     with pytest.raises(RuntimeError, match="grad must be a contiguous CPU float32 tensor of shape"):
-        module.swiglu_backward(torch.zeros(3, 8), x, w, w, w, [2, 2], a, b, h, [], [], *grads, False)
+        module.swiglu_backward(torch.zeros(3, 8), x, w, w, w, [2, 2], a, b, h, [], [], *grads, False, None)
     with pytest.raises(RuntimeError, match="of every expert"):
-        module.swiglu_backward(torch.zeros(4, 8), x, w, w, w, [2, 2], a[:1], b, h, [], [], *grads, False)
+        module.swiglu_backward(torch.zeros(4, 8), x, w, w, w, [2, 2], a[:1], b, h, [], [], *grads, False, None)
+    with pytest.raises(RuntimeError, match="not a permutation"):
+        module.swiglu_backward(
+            torch.zeros(4, 8), x, w, w, w, [2, 2], a, b, h, [], [], *grads, False, torch.zeros(4).long()
+        )

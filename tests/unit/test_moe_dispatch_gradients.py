@@ -50,20 +50,32 @@ def test_a_second_gradient_of_the_layer_input_is_added_in_place():
     assert torch.equal(x.grad, (torch.ones(12, 4) + w.sum(0)).reshape(1, 12, 4))
 
 
+@pytest.mark.parametrize("backend", ["auto", "loop"])  # on CPU auto runs the expert-by-expert kernel
 @pytest.mark.parametrize("renorm", [True, False], ids=["unit-weights", "raw-weights"])
-def test_dropless_top1_permutation_path_equals_the_gather_and_index_add_path(monkeypatch, renorm):
+def test_dropless_top1_permutation_path_equals_the_gather_and_index_add_path(
+    monkeypatch, each_swiglu_engine, renorm, backend
+):
     """Dropless top-1: each token has exactly one row, so the dispatch is a permutation (`PermuteRows`, gradient by
-    the inverse permutation) and, with unit weights, so is the combine. Output and every gradient equal the path
-    every other mode takes (zeros + index_add_)."""
+    the inverse permutation) and, with unit weights, so is the combine; with unit weights the experts get the rows in
+    token order instead (`TokenOrder`: the CPU kernel reads and writes them in place, the other backends permute
+    themselves). Output and every gradient equal the path every other mode takes (zeros + index_add_)."""
     cfg = ModelConfig(hidden_size=16, num_attention_heads=1, ffn_hidden_size=32, swiglu=True)
     cfg.add_bias_linear, cfg.num_experts, cfg.topk = False, [8], 1
     cfg.moe_token_dropping, cfg.moe_router_topk_renorm = False, renorm
+    cfg.moe_expert_backend = backend
     layer = MoELayer(cfg, 8, layer_index=0)
     g = torch.Generator().manual_seed(2)
     x_BTD, grad_BTD = torch.randn(2, 40, 16, generator=g), torch.randn(2, 40, 16, generator=g)
+    in_place = backend == "auto"
+    permutes = {  # PermuteRows calls: the dispatch's, and the combine's where the weights are all 1
+        "token order": (0 if in_place else 2) if renorm else 1,
+        "permutation": 2 if renorm else 1,
+        "gather": 0,
+    }
     runs = []
-    for permutation in (True, False):
-        monkeypatch.setattr(dispatch, "TOP1_PERMUTATION", permutation)
+    for mode, expected_calls in permutes.items():
+        monkeypatch.setattr(dispatch, "TOP1_PERMUTATION", mode != "gather")
+        monkeypatch.setattr(dispatch, "TOKEN_ORDER", mode == "token order")
         calls = []
         monkeypatch.setattr(dispatch.PermuteRows, "apply", _counting(dispatch.PermuteRows.apply, calls))
         layer.zero_grad(set_to_none=True)
@@ -71,11 +83,13 @@ def test_dropless_top1_permutation_path_equals_the_gather_and_index_add_path(mon
         y, _aux = layer(x)
         y.backward(grad_BTD)
         runs.append([y.detach(), x.grad, *(p.grad for p in layer.parameters())])
-        assert len(calls) == (0 if not permutation else 2 if renorm else 1)  # dispatch, and combine if unit weights
-        monkeypatch.undo()
+        assert len(calls) == expected_calls, mode
+        monkeypatch.setattr(dispatch, "TOP1_PERMUTATION", True)
+        monkeypatch.setattr(dispatch, "TOKEN_ORDER", True)
     assert len(runs[0]) == 6
-    for new, old in zip(*runs, strict=True):
-        assert torch.equal(new, old)
+    for reference in runs[1:]:
+        for new, old in zip(runs[0], reference, strict=True):
+            assert torch.equal(new, old)
 
 
 def _counting(fn, calls):

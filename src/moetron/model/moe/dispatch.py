@@ -13,6 +13,10 @@ so nothing may carry it onward (0 · NaN is NaN): `permute`'s gather drops the t
 `unpermute` adds the tail into a sink row it discards, with the weights selected (`where`), not multiplied.
 Dropless routing keeps every route: N = T·K, no tail.
 
+Dropless top-1 with unit weights (Mixtral-style renormalised top-1) needs neither copy: each token has one row and
+its output is that row's, so `LocalDispatcher` hands the experts x_TD itself with the sort order (`TokenOrder`), the
+experts read their rows in place and write their outputs in token order, and the combine has nothing left to do.
+
 `permute` and `unpermute` are plain functions so that the expert-parallel `AllToAllDispatcher` can reuse
 them: it sorts by GLOBAL expert id here, exchanges `counts_E` (per global expert) and the first N rows (N is
 host-side there: the split sizes are) with its peers, and runs `unpermute` on the rows it gets back.
@@ -32,6 +36,16 @@ from moetron.model.moe.routing.decision import Routing, route_counts
 
 
 @dataclass(frozen=True)
+class TokenOrder:
+    """The rows handed to the experts are in TOKEN order, not sorted: the experts' row r is token order_R[r] (a
+    permutation of the tokens), and they return their outputs in token order too (`GroupedExperts` reads and writes
+    the rows in place where its kernel can, else permutes them itself)."""
+
+    order_R: torch.Tensor  # int64 [T]: the token of each expert-sorted row
+    inverse_R: torch.Tensor  # int64 [T]: the expert-sorted row of each token
+
+
+@dataclass(frozen=True)
 class ExpertCounts:
     """What the dispatcher tells the experts besides the rows: the rows per expert (a device tensor), and,
     when the router knows it on the host, a bound on every count (the capacity), so that the batched
@@ -39,6 +53,7 @@ class ExpertCounts:
 
     counts_E: torch.Tensor  # int64 [E]: rows per local expert; rows past their sum are not computed
     capacity: int | None = None  # host bound on every count (capacity-factor mode), None = unknown
+    token_order: TokenOrder | None = None  # the rows are in token order (see `TokenOrder`), None: sorted by expert
 
 
 def without_last_row(t_XA: torch.Tensor) -> torch.Tensor:
@@ -98,6 +113,9 @@ def inverse_permutation(order_R: torch.Tensor) -> torch.Tensor:
 # Off: dropless top-1 dispatches through `gather_rows` and `WeightedIndexAdd` like every other mode (the A/B of
 # `LocalDispatcher`'s permutation path; outputs and gradients have the same values either way).
 TOP1_PERMUTATION = True
+# Off: dropless top-1 with unit weights permutes x and y in the dispatcher (`PermuteRows`) instead of handing the
+# experts the rows in token order (`TokenOrder`); the same values either way.
+TOKEN_ORDER = True
 
 
 def gather_rows(src_XA: torch.Tensor, index_R: torch.Tensor, keep_grad_R: torch.Tensor) -> torch.Tensor:
@@ -251,6 +269,7 @@ class LocalContext:
     num_tokens: int
     unit_weights: bool = False  # `Routing.unit_weights`: the combine multiplies by no weight
     inverse_R: torch.Tensor | None = None  # dropless top-1: order_R is a permutation of the tokens, and its inverse
+    in_token_order: bool = False  # the experts got and returned the rows in token order (`TokenOrder`)
 
 
 class LocalDispatcher:
@@ -264,15 +283,19 @@ class LocalDispatcher:
         if TOP1_PERMUTATION and routing.topk == 1 and capacity is None:  # dropless top-1: each token has one row
             order_R, counts_E, _ = sort_routes(routing.expert_ids_TK, routing.kept_TK, self.num_experts)
             inverse_R = inverse_permutation(order_R)
-            x_RD = PermuteRows.apply(x_TD, order_R, inverse_R)
             ctx = LocalContext(order_R, None, routing.weights_TK, x_TD.shape[0], routing.unit_weights, inverse_R)
-            return x_RD, ExpertCounts(counts_E, capacity), ctx
+            if routing.unit_weights and TOKEN_ORDER:  # the experts permute (or read in place); the combine is y
+                ctx.in_token_order = True
+                return x_TD, ExpertCounts(counts_E, capacity, TokenOrder(order_R, inverse_R)), ctx
+            return PermuteRows.apply(x_TD, order_R, inverse_R), ExpertCounts(counts_E, capacity), ctx
         x_RD, counts_E, order_R, kept_R = permute(x_TD, routing.expert_ids_TK, routing.kept_TK, self.num_experts)
         kept = self._kept_rows(routing, kept_R)
         ctx = LocalContext(order_R, kept, routing.weights_TK, x_TD.shape[0], routing.unit_weights)
         return x_RD, ExpertCounts(counts_E, capacity), ctx
 
     def combine(self, y_RD: torch.Tensor, ctx: LocalContext) -> torch.Tensor:
+        if ctx.in_token_order:  # the experts' output is already y_TD
+            return y_RD
         if ctx.inverse_R is not None and ctx.unit_weights:  # y_TD[t] = y_RD[inverse[t]], with no zeros to add to
             return PermuteRows.apply(y_RD, ctx.inverse_R, ctx.order_R)
         return unpermute(y_RD, ctx.order_R, ctx.weights_TK, ctx.num_tokens, ctx.kept_R, ctx.unit_weights)

@@ -15,6 +15,11 @@
 // `cpu_kernels.compiled_engine` checks this against the Python loop in every process and falls back to it if a bit
 // differs.
 //
+// Token order (`tokens`, dropless top-1): x, y and their gradients stay in the tokens' order and sorted row r is token
+// tokens[r] (a permutation); each expert's rows are gathered into a buffer of its own before its GEMMs and its
+// outputs scattered back after them, so the dispatcher's two [N, D] permutations and the combine's two are not made.
+// The buffers have the layout a slice of a sorted [N, D] tensor has (row stride D), so the GEMM calls are the same.
+//
 // Shape legend: N rows sorted by expert (rows past the sum of counts are not computed), E experts, D hidden,
 // F ffn size per expert; n the rows of one expert.
 
@@ -27,6 +32,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -175,6 +181,23 @@ void add_into(float* c, const float* d, int64_t n) {
   for (; i < n; ++i) c[i] += d[i];
 }
 
+// dst[i] = src[index[i]] for n rows of `width` floats (dst packed, src of row stride `width`), and the reverse.
+// Split over threads as ATen's index_select splits its rows (whole rows, GRAIN_SIZE elements at least per chunk).
+void gather_rows(float* dst, const float* src, const int64_t* index, int64_t n, int64_t width) {
+  at::parallel_for(0, n, std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, width)),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t i = begin; i < end; ++i)
+                       std::memcpy(dst + i * width, src + index[i] * width, width * sizeof(float));
+                   });
+}
+void scatter_rows(float* dst, const float* src, const int64_t* index, int64_t n, int64_t width) {
+  at::parallel_for(0, n, std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, width)),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t i = begin; i < end; ++i)
+                       std::memcpy(dst + index[i] * width, src + i * width, width * sizeof(float));
+                   });
+}
+
 // Every pointer below is computed from these shapes: check them all, so that a caller's mistake is an error and
 // never a write past a buffer. Plain CPU float32 tensors only: a tensor subclass (DTensor, FakeTensor, ...) has no
 // data of its own to point at.
@@ -204,13 +227,43 @@ int64_t checked_rows(const std::vector<int64_t>& counts, const Tensor& x, const 
   return rows;
 }
 
+// The token of every sorted row, or nullptr without token order. Checked whole (int64, one per row of x, the counts
+// covering them all, each row exactly once), so every gather and scatter stays inside x and writes each row once.
+const int64_t* checked_tokens(const std::optional<Tensor>& tokens, int64_t num_rows, int64_t counted) {
+  if (!tokens.has_value()) return nullptr;
+  const Tensor& t = *tokens;
+  TORCH_CHECK(t.defined() && t.device().is_cpu() && t.scalar_type() == at::kLong && t.has_storage() &&
+                  !t.key_set().has(c10::DispatchKey::Python) && t.dim() == 1 && t.size(0) == num_rows &&
+                  t.is_contiguous(),
+              "moetron CPU SwiGLU kernel: tokens must be a contiguous CPU int64 tensor of ", num_rows, " rows");
+  TORCH_CHECK(counted == num_rows, "moetron CPU SwiGLU kernel: in token order the counts must cover every row (",
+              counted, " of ", num_rows, ")");
+  const int64_t* index = t.const_data_ptr<int64_t>();
+  std::vector<bool> seen(num_rows, false);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t token = index[r];
+    TORCH_CHECK(token >= 0 && token < num_rows && !seen[token], "moetron CPU SwiGLU kernel: tokens is not a "
+                "permutation of 0..", num_rows - 1, " (row ", r, " names ", token, ")");
+    seen[token] = true;
+  }
+  return index;
+}
+
+int64_t max_count(const std::vector<int64_t>& counts) {
+  int64_t most = 0;
+  for (const int64_t n : counts) most = std::max(most, n);
+  return most;
+}
+
 }  // namespace
 
 // (y, a, b, h per expert): y[row of expert e] = (silu(x_e·w1_e) * (x_e·w3_e))·w2_e; rows past the counts are 0.
+// With `tokens`, x and y are in token order (see the top of this file).
 Activations swiglu_forward(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2,
-                    const std::vector<int64_t>& counts) {
-  checked_rows(counts, x, w1, w3, w2);
+                           const std::vector<int64_t>& counts, const std::optional<Tensor>& tokens) {
+  const int64_t counted = checked_rows(counts, x, w1, w3, w2);
   const int64_t num_rows = x.size(0);
+  const int64_t* token = checked_tokens(tokens, num_rows, counted);
   Tensor y = at::empty({num_rows, w2.size(2)}, x.options());
   std::vector<Tensor> a_list, b_list, h_list;
   a_list.reserve(counts.size());
@@ -218,14 +271,19 @@ Activations swiglu_forward(const Tensor& x, const Tensor& w1, const Tensor& w3, 
   h_list.reserve(counts.size());
   int64_t row = 0;
   const int64_t F = w1.size(2), D = w2.size(2);
+  const int64_t buffer_rows = token ? max_count(counts) : 0;  // one expert's rows of x, then of y
+  Tensor x_buffer = at::empty({buffer_rows, D}, x.options()), y_buffer = at::empty({buffer_rows, D}, x.options());
   for (size_t e = 0; e < counts.size(); ++e) {
     const int64_t n = counts[e];
-    const Matrix x_e = rows_of(x, row, n);
+    if (token) gather_rows(x_buffer.mutable_data_ptr<float>(), x.const_data_ptr<float>(), token + row, n, D);
+    const Matrix x_e = token ? rows_of(x_buffer, 0, n) : rows_of(x, row, n);
     Tensor a = at::empty({n, F}, x.options()), b = at::empty({n, F}, x.options()), h = at::empty({n, F}, x.options());
     gemm_into(a.mutable_data_ptr<float>(), F, x_e, expert(w1, e));
     gemm_into(b.mutable_data_ptr<float>(), F, x_e, expert(w3, e));
     silu_times(a.const_data_ptr<float>(), b.const_data_ptr<float>(), h.mutable_data_ptr<float>(), a.numel());
-    gemm_into(y.mutable_data_ptr<float>() + row * D, D, matrix(h), expert(w2, e));
+    float* y_e = token ? y_buffer.mutable_data_ptr<float>() : y.mutable_data_ptr<float>() + row * D;
+    gemm_into(y_e, D, matrix(h), expert(w2, e));
+    if (token) scatter_rows(y.mutable_data_ptr<float>(), y_e, token + row, n, D);
     a_list.push_back(std::move(a));
     b_list.push_back(std::move(b));
     h_list.push_back(std::move(h));
@@ -243,8 +301,9 @@ Gradients swiglu_backward(
     const std::vector<int64_t>& counts, const std::vector<Tensor>& a_list, const std::vector<Tensor>& b_list,
     const std::vector<Tensor>& h_list, const std::vector<Tensor>& da_kept, const std::vector<Tensor>& db_kept,
     std::optional<Tensor> grad_x, std::optional<Tensor> w1_grad, std::optional<Tensor> w3_grad,
-    std::optional<Tensor> w2_grad, bool keep) {
-  checked_rows(counts, x, w1, w3, w2);
+    std::optional<Tensor> w2_grad, bool keep, const std::optional<Tensor>& tokens) {
+  const int64_t counted = checked_rows(counts, x, w1, w3, w2);
+  const int64_t* token = checked_tokens(tokens, x.size(0), counted);
   const Tensor grad = grad_in.contiguous();  // an expanded (stride 0) gradient: at::mm would copy it the same way
   const bool weights = w1_grad.has_value();
   const int64_t E = w1.size(0), F = w1.size(2), D = w1.size(1), N = x.size(0);
@@ -270,10 +329,20 @@ Gradients swiglu_backward(
   }
   std::vector<Tensor> da_out, db_out;
   Tensor scratch = at::empty({0, D}, x.options());  // db · w3ᵀ of one expert, added to its rows of grad_x
+  // Token order: one expert's rows of grad, of x (for the weight gradients) and of grad_x, gathered and scattered.
+  const int64_t buffer_rows = token ? max_count(counts) : 0;
+  Tensor g_buffer = at::empty({buffer_rows, D}, x.options()), x_buffer = at::empty({buffer_rows, D}, x.options());
+  Tensor gx_buffer = at::empty({buffer_rows, D}, x.options());
   int64_t row = 0;
   for (size_t e = 0; e < counts.size(); ++e) {
     const int64_t n = counts[e];
-    const Matrix g_e = rows_of(grad, row, n), x_e = rows_of(x, row, n);
+    if (token) {
+      if (weights || !stashed)  // the second pass of a split backward (the input's, da and db kept) reads no grad
+        gather_rows(g_buffer.mutable_data_ptr<float>(), grad.const_data_ptr<float>(), token + row, n, D);
+      if (weights) gather_rows(x_buffer.mutable_data_ptr<float>(), x.const_data_ptr<float>(), token + row, n, D);
+    }
+    const Matrix g_e = token ? rows_of(g_buffer, 0, n) : rows_of(grad, row, n);
+    const Matrix x_e = token ? rows_of(x_buffer, 0, n) : rows_of(x, row, n);
     if (weights) gemm_into(expert_out(*w2_grad, e), D, matrix(h_list[e]).t(), g_e);
     Tensor da, db;
     if (da_kept.empty()) {
@@ -291,11 +360,12 @@ Gradients swiglu_backward(
       gemm_into(expert_out(*w3_grad, e), F, x_e.t(), matrix(db));
     }
     if (grad_x.has_value()) {
-      float* gx = grad_x->mutable_data_ptr<float>() + row * D;
+      float* gx = token ? gx_buffer.mutable_data_ptr<float>() : grad_x->mutable_data_ptr<float>() + row * D;
       gemm_into(gx, D, matrix(da), expert(w1, e).t());
       if (scratch.size(0) < n) scratch = at::empty({n, D}, x.options());
       gemm_into(scratch.mutable_data_ptr<float>(), D, matrix(db), expert(w3, e).t());
       add_into(gx, scratch.const_data_ptr<float>(), n * D);
+      if (token) scatter_rows(grad_x->mutable_data_ptr<float>(), gx, token + row, n, D);
     }
     if (keep) {
       da_out.push_back(std::move(da));

@@ -3,6 +3,11 @@
 `GroupedExperts` runs these only where reading the device is free (`host_reads_are_free`: a CPU tensor),
 because they take the per-expert row counts as host integers. On CUDA the grouped or batched backends run.
 
+Token order (`tokens_N`, dropless top-1 from `LocalDispatcher`): x, y and their gradients are in the tokens' order,
+and sorted row r is token tokens_N[r] (a permutation); each expert's rows are gathered before its GEMMs and its outputs
+scattered after them, so that no permuted [N, D] copy of x, y or their gradients is made. The same GEMM operands,
+so the same values as on rows sorted by expert.
+
 Shape legend: N rows sorted by expert (rows past Σ counts are dropped routes, not computed), E experts,
 D hidden size, F ffn size per expert.
 """
@@ -68,7 +73,7 @@ class PythonLoop:
     the backward, as this did before, was one silu and one mul per expert more, and measured ~3.5% slower on the
     whole layer at E=64, for two [N, F] activations less (16 MiB there; benchmarks/RESULTS.md, "MoE layer")."""
 
-    def forward(self, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int]):
+    def forward(self, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int], tokens_N=None):
         """(y_ND, activations for `backward`, h per expert)."""
         y_ND = x_ND.new_empty(x_ND.shape[0], w2_EFD.shape[-1])
         y_ND[sum(counts) :].zero_()  # rows past the counts (dropped routes) are not computed
@@ -76,23 +81,28 @@ class PythonLoop:
         # get fresh pages every step, and faulting them in cost more system time than the GEMMs they feed.
         a_list, b_list, silu_list, h_list = [], [], [], []
         # Views made in bulk (split/unbind): the per-expert Python work is a visible cost at E = 128.
-        for x_e, y_e, w1_DF, w3_DF, w2_FD in zip(
-            _per_expert(x_ND, counts),
-            _per_expert(y_ND, counts),
+        for x_e, out_e, w1_DF, w3_DF, w2_FD in zip(  # out_e: the expert's rows of y (a view), or its tokens
+            _expert_rows(x_ND, counts, tokens_N),
+            _per_expert(y_ND, counts) if tokens_N is None else _per_expert(tokens_N, counts),
             *(w.unbind(0) for w in (w1_EDF, w3_EDF, w2_EFD)),
             strict=True,
         ):
             a_e, b_e = torch.mm(x_e, w1_DF), torch.mm(x_e, w3_DF)
             silu_e = torch.nn.functional.silu(a_e)
             h_e = silu_e * b_e
-            torch.mm(h_e, w2_FD, out=y_e)
+            if tokens_N is None:
+                torch.mm(h_e, w2_FD, out=out_e)
+            else:
+                y_ND.index_copy_(0, out_e, torch.mm(h_e, w2_FD))
             a_list.append(a_e)
             b_list.append(b_e)
             silu_list.append(silu_e)
             h_list.append(h_e)
         return y_ND, (a_list, b_list, silu_list), h_list
 
-    def backward(self, grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, activations, h_list, kept, grads, keep):
+    def backward(
+        self, grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, activations, h_list, kept, grads, keep, tokens_N=None
+    ):
         """Writes `grads` (grad_x, grad_w1, grad_w3, grad_w2; None: not wanted) and returns (da, db) per expert
         when `keep`. `activations` (consumed here: the in-place ops reuse them) or, once they are, `kept`."""
         grad_x, grad_w1, grad_w3, grad_w2 = grads
@@ -101,15 +111,16 @@ class PythonLoop:
         num = len(counts)
         a_list, b_list, silu_list = activations if activations is not None else ([None] * num,) * 3
         da_kept, db_kept = [], []
+        grad_x_rows = None if grad_x is None else _per_expert(grad_x if tokens_N is None else tokens_N, counts)
         per_expert = zip(
-            _per_expert(grad_ND, counts),
-            _per_expert(x_ND, counts),
+            _expert_rows(grad_ND, counts, tokens_N),
+            _expert_rows(x_ND, counts, tokens_N),
             a_list,
             b_list,
             silu_list,
             kept[0] if kept is not None else [None] * num,
             kept[1] if kept is not None else [None] * num,
-            _per_expert(grad_x, counts) if grad_x is not None else [None] * num,
+            grad_x_rows if grad_x is not None else [None] * num,
             w1_EDF.transpose(1, 2).unbind(0),
             w3_EDF.transpose(1, 2).unbind(0),
             w2_EFD.transpose(1, 2).unbind(0),
@@ -132,8 +143,11 @@ class PythonLoop:
                 x_DN = x_e.t()
                 torch.mm(x_DN, da_e, out=gw1_DF)
                 torch.mm(x_DN, db_e, out=gw3_DF)
-            if gx_e is not None:
-                torch.mm(da_e, w1_FD, out=gx_e).add_(torch.mm(db_e, w3_FD))
+            if gx_e is not None:  # the expert's rows of grad_x (a view), or its tokens
+                if tokens_N is None:
+                    torch.mm(da_e, w1_FD, out=gx_e).add_(torch.mm(db_e, w3_FD))
+                else:
+                    grad_x.index_copy_(0, gx_e, torch.mm(da_e, w1_FD).add_(torch.mm(db_e, w3_FD)))
             if keep:
                 da_kept.append(da_e)
                 db_kept.append(db_e)
@@ -143,6 +157,13 @@ class PythonLoop:
 PYTHON_LOOP = PythonLoop()
 
 
+def _expert_rows(t_NA: torch.Tensor, counts: list[int], tokens_N: torch.Tensor | None):
+    """Each expert's rows of t: views of the sorted rows, or (token order) gathered copies, one expert at a time."""
+    if tokens_N is None:
+        return _per_expert(t_NA, counts)
+    return (t_NA.index_select(0, tokens_e) for tokens_e in _per_expert(tokens_N, counts))
+
+
 class CompiledLoop:
     """The same engine in C++ (`compiled_kernels.py`): the same values, without the interpreter between the calls
     and with the element-wise passes fused. Saves x·w1, x·w3 and the product per expert (silu is recomputed)."""
@@ -150,16 +171,19 @@ class CompiledLoop:
     def __init__(self, module):
         self.module = module
 
-    def forward(self, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int]):
-        y_ND, a_list, b_list, h_list = self.module.swiglu_forward(x_ND, w1_EDF, w3_EDF, w2_EFD, counts)
+    def forward(self, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int], tokens_N=None):
+        y_ND, a_list, b_list, h_list = self.module.swiglu_forward(x_ND, w1_EDF, w3_EDF, w2_EFD, counts, tokens_N)
         return y_ND, (a_list, b_list), h_list
 
-    def backward(self, grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, activations, h_list, kept, grads, keep):
+    def backward(
+        self, grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, activations, h_list, kept, grads, keep, tokens_N=None
+    ):
         a_list, b_list = activations if activations is not None else ([], [])
         da_kept, db_kept = kept if kept is not None else ([], [])
         out = self.module.swiglu_backward(
-            grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, a_list, b_list, h_list or [], da_kept, db_kept, *grads, keep
-        )
+            grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, a_list, b_list, h_list or [], da_kept, db_kept, *grads, keep,
+            tokens_N,
+        )  # fmt: skip
         return out if keep else None
 
 
@@ -196,23 +220,31 @@ def compiled_engine() -> CompiledLoop | None:
 
 def matches_the_python_loop(engine: CompiledLoop) -> bool:
     """Forward and backward of both on a small problem with vector-loop tails (F = 37), an expert without rows, a
-    dropped-route tail and large activations (saturated exps): every output and gradient bitwise equal."""
+    dropped-route tail and large activations (saturated exps), and again in token order (a permutation, no tail):
+    every output and gradient bitwise equal."""
     generator = torch.Generator().manual_seed(0)
     counts, hidden, ffn = [5, 0, 40, 3], 8, 37
     x_ND = torch.randn(sum(counts) + 2, hidden, generator=generator) * 30
     shapes = ((hidden, ffn), (hidden, ffn), (ffn, hidden))
     weights = [torch.randn(len(counts), *shape, generator=generator) for shape in shapes]
     grad_ND = torch.randn(x_ND.shape[0], hidden, generator=generator)
+    tokens_N = torch.randperm(sum(counts), generator=generator)
+    problems = [(grad_ND, x_ND, None), (grad_ND[: sum(counts)], x_ND[: sum(counts)], tokens_N)]
     with torch.no_grad():
-        ours, reference = (run_swiglu(e, grad_ND, x_ND, *weights, counts) for e in (engine, PYTHON_LOOP))
-    return all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True))
+        for grad, x, tokens in problems:
+            ours, reference = (run_swiglu(e, grad, x, *weights, counts, tokens) for e in (engine, PYTHON_LOOP))
+            if not all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True)):
+                return False
+    return True
 
 
-def run_swiglu(engine, grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int]) -> list[torch.Tensor]:
+def run_swiglu(
+    engine, grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int], tokens_N: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """[y, grad_x, grad_w1, grad_w3, grad_w2] of one forward and full backward of `engine` (no autograd)."""
-    y_ND, activations, h_list = engine.forward(x_ND, w1_EDF, w3_EDF, w2_EFD, counts)
+    y_ND, activations, h_list = engine.forward(x_ND, w1_EDF, w3_EDF, w2_EFD, counts, tokens_N)
     grads = tuple(torch.empty_like(t) for t in (x_ND, w1_EDF, w3_EDF, w2_EFD))
-    engine.backward(grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, activations, h_list, None, grads, False)
+    engine.backward(grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, activations, h_list, None, grads, False, tokens_N)
     return [y_ND, *grads]
 
 
@@ -226,15 +258,15 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
     CPU time than the grouped projections (or one bmm per projection) at E=64, D=128, F=256.
     Same per-expert mm calls on the same operands as the grouped_mm fallback, so the same values.
     Two engines compute it, with the same bits (`swiglu_engine`): the C++ one for fp32 where it builds, else the
-    Python loop (`PythonLoop`).
+    Python loop (`PythonLoop`). `tokens_N`: x and y in token order (see the module docstring).
     """
 
     @staticmethod
-    def forward(ctx, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int]):
+    def forward(ctx, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int], tokens_N: torch.Tensor | None = None):
         ctx.engine = swiglu_engine(x_ND, w1_EDF, w3_EDF, w2_EFD)
-        y_ND, ctx.activations, ctx.h_list = ctx.engine.forward(x_ND, w1_EDF, w3_EDF, w2_EFD, counts)
+        y_ND, ctx.activations, ctx.h_list = ctx.engine.forward(x_ND, w1_EDF, w3_EDF, w2_EFD, counts, tokens_N)
         ctx.save_for_backward(x_ND, w1_EDF, w3_EDF, w2_EFD)
-        ctx.counts = counts
+        ctx.counts, ctx.tokens_N = counts, tokens_N
         ctx.activation_grads = None  # (da, db) per expert, kept by a pass that leaves the rest to a later one
         ctx.input_grad_done = ctx.weight_grads_done = False
         return y_ND
@@ -260,12 +292,12 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
         keep = not (ctx.input_grad_done and ctx.weight_grads_done)  # the other pass still comes
         ctx.activation_grads = ctx.engine.backward(
             grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, ctx.counts, ctx.activations, ctx.h_list,
-            ctx.activation_grads, (grad_x, *grads_w), keep,
+            ctx.activation_grads, (grad_x, *grads_w), keep, ctx.tokens_N,
         )  # fmt: skip
         ctx.activations = None  # consumed: the in-place ops reused them
         if want_w:  # the weight gradients are done: h was their last reader
             ctx.h_list = None
-        return grad_x, *grads_w, None
+        return grad_x, *grads_w, None, None
 
 
 def _wanted(ctx) -> tuple[bool, bool]:
@@ -274,7 +306,7 @@ def _wanted(ctx) -> tuple[bool, bool]:
     `ctx.needs_input_grad` is fixed at forward; which inputs the running autograd.grad reaches is the engine's
     (`_will_engine_execute_node`, what torch.utils.checkpoint asks too). It refuses leaf nodes inside
     autograd.grad, so the operands enter the Function as views (`expert_by_expert_swiglu`)."""
-    needs_x, needs_w1, needs_w3, needs_w2, _ = ctx.needs_input_grad
+    needs_x, needs_w1, needs_w3, needs_w2 = ctx.needs_input_grad[:4]
     nodes = [node for node, _ in ctx.next_functions]
 
     def reached(i: int) -> bool:
@@ -295,12 +327,20 @@ def _per_expert(x_NA: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, ..
 
 
 def expert_by_expert_swiglu(
-    x_ND: torch.Tensor, w1_EDF: torch.Tensor, w3_EDF: torch.Tensor, w2_EFD: torch.Tensor, counts_E: torch.Tensor
+    x_ND: torch.Tensor,
+    w1_EDF: torch.Tensor,
+    w3_EDF: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    counts_E: torch.Tensor,
+    tokens_N: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`ExpertByExpertSwiGLU` on rows sorted by expert (rows past Σ counts_E: zero output, zero gradient).
+    """`ExpertByExpertSwiGLU` on rows sorted by expert (rows past Σ counts_E: zero output, zero gradient), or with
+    `tokens_N` on rows in token order (sorted row r is token tokens_N[r]; y comes back in token order).
 
     Reads the counts on the host (`.tolist()`): free on a CPU, which is the only place it runs."""
     with torch.autocast(device_type=x_ND.device.type, enabled=False):  # operands are already in compute dtype
-        # Views (no copy) so that no operand is a leaf of the Function: see `_wanted`.
-        operands = (t.view_as(t) if t.requires_grad else t for t in (x_ND, w1_EDF, w3_EDF, w2_EFD))
-        return ExpertByExpertSwiGLU.apply(*operands, counts_E.tolist())
+        # Leaves enter as views (no copy), so that no operand is a leaf of the Function: see `_wanted`. Only leaves:
+        # the gradient of a view is a view, which autograd cannot add the router's input gradient into in place (a
+        # fresh [T, D] sum instead, ~2 ms at T=8192, D=128, when x is the layer's input in token order).
+        operands = (t.view_as(t) if t.requires_grad and t.is_leaf else t for t in (x_ND, w1_EDF, w3_EDF, w2_EFD))
+        return ExpertByExpertSwiGLU.apply(*operands, counts_E.tolist(), tokens_N)

@@ -33,7 +33,7 @@ from torch import nn
 from moetron.model.autocast_dtype import autocast_dtype
 from moetron.model.init import TensorSlice, param_slice, seeded_draw, seeded_generator
 from moetron.model.mlp import gelu
-from moetron.model.moe.dispatch import ExpertCounts, gather_rows
+from moetron.model.moe.dispatch import ExpertCounts, PermuteRows, gather_rows
 from moetron.model.moe.experts.backends import (
     BACKENDS,
     PaddedLayout,
@@ -122,8 +122,11 @@ class GroupedExperts(nn.Module):
         return self.backend if self.backend != "auto" else auto_backend(x_ND.device, x_ND.dtype, self.hidden, self.ffn)
 
     def forward(self, x_ND: torch.Tensor, counts: torch.Tensor | ExpertCounts) -> torch.Tensor:
-        """x_ND: rows sorted by local expert; counts: int64 [E] rows per expert (or an `ExpertCounts`)."""
-        counts_E, capacity = (counts.counts_E, counts.capacity) if isinstance(counts, ExpertCounts) else (counts, None)
+        """x_ND: rows sorted by local expert (or in token order: `ExpertCounts.token_order`, see `TokenOrder`);
+        counts: int64 [E] rows per expert (or an `ExpertCounts`)."""
+        if not isinstance(counts, ExpertCounts):
+            counts = ExpertCounts(counts)
+        counts_E, capacity, order = counts.counts_E, counts.capacity, counts.token_order
         if counts_E.numel() != self.num_experts:
             raise ValueError(
                 f"got token counts for {counts_E.numel()} experts but this module holds {self.num_experts} "
@@ -135,7 +138,18 @@ class GroupedExperts(nn.Module):
         if backend == "grouped_mm" and self._runs_expert_by_expert(x_ND):
             dtype = x_ND.dtype
             weights = (w.to(dtype) for w in (self.w1_EDF, self.w3_EDF, self.w2_EFD))
-            return expert_by_expert_swiglu(x_ND, *weights, counts_E)
+            return expert_by_expert_swiglu(x_ND, *weights, counts_E, order.order_R if order is not None else None)
+        if order is not None:  # these backends take rows sorted by expert: permute here, and back after
+            y_ND = self._sorted_rows(
+                PermuteRows.apply(x_ND, order.order_R, order.inverse_R), counts_E, capacity, backend
+            )
+            return PermuteRows.apply(y_ND, order.inverse_R, order.order_R)
+        return self._sorted_rows(x_ND, counts_E, capacity, backend)
+
+    def _sorted_rows(
+        self, x_ND: torch.Tensor, counts_E: torch.Tensor, capacity: int | None, backend: str
+    ) -> torch.Tensor:
+        """The experts on rows sorted by expert, by the grouped, batched or loop backend."""
         num_rows = x_ND.shape[0]
         if backend == "grouped_mm":
             matmul = functools.partial(grouped_matmul, offsets_E=torch.cumsum(counts_E, 0, dtype=torch.int32))
