@@ -341,14 +341,15 @@ def phase_step(layer: MoELayer, x_BTD: torch.Tensor, grad_BTD: torch.Tensor, clo
         elif routing.weights_TK.requires_grad:
             routing.weights_TK.register_hook(on_grad("backward: permute"))  # reached after the experts' backward
 
-    def before_experts(_module, inputs) -> None:
+    def before_experts(_module, _inputs) -> None:
         mark("permute")
-        if inputs[0].requires_grad:
-            inputs[0].register_hook(on_grad("backward: experts"))
 
     def after_experts(_module, _inputs, y_ND) -> None:
         mark("experts")
         y_ND.register_hook(on_grad("backward: combine"))
+        # after the experts' backward node has run (their input in token order is the layer's own input, whose
+        # gradient is only complete after the router's backward: a hook on it would mark too late)
+        y_ND.grad_fn.register_hook(lambda _grad_inputs, _grad_outputs: mark("backward: experts"))
 
     layer.router.register_forward_hook(after_router)
     layer.experts.register_forward_pre_hook(before_experts)

@@ -198,13 +198,13 @@ def test_tensor_subclasses_and_bad_shapes_never_reach_a_pointer(engine):
             module.swiglu_forward(x, w, w, w, [2, 2], tokens)
     with pytest.raises(RuntimeError, match="the counts must cover every row \\(3 of 4\\)"):
         module.swiglu_forward(x, w, w, w, [2, 1], torch.arange(4))
-    y, a, b, h = module.swiglu_forward(x, w, w, w, [2, 2], None)
+    y, a, b, d = module.swiglu_forward(x, w, w, w, [2, 2], None)
     grads = [torch.zeros(4, 8), torch.zeros(2, 8, 8), torch.zeros(2, 8, 8), torch.zeros(2, 8, 8)]
     with pytest.raises(RuntimeError, match="grad must be a contiguous CPU float32 tensor of shape"):
-        module.swiglu_backward(torch.zeros(3, 8), x, w, w, w, [2, 2], a, b, h, [], [], *grads, False, None)
+        module.swiglu_backward(torch.zeros(3, 8), x, w, w, w, [2, 2], a, b, d, [], [], [], *grads, False, None)
     with pytest.raises(RuntimeError, match="of every expert"):
-        module.swiglu_backward(torch.zeros(4, 8), x, w, w, w, [2, 2], a[:1], b, h, [], [], *grads, False, None)
+        module.swiglu_backward(torch.zeros(4, 8), x, w, w, w, [2, 2], a[:1], b, d, [], [], [], *grads, False, None)
     with pytest.raises(RuntimeError, match="not a permutation"):
         module.swiglu_backward(
-            torch.zeros(4, 8), x, w, w, w, [2, 2], a, b, h, [], [], *grads, False, torch.zeros(4).long()
+            torch.zeros(4, 8), x, w, w, w, [2, 2], a, b, d, [], [], [], *grads, False, torch.zeros(4).long()
         )

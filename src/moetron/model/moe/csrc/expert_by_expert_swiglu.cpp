@@ -3,10 +3,12 @@
 // The same per-expert GEMMs as the Python loop in `cpu_kernels.py` (the very BLAS calls at::mm makes: `gemm_into`,
 // without ATen's dispatch, views and output allocation around each of the ~10 per expert), and the same element-wise
 // values, with the element-wise work fused into one pass per expert in each direction:
-//   forward   h = silu(a) * b                      (ATen: silu, then mul: two passes, one more [n, F] buffer)
-//   backward  db = silu(a) * dh, da = silu'(a)·(dh * b)   (ATen: mul_, mul_, silu_backward: three passes)
-// and without the Python interpreter between the calls. silu is recomputed in the backward from
-// the one exp it needs anyway, so the forward saves a, b and h only (one [n, F] activation less per expert).
+//   forward   d = 1 + exp(-a), h = a / d * b = silu(a) * b   (ATen: silu, then mul: two passes, one more buffer)
+//   backward  db = a / d * dh, da = (dh * b)·silu'(a)          (ATen: mul_, mul_, silu_backward: three passes)
+// and without the Python interpreter between the calls. The forward saves a, b and silu's denominator d (not h, which
+// goes through one reused buffer), so the backward needs no exp: silu(a) = a / d and sigmoid(a) = 1 / d are what
+// ATen's silu and silu_backward compute from the same denominator, and h = a / d * b is recomputed (two IEEE ops)
+// for the weight gradient.
 //
 // Bitwise ATen's values: the vector code is ATen's own silu / silu_backward expressions on ATen's Vectorized<float>
 // (compiled for the CPU capability ATen dispatches to here, so the same Sleef exp), over the same chunks that
@@ -50,40 +52,60 @@ void for_each_chunk(int64_t n, const Fn& fn) {
   at::parallel_for(0, n, at::internal::GRAIN_SIZE, fn);
 }
 
-// h = silu(a) * b, silu(x) = x / (1 + exp(-x)) (ATen's silu_kernel).
-void silu_times(const float* a, const float* b, float* h, int64_t n) {
+// d = 1 + exp(-a) and h = a / d * b: silu(x) = x / (1 + exp(-x)) as ATen's silu_kernel computes it, times b.
+// `h` may be null (only d wanted).
+void silu_denominator_and_product(const float* a, const float* b, float* d, float* h, int64_t n) {
   for_each_chunk(n, [&](int64_t begin, int64_t end) {
     const Vec one(1.0f);
     const float *pa = a + begin, *pb = b + begin;
-    float* ph = h + begin;
+    float *pd = d + begin, *ph = h ? h + begin : nullptr;
     const int64_t len = end - begin;
     int64_t i = 0;
     for (; i <= len - kStep; i += kStep) {
       for (int64_t j = i; j < i + kStep; j += Vec::size()) {
         const Vec x = Vec::loadu(pa + j);
-        (x / (one + x.neg().exp()) * Vec::loadu(pb + j)).store(ph + j);
+        const Vec denominator = one + x.neg().exp();
+        denominator.store(pd + j);
+        if (ph) (x / denominator * Vec::loadu(pb + j)).store(ph + j);
       }
     }
     for (; i < len; ++i) {
       const float x = pa[i];
-      ph[i] = x / (1.0f + std::exp(-x)) * pb[i];
+      pd[i] = 1.0f + std::exp(-x);
+      if (ph) ph[i] = x / pd[i] * pb[i];
     }
   });
 }
 
-// In: a, b, dh (the gradient of h). Out, in place: db = silu(a) * dh over b, da = silu_backward(dh * b, a) over dh
-// (ATen's silu_backward_kernel: dy * sigmoid * (1 + x * (1 - sigmoid)), sigmoid = 1 / (1 + exp(-x))).
-void swiglu_gradients(const float* a, float* b_then_db, float* dh_then_da, int64_t n) {
+// h = a / d * b (d from `silu_denominator_and_product`: the forward's h, bit for bit).
+void silu_product(const float* a, const float* d, const float* b, float* h, int64_t n) {
+  for_each_chunk(n, [&](int64_t begin, int64_t end) {
+    const float *pa = a + begin, *pd = d + begin, *pb = b + begin;
+    float* ph = h + begin;
+    const int64_t len = end - begin;
+    int64_t i = 0;
+    for (; i <= len - kStep; i += kStep) {
+      for (int64_t j = i; j < i + kStep; j += Vec::size())
+        (Vec::loadu(pa + j) / Vec::loadu(pd + j) * Vec::loadu(pb + j)).store(ph + j);
+    }
+    for (; i < len; ++i) ph[i] = pa[i] / pd[i] * pb[i];
+  });
+}
+
+// In: a, d = 1 + exp(-a), b, dh (the gradient of h). Out, in place: db = silu(a) * dh over b, da = silu_backward(dh *
+// b, a) over dh (ATen's silu_backward_kernel: dy * sigmoid * (1 + x * (1 - sigmoid)), sigmoid = 1 / (1 + exp(-x)),
+// here 1 / d).
+void swiglu_gradients(const float* a, const float* d, float* b_then_db, float* dh_then_da, int64_t n) {
   for_each_chunk(n, [&](int64_t begin, int64_t end) {
     const Vec one(1.0f);
-    const float* pa = a + begin;
+    const float *pa = a + begin, *pden = d + begin;
     float *pb = b_then_db + begin, *pd = dh_then_da + begin;
     const int64_t len = end - begin;
     int64_t i = 0;
     for (; i <= len - kStep; i += kStep) {
       for (int64_t j = i; j < i + kStep; j += Vec::size()) {
         const Vec x = Vec::loadu(pa + j), dh = Vec::loadu(pd + j);
-        const Vec denominator = one + x.neg().exp();
+        const Vec denominator = Vec::loadu(pden + j);
         const Vec sigmoid = one / denominator;
         const Vec dy = dh * Vec::loadu(pb + j);
         (x / denominator * dh).store(pb + j);
@@ -92,7 +114,7 @@ void swiglu_gradients(const float* a, float* b_then_db, float* dh_then_da, int64
     }
     for (; i < len; ++i) {
       const float x = pa[i], dh = pd[i];
-      const float denominator = 1.0f + std::exp(-x);
+      const float denominator = pden[i];
       const float sigmoid = 1.0f / denominator;
       const float dy = dh * pb[i];
       pb[i] = x / denominator * dh;
@@ -257,7 +279,8 @@ int64_t max_count(const std::vector<int64_t>& counts) {
 
 }  // namespace
 
-// (y, a, b, h per expert): y[row of expert e] = (silu(x_e·w1_e) * (x_e·w3_e))·w2_e; rows past the counts are 0.
+// (y, a, b, d per expert): y[row of expert e] = (silu(x_e·w1_e) * (x_e·w3_e))·w2_e; rows past the counts are 0;
+// d = 1 + exp(-a), silu's denominator.
 // With `tokens`, x and y are in token order (see the top of this file).
 Activations swiglu_forward(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2,
                            const std::vector<int64_t>& counts, const std::optional<Tensor>& tokens) {
@@ -265,43 +288,46 @@ Activations swiglu_forward(const Tensor& x, const Tensor& w1, const Tensor& w3, 
   const int64_t num_rows = x.size(0);
   const int64_t* token = checked_tokens(tokens, num_rows, counted);
   Tensor y = at::empty({num_rows, w2.size(2)}, x.options());
-  std::vector<Tensor> a_list, b_list, h_list;
+  std::vector<Tensor> a_list, b_list, d_list;
   a_list.reserve(counts.size());
   b_list.reserve(counts.size());
-  h_list.reserve(counts.size());
+  d_list.reserve(counts.size());
   int64_t row = 0;
   const int64_t F = w1.size(2), D = w2.size(2);
   const int64_t buffer_rows = token ? max_count(counts) : 0;  // one expert's rows of x, then of y
   Tensor x_buffer = at::empty({buffer_rows, D}, x.options()), y_buffer = at::empty({buffer_rows, D}, x.options());
+  Tensor h_buffer = at::empty({max_count(counts), F}, x.options());  // one expert's h, dead after its last GEMM
   for (size_t e = 0; e < counts.size(); ++e) {
     const int64_t n = counts[e];
     if (token) gather_rows(x_buffer.mutable_data_ptr<float>(), x.const_data_ptr<float>(), token + row, n, D);
     const Matrix x_e = token ? rows_of(x_buffer, 0, n) : rows_of(x, row, n);
-    Tensor a = at::empty({n, F}, x.options()), b = at::empty({n, F}, x.options()), h = at::empty({n, F}, x.options());
+    Tensor a = at::empty({n, F}, x.options()), b = at::empty({n, F}, x.options()), d = at::empty({n, F}, x.options());
     gemm_into(a.mutable_data_ptr<float>(), F, x_e, expert(w1, e));
     gemm_into(b.mutable_data_ptr<float>(), F, x_e, expert(w3, e));
-    silu_times(a.const_data_ptr<float>(), b.const_data_ptr<float>(), h.mutable_data_ptr<float>(), a.numel());
+    silu_denominator_and_product(a.const_data_ptr<float>(), b.const_data_ptr<float>(), d.mutable_data_ptr<float>(),
+                                 h_buffer.mutable_data_ptr<float>(), a.numel());
     float* y_e = token ? y_buffer.mutable_data_ptr<float>() : y.mutable_data_ptr<float>() + row * D;
-    gemm_into(y_e, D, matrix(h), expert(w2, e));
+    gemm_into(y_e, D, rows_of(h_buffer, 0, n), expert(w2, e));
     if (token) scatter_rows(y.mutable_data_ptr<float>(), y_e, token + row, n, D);
     a_list.push_back(std::move(a));
     b_list.push_back(std::move(b));
-    h_list.push_back(std::move(h));
+    d_list.push_back(std::move(d));
     row += n;
   }
   y.narrow(0, row, num_rows - row).zero_();
-  return {y, a_list, b_list, h_list};
+  return {y, a_list, b_list, d_list};
 }
 
 // Writes the gradients asked for (grad_x: the input's, zero past the counts; w*_grad: the weights') and returns
-// (da, db) per expert when `keep` (zero bubble's second pass reuses them), else empty lists. `da_kept`/`db_kept`
-// from an earlier pass replace a and b (which that pass consumed); h is needed only for the weight gradients.
+// (da, db, h) per expert when `keep` (the other pass of a zero-bubble split reuses them; h only where this pass leaves
+// the weight gradients to that one), else empty lists. The first pass reads a, b and d (b becomes db in place); the
+// second reads what the first kept instead.
 Gradients swiglu_backward(
     const Tensor& grad_in, const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2,
     const std::vector<int64_t>& counts, const std::vector<Tensor>& a_list, const std::vector<Tensor>& b_list,
-    const std::vector<Tensor>& h_list, const std::vector<Tensor>& da_kept, const std::vector<Tensor>& db_kept,
-    std::optional<Tensor> grad_x, std::optional<Tensor> w1_grad, std::optional<Tensor> w3_grad,
-    std::optional<Tensor> w2_grad, bool keep, const std::optional<Tensor>& tokens) {
+    const std::vector<Tensor>& d_list, const std::vector<Tensor>& da_kept, const std::vector<Tensor>& db_kept,
+    const std::vector<Tensor>& h_kept, std::optional<Tensor> grad_x, std::optional<Tensor> w1_grad,
+    std::optional<Tensor> w3_grad, std::optional<Tensor> w2_grad, bool keep, const std::optional<Tensor>& tokens) {
   const int64_t counted = checked_rows(counts, x, w1, w3, w2);
   const int64_t* token = checked_tokens(tokens, x.size(0), counted);
   const Tensor grad = grad_in.contiguous();  // an expanded (stride 0) gradient: at::mm would copy it the same way
@@ -315,20 +341,29 @@ Gradients swiglu_backward(
     check_plain(*w1_grad, "w1_grad", {E, D, F});
     check_plain(*w3_grad, "w3_grad", {E, D, F});
     check_plain(*w2_grad, "w2_grad", {E, F, D});
-    TORCH_CHECK(static_cast<int64_t>(h_list.size()) == E, "moetron CPU SwiGLU kernel: h of every expert");
   }
   const bool stashed = !da_kept.empty();
-  TORCH_CHECK(stashed ? (static_cast<int64_t>(da_kept.size()) == E && static_cast<int64_t>(db_kept.size()) == E)
-                      : (static_cast<int64_t>(a_list.size()) == E && static_cast<int64_t>(b_list.size()) == E),
+  const auto every_expert = [E](const std::vector<Tensor>& list) { return static_cast<int64_t>(list.size()) == E; };
+  TORCH_CHECK(stashed ? every_expert(da_kept) && every_expert(db_kept) && (!weights || every_expert(h_kept))
+                      : every_expert(a_list) && every_expert(b_list) && every_expert(d_list),
               "moetron CPU SwiGLU kernel: the activations (or their kept gradients) of every expert");
   for (int64_t e = 0; e < E; ++e) {
     const std::vector<int64_t> rows_F = {counts[e], F};
-    if (weights) check_plain(h_list[e], "h", rows_F);
-    check_plain(stashed ? da_kept[e] : a_list[e], stashed ? "da" : "a", rows_F);
-    check_plain(stashed ? db_kept[e] : b_list[e], stashed ? "db" : "b", rows_F);
+    if (stashed) {
+      check_plain(da_kept[e], "da", rows_F);
+      check_plain(db_kept[e], "db", rows_F);
+      if (weights) check_plain(h_kept[e], "h", rows_F);
+    } else {
+      check_plain(a_list[e], "a", rows_F);
+      check_plain(b_list[e], "b", rows_F);
+      check_plain(d_list[e], "d", rows_F);
+    }
   }
-  std::vector<Tensor> da_out, db_out;
+  // The weight pass comes after this one: it needs h, which b (about to become db) cannot give it then.
+  const bool keep_h = keep && !weights && !stashed;
+  std::vector<Tensor> da_out, db_out, h_out;
   Tensor scratch = at::empty({0, D}, x.options());  // db · w3ᵀ of one expert, added to its rows of grad_x
+  Tensor h_buffer = at::empty({weights && !stashed ? max_count(counts) : 0, F}, x.options());  // one expert's h
   // Token order: one expert's rows of grad, of x (for the weight gradients) and of grad_x, gathered and scattered.
   const int64_t buffer_rows = token ? max_count(counts) : 0;
   Tensor g_buffer = at::empty({buffer_rows, D}, x.options()), x_buffer = at::empty({buffer_rows, D}, x.options());
@@ -343,14 +378,22 @@ Gradients swiglu_backward(
     }
     const Matrix g_e = token ? rows_of(g_buffer, 0, n) : rows_of(grad, row, n);
     const Matrix x_e = token ? rows_of(x_buffer, 0, n) : rows_of(x, row, n);
-    if (weights) gemm_into(expert_out(*w2_grad, e), D, matrix(h_list[e]).t(), g_e);
+    Tensor h;  // h = a / d * b: the forward's, recomputed for dW2 now or kept for the weight pass
+    if (!stashed && (weights || keep_h)) {
+      h = keep_h ? at::empty({n, F}, x.options()) : h_buffer.narrow(0, 0, n);
+      silu_product(a_list[e].const_data_ptr<float>(), d_list[e].const_data_ptr<float>(),
+                   b_list[e].const_data_ptr<float>(), h.mutable_data_ptr<float>(), n * F);
+    } else if (stashed && weights) {
+      h = h_kept[e];
+    }
+    if (weights) gemm_into(expert_out(*w2_grad, e), D, matrix(h).t(), g_e);
     Tensor da, db;
-    if (da_kept.empty()) {
+    if (!stashed) {
       da = at::empty({n, F}, x.options());  // dh, then da in place
       gemm_into(da.mutable_data_ptr<float>(), F, g_e, expert(w2, e).t());
       db = b_list[e];                          // b, then db in place: b is dead after this
-      swiglu_gradients(a_list[e].const_data_ptr<float>(), db.mutable_data_ptr<float>(), da.mutable_data_ptr<float>(),
-                       da.numel());
+      swiglu_gradients(a_list[e].const_data_ptr<float>(), d_list[e].const_data_ptr<float>(),
+                       db.mutable_data_ptr<float>(), da.mutable_data_ptr<float>(), da.numel());
     } else {
       da = da_kept[e];
       db = db_kept[e];
@@ -370,11 +413,12 @@ Gradients swiglu_backward(
     if (keep) {
       da_out.push_back(std::move(da));
       db_out.push_back(std::move(db));
+      if (keep_h) h_out.push_back(std::move(h));
     }
     row += n;
   }
   if (grad_x.has_value()) grad_x->narrow(0, row, grad_x->size(0) - row).zero_();
-  return {da_out, db_out};
+  return {da_out, db_out, h_out};
 }
 
 }  // namespace moetron_cpu

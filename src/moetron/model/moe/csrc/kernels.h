@@ -11,17 +11,18 @@ namespace moetron_cpu {
 
 using at::Tensor;
 using Activations = std::tuple<Tensor, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>>;
-using Gradients = std::tuple<std::vector<Tensor>, std::vector<Tensor>>;
+using Gradients = std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>>;
 
 // expert_by_expert_swiglu.cpp
 Activations swiglu_forward(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2,
                            const std::vector<int64_t>& counts, const std::optional<Tensor>& tokens);
 Gradients swiglu_backward(const Tensor& grad_in, const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2,
                           const std::vector<int64_t>& counts, const std::vector<Tensor>& a_list,
-                          const std::vector<Tensor>& b_list, const std::vector<Tensor>& h_list,
+                          const std::vector<Tensor>& b_list, const std::vector<Tensor>& d_list,
                           const std::vector<Tensor>& da_kept, const std::vector<Tensor>& db_kept,
-                          std::optional<Tensor> grad_x, std::optional<Tensor> w1_grad, std::optional<Tensor> w3_grad,
-                          std::optional<Tensor> w2_grad, bool keep, const std::optional<Tensor>& tokens);
+                          const std::vector<Tensor>& h_kept, std::optional<Tensor> grad_x,
+                          std::optional<Tensor> w1_grad, std::optional<Tensor> w3_grad, std::optional<Tensor> w2_grad,
+                          bool keep, const std::optional<Tensor>& tokens);
 
 // first_max_column.cpp
 Tensor first_max_column(const Tensor& x);

@@ -166,23 +166,24 @@ def _expert_rows(t_NA: torch.Tensor, counts: list[int], tokens_N: torch.Tensor |
 
 class CompiledLoop:
     """The same engine in C++ (`compiled_kernels.py`): the same values, without the interpreter between the calls
-    and with the element-wise passes fused. Saves x·w1, x·w3 and the product per expert (silu is recomputed)."""
+    and with the element-wise passes fused. Saves x·w1, x·w3 and silu's denominator 1 + exp(-x·w1) per expert (h
+    is recomputed from them, and the backward needs no exp); a first pass of a split backward keeps (da, db, h)."""
 
     def __init__(self, module):
         self.module = module
 
     def forward(self, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int], tokens_N=None):
-        y_ND, a_list, b_list, h_list = self.module.swiglu_forward(x_ND, w1_EDF, w3_EDF, w2_EFD, counts, tokens_N)
-        return y_ND, (a_list, b_list), h_list
+        y_ND, a_list, b_list, d_list = self.module.swiglu_forward(x_ND, w1_EDF, w3_EDF, w2_EFD, counts, tokens_N)
+        return y_ND, (a_list, b_list, d_list), None
 
     def backward(
         self, grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, activations, h_list, kept, grads, keep, tokens_N=None
     ):
-        a_list, b_list = activations if activations is not None else ([], [])
-        da_kept, db_kept = kept if kept is not None else ([], [])
+        a_list, b_list, d_list = activations if activations is not None else ([], [], [])
+        da_kept, db_kept, h_kept = kept if kept is not None else ([], [], [])
         out = self.module.swiglu_backward(
-            grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, a_list, b_list, h_list or [], da_kept, db_kept, *grads, keep,
-            tokens_N,
+            grad_ND, x_ND, w1_EDF, w3_EDF, w2_EFD, counts, a_list, b_list, d_list, da_kept, db_kept, h_kept, *grads,
+            keep, tokens_N,
         )  # fmt: skip
         return out if keep else None
 
