@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import sys
 from pathlib import Path
 
@@ -23,8 +24,11 @@ def moe_layer(monkeypatch):
 def test_median_times_counts_the_page_faults_of_each_step(moe_layer):
     leaf = torch.zeros(4, requires_grad=True)
 
-    def fresh_pages() -> torch.Tensor:  # 64 MiB: above glibc's mmap ceiling, so new pages every call
-        return torch.ones(16 << 20).sum()
+    def fresh_pages() -> torch.Tensor:  # 64 MiB of new anonymous pages every call, whatever the allocator holds
+        with mmap.mmap(-1, 64 << 20) as region:
+            for offset in range(0, len(region), mmap.PAGESIZE):
+                region[offset] = 1
+        return leaf
 
     def nothing() -> torch.Tensor:
         return leaf
