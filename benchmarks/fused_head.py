@@ -6,6 +6,8 @@
 One forward + backward per call, process CPU time, every variant interleaved in one process (threads switched with
 `torch.set_num_threads`), the median of `--reps`:
   fused        `fused_linear_cross_entropy` (chunked; the gradients computed in its forward)
+  fused aten   the same with its softmax by ATen (log_softmax, exp_, one-hot subtraction) instead of moetron's CPU
+               kernel (`compiled_kernels.softmax_gradient_rows`: one exp per logit); absent where it does not load
   plain        `F.cross_entropy(F.linear(x, W))`, what nanoGPT and HF run: [N, V] logits, log-softmax, its gradient
   floor fused  the fused head's own GEMMs replayed alone (`gemm_floor.py`): what its element-wise work costs on top
   floor plain  the plain head's GEMMs alone
@@ -24,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from gemm_floor import record_gemms, replay_seconds  # benchmarks/, beside this script
+from moetron.model import fused_cross_entropy
+from moetron.model.compiled_kernels import compiled_cpu_kernels
 from moetron.model.fused_cross_entropy import fused_linear_cross_entropy
 
 
@@ -49,9 +53,19 @@ def main() -> None:
         x.grad = w.grad = None
         F.cross_entropy(F.linear(x, w), labels).backward()
 
+    kernel = fused_cross_entropy.softmax_gradient_rows
+
+    def fused_aten():
+        fused_cross_entropy.softmax_gradient_rows = lambda *tensors: None
+        try:
+            fused()
+        finally:
+            fused_cross_entropy.softmax_gradient_rows = kernel
+
     floors = {"fused": record_gemms(fused), "plain": record_gemms(plain)}
     variants = {
         "fused": fused,
+        **({"fused aten": fused_aten} if compiled_cpu_kernels() is not None else {}),
         "plain": plain,
         "floor fused": lambda: replay_seconds(floors["fused"], time.process_time, reps=1),
         "floor plain": lambda: replay_seconds(floors["plain"], time.process_time, reps=1),
@@ -79,6 +93,11 @@ def main() -> None:
             f"{ms['fused'] / ms['floor fused']:.2f}×), plain {ms['plain']:.0f} (floor {ms['floor plain']:.0f}, "
             f"{ms['plain'] / ms['floor plain']:.2f}×); plain / fused {ms['plain'] / ms['fused']:.2f}×"
         )
+        if "fused aten" in ms:
+            print(
+                f"    softmax by ATen instead of the kernel: {ms['fused aten']:.0f} ms, "
+                f"{ms['fused aten'] / ms['fused']:.2f}× the fused head's time"
+            )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ backward: combine, experts, permute, router + input-gradient sum), each a median
 fraction of the floor measured alternately with them; clock marks come from module hooks in the forward and
 tensor gradient hooks in the backward, so the layer runs its own code.
 --kernel: instead, moetron dropless and capacity stepped alternately with the experts' C++ engine and with their
-Python loop (`ExpertByExpertSwiGLU`'s two engines, moetron/model/moe/compiled_kernels.py), outputs and
+Python loop (`ExpertByExpertSwiGLU`'s two engines, moetron/model/compiled_kernels.py), outputs and
 gradients checked bitwise equal; prints the median step times and the median of the per-rep ratios.
 --fast-paths: instead, moetron dropless stepped alternately with and without its router/combine fast paths (k = 1
 top-k by `max`, the mean and gather of the router probabilities with one backward, the combine in L2-sized chunks;
@@ -463,7 +463,7 @@ def run_kernel(s: Shape, reps: int, warmup: int, clock: Callable[[], float]) -> 
     from moetron.model.moe.experts import cpu_kernels
 
     if cpu_kernels.compiled_engine() is None:
-        from moetron.model.moe.compiled_kernels import unavailable_reason
+        from moetron.model.compiled_kernels import unavailable_reason
 
         return [f"<!-- the C++ engine is not available here: {unavailable_reason() or 'it did not build'} -->"]
     chosen = cpu_kernels.swiglu_engine

@@ -23,7 +23,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Build (or load) the CPU expert kernel once, here, before any test runs: otherwise the first test to use it
     would pay the ~30 s build, and every rank of a first distributed group would build its own copy at once."""
-    from moetron.model.moe.compiled_kernels import compiled_cpu_kernels
+    from moetron.model.compiled_kernels import compiled_cpu_kernels
 
     compiled_cpu_kernels()
 

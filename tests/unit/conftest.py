@@ -11,7 +11,7 @@ def unit_tests_on_one_thread(one_thread):
 @pytest.fixture
 def swiglu_cpp_engine():
     """The C++ engine of `ExpertByExpertSwiGLU` (skipped, with the reason, where it does not build or load)."""
-    from moetron.model.moe import compiled_kernels
+    from moetron.model import compiled_kernels
     from moetron.model.moe.experts import cpu_kernels
 
     reason = compiled_kernels.unavailable_reason()

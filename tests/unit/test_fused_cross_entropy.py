@@ -237,3 +237,56 @@ def test_fp16_gradients_are_scaled_before_their_cast_like_the_logits_path():
     torch.testing.assert_close(x.grad.double(), gx.double(), rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="grad_scale must be positive"):
         fused_linear_cross_entropy(x, w, labels, weights, 8, grad_scale=0.0)
+
+
+@pytest.fixture
+def softmax_kernel():
+    """moetron's C++ softmax of the fused head (skipped, with the reason, where the CPU kernels do not load)."""
+    from moetron.model import compiled_kernels
+
+    reason = compiled_kernels.unavailable_reason()
+    if reason or compiled_kernels.compiled_cpu_kernels() is None:
+        pytest.skip(f"the CPU kernels are not available here: {reason or 'they did not build'}")
+    return compiled_kernels.softmax_gradient_rows
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 16, 33, 1000])
+def test_softmax_kernel_gives_the_label_log_probability_and_the_scaled_gradient(softmax_kernel, vocab):
+    """One exp per logit: the chunk becomes Σ·(softmax − one-hot), with log_softmax's value at the label and Σ; large
+    logits (scale 30) saturate exp, vector tails (V = 5, 33) take the scalar exp."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=g) * 30
+    labels = torch.randint(0, vocab, (9,), generator=g)
+    chunk = logits.clone()
+    label_logp, sums = softmax_kernel(chunk, labels)
+    torch.testing.assert_close(label_logp, torch.log_softmax(logits, 1).gather(1, labels[:, None])[:, 0])
+    torch.testing.assert_close(sums, (logits - logits.amax(1, keepdim=True)).exp().sum(1))
+    gradient = torch.softmax(logits, 1) - F.one_hot(labels, vocab)
+    torch.testing.assert_close(chunk / sums[:, None], gradient, rtol=1e-5, atol=1e-7)
+
+
+def test_softmax_kernel_refuses_labels_outside_the_vocabulary_and_leaves_other_tensors_to_aten(softmax_kernel):
+    with pytest.raises(RuntimeError, match="label 7 of row 1 is outside the vocabulary of 7"):
+        softmax_kernel(torch.zeros(2, 7), torch.tensor([0, 7]))
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        softmax_kernel(torch.zeros(2, 7), torch.tensor([-1, 0]))
+    assert softmax_kernel(torch.zeros(7, 2).t(), torch.tensor([0, 1])) is None  # not contiguous
+    assert softmax_kernel(torch.zeros(2, 7, dtype=torch.float64), torch.tensor([0, 1])) is None
+    assert softmax_kernel(torch.zeros(2, 7), torch.tensor([0, 1], dtype=torch.int32)) is None
+
+
+def test_fused_head_with_the_softmax_kernel_equals_the_aten_softmax(softmax_kernel, monkeypatch):
+    """The kernel's Σ·(softmax − one-hot) with 1/Σ folded into the row factor, against log_softmax + exp_ + the
+    one-hot subtraction: the same loss and gradients to fp32 rounding, at a loss scale and with row weights."""
+    from moetron.model import fused_cross_entropy
+
+    results = []
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr(fused_cross_entropy, "softmax_gradient_rows", lambda *tensors: None)
+        x, w, labels, mask = inputs(seed=4)
+        loss = fused_linear_cross_entropy(x, w, labels, mask / mask.sum(), chunk=10, grad_scale=8.0)
+        (loss * 8.0).backward()
+        results.append((loss.detach(), x.grad, w.grad))
+    for with_kernel, with_aten in zip(*results, strict=True):
+        torch.testing.assert_close(with_kernel, with_aten, rtol=1e-6, atol=1e-7)

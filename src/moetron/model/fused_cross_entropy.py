@@ -20,6 +20,11 @@ Numerics: logits and softmax are fp32 (as `language_model_loss` casts them); the
 when autocast is on (bf16/fp16 inputs, fp32 accumulation of dW across chunks), else in the inputs' dtype. The
 result equals `Σ weight · F.cross_entropy(x · Wᵀ)` to fp32 rounding (summation order differs).
 
+On CPU, where moetron's kernels load (`compiled_kernels.softmax_gradient_rows`), the chunk's softmax costs one exp per
+logit instead of two: the chunk becomes exp(x − max) − Σ·one-hot = Σ · (softmax − one-hot) in place, and 1 / Σ
+joins the row factor (weight · grad_scale / Σ) that already scales the [M, C] side of the gradient GEMMs. Elsewhere
+(GPU, no compiler) log_softmax, exp_ and the one-hot subtraction run in place; the two agree to fp32 rounding.
+
 Shape legend: N tokens, C hidden size, V (padded) vocabulary, M tokens per chunk.
 """
 
@@ -31,6 +36,7 @@ from collections import OrderedDict
 import torch
 
 from moetron.model.autocast_dtype import autocast_dtype
+from moetron.model.compiled_kernels import softmax_gradient_rows
 
 # CPU: one chunk's fp32 logits are ~8 MiB, so that they stay in cache between the GEMM, the softmax and the two
 # gradient GEMMs, but at least 256 rows: every chunk re-reads the whole [C, V] head weight three times, and at
@@ -179,12 +185,20 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 logits_MV = torch.mm(x_MC, wc_VC.T, out=logits_buf[: end - start])
                 labels_M1, weight_M1 = labels_N[start:end, None], weight_N[start:end, None]
                 probs_MV = probs_buf[: end - start].copy_(logits_MV) if low else logits_MV
-                logp_M1 = _softmax_in_place_and_label_logp(probs_MV, labels_M1, block_rows)
+                # CPU kernel: the chunk becomes sum · (softmax − one-hot) in one exp per logit, and 1 / sum joins
+                # the row factor below; elsewhere log_softmax, exp_ and the one-hot subtraction, in place
+                folded = softmax_gradient_rows(probs_MV, labels_N[start:end])
+                if folded is not None:
+                    logp_M1, sum_M1 = folded[0][:, None], folded[1][:, None]
+                else:
+                    logp_M1 = _softmax_in_place_and_label_logp(probs_MV, labels_M1, block_rows)
                 loss -= (logp_M1 * weight_M1).sum()
                 if not (needs_dx or needs_dw):
                     continue
-                grad_MV = _logits_grad_in_place(probs_MV, labels_M1)
+                grad_MV = probs_MV if folded is not None else _logits_grad_in_place(probs_MV, labels_M1)
                 scale_M1 = weight_M1 * grad_scale if grad_scale != 1.0 else weight_M1
+                if folded is not None:
+                    scale_M1 = scale_M1 / sum_M1
                 if low:  # fp32 product, one cast, over the consumed logits
                     grad_MV = torch.mul(grad_MV, scale_M1, out=logits_MV)
                 if needs_dx:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from moetron.model.moe.compiled_kernels import compiled_cpu_kernels
+from moetron.model.compiled_kernels import compiled_cpu_kernels
 
 _HUGE_PAGE = 2 << 20
 # Blocks of at least two huge pages (so that one aligned 2 MiB page lies inside) get the hint: glibc serves blocks

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moetron.model.moe.compiled_kernels import first_max_column
+from moetron.model.compiled_kernels import first_max_column
 from moetron.model.moe.host_reads import host_reads_are_free
 from moetron.model.moe.routing.capacity_and_dropping import (
     capacity_from_factor,

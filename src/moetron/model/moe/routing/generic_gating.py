@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetron.model.moe.compiled_kernels import first_max_column
+from moetron.model.compiled_kernels import first_max_column
 from moetron.model.moe.routing.balancing_losses import balance_loss
 from moetron.model.moe.routing.capacity_and_dropping import (
     capacity_from_factor,

@@ -27,4 +27,7 @@ Gradients swiglu_backward(const Tensor& grad_in, const Tensor& x, const Tensor& 
 // first_max_column.cpp
 Tensor first_max_column(const Tensor& x);
 
+// softmax_gradient_rows.cpp
+std::tuple<Tensor, Tensor> softmax_gradient_rows(Tensor& logits, const Tensor& labels);
+
 }  // namespace moetron_cpu

@@ -9,4 +9,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_forward", &moetron_cpu::swiglu_forward, no_gil);
   m.def("swiglu_backward", &moetron_cpu::swiglu_backward, no_gil);
   m.def("first_max_column", &moetron_cpu::first_max_column, no_gil);
+  m.def("softmax_gradient_rows", &moetron_cpu::softmax_gradient_rows, no_gil);
 }

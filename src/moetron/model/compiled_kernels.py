@@ -3,6 +3,7 @@
     kernels = compiled_cpu_kernels()  # the loaded module, or None: its callers then run their Python code
     kernels.swiglu_forward / swiglu_backward   # the expert-by-expert SwiGLU (`cpu_kernels.ExpertByExpertSwiGLU`)
     kernels.first_max_column                   # the router's top-1 pick (`first_max_column` below)
+    kernels.softmax_gradient_rows              # the fused LM head's softmax (`softmax_gradient_rows` below)
 
 Why C++: at E = 64 small experts the Python loop makes ~17 ATen calls per expert, and the interpreter and ATen's
 dispatch around them cost more than the element-wise work; the kernel makes the same BLAS calls directly and fuses
@@ -36,7 +37,10 @@ from types import ModuleType
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("module.cpp", "expert_by_expert_swiglu.cpp", "first_max_column.cpp")]
+SOURCES = [
+    CSRC / name
+    for name in ("module.cpp", "expert_by_expert_swiglu.cpp", "first_max_column.cpp", "softmax_gradient_rows.cpp")
+]
 # The ISA flags ATen's own kernels of each capability are compiled with (cmake/Codegen.cmake), and the macros
 # that select that capability's Vectorized<float> in the ATen headers.
 _CAPABILITY_FLAGS = {
@@ -146,3 +150,21 @@ def first_max_column(x_TE: torch.Tensor) -> torch.Tensor | None:
         return None
     kernels = compiled_cpu_kernels()
     return kernels.first_max_column(x_TE) if kernels is not None else None
+
+
+def softmax_gradient_rows(logits_MV: torch.Tensor, labels_M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(label_logp_M, sum_M) of a CPU float32 chunk of logits [M, V], which it overwrites with
+    exp(x − max) − sum·one-hot(label) = sum · (softmax − one-hot): one exp per logit and two passes per row, against
+    log_softmax + exp_'s two exps and four passes (see `csrc/softmax_gradient_rows.cpp`). label_logp_M is the label's
+    log-probability (log_softmax's value up to the order of its sum), sum_M = Σ exp(x − max) per row. None where the
+    kernels are not available, for another kind of tensor (a subclass, another dtype or device, a non-contiguous
+    one) and under torch.compile: the caller runs its own code then."""
+    if torch.compiler.is_compiling():
+        return None
+    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (logits_MV, labels_M))
+    if not plain or logits_MV.device.type != "cpu" or logits_MV.dtype != torch.float32 or logits_MV.dim() != 2:
+        return None
+    if not logits_MV.is_contiguous() or labels_M.dtype != torch.int64:
+        return None
+    kernels = compiled_cpu_kernels()
+    return kernels.softmax_gradient_rows(logits_MV, labels_M.contiguous()) if kernels is not None else None
