@@ -114,7 +114,8 @@ class PythonLoop:
         grad_x_rows = None if grad_x is None else _per_expert(grad_x if tokens_N is None else tokens_N, counts)
         per_expert = zip(
             _expert_rows(grad_ND, counts, tokens_N),
-            _expert_rows(x_ND, counts, tokens_N),
+            # x is read for the weight gradients only: in token order no expert's rows are gathered without them
+            _expert_rows(x_ND, counts, tokens_N) if grad_w1 is not None else [None] * num,
             a_list,
             b_list,
             silu_list,
