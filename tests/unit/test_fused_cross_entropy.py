@@ -13,6 +13,7 @@ from moetron.model.fused_cross_entropy import (
     CpuBufferPool,
     _softmax_in_place_and_label_logp,
     chunk_tokens,
+    cpu_head_workers,
     fused_linear_cross_entropy,
     softmax_block_rows,
 )
@@ -162,9 +163,14 @@ def test_a_second_backward_is_refused():
 
 
 def test_chunk_rule():
-    assert chunk_tokens(768, 128, 50304, torch.device("cpu")) == 256  # ~8 MiB of logits, at least 256 rows
-    assert chunk_tokens(768, 128, 512, torch.device("cpu")) == 4096
-    assert chunk_tokens(65536, 2048, 50304, torch.device("cuda")) == 2622  # ⌈V/C⌉ = 25 chunks
+    cpu = torch.device("cpu")
+    assert chunk_tokens(768, 128, 50304, cpu) == 256  # ~8 MiB of logits, at least 256 rows
+    assert chunk_tokens(1000, 128, 50304, cpu) == 334  # three chunks of equal rows, not 256 + 256 + 256 + 232
+    assert chunk_tokens(768, 128, 512, cpu) == 768  # fewer tokens than one chunk's rows: one chunk
+    # a thread per chunk: every thread the same rows, whole chunks of at least 256 rows each
+    assert chunk_tokens(768, 128, 50304, cpu, threads=2) == 384
+    assert chunk_tokens(4096, 128, 50304, cpu, threads=2) == 256
+    assert chunk_tokens(10, 128, 50304, cpu, threads=4) == 10  # fewer tokens than a chunk's rows: one thread    assert chunk_tokens(65536, 2048, 50304, torch.device("cuda")) == 2622  # ⌈V/C⌉ = 25 chunks
     assert chunk_tokens(2048, 2048, 50304, torch.device("cuda")) == 1024
 
 
@@ -284,9 +290,90 @@ def test_fused_head_with_the_softmax_kernel_equals_the_aten_softmax(softmax_kern
     for kernel in (True, False):
         if not kernel:
             monkeypatch.setattr(fused_cross_entropy, "softmax_gradient_rows", lambda *tensors: None)
+            monkeypatch.setattr(fused_cross_entropy, "fused_head_kernels", lambda *tensors: None)
         x, w, labels, mask = inputs(seed=4)
         loss = fused_linear_cross_entropy(x, w, labels, mask / mask.sum(), chunk=10, grad_scale=8.0)
         (loss * 8.0).backward()
         results.append((loss.detach(), x.grad, w.grad))
     for with_kernel, with_aten in zip(*results, strict=True):
         torch.testing.assert_close(with_kernel, with_aten, rtol=1e-6, atol=1e-7)
+
+
+def test_a_thread_per_chunk_while_the_buffers_fit():
+    assert cpu_head_workers(768, 128, 50304, threads=2, rows=384) == 2
+    assert cpu_head_workers(768, 128, 50304, threads=4, rows=384) == 2  # two chunks: two threads
+    assert cpu_head_workers(768, 128, 50304, threads=1, rows=256) == 1
+    # 16 threads' [256, V] chunks and [C, V] parts would take 1.6 GiB at C = 4096: one chunk at a time instead
+    assert cpu_head_workers(8192, 4096, 50304, threads=16, rows=256) == 1
+    assert cpu_head_workers(0, 128, 50304, threads=2, rows=256) == 1
+
+
+def _fused_grads(x, w, labels, weights, chunk, scale=8.0):
+    x.grad = w.grad = None
+    loss = fused_linear_cross_entropy(x, w, labels, weights, chunk, grad_scale=scale)
+    (loss * scale).backward()
+    return loss.detach(), x.grad.clone(), w.grad.clone()
+
+
+@pytest.fixture
+def head_kernel():
+    """The fused head's C++ chunk loop (skipped, with the reason, where the CPU kernels do not load)."""
+    from moetron.model import compiled_kernels
+
+    reason = compiled_kernels.unavailable_reason()
+    if reason or compiled_kernels.compiled_cpu_kernels() is None:
+        pytest.skip(f"the CPU kernels are not available here: {reason or 'they did not build'}")
+    return compiled_kernels.compiled_cpu_kernels()
+
+
+def test_the_cpp_chunk_loop_computes_the_python_loops_bits_on_one_thread(head_kernel, monkeypatch):
+    """One worker: the same ATen and BLAS calls in the same order as the Python loop (with the softmax kernel), at a
+    loss scale, with row weights and a short last chunk — bit for bit."""
+    from moetron.model import fused_cross_entropy
+
+    x, w, labels, mask = inputs(seed=5)
+    weights = mask / mask.sum()
+    cpp = _fused_grads(x, w, labels, weights, chunk=10)
+    monkeypatch.setattr(fused_cross_entropy, "fused_head_kernels", lambda *tensors: None)
+    python = _fused_grads(x, w, labels, weights, chunk=10)
+    for a, b in zip(cpp, python, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_thread_per_chunk_matches_the_plain_head_and_repeats_its_bits(head_kernel):
+    """Two threads, each running whole chunks and summing its own weight-gradient part: the plain head's loss and
+    gradients to fp32 rounding, and the same bits on every run."""
+    x, w, labels, mask = inputs(seed=6)
+    weights = mask / mask.sum()
+    ref = plain_loss(x, w, labels, mask)
+    gx, gw = torch.autograd.grad(ref * 8.0, (x, w))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert cpu_head_workers(N, C, V, torch.get_num_threads(), 10) == 2
+        runs = [_fused_grads(x, w, labels, weights, chunk=10) for _ in range(2)]
+    finally:
+        torch.set_num_threads(previous)
+    loss, dx, dw = runs[0]
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dx, gx, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(dw, gw, rtol=1e-5, atol=1e-7)
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_chunk_loop_zeroes_the_part_of_a_worker_without_chunks_and_refuses_bad_labels(head_kernel):
+    x, w, labels, _ = inputs(seed=7)
+    weights = torch.full((N,), 1.0 / N)
+    buffers = [torch.empty(N, V) for _ in range(3)]
+    parts = [torch.full((C, V), float("nan")) for _ in range(3)]
+    loss = head_kernel.fused_head_forward(x.detach(), w.detach(), labels, weights, 1.0, 20, buffers, None, parts)
+    assert torch.equal(parts[0], torch.zeros(C, V))  # two chunks of 20 rows for three workers: the first has none
+    dw = torch.empty(V, C)
+    head_kernel.sum_parts_transposed(parts, torch.tensor(1.0), dw)
+    gw = torch.autograd.grad(F.cross_entropy(F.linear(x, w), labels), w)[0]
+    torch.testing.assert_close(dw, gw, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(loss, F.cross_entropy(F.linear(x, w), labels).detach(), rtol=1e-6, atol=1e-6)
+    labels[3] = V
+    with pytest.raises(RuntimeError, match=f"label {V} of row 3 is outside the vocabulary of {V}"):
+        head_kernel.fused_head_forward(x.detach(), w.detach(), labels, weights, 1.0, 20, buffers, None, parts)

@@ -4,6 +4,8 @@
     kernels.swiglu_forward / swiglu_backward   # the expert-by-expert SwiGLU (`cpu_kernels.ExpertByExpertSwiGLU`)
     kernels.first_max_column                   # the router's top-1 pick (`first_max_column` below)
     kernels.softmax_gradient_rows              # the fused LM head's softmax (`softmax_gradient_rows` below)
+    kernels.fused_head_forward / sum_parts_transposed   # the fused LM head's fp32 chunks, a thread per chunk
+                                               # (`fused_head_kernels` below, `fused_cross_entropy`)
 
 Why C++: at E = 64 small experts the Python loop makes ~17 ATen calls per expert, and the interpreter and ATen's
 dispatch around them cost more than the element-wise work; the kernel makes the same BLAS calls directly and fuses
@@ -39,7 +41,13 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
     CSRC / name
-    for name in ("module.cpp", "expert_by_expert_swiglu.cpp", "first_max_column.cpp", "softmax_gradient_rows.cpp")
+    for name in (
+        "module.cpp",
+        "expert_by_expert_swiglu.cpp",
+        "first_max_column.cpp",
+        "softmax_gradient_rows.cpp",
+        "fused_head.cpp",
+    )
 ]
 # The ISA flags ATen's own kernels of each capability are compiled with (cmake/Codegen.cmake), and the macros
 # that select that capability's Vectorized<float> in the ATen headers.
@@ -168,3 +176,15 @@ def softmax_gradient_rows(logits_MV: torch.Tensor, labels_M: torch.Tensor) -> tu
         return None
     kernels = compiled_cpu_kernels()
     return kernels.softmax_gradient_rows(logits_MV, labels_M.contiguous()) if kernels is not None else None
+
+
+def fused_head_kernels(*tensors: torch.Tensor) -> ModuleType | None:
+    """The kernel module, for the fused LM head's fp32 CPU forward over these tensors (`csrc/fused_head.cpp`:
+    `fused_head_forward`, `sum_parts_transposed`); None where the kernels are not available, for another kind of
+    tensor (a subclass, another dtype or device) and under torch.compile: the caller runs its Python loop then."""
+    if torch.compiler.is_compiling():
+        return None
+    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+    if not plain or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return None
+    return compiled_cpu_kernels()

@@ -24,6 +24,10 @@ On CPU, where moetron's kernels load (`compiled_kernels.softmax_gradient_rows`),
 logit instead of two: the chunk becomes exp(x − max) − Σ·one-hot = Σ · (softmax − one-hot) in place, and 1 / Σ
 joins the row factor (weight · grad_scale / Σ) that already scales the [M, C] side of the gradient GEMMs. Elsewhere
 (GPU, no compiler) log_softmax, exp_ and the one-hot subtraction run in place; the two agree to fp32 rounding.
+There, in fp32, the whole chunk loop runs in C++ (`csrc/fused_head.cpp`) with a thread per chunk rather than every
+thread in each of its GEMMs (`cpu_head_workers`): each thread accumulates dW over its own chunks, and the backward
+sums the threads' parts in the pass that writes dW back as [V, C]. One thread computes the Python loop's bits; at
+W threads the weight gradient is the sum of W partial sums, the same for every run at W threads.
 
 Shape legend: N tokens, C hidden size, V (padded) vocabulary, M tokens per chunk.
 """
@@ -36,7 +40,8 @@ from collections import OrderedDict
 import torch
 
 from moetron.model.autocast_dtype import autocast_dtype
-from moetron.model.compiled_kernels import softmax_gradient_rows
+from moetron.model.compiled_kernels import fused_head_kernels, softmax_gradient_rows
+from moetron.model.gradient_memory import GRADIENT_MEMORY, leave_for_lookup, lookup_slot
 
 # CPU: one chunk's fp32 logits are ~8 MiB, so that they stay in cache between the GEMM, the softmax and the two
 # gradient GEMMs, but at least 256 rows: every chunk re-reads the whole [C, V] head weight three times, and at
@@ -44,16 +49,36 @@ from moetron.model.compiled_kernels import softmax_gradient_rows
 # cost 45% more CPU than at one, and a training step was 24% slower than with 256 rows (benchmarks/e2e.py, RESULTS).
 # GPU: the chunk's logits are about as large as the whole input x_NC (Liger-Kernel's rule: ⌈V / C⌉ chunks), at
 # least 1024 rows, so the GEMMs stay large while the memory stays O(N·C).
+# CPU, several threads (csrc/fused_head.cpp): a thread per chunk holds a chunk buffer and a [C, V] weight-gradient
+# part of its own; at most this much of them at once, else one chunk at a time with every thread in its GEMMs.
 CPU_CHUNK_BYTES = 8 * 2**20
+CPU_WORKER_BYTES = 2**30
 SOFTMAX_BLOCK_BYTES = 2 * 2**20
 MIN_CPU_ROWS, MIN_GPU_ROWS = 256, 1024
 
 
-def chunk_tokens(num_tokens: int, hidden: int, vocab: int, device: torch.device) -> int:
-    """Tokens per chunk for N tokens of width C against a V-word vocabulary on `device`."""
+def chunk_tokens(num_tokens: int, hidden: int, vocab: int, device: torch.device, threads: int = 1) -> int:
+    """Tokens per chunk for N tokens of width C against a V-word vocabulary on `device` (CPU: with `threads` intra-op
+    threads, the chunk that gives each of `cpu_head_workers` threads the same number of rows)."""
     if device.type == "cpu":
-        return max(MIN_CPU_ROWS, CPU_CHUNK_BYTES // (4 * vocab))
+        rows = max(MIN_CPU_ROWS, CPU_CHUNK_BYTES // (4 * vocab))
+        workers = cpu_head_workers(num_tokens, hidden, vocab, threads, rows)
+        per_worker = -(-num_tokens // workers)
+        # whole chunks of at least `rows` rows each, as many per worker as fit: 768 tokens at two threads are two
+        # chunks of 384 rather than four of 192 (MKL runs its GEMMs ~1.2x faster at 384 rows than at 192)
+        chunks = workers * max(1, per_worker // rows)
+        return max(1, -(-num_tokens // chunks))
     return max(MIN_GPU_ROWS, -(-num_tokens // -(-vocab // hidden)))
+
+
+def cpu_head_workers(num_tokens: int, hidden: int, vocab: int, threads: int, rows: int) -> int:
+    """Threads that run whole chunks of `rows` rows each on CPU (csrc/fused_head.cpp): every intra-op thread while
+    each has a chunk and their chunk buffers and weight-gradient parts fit in CPU_WORKER_BYTES, else 1 (one chunk at
+    a time, every thread in its GEMMs)."""
+    workers = min(threads, -(-num_tokens // rows)) if num_tokens else 1
+    if workers > 1 and workers * (min(rows, num_tokens) + hidden) * vocab * 4 > CPU_WORKER_BYTES:
+        return 1
+    return max(1, workers)
 
 
 def softmax_block_rows(vocab: int, device: torch.device, threads: int) -> int:
@@ -135,6 +160,10 @@ class CpuBufferPool:
                 return buffer
         return torch.empty(shape, dtype=dtype)
 
+    def keep_at_least(self, count: int) -> None:
+        """Keep up to `count` free buffers (a thread per chunk takes two per thread: its chunk and its part)."""
+        self.keep = max(self.keep, count)
+
     def give(self, buffer: torch.Tensor) -> None:
         if buffer.device.type != "cpu":
             return
@@ -168,6 +197,12 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dtype = autocast_dtype(x_NC)
         low = dtype != torch.float32
+        ctx.input_dtypes, ctx.grad_scale = (x_NC.dtype, w_VC.dtype), grad_scale
+        ctx.lookup_slot = lookup_slot(w_VC) if needs_dw else None  # tied: the embedding adds its rows into dW
+        kernels = None if low else fused_head_kernels(x_NC, w_VC, weight_N)
+        if kernels is not None:
+            with torch.autocast("cpu", enabled=False):
+                return _forward_threads(ctx, kernels, x_NC, w_VC, labels_N, weight_N, chunk, grad_scale)
         with torch.autocast(x_NC.device.type, enabled=False):
             xc_NC, wc_VC = x_NC.to(dtype), w_VC.to(dtype)
             dx_NC = torch.empty_like(xc_NC) if needs_dx else None
@@ -211,24 +246,60 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             BUFFERS.give(logits_buf)
             if low:
                 BUFFERS.give(probs_buf)
-        ctx.grads = (dx_NC, dw_CV)  # not save_for_backward: these are scaled once, in the backward
-        ctx.input_dtypes, ctx.grad_scale = (x_NC.dtype, w_VC.dtype), grad_scale
+        # not save_for_backward: these are scaled once, in the backward
+        ctx.grads = (dx_NC, None if dw_CV is None else [dw_CV])
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         if ctx.grads is None:
             raise RuntimeError("the fused LM-head cross-entropy supports one backward per forward (no retain_graph)")
-        (dx_NC, dw_CV), ctx.grads = ctx.grads, None
+        (dx_NC, parts_CV), ctx.grads = ctx.grads, None
         x_dtype, w_dtype = ctx.input_dtypes
         ratio = grad_loss / ctx.grad_scale  # exactly 1.0 when the announced scale held
         dx = None if dx_NC is None else dx_NC.mul_(ratio.to(dx_NC.dtype)).to(x_dtype)
         dw = None
-        if dw_CV is not None:  # [C, V] back to the weight's [V, C], scaled in the same pass
-            dw = torch.empty(dw_CV.shape[::-1], dtype=w_dtype, device=dw_CV.device)
-            torch.mul(dw_CV.T, ratio, out=dw)
-            BUFFERS.give(dw_CV)
+        if parts_CV:  # [C, V] back to the weight's [V, C] (the threads' parts summed), scaled in the same pass
+            dw = GRADIENT_MEMORY.take(parts_CV[0].shape[::-1], w_dtype, parts_CV[0].device)
+            kernels = fused_head_kernels(*parts_CV, dw)
+            if kernels is not None:
+                kernels.sum_parts_transposed(parts_CV, ratio.float(), dw)
+            else:
+                torch.mul(parts_CV[0].T, ratio, out=dw)
+            for part in parts_CV:
+                BUFFERS.give(part)
+            leave_for_lookup(ctx.lookup_slot, dw)
         return dx, dw, None, None, None, None
+
+
+def _forward_threads(ctx, kernels, x_NC, w_VC, labels_N, weight_N, chunk: int, grad_scale: float) -> torch.Tensor:
+    """fp32 on CPU: the chunk loop in C++, a thread per chunk (csrc/fused_head.cpp); its buffers from BUFFERS."""
+    needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    num_tokens, hidden = x_NC.shape
+    vocab = w_VC.shape[0]
+    workers = cpu_head_workers(num_tokens, hidden, vocab, torch.get_num_threads(), chunk)
+    BUFFERS.keep_at_least(2 * workers)
+    rows = min(chunk, num_tokens) or 1
+    logits = [BUFFERS.take((rows, vocab), torch.float32, x_NC.device) for _ in range(workers)]
+    parts = [BUFFERS.take((hidden, vocab), torch.float32, x_NC.device) for _ in range(workers)] if needs_dw else []
+    dx_NC = torch.empty_like(x_NC, memory_format=torch.contiguous_format) if needs_dx else None
+    try:
+        loss = kernels.fused_head_forward(
+            x_NC.contiguous(),
+            w_VC.contiguous(),
+            labels_N.contiguous(),
+            weight_N.contiguous(),
+            grad_scale,
+            chunk,
+            logits,
+            dx_NC,
+            parts,
+        )
+    finally:
+        for buffer in logits:
+            BUFFERS.give(buffer)
+    ctx.grads = (dx_NC, parts or None)
+    return loss
 
 
 def fused_linear_cross_entropy(
@@ -243,5 +314,6 @@ def fused_linear_cross_entropy(
     `grad_scale`: what the caller will multiply the loss by before its backward (see the module docstring)."""
     if not grad_scale > 0:
         raise ValueError(f"grad_scale must be positive, got {grad_scale}")
-    chunk = chunk or chunk_tokens(x_NC.shape[0], x_NC.shape[1], w_VC.shape[0], x_NC.device)
+    threads = torch.get_num_threads()
+    chunk = chunk or chunk_tokens(x_NC.shape[0], x_NC.shape[1], w_VC.shape[0], x_NC.device, threads)
     return FusedLinearCrossEntropy.apply(x_NC, w_VC, labels_N.long(), weight_N.float(), chunk, float(grad_scale))

@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from moetron.errors import ConfigError, UserError
 from moetron.model.attention import SelfAttention
 from moetron.model.config import ModelConfig
+from moetron.model.gradient_memory import embedding_lookup
 from moetron.model.init import init_tree, output_std
 from moetron.model.kv_cache import KVCache
 from moetron.model.loss import HeadLoss, fuses_head, make_head_loss
@@ -173,7 +174,7 @@ class GPTModel(nn.Module):
         positions_T = torch.arange(past, end, device=tokens_BT.device)
         if self.sequence_positions is not None and past == 0:
             positions_T = self.sequence_positions(tokens_BT.shape[1], tokens_BT.device)
-        x_BTC = self.word_embeddings(tokens_BT)
+        x_BTC = self.lookup_tokens(tokens_BT)
         rope = None
         if self.position_embeddings is not None:
             if end > self.cfg.max_positions:
@@ -186,6 +187,17 @@ class GPTModel(nn.Module):
             rope = self.rope_angles(positions_T)
         with STREAMS.fork("embedding"):
             return self.embedding_dropout(x_BTC), rope
+
+    def lookup_tokens(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """The word embeddings of `tokens_BT`: a plain `nn.Embedding`'s lookup goes through `embedding_lookup`, whose
+        [V, C] gradient reuses its memory across steps on CPU (and adds into a tied fused head's); any other (tensor
+        parallelism's hooks, a sharding wrapper's) is called as it is."""
+        module = self.word_embeddings
+        plain = type(module) is nn.Embedding and not (module._forward_hooks or module._forward_pre_hooks)
+        if plain and module.padding_idx is None and module.max_norm is None and not module.sparse:
+            if not module.scale_grad_by_freq:
+                return embedding_lookup(tokens_BT, module.weight)
+        return module(tokens_BT)
 
     def rope_angles(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The RoPE angles of `positions_T` (None with learned positions): computed, not stored, so a pipeline

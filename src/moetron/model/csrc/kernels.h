@@ -29,5 +29,13 @@ Tensor first_max_column(const Tensor& x);
 
 // softmax_gradient_rows.cpp
 std::tuple<Tensor, Tensor> softmax_gradient_rows(Tensor& logits, const Tensor& labels);
+// One row of it, in place: the row becomes s·(softmax − one-hot); writes the label's log-probability and s.
+void softmax_gradient_row(float* row, int64_t V, int64_t label, float* label_logp, float* sum);
+
+// fused_head.cpp
+Tensor fused_head_forward(const Tensor& x, const Tensor& w, const Tensor& labels, const Tensor& weights,
+                          double grad_scale, int64_t rows, const std::vector<Tensor>& logits_buffers,
+                          const std::optional<Tensor>& grad_x, const std::vector<Tensor>& weight_grad_parts);
+void sum_parts_transposed(const std::vector<Tensor>& parts, const Tensor& ratio, Tensor& out);
 
 }  // namespace moetron_cpu

@@ -10,4 +10,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_backward", &moetron_cpu::swiglu_backward, no_gil);
   m.def("first_max_column", &moetron_cpu::first_max_column, no_gil);
   m.def("softmax_gradient_rows", &moetron_cpu::softmax_gradient_rows, no_gil);
+  m.def("fused_head_forward", &moetron_cpu::fused_head_forward, no_gil);
+  m.def("sum_parts_transposed", &moetron_cpu::sum_parts_transposed, no_gil);
 }

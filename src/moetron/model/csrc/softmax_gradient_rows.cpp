@@ -72,6 +72,15 @@ float exp_and_sum(float* row, int64_t V, float m) {
 
 }  // namespace
 
+void softmax_gradient_row(float* row, int64_t V, int64_t label, float* label_logp, float* sum) {
+  const float m = row_max(row, V);
+  const float x_label = row[label];
+  const float s = exp_and_sum(row, V, m);
+  row[label] -= s;
+  *sum = s;
+  *label_logp = x_label - m - std::log(s);
+}
+
 std::tuple<Tensor, Tensor> softmax_gradient_rows(Tensor& logits, const Tensor& labels) {
   TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
                   logits.has_storage() && !logits.key_set().has(c10::DispatchKey::Python) && logits.is_contiguous(),
@@ -91,15 +100,7 @@ std::tuple<Tensor, Tensor> softmax_gradient_rows(Tensor& logits, const Tensor& l
   float* logp = label_logp.mutable_data_ptr<float>();
   float* sum = sums.mutable_data_ptr<float>();
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = data + r * V;
-      const float m = row_max(row, V);
-      const float x_label = row[label[r]];
-      const float s = exp_and_sum(row, V, m);
-      row[label[r]] -= s;
-      sum[r] = s;
-      logp[r] = x_label - m - std::log(s);
-    }
+    for (int64_t r = begin; r < end; ++r) softmax_gradient_row(data + r * V, V, label[r], logp + r, sum + r);
   });
   return {label_logp, sums};
 }

@@ -1,0 +1,154 @@
+// The fused LM head's fp32 CPU forward (`moetron/model/fused_cross_entropy.py`): for every chunk of rows, the
+// logits GEMM, the one-exp softmax (softmax_gradient_rows.cpp), the input-gradient GEMM and the weight-gradient
+// GEMM, with the chunks shared out between the threads: each thread runs whole chunks of its own, one-thread BLAS
+// calls included, and accumulates the weight gradient of its chunks in a [C, V] part of its own.
+//
+// Why not one chunk at a time with every thread in each GEMM (the Python loop's way, MKL's threading): the chunk's
+// GEMMs are M = 256 rows against V = 50304 columns, and MKL splits them so that at two threads the three GEMMs cost
+// 1.2–1.5× the process CPU time they take at one thread (the logits GEMM up to 2×: benchmarks/fused_head.py,
+// RESULTS.md); a thread running a whole chunk keeps one thread's efficiency, and the softmax between the GEMMs
+// needs no parallel region. The price is one [M, V] chunk buffer and one [C, V] part per thread
+// (`fused_cross_entropy.cpu_head_workers` caps it) and a sum of the parts in the backward, which
+// `sum_parts_transposed` does in the pass that writes the weight gradient back as [V, C] anyway.
+//
+// Per chunk, with G = s·(softmax − one-hot) in place of the logits (s = Σ exp, per row) and the row factor
+// f = weight · grad_scale / s — the same ATen calls, in the same order, as the Python loop, so one worker computes
+// the Python loop's bits:
+//   loss   −= Σ_rows weight · label_logp            (chunk by chunk, in chunk order, after all workers are done)
+//   dx_MC   = f ⊙ (G · W)
+//   dW_CV  += (f ⊙ x_MC)ᵀ · G                         (the worker's first chunk writes its part: no zero-fill)
+// Worker w runs the chunks [w·n / W, (w + 1)·n / W) of the n chunks of `rows` rows (the last may be shorter).
+//
+// Shape legend: N rows (tokens), C hidden size, V vocabulary, M rows of one chunk, W workers (threads).
+
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+
+namespace moetron_cpu {
+namespace {
+
+bool plain_cpu(const Tensor& t, at::ScalarType dtype) {
+  return t.device().is_cpu() && t.scalar_type() == dtype && t.has_storage() &&
+         !t.key_set().has(c10::DispatchKey::Python) && t.is_contiguous();
+}
+
+}  // namespace
+
+Tensor fused_head_forward(const Tensor& x, const Tensor& w, const Tensor& labels, const Tensor& weights,
+                          double grad_scale, int64_t rows, const std::vector<Tensor>& logits_buffers,
+                          const std::optional<Tensor>& grad_x, const std::vector<Tensor>& weight_grad_parts) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && plain_cpu(x, at::kFloat) &&
+                  plain_cpu(w, at::kFloat),
+              "fused_head_forward: x [N, C] and w [V, C] must be contiguous CPU float32 tensors");
+  const int64_t N = x.size(0), C = x.size(1), V = w.size(0);
+  const int64_t workers = static_cast<int64_t>(logits_buffers.size());
+  TORCH_CHECK(V > 0 && rows > 0 && workers > 0, "fused_head_forward: no vocabulary, rows or workers");
+  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == N && plain_cpu(labels, at::kLong) && weights.dim() == 1 &&
+                  weights.size(0) == N && plain_cpu(weights, at::kFloat),
+              "fused_head_forward: labels (int64) and weights (float32) must be contiguous CPU vectors of ", N,
+              " rows");
+  for (const Tensor& buffer : logits_buffers)
+    TORCH_CHECK(plain_cpu(buffer, at::kFloat) && buffer.dim() == 2 && buffer.size(0) >= std::min(rows, N) &&
+                    buffer.size(1) == V,
+                "fused_head_forward: every logits buffer must be a contiguous float32 [", std::min(rows, N), ", ",
+                V, "]");
+  const bool needs_dw = !weight_grad_parts.empty();
+  TORCH_CHECK(!needs_dw || static_cast<int64_t>(weight_grad_parts.size()) == workers,
+              "fused_head_forward: one weight-gradient part per worker (", workers, ")");
+  for (const Tensor& part : weight_grad_parts)
+    TORCH_CHECK(plain_cpu(part, at::kFloat) && part.dim() == 2 && part.size(0) == C && part.size(1) == V,
+                "fused_head_forward: every weight-gradient part must be a contiguous float32 [", C, ", ", V, "]");
+  if (grad_x)
+    TORCH_CHECK(plain_cpu(*grad_x, at::kFloat) && grad_x->sizes() == x.sizes(),
+                "fused_head_forward: grad_x must be a contiguous float32 [", N, ", ", C, "]");
+  const int64_t* label = labels.const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < N; ++r)  // every write of the softmax stays inside its row
+    TORCH_CHECK(label[r] >= 0 && label[r] < V, "fused_head_forward: label ", label[r], " of row ", r,
+                " is outside the vocabulary of ", V);
+
+  const int64_t chunks = (N + rows - 1) / rows;
+  Tensor label_logp = at::empty({N}, x.options()), sums = at::empty({N}, x.options());
+  std::vector<float> chunk_loss(chunks, 0.0f);
+  float* logp = label_logp.mutable_data_ptr<float>();
+  float* sum = sums.mutable_data_ptr<float>();
+  const Tensor w_t = w.t();
+
+  const auto run_worker = [&](int64_t worker) {
+    const at::NoGradGuard no_grad;  // grad mode is thread-local: the team's other threads start with it on
+    const int64_t first = worker * chunks / workers, last = (worker + 1) * chunks / workers;
+    if (first == last && needs_dw) weight_grad_parts[worker].zero_();  // more workers than chunks: a zero part
+    for (int64_t chunk = first; chunk < last; ++chunk) {
+      const int64_t start = chunk * rows, end = std::min(N, start + rows), M = end - start;
+      const Tensor x_MC = x.slice(0, start, end);
+      Tensor logits_MV = logits_buffers[worker].slice(0, 0, M);
+      at::mm_out(logits_MV, x_MC, w_t);
+      float* data = logits_MV.mutable_data_ptr<float>();
+      for (int64_t r = 0; r < M; ++r)
+        softmax_gradient_row(data + r * V, V, label[start + r], logp + start + r, sum + start + r);
+      const Tensor weight_M1 = weights.slice(0, start, end).unsqueeze(1);
+      chunk_loss[chunk] = (label_logp.slice(0, start, end).unsqueeze(1) * weight_M1).sum().item<float>();
+      if (!grad_x && !needs_dw) continue;
+      const Tensor scaled_M1 = grad_scale != 1.0 ? weight_M1 * grad_scale : weight_M1;
+      const Tensor factor_M1 = scaled_M1 / sums.slice(0, start, end).unsqueeze(1);
+      if (grad_x) {
+        Tensor dx_MC = grad_x->slice(0, start, end);
+        at::mm_out(dx_MC, logits_MV, w);
+        dx_MC.mul_(factor_M1);
+      }
+      if (needs_dw) {
+        Tensor part_CV = weight_grad_parts[worker];
+        const Tensor xf_MC = x_MC * factor_M1;
+        if (chunk == first)
+          at::mm_out(part_CV, xf_MC.t(), logits_MV);
+        else
+          part_CV.addmm_(xf_MC.t(), logits_MV);
+      }
+    }
+  };
+  // One worker: the calling thread, its BLAS calls threaded as usual. More: one worker per thread of the team, and
+  // inside the parallel region ATen's and MKL's calls run on that thread alone.
+  if (workers == 1)
+    run_worker(0);
+  else
+    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t worker = begin; worker < end; ++worker) run_worker(worker);
+    });
+  float loss = 0.0f;
+  for (const float part : chunk_loss) loss -= part;
+  return at::full({}, loss, x.options());
+}
+
+void sum_parts_transposed(const std::vector<Tensor>& parts, const Tensor& ratio, Tensor& out) {
+  TORCH_CHECK(!parts.empty() && out.dim() == 2 && plain_cpu(out, at::kFloat),
+              "sum_parts_transposed: out must be a contiguous float32 [V, C] and there must be parts");
+  const int64_t V = out.size(0), C = out.size(1);
+  for (const Tensor& part : parts)
+    TORCH_CHECK(plain_cpu(part, at::kFloat) && part.dim() == 2 && part.size(0) == C && part.size(1) == V,
+                "sum_parts_transposed: every part must be a contiguous float32 [", C, ", ", V, "]");
+  TORCH_CHECK(ratio.numel() == 1 && ratio.device().is_cpu(), "sum_parts_transposed: ratio must be one CPU value");
+  const float factor = ratio.to(at::kFloat).item<float>();
+  std::vector<const float*> source;
+  for (const Tensor& part : parts) source.push_back(part.const_data_ptr<float>());
+  float* target = out.mutable_data_ptr<float>();
+  // Tiles of 64 columns of the parts (64 rows of out): the parts are read along their rows, out is written in
+  // [64, C] tiles that stay in cache until they are complete.
+  constexpr int64_t kTile = 64;
+  at::parallel_for(0, (V + kTile - 1) / kTile, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t v0 = tile * kTile, v1 = std::min(V, v0 + kTile);
+      for (int64_t c = 0; c < C; ++c) {
+        for (int64_t v = v0; v < v1; ++v) {
+          float total = source[0][c * V + v];
+          for (size_t p = 1; p < source.size(); ++p) total += source[p][c * V + v];
+          target[v * C + c] = total * factor;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace moetron_cpu
