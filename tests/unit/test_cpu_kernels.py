@@ -37,11 +37,12 @@ def _problem(counts: list[int], hidden: int, ffn: int, scale: float, seed: int):
     return torch.randn(x.shape[0], hidden, generator=g), x, w1, w3, w2
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 def test_compiled_engine_is_bitwise_the_python_loop(engine, threads):
-    """Tails of the vector loop (F = 257) inside TensorIterator's parallel chunks (an expert of 300 x 257 elements
-    is split at two threads), an expert without rows, a dropped-route tail, saturated exps (scale 40), and the
-    one-row, one-column and width-1 GEMMs whose BLAS arguments at::mm picks by their own rule."""
+    """Tails of the vector loop (F = 257), an expert without rows, a dropped-route tail, saturated exps (scale 40),
+    and the one-row, one-column and width-1 GEMMs whose BLAS arguments at::mm picks by their own rule — the kernel at
+    one, two and three threads (each expert on one thread, the experts spread over them) against the Python loop at
+    one thread."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -51,7 +52,8 @@ def test_compiled_engine_is_bitwise_the_python_loop(engine, threads):
             grad, *operands = _problem(counts, hidden, ffn, scale, seed=ffn)
             with torch.no_grad():
                 ours = cpu_kernels.run_swiglu(engine, grad, *operands, counts)
-                reference = cpu_kernels.run_swiglu(cpu_kernels.PYTHON_LOOP, grad, *operands, counts)
+                with cpu_kernels.python_loop_on_one_thread():
+                    reference = cpu_kernels.run_swiglu(cpu_kernels.PYTHON_LOOP, grad, *operands, counts)
             for a, b in zip(ours, reference, strict=True):
                 assert torch.equal(a, b)
             assert torch.equal(ours[0][sum(counts) :], torch.zeros(3, hidden))  # the tail: zero out, zero grad
@@ -62,7 +64,9 @@ def test_compiled_engine_is_bitwise_the_python_loop(engine, threads):
             x, *weights = operands
             with torch.no_grad():
                 in_place = cpu_kernels.run_swiglu(engine, grad[:rows], x[:rows], *weights, counts, tokens)
-                loop = cpu_kernels.run_swiglu(cpu_kernels.PYTHON_LOOP, grad[:rows], x[:rows], *weights, counts, tokens)
+                with cpu_kernels.python_loop_on_one_thread():
+                    python = cpu_kernels.PYTHON_LOOP
+                    loop = cpu_kernels.run_swiglu(python, grad[:rows], x[:rows], *weights, counts, tokens)
             inverse = torch.argsort(tokens)
             for a, b in zip(in_place, loop, strict=True):
                 assert torch.equal(a, b)

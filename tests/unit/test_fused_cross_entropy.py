@@ -170,7 +170,8 @@ def test_chunk_rule():
     # a thread per chunk: every thread the same rows, whole chunks of at least 256 rows each
     assert chunk_tokens(768, 128, 50304, cpu, threads=2) == 384
     assert chunk_tokens(4096, 128, 50304, cpu, threads=2) == 256
-    assert chunk_tokens(10, 128, 50304, cpu, threads=4) == 10  # fewer tokens than a chunk's rows: one thread    assert chunk_tokens(65536, 2048, 50304, torch.device("cuda")) == 2622  # ⌈V/C⌉ = 25 chunks
+    assert chunk_tokens(10, 128, 50304, cpu, threads=4) == 10  # fewer tokens than a chunk's rows: one thread
+    assert chunk_tokens(65536, 2048, 50304, torch.device("cuda")) == 2622  # ⌈V/C⌉ = 25 chunks
     assert chunk_tokens(2048, 2048, 50304, torch.device("cuda")) == 1024
 
 

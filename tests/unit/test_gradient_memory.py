@@ -76,7 +76,7 @@ def test_a_model_trains_bit_for_bit_as_with_fresh_gradient_memory(monkeypatch, t
 
 def test_a_head_whose_graph_was_released_does_not_swallow_the_embeddings_rows():
     """The embedding lookup and a fused head on the same weight in two separate backwards with `.grad` dropped in
-    between: the head's gradient memory is no longer on its way to `.grad`, so the rows become a gradient of their own."""
+    between: the head's gradient memory is no longer on its way to `.grad`, so the rows are a gradient of their own."""
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(50, 8))
     tokens = torch.randint(0, 50, (6,))

@@ -30,9 +30,11 @@
 #include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -277,6 +279,40 @@ int64_t max_count(const std::vector<int64_t>& counts) {
   return most;
 }
 
+// The first sorted row of every expert.
+std::vector<int64_t> first_rows(const std::vector<int64_t>& counts) {
+  std::vector<int64_t> first(counts.size(), 0);
+  for (size_t e = 1; e < counts.size(); ++e) first[e] = first[e - 1] + counts[e - 1];
+  return first;
+}
+
+// Workers that run whole experts: every intra-op thread (1 inside another parallel region).
+int64_t expert_workers() { return at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads()); }
+
+// body(e, worker) for every expert: on this thread with one worker; with more, one worker per thread of the team,
+// each taking the next expert (the largest first) until none is left. Inside the parallel region ATen's element-wise
+// helpers run one chunk and MKL one thread, so an expert's values are the one-thread values whichever worker runs it,
+// and the experts write disjoint rows and weight slices. Why not every thread in each of an expert's GEMMs: at a few
+// hundred rows per expert, MKL's threading costs more than it saves (benchmarks/RESULTS.md, issue 28: at two threads
+// the E = 8 layer took twice the CPU time of one thread, and longer in wall time as well).
+template <typename Body>
+void for_each_expert(const std::vector<int64_t>& counts, int64_t workers, const Body& body) {
+  const int64_t E = static_cast<int64_t>(counts.size());
+  if (workers <= 1) {
+    for (int64_t e = 0; e < E; ++e) body(e, 0);
+    return;
+  }
+  std::vector<int64_t> order(E);
+  for (int64_t e = 0; e < E; ++e) order[e] = e;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return counts[a] > counts[b]; });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    const at::NoGradGuard no_grad;  // grad mode is thread-local: the team's other threads start with it on
+    for (int64_t worker = begin; worker < end; ++worker)
+      for (int64_t i = next++; i < E; i = next++) body(order[i], worker);
+  });
+}
+
 }  // namespace
 
 // (y, a, b, d per expert): y[row of expert e] = (silu(x_e·w1_e) * (x_e·w3_e))·w2_e; rows past the counts are 0;
@@ -288,20 +324,29 @@ Activations swiglu_forward(const Tensor& x, const Tensor& w1, const Tensor& w3, 
   const int64_t num_rows = x.size(0);
   const int64_t* token = checked_tokens(tokens, num_rows, counted);
   Tensor y = at::empty({num_rows, w2.size(2)}, x.options());
-  std::vector<Tensor> a_list, b_list, d_list;
-  a_list.reserve(counts.size());
-  b_list.reserve(counts.size());
-  d_list.reserve(counts.size());
-  int64_t row = 0;
-  const int64_t F = w1.size(2), D = w2.size(2);
+  const int64_t E = static_cast<int64_t>(counts.size()), F = w1.size(2), D = w2.size(2);
+  std::vector<Tensor> a_list(E), b_list(E), d_list(E);
+  for (int64_t e = 0; e < E; ++e) {
+    a_list[e] = at::empty({counts[e], F}, x.options());
+    b_list[e] = at::empty({counts[e], F}, x.options());
+    d_list[e] = at::empty({counts[e], F}, x.options());
+  }
+  const std::vector<int64_t> first = first_rows(counts);
+  const int64_t workers = expert_workers();
   const int64_t buffer_rows = token ? max_count(counts) : 0;  // one expert's rows of x, then of y
-  Tensor x_buffer = at::empty({buffer_rows, D}, x.options()), y_buffer = at::empty({buffer_rows, D}, x.options());
-  Tensor h_buffer = at::empty({max_count(counts), F}, x.options());  // one expert's h, dead after its last GEMM
-  for (size_t e = 0; e < counts.size(); ++e) {
-    const int64_t n = counts[e];
+  // per worker: one expert's rows of x and y (token order), and its h, dead after its last GEMM
+  std::vector<Tensor> x_buffers, y_buffers, h_buffers;
+  for (int64_t w = 0; w < workers; ++w) {
+    x_buffers.push_back(at::empty({buffer_rows, D}, x.options()));
+    y_buffers.push_back(at::empty({buffer_rows, D}, x.options()));
+    h_buffers.push_back(at::empty({max_count(counts), F}, x.options()));
+  }
+  for_each_expert(counts, workers, [&](int64_t e, int64_t worker) {
+    const int64_t n = counts[e], row = first[e];
+    const Tensor &x_buffer = x_buffers[worker], &y_buffer = y_buffers[worker], &h_buffer = h_buffers[worker];
     if (token) gather_rows(x_buffer.mutable_data_ptr<float>(), x.const_data_ptr<float>(), token + row, n, D);
     const Matrix x_e = token ? rows_of(x_buffer, 0, n) : rows_of(x, row, n);
-    Tensor a = at::empty({n, F}, x.options()), b = at::empty({n, F}, x.options()), d = at::empty({n, F}, x.options());
+    const Tensor &a = a_list[e], &b = b_list[e], &d = d_list[e];
     gemm_into(a.mutable_data_ptr<float>(), F, x_e, expert(w1, e));
     gemm_into(b.mutable_data_ptr<float>(), F, x_e, expert(w3, e));
     silu_denominator_and_product(a.const_data_ptr<float>(), b.const_data_ptr<float>(), d.mutable_data_ptr<float>(),
@@ -309,11 +354,8 @@ Activations swiglu_forward(const Tensor& x, const Tensor& w1, const Tensor& w3, 
     float* y_e = token ? y_buffer.mutable_data_ptr<float>() : y.mutable_data_ptr<float>() + row * D;
     gemm_into(y_e, D, rows_of(h_buffer, 0, n), expert(w2, e));
     if (token) scatter_rows(y.mutable_data_ptr<float>(), y_e, token + row, n, D);
-    a_list.push_back(std::move(a));
-    b_list.push_back(std::move(b));
-    d_list.push_back(std::move(d));
-    row += n;
-  }
+  });
+  const int64_t row = E ? first[E - 1] + counts[E - 1] : 0;
   y.narrow(0, row, num_rows - row).zero_();
   return {y, a_list, b_list, d_list};
 }
@@ -361,16 +403,23 @@ Gradients swiglu_backward(
   }
   // The weight pass comes after this one: it needs h, which b (about to become db) cannot give it then.
   const bool keep_h = keep && !weights && !stashed;
-  std::vector<Tensor> da_out, db_out, h_out;
-  Tensor scratch = at::empty({0, D}, x.options());  // db · w3ᵀ of one expert, added to its rows of grad_x
-  Tensor h_buffer = at::empty({weights && !stashed ? max_count(counts) : 0, F}, x.options());  // one expert's h
-  // Token order: one expert's rows of grad, of x (for the weight gradients) and of grad_x, gathered and scattered.
-  const int64_t buffer_rows = token ? max_count(counts) : 0;
-  Tensor g_buffer = at::empty({buffer_rows, D}, x.options()), x_buffer = at::empty({buffer_rows, D}, x.options());
-  Tensor gx_buffer = at::empty({buffer_rows, D}, x.options());
-  int64_t row = 0;
-  for (size_t e = 0; e < counts.size(); ++e) {
-    const int64_t n = counts[e];
+  std::vector<Tensor> da_out(keep ? E : 0), db_out(keep ? E : 0), h_out(keep_h ? E : 0);
+  const std::vector<int64_t> first = first_rows(counts);
+  const int64_t workers = expert_workers();
+  // Per worker: db · w3ᵀ of one expert (added to its rows of grad_x), one expert's h, and in token order its rows of
+  // grad, of x (for the weight gradients) and of grad_x, gathered and scattered.
+  const int64_t most = max_count(counts), buffer_rows = token ? most : 0;
+  std::vector<Tensor> scratches, h_buffers, g_buffers, x_buffers, gx_buffers;
+  for (int64_t w = 0; w < workers; ++w) {
+    scratches.push_back(at::empty({grad_x.has_value() ? most : 0, D}, x.options()));
+    h_buffers.push_back(at::empty({weights && !stashed ? most : 0, F}, x.options()));
+    g_buffers.push_back(at::empty({buffer_rows, D}, x.options()));
+    x_buffers.push_back(at::empty({buffer_rows, D}, x.options()));
+    gx_buffers.push_back(at::empty({buffer_rows, D}, x.options()));
+  }
+  for_each_expert(counts, workers, [&](int64_t e, int64_t worker) {
+    const int64_t n = counts[e], row = first[e];
+    const Tensor &g_buffer = g_buffers[worker], &x_buffer = x_buffers[worker], &gx_buffer = gx_buffers[worker];
     if (token) {
       if (weights || !stashed)  // the second pass of a split backward (the input's, da and db kept) reads no grad
         gather_rows(g_buffer.mutable_data_ptr<float>(), grad.const_data_ptr<float>(), token + row, n, D);
@@ -380,7 +429,7 @@ Gradients swiglu_backward(
     const Matrix x_e = token ? rows_of(x_buffer, 0, n) : rows_of(x, row, n);
     Tensor h;  // h = a / d * b: the forward's, recomputed for dW2 now or kept for the weight pass
     if (!stashed && (weights || keep_h)) {
-      h = keep_h ? at::empty({n, F}, x.options()) : h_buffer.narrow(0, 0, n);
+      h = keep_h ? at::empty({n, F}, x.options()) : h_buffers[worker].narrow(0, 0, n);
       silu_product(a_list[e].const_data_ptr<float>(), d_list[e].const_data_ptr<float>(),
                    b_list[e].const_data_ptr<float>(), h.mutable_data_ptr<float>(), n * F);
     } else if (stashed && weights) {
@@ -405,18 +454,18 @@ Gradients swiglu_backward(
     if (grad_x.has_value()) {
       float* gx = token ? gx_buffer.mutable_data_ptr<float>() : grad_x->mutable_data_ptr<float>() + row * D;
       gemm_into(gx, D, matrix(da), expert(w1, e).t());
-      if (scratch.size(0) < n) scratch = at::empty({n, D}, x.options());
-      gemm_into(scratch.mutable_data_ptr<float>(), D, matrix(db), expert(w3, e).t());
-      add_into(gx, scratch.const_data_ptr<float>(), n * D);
+      float* scratch = scratches[worker].mutable_data_ptr<float>();
+      gemm_into(scratch, D, matrix(db), expert(w3, e).t());
+      add_into(gx, scratch, n * D);
       if (token) scatter_rows(grad_x->mutable_data_ptr<float>(), gx, token + row, n, D);
     }
     if (keep) {
-      da_out.push_back(std::move(da));
-      db_out.push_back(std::move(db));
-      if (keep_h) h_out.push_back(std::move(h));
+      da_out[e] = std::move(da);
+      db_out[e] = std::move(db);
+      if (keep_h) h_out[e] = std::move(h);
     }
-    row += n;
-  }
+  });
+  const int64_t row = E ? first[E - 1] + counts[E - 1] : 0;
   if (grad_x.has_value()) grad_x->narrow(0, row, grad_x->size(0) - row).zero_();
   return {da_out, db_out, h_out};
 }

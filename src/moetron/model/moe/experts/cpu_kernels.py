@@ -14,11 +14,12 @@ D hidden size, F ffn size per expert.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -223,7 +224,8 @@ def compiled_engine() -> CompiledLoop | None:
 def matches_the_python_loop(engine: CompiledLoop) -> bool:
     """Forward and backward of both on a small problem with vector-loop tails (F = 37), an expert without rows, a
     dropped-route tail and large activations (saturated exps), and again in token order (a permutation, no tail):
-    every output and gradient bitwise equal."""
+    every output and gradient bitwise equal — the kernel at this process's thread count, the Python loop at one
+    thread (the kernel runs each expert on one thread: `python_loop_on_one_thread`)."""
     generator = torch.Generator().manual_seed(0)
     counts, hidden, ffn = [5, 0, 40, 3], 8, 37
     x_ND = torch.randn(sum(counts) + 2, hidden, generator=generator) * 30
@@ -234,10 +236,25 @@ def matches_the_python_loop(engine: CompiledLoop) -> bool:
     problems = [(grad_ND, x_ND, None), (grad_ND[: sum(counts)], x_ND[: sum(counts)], tokens_N)]
     with torch.no_grad():
         for grad, x, tokens in problems:
-            ours, reference = (run_swiglu(e, grad, x, *weights, counts, tokens) for e in (engine, PYTHON_LOOP))
+            ours = run_swiglu(engine, grad, x, *weights, counts, tokens)
+            with python_loop_on_one_thread():
+                reference = run_swiglu(PYTHON_LOOP, grad, x, *weights, counts, tokens)
             if not all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True)):
                 return False
     return True
+
+
+@contextlib.contextmanager
+def python_loop_on_one_thread() -> Iterator[None]:
+    """One intra-op thread for the block: the Python loop's values the C++ engine computes at any thread count (it
+    runs each expert's GEMMs and element-wise passes on one thread, the experts spread over the threads; MKL's and
+    TensorIterator's own splits at two threads and more round some values differently)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def run_swiglu(
@@ -259,8 +276,10 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
     Expert by expert, an expert's rows and activations are reused from cache by its next GEMM: ~10% less
     CPU time than the grouped projections (or one bmm per projection) at E=64, D=128, F=256.
     Same per-expert mm calls on the same operands as the grouped_mm fallback, so the same values.
-    Two engines compute it, with the same bits (`swiglu_engine`): the C++ one for fp32 where it builds, else the
-    Python loop (`PythonLoop`). `tokens_N`: x and y in token order (see the module docstring).
+    Two engines compute it (`swiglu_engine`): the C++ one for fp32 where it builds, else the Python loop
+    (`PythonLoop`), with the same bits at one thread; at more the C++ engine keeps the one-thread values (each expert
+    runs on one thread, the experts spread over the threads: `python_loop_on_one_thread`). `tokens_N`: x and y in
+    token order (see the module docstring).
     """
 
     @staticmethod
