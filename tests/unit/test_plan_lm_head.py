@@ -35,6 +35,15 @@ def test_fused_loss_buffers_are_one_chunk_and_dx():
     assert "fused LM-head loss: [256, 50304] chunk buffers" in lm_head.describe(cfg, "cpu")
 
 
+def test_fused_loss_on_two_cpu_threads_counts_a_chunk_and_a_weight_gradient_part_per_thread(monkeypatch):
+    cfg = config(True)
+    tokens, vocab = 12 * 64, 50304
+    monkeypatch.setattr(lm_head.torch, "get_num_threads", lambda: 2)
+    assert lm_head.loss_rows(cfg, "cpu") == 384 and lm_head.loss_workers(cfg, 4, "cpu") == 2
+    assert lm_head.lm_loss_bytes(cfg, 4, False, "cpu") == 2 * 384 * vocab * 8 + 128 * vocab * 4 + tokens * 128 * 4
+    assert lm_head.loss_workers(cfg, 2, "cpu") == lm_head.loss_workers(cfg, 4, "cuda") == 1  # the Python loop
+
+
 def test_fused_loss_is_a_fraction_of_the_logits_and_accumulation_keeps_none():
     fused, plain = (estimate_memory(config(f), config(f).dims(1), "cpu") for f in (True, False))
     assert fused.logits * 5 < plain.logits == 12 * 64 * 50304 * 16

@@ -2,7 +2,8 @@
 materialised `[T, V]` logits.
 
 Fused (`model/fused_cross_entropy.py`): the head's forward holds one chunk of M rows at a time — the logits in the
-compute dtype, their fp32 log-softmax (and, in bf16/fp16, the fp32 copy of the logits it reads) — and writes dX
+compute dtype, their fp32 log-softmax (and, in bf16/fp16, the fp32 copy of the logits it reads); on CPU in fp32
+one chunk per thread and a [h, V] weight-gradient part per thread beyond the first (`loss_workers`) — and writes dX
 `[T, h]` in the compute dtype; dW `[V, h]` fp32 becomes the head's gradient, which the plan already counts as the
 gradient present at the start of backward. Nothing of size T·V is ever alive, so accumulation holds no previous
 micro-batch's logits either. Plain: logits, fp32 log-softmax and both gradients, 16 B per token and vocabulary
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from moetron.config import RunConfig
-from moetron.model.fused_cross_entropy import chunk_tokens
+from moetron.model.fused_cross_entropy import chunk_tokens, cpu_head_workers
 from moetron.model.loss import fuses_head
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.pp.stage_layout import schedule_name, splits_backward
@@ -37,12 +38,24 @@ def fused(cfg: RunConfig, dims: ParallelDims | None = None) -> bool:
 
 
 def loss_rows(cfg: RunConfig, device_kind: str, dims: ParallelDims | None = None) -> int:
-    """Rows of the [rows, V] buffers alive at once: T, or the fused path's chunk."""
+    """Rows of one [rows, V] buffer: T, or the fused path's chunk (on CPU at this process's thread count)."""
     m = cfg.model
     tokens = cfg.train.micro_batch_size * m.seq_length
     if not fused(cfg, dims):
         return tokens
-    return min(tokens, chunk_tokens(tokens, m.hidden_size, m.padded_vocab_size(), torch.device(device_kind)))
+    device, threads = torch.device(device_kind), torch.get_num_threads()
+    return min(tokens, chunk_tokens(tokens, m.hidden_size, m.padded_vocab_size(), device, threads))
+
+
+def loss_workers(cfg: RunConfig, compute_bytes: int, device_kind: str, dims: ParallelDims | None = None) -> int:
+    """Chunks of the fused head alive at once: on CPU in fp32 one per thread (`cpu_head_workers`: each thread runs
+    whole chunks, with a [h, V] weight-gradient part of its own), else 1."""
+    if device_kind != "cpu" or compute_bytes != 4 or not fused(cfg, dims):
+        return 1
+    m = cfg.model
+    tokens = cfg.train.micro_batch_size * m.seq_length
+    rows = loss_rows(cfg, device_kind, dims)
+    return cpu_head_workers(tokens, m.hidden_size, local_vocab(cfg, dims), torch.get_num_threads(), rows)
 
 
 def local_vocab(cfg: RunConfig, dims: ParallelDims | None) -> int:
@@ -59,7 +72,9 @@ def lm_loss_bytes(
     if not fused(cfg, dims):
         return rows * vocab * (LOGITS_BYTES_PER_ENTRY + (compute_bytes if accumulating else 0))
     fp32_copy = 4 if compute_bytes != 4 else 0
-    return rows * vocab * (compute_bytes + 4 + fp32_copy) + tokens * m.hidden_size * compute_bytes
+    workers = loss_workers(cfg, compute_bytes, device_kind, dims)
+    chunks = workers * rows * vocab * (compute_bytes + 4 + fp32_copy)
+    return chunks + (workers - 1) * m.hidden_size * vocab * 4 + tokens * m.hidden_size * compute_bytes
 
 
 def describe(cfg: RunConfig, device_kind: str, dims: ParallelDims | None = None) -> str:
