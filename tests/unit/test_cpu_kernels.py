@@ -212,3 +212,29 @@ def test_tensor_subclasses_and_bad_shapes_never_reach_a_pointer(engine):
         module.swiglu_backward(
             torch.zeros(4, 8), x, w, w, w, [2, 2], a, b, d, [], [], [], *grads, False, torch.zeros(4).long()
         )
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_index_add_rows_is_bitwise_index_add(threads):
+    """The MoE combine's row adds on one thread (`csrc/add_rows.cpp`): index_add_'s bits (repeated destinations added
+    in row order, vector tails at D = 33), an out-of-range index refused with its row, other dtypes left to ATen."""
+    if compiled_kernels.compiled_cpu_kernels() is None:
+        pytest.skip(f"the CPU kernels are not available here: {compiled_kernels.unavailable_reason()}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows, targets, width in ((1536, 768, 128), (100, 3, 33), (0, 4, 8)):
+            g = torch.Generator().manual_seed(rows)
+            out, src = torch.randn(targets, width, generator=g), torch.randn(rows, width, generator=g) * 100
+            index = torch.randint(0, targets, (rows,), generator=g)
+            expected = out.clone().index_add_(0, index, src)
+            assert torch.equal(compiled_kernels.index_add_rows(out, index, src), expected)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="index 4 of row 1 is outside 4 rows"):
+        compiled_kernels.index_add_rows(torch.zeros(4, 2), torch.tensor([0, 4]), torch.ones(2, 2))
+    doubles = torch.zeros(3, 2, dtype=torch.float64)
+    assert torch.equal(
+        compiled_kernels.index_add_rows(doubles, torch.tensor([1, 1]), torch.ones(2, 2).double()),
+        torch.tensor([[0.0, 0.0], [2.0, 2.0], [0.0, 0.0]], dtype=torch.float64),
+    )

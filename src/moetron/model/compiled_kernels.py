@@ -6,6 +6,7 @@
     kernels.softmax_gradient_rows              # the fused LM head's softmax (`softmax_gradient_rows` below)
     kernels.fused_head_forward / sum_parts_transposed   # the fused LM head's fp32 chunks, a thread per chunk
                                                # (`fused_head_kernels` below, `fused_cross_entropy`)
+    kernels.add_rows                           # index_add_ of rows on one thread (`index_add_rows` below)
 
 Why C++: at E = 64 small experts the Python loop makes ~17 ATen calls per expert, and the interpreter and ATen's
 dispatch around them cost more than the element-wise work; the kernel makes the same BLAS calls directly and fuses
@@ -47,6 +48,7 @@ SOURCES = [
         "first_max_column.cpp",
         "softmax_gradient_rows.cpp",
         "fused_head.cpp",
+        "add_rows.cpp",
     )
 ]
 # The ISA flags ATen's own kernels of each capability are compiled with (cmake/Codegen.cmake), and the macros
@@ -188,3 +190,25 @@ def fused_head_kernels(*tensors: torch.Tensor) -> ModuleType | None:
     if not plain or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return None
     return compiled_cpu_kernels()
+
+
+def index_add_rows(out_TD: torch.Tensor, index_R: torch.Tensor, src_RD: torch.Tensor) -> torch.Tensor:
+    """`out_TD.index_add_(0, index_R, src_RD)`, on one thread through `csrc/add_rows.cpp` for contiguous CPU float32
+    rows where the kernels load (the same adds in the same order: the same bits; ATen's scatter-add wakes every
+    thread for a few microseconds of work), else ATen's."""
+    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (out_TD, src_RD, index_R))
+    if (
+        plain
+        and not torch.compiler.is_compiling()
+        and out_TD.device.type == src_RD.device.type == "cpu"
+        and out_TD.dtype == src_RD.dtype == torch.float32
+        and index_R.dtype == torch.int64
+        and out_TD.dim() == src_RD.dim() == 2
+        and out_TD.is_contiguous()
+        and not (out_TD.requires_grad and torch.is_grad_enabled())
+    ):
+        kernels = compiled_cpu_kernels()
+        if kernels is not None:
+            kernels.add_rows(out_TD, index_R.contiguous(), src_RD.contiguous())
+            return out_TD
+    return out_TD.index_add_(0, index_R, src_RD)

@@ -38,4 +38,7 @@ Tensor fused_head_forward(const Tensor& x, const Tensor& w, const Tensor& labels
                           const std::optional<Tensor>& grad_x, const std::vector<Tensor>& weight_grad_parts);
 void sum_parts_transposed(const std::vector<Tensor>& parts, const Tensor& ratio, Tensor& out);
 
+// add_rows.cpp
+void add_rows(Tensor& out, const Tensor& index, const Tensor& src);
+
 }  // namespace moetron_cpu

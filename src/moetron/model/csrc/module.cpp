@@ -12,4 +12,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("softmax_gradient_rows", &moetron_cpu::softmax_gradient_rows, no_gil);
   m.def("fused_head_forward", &moetron_cpu::fused_head_forward, no_gil);
   m.def("sum_parts_transposed", &moetron_cpu::sum_parts_transposed, no_gil);
+  m.def("add_rows", &moetron_cpu::add_rows, no_gil);
 }

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+from moetron.model.compiled_kernels import index_add_rows
 from moetron.model.moe.routing.decision import Routing, route_counts
 
 
@@ -79,7 +80,7 @@ class GatherRows(torch.autograd.Function):
     def backward(ctx, grad_RA: torch.Tensor):
         (grad_index_R,) = ctx.saved_tensors
         # index_select's own backward (zeros + index_add_, same order) into one extra row, then dropped.
-        grad_XA = grad_RA.new_zeros(ctx.num_rows + 1, *grad_RA.shape[1:]).index_add_(0, grad_index_R, grad_RA)
+        grad_XA = index_add_rows(grad_RA.new_zeros(ctx.num_rows + 1, *grad_RA.shape[1:]), grad_index_R, grad_RA)
         # Dropped by shrinking the tensor in place, not by slicing: autograd adds a second gradient of the same
         # input (the router's, for the layer's x) in place into a first one that is a whole tensor, but into a
         # fresh [T, D] buffer when the first is a view (torch's InputBuffer::accumulate), one more cold 4 MiB
@@ -217,7 +218,7 @@ class WeightedIndexAdd(torch.autograd.Function):
         for lo in range(0, y_RD.shape[0], step):
             hi = lo + step
             rows_RD = y_RD[lo:hi] if weights_R is None else y_RD[lo:hi] * weights_R[lo:hi, None]
-            out_XD.index_add_(0, token_R[lo:hi], rows_RD)
+            index_add_rows(out_XD, token_R[lo:hi], rows_RD)
         return without_last_row(out_XD) if sink else out_XD
 
     @staticmethod
