@@ -88,8 +88,9 @@ class _LookupSlot:
 
 
 def lookup_slot(weight: torch.Tensor) -> _LookupSlot | None:
-    """The slot of the latest `embedding_lookup` of `weight` (None: none, or not a weight it handles)."""
-    return getattr(weight, _SLOT_ATTRIBUTE, None)
+    """The slot of the latest `embedding_lookup` of `weight` (None: none, or under torch.compile, whose graphs look
+    their embeddings up with F.embedding: a slot left by an eager lookup would keep the head's gradient pending)."""
+    return None if torch.compiler.is_compiling() else getattr(weight, _SLOT_ATTRIBUTE, None)
 
 
 def leave_for_lookup(slot: _LookupSlot | None, grad_VC: torch.Tensor) -> None:
