@@ -97,6 +97,17 @@ def test_turned_off_by_the_environment(monkeypatch, fresh_load):
     assert cpu_kernels.swiglu_engine(x, w, w, w) is cpu_kernels.PYTHON_LOOP
 
 
+def test_without_the_sources_the_kernels_are_off_and_the_python_code_runs(monkeypatch, fresh_load, tmp_path):
+    """Bundled into an exported model's remote code (one modeling file, no csrc/ beside it) the kernels are simply
+    unavailable: the experts' Python loop and ATen's index_add_ run."""
+    monkeypatch.setattr(compiled_kernels, "CSRC", tmp_path / "csrc")
+    monkeypatch.setattr(compiled_kernels, "SOURCES", [tmp_path / "csrc" / "module.cpp"])
+    assert compiled_kernels.unavailable_reason() == f"the kernel sources are not in {tmp_path / 'csrc'}"
+    assert compiled_kernels.compiled_cpu_kernels() is None
+    out = compiled_kernels.index_add_rows(torch.zeros(2, 3), torch.tensor([1, 1]), torch.ones(2, 3))
+    assert torch.equal(out, torch.tensor([[0.0] * 3, [2.0] * 3]))
+
+
 def test_a_failed_build_warns_once_and_the_python_code_runs(monkeypatch, fresh_load, tmp_path):
     if compiled_kernels.unavailable_reason():
         pytest.skip(compiled_kernels.unavailable_reason())
