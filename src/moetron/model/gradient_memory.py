@@ -36,10 +36,12 @@ import torch.nn.functional as F
 _SLOT_ATTRIBUTE = "_moetron_lookup_slot"
 
 
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # None: this torch does not tell; no reuse then
+
+
 def _storage_users(t: torch.Tensor) -> int:
-    """References to t's storage other than the query's own (-1 where torch does not tell)."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return -1 if count is None else count(t.untyped_storage()._cdata) - 1
+    """References to t's storage other than the query's own."""
+    return _STORAGE_USE_COUNT(t.untyped_storage()._cdata) - 1
 
 
 def alias(t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +62,7 @@ class ReusedGradientMemory:
         self._lock = threading.Lock()
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if device.type != "cpu" or _storage_users(torch.empty(0)) < 0:
+        if device.type != "cpu" or _STORAGE_USE_COUNT is None:
             return torch.empty(shape, dtype=dtype, device=device)
         key = (tuple(shape), dtype)
         with self._lock:
@@ -104,7 +106,7 @@ def _handles(weight: torch.Tensor) -> bool:
         type(weight) is torch.nn.Parameter
         and weight.device.type == "cpu"
         and not torch.compiler.is_compiling()
-        and _storage_users(weight) >= 0
+        and _STORAGE_USE_COUNT is not None
     )
 
 
