@@ -41,6 +41,7 @@ import torch
 
 from moetron.model.autocast_dtype import autocast_dtype
 from moetron.model.compiled_kernels import fused_head_kernels, softmax_gradient_rows
+from moetron.model.cpu_threads import kernel_threads, on_all_kernel_threads
 from moetron.model.gradient_memory import GRADIENT_MEMORY, leave_for_lookup, lookup_slot
 
 # CPU: one chunk's fp32 logits are ~8 MiB, so that they stay in cache between the GEMM, the softmax and the two
@@ -193,6 +194,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     at M = 256, C = 128, V = 50304, one and two threads; the backward writes it back as [V, C] once."""
 
     @staticmethod
+    @on_all_kernel_threads
     def forward(ctx, x_NC, w_VC, labels_N, weight_N, chunk: int, grad_scale: float):
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dtype = autocast_dtype(x_NC)
@@ -251,6 +253,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @on_all_kernel_threads
     def backward(ctx, grad_loss):
         if ctx.grads is None:
             raise RuntimeError("the fused LM-head cross-entropy supports one backward per forward (no retain_graph)")
@@ -314,6 +317,6 @@ def fused_linear_cross_entropy(
     `grad_scale`: what the caller will multiply the loss by before its backward (see the module docstring)."""
     if not grad_scale > 0:
         raise ValueError(f"grad_scale must be positive, got {grad_scale}")
-    threads = torch.get_num_threads()
+    threads = kernel_threads()  # its forward and backward run at every thread (model/cpu_threads.py)
     chunk = chunk or chunk_tokens(x_NC.shape[0], x_NC.shape[1], w_VC.shape[0], x_NC.device, threads)
     return FusedLinearCrossEntropy.apply(x_NC, w_VC, labels_N.long(), weight_N.float(), chunk, float(grad_scale))

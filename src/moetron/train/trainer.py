@@ -32,6 +32,7 @@ from moetron.checkpoint.async_save import AsyncCheckpointer
 from moetron.config import RunConfig
 from moetron.errors import UserError
 from moetron.fileio import write_atomic
+from moetron.model.cpu_threads import body_threads, step_threads
 from moetron.model.flops import flops_per_token, megatron_tflops, mfu, peak_tflops
 from moetron.model.rng import STREAMS
 from moetron.parallel.env import DistEnv
@@ -121,6 +122,7 @@ class Trainer:
         self.planned_memory_bytes: float | None = None  # `moetron plan`'s peak for this layout (set by run.py)
         self.baseline_memory_bytes: float | None = None  # CPU: peak RSS before the model was built (set by run.py)
         self.snapshots: MemorySnapshots | None = None  # --memory-snapshot-steps (set while train() runs)
+        self.step_threads = self._step_threads()  # CPU: the steps' ops outside moetron's kernels on one thread?
 
     # ------------------------------------------------------------------ one optimizer step
     def autocast(self):
@@ -129,7 +131,20 @@ class Trainer:
     def next_micro_batch(self) -> MicroBatch:
         return MicroBatch.from_loader(self.train_loader, self.env.device)
 
+    def _step_threads(self) -> int:
+        """Intra-op threads for a CPU step's ops outside moetron's kernels (model/cpu_threads.py); every thread on a
+        GPU, or with --compile (a compiled block bakes its thread count in when it is built)."""
+        threads = torch.get_num_threads()
+        if self.env.device.type != "cpu" or self.cfg.train.compile:
+            return threads
+        rows = self.cfg.train.micro_batch_size * self.seq // self.dims.cp
+        return step_threads(self.model, rows, threads)
+
     def train_step(self) -> StepResult:
+        with body_threads(self.step_threads):
+            return self._train_step()
+
+    def _train_step(self) -> StepResult:
         scale = self.scaler.scale
         stop_flag = StopFlag.start(self.stop, self.mesh, self.env.device)
         lm_loss = self._forward_backward(scale)
@@ -338,7 +353,8 @@ class Trainer:
         if self.make_valid_loader is None or t.eval_iters == 0:
             return None
         # repeatable: each micro-batch's routing draws are keyed by its samples, and training's RNG is untouched
-        result = self.executor.evaluate(self.make_valid_loader(), t.eval_iters * self.num_micro, self.reduce_mean)
+        with body_threads(self.step_threads):
+            result = self.executor.evaluate(self.make_valid_loader(), t.eval_iters * self.num_micro, self.reduce_mean)
         p = self.progress
         record = {
             "iteration": p.iteration,

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from moetron.model.compiled_kernels import compiled_cpu_kernels
+from moetron.model.cpu_threads import on_all_kernel_threads
 
 _HUGE_PAGE = 2 << 20
 # Blocks of at least two huge pages (so that one aligned 2 MiB page lies inside) get the hint: glibc serves blocks
@@ -283,6 +284,7 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
     """
 
     @staticmethod
+    @on_all_kernel_threads
     def forward(ctx, x_ND, w1_EDF, w3_EDF, w2_EFD, counts: list[int], tokens_N: torch.Tensor | None = None):
         ctx.engine = swiglu_engine(x_ND, w1_EDF, w3_EDF, w2_EFD)
         y_ND, ctx.activations, ctx.h_list = ctx.engine.forward(x_ND, w1_EDF, w3_EDF, w2_EFD, counts, tokens_N)
@@ -293,6 +295,7 @@ class ExpertByExpertSwiGLU(torch.autograd.Function):
         return y_ND
 
     @staticmethod
+    @on_all_kernel_threads
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_ND):
         """Zero bubble (`torch.distributed.pipelining`) calls this twice on one graph: once for the input gradient

@@ -168,6 +168,12 @@ class GroupedExperts(nn.Module):
         plain_swiglu = self.w3_EDF is not None and self.b1_EF is None and self.activation is nn.functional.silu
         return plain_swiglu and host_reads_are_free(x_ND.device)
 
+    def runs_expert_kernel_on_cpu(self) -> bool:
+        """Whether a CPU fp32 forward runs `ExpertByExpertSwiGLU` (its threads split the experts,
+        `model/cpu_threads.py`)."""
+        x_0D = torch.empty(0, self.hidden)
+        return self.resolved_backend(x_0D) == "grouped_mm" and self._runs_expert_by_expert(x_0D)
+
     def dense_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The single expert applied to every row ([..., D] -> [..., D]): the dense-MLP form (needs E == 1)."""
         if self.num_experts != 1:
