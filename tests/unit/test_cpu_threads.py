@@ -1,5 +1,5 @@
-"""model/cpu_threads.py: a CPU step's ops outside moetron's kernels on one thread when the model is small, the fused
-head and the expert kernel on every thread the step was started with, the threads given back after the step."""
+"""model/cpu_threads.py, train/step_threads.py: a small model's CPU step runs the ops outside moetron's kernels on
+one thread, the fused head and the expert kernel on every thread the step started with, and gives them back."""
 
 from __future__ import annotations
 
@@ -10,15 +10,9 @@ from trainer_support import build_trainer, tiny_config
 
 from moetron.model import cpu_threads
 from moetron.model import fused_cross_entropy as fce
-from moetron.model.cpu_threads import (
-    MIN_THREADED_GEMM_FLOPS,
-    all_kernel_threads,
-    body_threads,
-    kernel_threads,
-    largest_body_gemm_flops,
-    step_threads,
-)
+from moetron.model.cpu_threads import all_kernel_threads, body_threads, kernel_threads
 from moetron.model.moe.experts import cpu_kernels
+from moetron.train.step_threads import MIN_THREADED_GEMM_FLOPS, largest_body_gemm_flops, step_threads
 
 
 @pytest.fixture

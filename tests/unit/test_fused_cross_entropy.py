@@ -304,8 +304,9 @@ def test_a_thread_per_chunk_while_the_buffers_fit():
     assert cpu_head_workers(768, 128, 50304, threads=2, rows=384) == 2
     assert cpu_head_workers(768, 128, 50304, threads=4, rows=384) == 2  # two chunks: two threads
     assert cpu_head_workers(768, 128, 50304, threads=1, rows=256) == 1
-    # 16 threads' [256, V] chunks and [C, V] parts would take 1.6 GiB at C = 4096: one chunk at a time instead
-    assert cpu_head_workers(8192, 4096, 50304, threads=16, rows=256) == 1
+    # 32 threads' [256, V] chunks would take 1.6 GiB: one chunk at a time instead
+    assert cpu_head_workers(8192, 4096, 50304, threads=32, rows=256) == 1
+    assert cpu_head_workers(8192, 4096, 50304, threads=16, rows=256) == 16
     assert cpu_head_workers(0, 128, 50304, threads=2, rows=256) == 1
 
 
@@ -341,40 +342,46 @@ def test_the_cpp_chunk_loop_computes_the_python_loops_bits_on_one_thread(head_ke
         assert torch.equal(a, b)
 
 
-def test_a_thread_per_chunk_matches_the_plain_head_and_repeats_its_bits(head_kernel):
-    """Two threads, each running whole chunks and summing its own weight-gradient part: the plain head's loss and
-    gradients to fp32 rounding, and the same bits on every run."""
+def test_a_thread_per_chunk_matches_the_plain_head_and_computes_the_one_thread_bits(head_kernel):
+    """Two and three threads, each running whole chunks and then its share of dW's columns (rounds of a chunk per
+    thread, a short last round included): the plain head's loss and gradients to fp32 rounding, and at the same
+    chunk size the same bits as one thread — dW's chunk products are added in chunk order whatever the threads."""
     x, w, labels, mask = inputs(seed=6)
     weights = mask / mask.sum()
     ref = plain_loss(x, w, labels, mask)
     gx, gw = torch.autograd.grad(ref * 8.0, (x, w))
     previous = torch.get_num_threads()
-    torch.set_num_threads(2)
+    runs = {}
     try:
-        assert cpu_head_workers(N, C, V, torch.get_num_threads(), 10) == 2
-        runs = [_fused_grads(x, w, labels, weights, chunk=10) for _ in range(2)]
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert cpu_head_workers(N, C, V, torch.get_num_threads(), 10) == threads
+            runs[threads] = _fused_grads(x, w, labels, weights, chunk=10)
     finally:
         torch.set_num_threads(previous)
-    loss, dx, dw = runs[0]
+    loss, dx, dw = runs[2]
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(dx, gx, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(dw, gw, rtol=1e-5, atol=1e-7)
-    for a, b in zip(*runs, strict=True):
-        assert torch.equal(a, b)
+    for threads in (2, 3):
+        for a, b in zip(runs[threads], runs[1], strict=True):
+            assert torch.equal(a, b)
 
 
-def test_the_chunk_loop_zeroes_the_part_of_a_worker_without_chunks_and_refuses_bad_labels(head_kernel):
+def test_the_chunk_loop_splits_dw_by_columns_for_more_workers_than_chunks_and_refuses_bad_labels(head_kernel):
     x, w, labels, _ = inputs(seed=7)
     weights = torch.full((N,), 1.0 / N)
     buffers = [torch.empty(N, V) for _ in range(3)]
-    parts = [torch.full((C, V), float("nan")) for _ in range(3)]
-    loss = head_kernel.fused_head_forward(x.detach(), w.detach(), labels, weights, 1.0, 20, buffers, None, parts)
-    assert torch.equal(parts[0], torch.zeros(C, V))  # two chunks of 20 rows for three workers: the first has none
+    dw_CV = torch.full((C, V), float("nan"))  # every column written: two chunks of 20 rows, three column shares
+    loss = head_kernel.fused_head_forward(x.detach(), w.detach(), labels, weights, 1.0, 20, buffers, None, dw_CV)
     dw = torch.empty(V, C)
-    head_kernel.sum_parts_transposed(parts, torch.tensor(1.0), dw)
+    head_kernel.transpose_scaled(dw_CV, torch.tensor(1.0), dw)
     gw = torch.autograd.grad(F.cross_entropy(F.linear(x, w), labels), w)[0]
     torch.testing.assert_close(dw, gw, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(loss, F.cross_entropy(F.linear(x, w), labels).detach(), rtol=1e-6, atol=1e-6)
+    empty = torch.full((C, V), float("nan"))  # no rows: a zero gradient
+    head_kernel.fused_head_forward(x[:0].detach(), w.detach(), labels[:0], weights[:0], 1.0, 20, buffers, None, empty)
+    assert torch.equal(empty, torch.zeros(C, V))
     labels[3] = V
     with pytest.raises(RuntimeError, match=f"label {V} of row 3 is outside the vocabulary of {V}"):
-        head_kernel.fused_head_forward(x.detach(), w.detach(), labels, weights, 1.0, 20, buffers, None, parts)
+        head_kernel.fused_head_forward(x.detach(), w.detach(), labels, weights, 1.0, 20, buffers, None, dw_CV)

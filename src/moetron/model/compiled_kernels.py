@@ -4,7 +4,7 @@
     kernels.swiglu_forward / swiglu_backward   # the expert-by-expert SwiGLU (`cpu_kernels.ExpertByExpertSwiGLU`)
     kernels.first_max_column                   # the router's top-1 pick (`first_max_column` below)
     kernels.softmax_gradient_rows              # the fused LM head's softmax (`softmax_gradient_rows` below)
-    kernels.fused_head_forward / sum_parts_transposed   # the fused LM head's fp32 chunks, a thread per chunk
+    kernels.fused_head_forward / transpose_scaled       # the fused LM head's fp32 chunks, a thread per chunk
                                                # (`fused_head_kernels` below, `fused_cross_entropy`)
     kernels.add_rows                           # index_add_ of rows on one thread (`index_add_rows` below)
 
@@ -191,7 +191,7 @@ def softmax_gradient_rows(logits_MV: torch.Tensor, labels_M: torch.Tensor) -> tu
 
 def fused_head_kernels(*tensors: torch.Tensor) -> ModuleType | None:
     """The kernel module, for the fused LM head's fp32 CPU forward over these tensors (`csrc/fused_head.cpp`:
-    `fused_head_forward`, `sum_parts_transposed`); None where the kernels are not available, for another kind of
+    `fused_head_forward`, `transpose_scaled`); None where the kernels are not available, for another kind of
     tensor (a subclass, another dtype or device) and under torch.compile: the caller runs its Python loop then."""
     if torch.compiler.is_compiling():
         return None

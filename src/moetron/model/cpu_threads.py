@@ -7,9 +7,9 @@ also splits GEMMs below ~100 MFLOP badly (`[768, 128] @ [128, 256]`: 0.57 ms on 
 and 0.87 ms of CPU on two; `[768, 8] @ [8, 128]`: 30 µs against 150). The kernels that split whole units of work
 over the threads — the fused head's chunks (`csrc/fused_head.cpp`), the experts (`csrc/expert_by_expert_swiglu.cpp`)
 — open one region per call and do gain. So `body_threads` runs a training step's other ops at one thread when the
-model's largest GEMM outside those kernels is below `MIN_THREADED_GEMM_FLOPS`, and `kernel_threads` gives the
-kernels every thread the step was started with (Mixtral-shaped 4 × 128-wide layers, 8 experts, 768 tokens, two
-threads: 0.79x the CPU time and 0.85x the wall clock of a step, benchmarks/RESULTS.md).
+model's largest GEMM outside those kernels is small (the trainer's rule: `train/step_threads.py`), and
+`all_kernel_threads` gives the kernels every thread the step was started with. Mixtral-shaped, 4 layers 128 wide,
+8 experts, 768 tokens, two threads: 0.84x the CPU time and 0.79x the wall clock of a step (benchmarks/RESULTS.md).
 
 Thread counts are the calling thread's (OpenMP's and MKL's settings are per thread) and autograd runs a CPU
 backward on the thread that called it, so the kernels' backward passes see the same settings as their forward.
@@ -22,11 +22,6 @@ import functools
 from collections.abc import Callable, Iterator
 
 import torch
-from torch import nn
-
-# the smallest GEMM (2·M·K·N FLOPs) whose MKL split over two threads pays on this project's 2-core machine: 768 ×
-# 128 × 512 (100 MFLOP) takes 0.61x the wall clock at 1.07x the CPU, 768 × 128 × 256 (50 MFLOP) 1.12x at 1.53x
-MIN_THREADED_GEMM_FLOPS = 96e6
 
 _kernel_threads: int | None = None  # while `body_threads` runs the ops at fewer: the threads the kernels get
 
@@ -81,36 +76,3 @@ def on_all_kernel_threads(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
 
     return run
-
-
-def step_threads(model: nn.Module, rows: int, threads: int) -> int:
-    """Intra-op threads for a CPU training step's ops outside moetron's kernels: `threads` when the model's largest
-    such GEMM on `rows` rows (a micro-batch's tokens) has at least MIN_THREADED_GEMM_FLOPS, else 1."""
-    if threads <= 1:
-        return threads
-    return threads if largest_body_gemm_flops(model, rows) >= MIN_THREADED_GEMM_FLOPS else 1
-
-
-def largest_body_gemm_flops(model: nn.Module, rows: int) -> float:
-    """FLOPs of the largest GEMM a forward on `rows` rows runs through ATen rather than moetron's kernels: the
-    linear layers but the output layer (the fused head's), and experts the expert kernel does not run (GELU or
-    biased experts: a GEMM per expert of its share of the routed rows)."""
-    from moetron.model.moe.experts.grouped import GroupedExperts
-    from moetron.model.moe.routing.router import Router
-
-    topk = max((m.topk for m in model.modules() if isinstance(m, Router)), default=1)
-    largest = 0.0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and not name.endswith("output_layer"):
-            out_features, in_features = _local_shape(module.weight)
-            largest = max(largest, 2.0 * rows * in_features * out_features)
-        elif isinstance(module, GroupedExperts) and not module.runs_expert_kernel_on_cpu():
-            expert_rows = rows * (topk if module.num_global_experts > 1 else 1) / module.num_global_experts
-            _, hidden, ffn = _local_shape(module.w1_EDF)
-            largest = max(largest, 2.0 * expert_rows * hidden * ffn)
-    return largest
-
-
-def _local_shape(weight: torch.Tensor) -> tuple[int, ...]:
-    """This rank's shape of a weight (a tensor-parallel DTensor's local shard)."""
-    return tuple(getattr(weight, "_local_tensor", weight).shape)

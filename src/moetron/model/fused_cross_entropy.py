@@ -25,9 +25,9 @@ logit instead of two: the chunk becomes exp(x − max) − Σ·one-hot = Σ · (
 joins the row factor (weight · grad_scale / Σ) that already scales the [M, C] side of the gradient GEMMs. Elsewhere
 (GPU, no compiler) log_softmax, exp_ and the one-hot subtraction run in place; the two agree to fp32 rounding.
 There, in fp32, the whole chunk loop runs in C++ (`csrc/fused_head.cpp`) with a thread per chunk rather than every
-thread in each of its GEMMs (`cpu_head_workers`): each thread accumulates dW over its own chunks, and the backward
-sums the threads' parts in the pass that writes dW back as [V, C]. One thread computes the Python loop's bits; at
-W threads the weight gradient is the sum of W partial sums, the same for every run at W threads.
+thread in each of its GEMMs (`cpu_head_workers`), in rounds of a chunk per thread, each thread then writing its share
+of dW's columns from the round's chunks. dW is the chunks' products added in chunk order at any thread count, so at
+the same chunk size every thread count computes the Python loop's bits.
 
 Shape legend: N tokens, C hidden size, V (padded) vocabulary, M tokens per chunk.
 """
@@ -50,8 +50,8 @@ from moetron.model.gradient_memory import GRADIENT_MEMORY, leave_for_lookup, loo
 # cost 45% more CPU than at one, and a training step was 24% slower than with 256 rows (benchmarks/e2e.py, RESULTS).
 # GPU: the chunk's logits are about as large as the whole input x_NC (Liger-Kernel's rule: ⌈V / C⌉ chunks), at
 # least 1024 rows, so the GEMMs stay large while the memory stays O(N·C).
-# CPU, several threads (csrc/fused_head.cpp): a thread per chunk holds a chunk buffer and a [C, V] weight-gradient
-# part of its own; at most this much of them at once, else one chunk at a time with every thread in its GEMMs.
+# CPU, several threads (csrc/fused_head.cpp): a thread per chunk holds a chunk buffer of its own; at most this much
+# of them at once, else one chunk at a time with every thread in its GEMMs.
 CPU_CHUNK_BYTES = 8 * 2**20
 CPU_WORKER_BYTES = 2**30
 SOFTMAX_BLOCK_BYTES = 2 * 2**20
@@ -74,10 +74,10 @@ def chunk_tokens(num_tokens: int, hidden: int, vocab: int, device: torch.device,
 
 def cpu_head_workers(num_tokens: int, hidden: int, vocab: int, threads: int, rows: int) -> int:
     """Threads that run whole chunks of `rows` rows each on CPU (csrc/fused_head.cpp): every intra-op thread while
-    each has a chunk and their chunk buffers and weight-gradient parts fit in CPU_WORKER_BYTES, else 1 (one chunk at
-    a time, every thread in its GEMMs)."""
+    each has a chunk and their chunk buffers fit in CPU_WORKER_BYTES, else 1 (one chunk at a time, every thread in
+    its GEMMs)."""
     workers = min(threads, -(-num_tokens // rows)) if num_tokens else 1
-    if workers > 1 and workers * (min(rows, num_tokens) + hidden) * vocab * 4 > CPU_WORKER_BYTES:
+    if workers > 1 and workers * min(rows, num_tokens) * vocab * 4 > CPU_WORKER_BYTES:
         return 1
     return max(1, workers)
 
@@ -162,7 +162,7 @@ class CpuBufferPool:
         return torch.empty(shape, dtype=dtype)
 
     def keep_at_least(self, count: int) -> None:
-        """Keep up to `count` free buffers (a thread per chunk takes two per thread: its chunk and its part)."""
+        """Keep up to `count` free buffers (a thread per chunk takes one per thread, and one for dW)."""
         self.keep = max(self.keep, count)
 
     def give(self, buffer: torch.Tensor) -> None:
@@ -249,7 +249,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             if low:
                 BUFFERS.give(probs_buf)
         # not save_for_backward: these are scaled once, in the backward
-        ctx.grads = (dx_NC, None if dw_CV is None else [dw_CV])
+        ctx.grads = (dx_NC, dw_CV)
         return loss
 
     @staticmethod
@@ -257,20 +257,19 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         if ctx.grads is None:
             raise RuntimeError("the fused LM-head cross-entropy supports one backward per forward (no retain_graph)")
-        (dx_NC, parts_CV), ctx.grads = ctx.grads, None
+        (dx_NC, dw_CV), ctx.grads = ctx.grads, None
         x_dtype, w_dtype = ctx.input_dtypes
         ratio = grad_loss / ctx.grad_scale  # exactly 1.0 when the announced scale held
         dx = None if dx_NC is None else dx_NC.mul_(ratio.to(dx_NC.dtype)).to(x_dtype)
         dw = None
-        if parts_CV:  # [C, V] back to the weight's [V, C] (the threads' parts summed), scaled in the same pass
-            dw = GRADIENT_MEMORY.take(parts_CV[0].shape[::-1], w_dtype, parts_CV[0].device)
-            kernels = fused_head_kernels(*parts_CV, dw)
+        if dw_CV is not None:  # [C, V] back to the weight's [V, C], scaled in the same pass
+            dw = GRADIENT_MEMORY.take(dw_CV.shape[::-1], w_dtype, dw_CV.device)
+            kernels = fused_head_kernels(dw_CV, dw)
             if kernels is not None:
-                kernels.sum_parts_transposed(parts_CV, ratio.float(), dw)
+                kernels.transpose_scaled(dw_CV, ratio.float(), dw)
             else:
-                torch.mul(parts_CV[0].T, ratio, out=dw)
-            for part in parts_CV:
-                BUFFERS.give(part)
+                torch.mul(dw_CV.T, ratio, out=dw)
+            BUFFERS.give(dw_CV)
             leave_for_lookup(ctx.lookup_slot, dw)
         return dx, dw, None, None, None, None
 
@@ -281,10 +280,10 @@ def _forward_threads(ctx, kernels, x_NC, w_VC, labels_N, weight_N, chunk: int, g
     num_tokens, hidden = x_NC.shape
     vocab = w_VC.shape[0]
     workers = cpu_head_workers(num_tokens, hidden, vocab, torch.get_num_threads(), chunk)
-    BUFFERS.keep_at_least(2 * workers)
+    BUFFERS.keep_at_least(workers + 1)
     rows = min(chunk, num_tokens) or 1
     logits = [BUFFERS.take((rows, vocab), torch.float32, x_NC.device) for _ in range(workers)]
-    parts = [BUFFERS.take((hidden, vocab), torch.float32, x_NC.device) for _ in range(workers)] if needs_dw else []
+    dw_CV = BUFFERS.take((hidden, vocab), torch.float32, x_NC.device) if needs_dw else None
     dx_NC = torch.empty_like(x_NC, memory_format=torch.contiguous_format) if needs_dx else None
     try:
         loss = kernels.fused_head_forward(
@@ -296,12 +295,12 @@ def _forward_threads(ctx, kernels, x_NC, w_VC, labels_N, weight_N, chunk: int, g
             chunk,
             logits,
             dx_NC,
-            parts,
+            dw_CV,
         )
     finally:
         for buffer in logits:
             BUFFERS.give(buffer)
-    ctx.grads = (dx_NC, parts or None)
+    ctx.grads = (dx_NC, dw_CV)
     return loss
 
 

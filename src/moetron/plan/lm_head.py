@@ -3,7 +3,7 @@ materialised `[T, V]` logits.
 
 Fused (`model/fused_cross_entropy.py`): the head's forward holds one chunk of M rows at a time — the logits in the
 compute dtype, their fp32 log-softmax (and, in bf16/fp16, the fp32 copy of the logits it reads); on CPU in fp32
-one chunk per thread and a [h, V] weight-gradient part per thread beyond the first (`loss_workers`) — and writes dX
+one chunk per thread (`loss_workers`) — and writes dX
 `[T, h]` in the compute dtype; dW `[V, h]` fp32 becomes the head's gradient, which the plan already counts as the
 gradient present at the start of backward. Nothing of size T·V is ever alive, so accumulation holds no previous
 micro-batch's logits either. Plain: logits, fp32 log-softmax and both gradients, 16 B per token and vocabulary
@@ -49,7 +49,7 @@ def loss_rows(cfg: RunConfig, device_kind: str, dims: ParallelDims | None = None
 
 def loss_workers(cfg: RunConfig, compute_bytes: int, device_kind: str, dims: ParallelDims | None = None) -> int:
     """Chunks of the fused head alive at once: on CPU in fp32 one per thread (`cpu_head_workers`: each thread runs
-    whole chunks, with a [h, V] weight-gradient part of its own), else 1."""
+    whole chunks), else 1."""
     if device_kind != "cpu" or compute_bytes != 4 or not fused(cfg, dims):
         return 1
     m = cfg.model
@@ -74,7 +74,7 @@ def lm_loss_bytes(
     fp32_copy = 4 if compute_bytes != 4 else 0
     workers = loss_workers(cfg, compute_bytes, device_kind, dims)
     chunks = workers * rows * vocab * (compute_bytes + 4 + fp32_copy)
-    return chunks + (workers - 1) * m.hidden_size * vocab * 4 + tokens * m.hidden_size * compute_bytes
+    return chunks + tokens * m.hidden_size * compute_bytes
 
 
 def describe(cfg: RunConfig, device_kind: str, dims: ParallelDims | None = None) -> str:

@@ -32,7 +32,7 @@ from moetron.checkpoint.async_save import AsyncCheckpointer
 from moetron.config import RunConfig
 from moetron.errors import UserError
 from moetron.fileio import write_atomic
-from moetron.model.cpu_threads import body_threads, step_threads
+from moetron.model.cpu_threads import body_threads
 from moetron.model.flops import flops_per_token, megatron_tflops, mfu, peak_tflops
 from moetron.model.rng import STREAMS
 from moetron.parallel.env import DistEnv
@@ -49,6 +49,7 @@ from moetron.train.reduce import mean_over
 from moetron.train.routing_health import ROUTING_COUNTS_FILE, RoutingHealth, routing_counts_record
 from moetron.train.schedule import LRScheduler, build_schedule_spec, finished_schedule_warning
 from moetron.train.signals import StopFlag, StopSignal
+from moetron.train.step_threads import step_threads
 
 
 @dataclasses.dataclass

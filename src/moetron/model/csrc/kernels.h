@@ -35,8 +35,8 @@ void softmax_gradient_row(float* row, int64_t V, int64_t label, float* label_log
 // fused_head.cpp
 Tensor fused_head_forward(const Tensor& x, const Tensor& w, const Tensor& labels, const Tensor& weights,
                           double grad_scale, int64_t rows, const std::vector<Tensor>& logits_buffers,
-                          const std::optional<Tensor>& grad_x, const std::vector<Tensor>& weight_grad_parts);
-void sum_parts_transposed(const std::vector<Tensor>& parts, const Tensor& ratio, Tensor& out);
+                          const std::optional<Tensor>& grad_x, const std::optional<Tensor>& weight_grad);
+void transpose_scaled(const Tensor& dw_CV, const Tensor& ratio, Tensor& out);
 
 // add_rows.cpp
 void add_rows(Tensor& out, const Tensor& index, const Tensor& src);

@@ -11,6 +11,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("first_max_column", &moetron_cpu::first_max_column, no_gil);
   m.def("softmax_gradient_rows", &moetron_cpu::softmax_gradient_rows, no_gil);
   m.def("fused_head_forward", &moetron_cpu::fused_head_forward, no_gil);
-  m.def("sum_parts_transposed", &moetron_cpu::sum_parts_transposed, no_gil);
+  m.def("transpose_scaled", &moetron_cpu::transpose_scaled, no_gil);
   m.def("add_rows", &moetron_cpu::add_rows, no_gil);
 }
