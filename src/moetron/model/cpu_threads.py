@@ -8,8 +8,9 @@ and 0.87 ms of CPU on two; `[768, 8] @ [8, 128]`: 30 µs against 150). The kerne
 over the threads — the fused head's chunks (`csrc/fused_head.cpp`), the experts (`csrc/expert_by_expert_swiglu.cpp`)
 — open one region per call and do gain. So `body_threads` runs a training step's other ops at one thread when the
 model's largest GEMM outside those kernels is small (the trainer's rule: `train/step_threads.py`), and
-`all_kernel_threads` gives the kernels every thread the step was started with. Mixtral-shaped, 4 layers 128 wide,
-8 experts, 768 tokens, two threads: 0.84x the CPU time and 0.79x the wall clock of a step (benchmarks/RESULTS.md).
+`all_kernel_threads` gives the kernels every thread the step was started with, as `fence_on_all_kernel_threads`
+does for a layer whose GEMM is large enough to split (a dense MLP's). Mixtral-shaped, 4 layers 128 wide, 8 experts,
+768 tokens, two threads: 0.84x the CPU time and 0.79x the wall clock of a step (benchmarks/RESULTS.md).
 
 Thread counts are the calling thread's (OpenMP's and MKL's settings are per thread) and autograd runs a CPU
 backward on the thread that called it, so the kernels' backward passes see the same settings as their forward.
@@ -22,6 +23,8 @@ import functools
 from collections.abc import Callable, Iterator
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 _kernel_threads: int | None = None  # while `body_threads` runs the ops at fewer: the threads the kernels get
 
@@ -76,3 +79,55 @@ def on_all_kernel_threads(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
 
     return run
+
+
+def fence_on_all_kernel_threads(module: nn.Module) -> list[RemovableHandle]:
+    """Run `module` (one whose GEMM splits well over the threads) forward and backward at every thread while
+    `body_threads` runs the ops around it at fewer: hooks set the threads around its forward, and identity autograd
+    nodes on its input and output set them around its backward (autograd runs a CPU backward on the calling thread,
+    and reaches the output's node just before the module's own nodes and the input's just after). The values are
+    the module's own at that thread count. Only a plain tensor input that needs its gradient is fenced for the
+    backward: the input's node is what gives the threads back. Returns the hooks' handles."""
+    return [
+        module.register_forward_pre_hook(_enter_fence),
+        module.register_forward_hook(_leave_fence),
+    ]
+
+
+def _enter_fence(module: nn.Module, args: tuple) -> tuple | None:
+    module._fence = None  # type: ignore[attr-defined]  # (the body's threads, input fenced for the backward)
+    if _kernel_threads is None or torch.compiler.is_compiling() or not args or type(args[0]) is not torch.Tensor:
+        return None
+    body = torch.get_num_threads()
+    fenced_input = torch.is_grad_enabled() and args[0].requires_grad
+    module._fence = (body, fenced_input)  # type: ignore[attr-defined]
+    torch.set_num_threads(_kernel_threads)
+    if not fenced_input:
+        return None
+    return (_ThreadsInBackward.apply(args[0], body),) + args[1:]
+
+
+def _leave_fence(module: nn.Module, args: tuple, output: object) -> object:
+    if module._fence is None:  # type: ignore[attr-defined]
+        return None
+    body, fenced_input = module._fence  # type: ignore[attr-defined]
+    module._fence = None  # type: ignore[attr-defined]
+    kernel = torch.get_num_threads()
+    torch.set_num_threads(body)
+    if not fenced_input or type(output) is not torch.Tensor:
+        return None  # nothing would give the threads back after the module's backward
+    return _ThreadsInBackward.apply(output, kernel)
+
+
+class _ThreadsInBackward(torch.autograd.Function):
+    """Identity; its backward sets `threads` intra-op threads before the gradient flows on."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, threads: int) -> torch.Tensor:
+        ctx.threads = threads
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        torch.set_num_threads(ctx.threads)
+        return grad, None

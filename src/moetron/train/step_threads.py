@@ -1,5 +1,5 @@
-"""How many intra-op threads a CPU training step gives the ops outside moetron's kernels (`model/cpu_threads.py`:
-why, and how the kernels keep every thread)."""
+"""How many intra-op threads a CPU training step gives the ops outside moetron's kernels, and which layers get every
+thread back (`model/cpu_threads.py`: why, and how)."""
 
 from __future__ import annotations
 
@@ -12,31 +12,38 @@ from moetron.model.moe.routing.router import Router
 # the smallest GEMM (2·M·K·N FLOPs) whose MKL split over two threads pays on this project's 2-core machine: 768 ×
 # 128 × 512 (100 MFLOP) takes 0.61x the wall clock at 1.07x the CPU, 768 × 128 × 256 (50 MFLOP) 1.12x at 1.53x
 MIN_THREADED_GEMM_FLOPS = 96e6
+# the smallest activations (rows × hidden) whose element-wise ops pay for waking a second thread: layer_norm + GELU +
+# residual add, forward and backward, take 1.50x the wall clock (1.67x the CPU) on two threads at [768, 128],
+# 0.85x (1.21x) at [1536, 128], 0.59x (0.89x) at [3072, 128] (`OMP_WAIT_POLICY=PASSIVE`)
+MIN_THREADED_BODY_ELEMENTS = 2**17
 
 
-def step_threads(model: nn.Module, rows: int, threads: int) -> int:
-    """Intra-op threads for a CPU training step's ops outside moetron's kernels: `threads` when the model's largest
-    such GEMM on `rows` rows (a micro-batch's tokens) has at least MIN_THREADED_GEMM_FLOPS, else 1."""
-    if threads <= 1:
-        return threads
-    return threads if largest_body_gemm_flops(model, rows) >= MIN_THREADED_GEMM_FLOPS else 1
+def step_threads(rows: int, hidden_size: int, threads: int) -> int:
+    """Intra-op threads for a CPU training step's ops outside moetron's kernels: 1 when a micro-batch's activations
+    (`rows` tokens × `hidden_size`) are below MIN_THREADED_BODY_ELEMENTS, else `threads`."""
+    return 1 if rows * hidden_size < MIN_THREADED_BODY_ELEMENTS else threads
 
 
-def largest_body_gemm_flops(model: nn.Module, rows: int) -> float:
-    """FLOPs of the largest GEMM a forward on `rows` rows runs through ATen rather than moetron's kernels: the
-    linear layers but the output layer (the fused head's), and experts the expert kernel does not run (GELU or
-    biased experts: a GEMM per expert of its share of the routed rows)."""
+def threaded_gemm_layers(model: nn.Module, rows: int) -> list[nn.Module]:
+    """The layers whose GEMM on `rows` rows (a micro-batch's tokens) splits well over the threads (at least
+    MIN_THREADED_GEMM_FLOPS) and runs through ATen rather than moetron's kernels: linear layers but the output layer
+    (the fused head's), and experts the expert kernel does not run (GELU or biased experts: a GEMM per expert of its
+    share of the routed rows). A step on fewer threads runs them on every thread (`fence_on_all_kernel_threads`)."""
     topk = max((m.topk for m in model.modules() if isinstance(m, Router)), default=1)
-    largest = 0.0
+    layers = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and not name.endswith("output_layer"):
             out_features, in_features = _local_shape(module.weight)
-            largest = max(largest, 2.0 * rows * in_features * out_features)
+            flops = 2.0 * rows * in_features * out_features
         elif isinstance(module, GroupedExperts) and not module.runs_expert_kernel_on_cpu():
             expert_rows = rows * (topk if module.num_global_experts > 1 else 1) / module.num_global_experts
             _, hidden, ffn = _local_shape(module.w1_EDF)
-            largest = max(largest, 2.0 * expert_rows * hidden * ffn)
-    return largest
+            flops = 2.0 * expert_rows * hidden * ffn
+        else:
+            continue
+        if flops >= MIN_THREADED_GEMM_FLOPS:
+            layers.append(module)
+    return layers
 
 
 def _local_shape(weight: torch.Tensor) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ from moetron.checkpoint.async_save import AsyncCheckpointer
 from moetron.config import RunConfig
 from moetron.errors import UserError
 from moetron.fileio import write_atomic
-from moetron.model.cpu_threads import body_threads
+from moetron.model.cpu_threads import body_threads, fence_on_all_kernel_threads
 from moetron.model.flops import flops_per_token, megatron_tflops, mfu, peak_tflops
 from moetron.model.rng import STREAMS
 from moetron.parallel.env import DistEnv
@@ -49,7 +49,7 @@ from moetron.train.reduce import mean_over
 from moetron.train.routing_health import ROUTING_COUNTS_FILE, RoutingHealth, routing_counts_record
 from moetron.train.schedule import LRScheduler, build_schedule_spec, finished_schedule_warning
 from moetron.train.signals import StopFlag, StopSignal
-from moetron.train.step_threads import step_threads
+from moetron.train.step_threads import step_threads, threaded_gemm_layers
 
 
 @dataclasses.dataclass
@@ -134,12 +134,17 @@ class Trainer:
 
     def _step_threads(self) -> int:
         """Intra-op threads for a CPU step's ops outside moetron's kernels (model/cpu_threads.py); every thread on a
-        GPU, or with --compile (a compiled block bakes its thread count in when it is built)."""
+        GPU, or with --compile (a compiled block bakes its thread count in when it is built). With fewer, the layers
+        whose GEMMs split well still run on every thread."""
         threads = torch.get_num_threads()
         if self.env.device.type != "cpu" or self.cfg.train.compile:
             return threads
         rows = self.cfg.train.micro_batch_size * self.seq // self.dims.cp
-        return step_threads(self.model, rows, threads)
+        body = step_threads(rows, self.cfg.model.hidden_size, threads)
+        if body < threads:
+            for layer in threaded_gemm_layers(self.model, rows):
+                fence_on_all_kernel_threads(layer)
+        return body
 
     def train_step(self) -> StepResult:
         with body_threads(self.step_threads):
