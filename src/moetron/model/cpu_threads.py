@@ -6,11 +6,12 @@ is hundreds of such ops of tens of microseconds each, and the wake-ups cost more
 also splits GEMMs below ~100 MFLOP badly (`[768, 128] @ [128, 256]`: 0.57 ms on one thread, 0.64 ms of wall clock
 and 0.87 ms of CPU on two; `[768, 8] @ [8, 128]`: 30 µs against 150). The kernels that split whole units of work
 over the threads — the fused head's chunks (`csrc/fused_head.cpp`), the experts (`csrc/expert_by_expert_swiglu.cpp`)
-— open one region per call and do gain. So `body_threads` runs a training step's other ops at one thread when the
-model's largest GEMM outside those kernels is small (the trainer's rule: `train/step_threads.py`), and
-`all_kernel_threads` gives the kernels every thread the step was started with, as `fence_on_all_kernel_threads`
-does for a layer whose GEMM is large enough to split (a dense MLP's). Mixtral-shaped, 4 layers 128 wide, 8 experts,
-768 tokens, two threads: 0.84x the CPU time and 0.79x the wall clock of a step (benchmarks/RESULTS.md).
+— open one region per call and do gain. So `body_threads` runs a training step's other ops at one thread when its
+activations are small (the trainer's rule: `train/step_threads.py`), `all_kernel_threads` gives the kernels every
+thread the step was started with, and `fence_on_all_kernel_threads` does the same for a layer whose GEMM is large
+enough to split (a dense MLP's 768 × 128 × 512). Two threads, 4 layers 128 wide, 768 tokens: Mixtral-shaped (8
+experts) 0.84x the CPU time and 0.79x the wall clock of a step on every thread; dense with its MLPs fenced 0.93x
+and 0.97x (benchmarks/RESULTS.md).
 
 Thread counts are the calling thread's (OpenMP's and MKL's settings are per thread) and autograd runs a CPU
 backward on the thread that called it, so the kernels' backward passes see the same settings as their forward.
