@@ -89,35 +89,27 @@ def fence_on_all_kernel_threads(module: nn.Module) -> list[RemovableHandle]:
     and reaches the output's node just before the module's own nodes and the input's just after). The values are
     the module's own at that thread count. Only a plain tensor input that needs its gradient is fenced for the
     backward: the input's node is what gives the threads back. Returns the hooks' handles."""
-    return [
-        module.register_forward_pre_hook(_enter_fence),
-        module.register_forward_hook(_leave_fence),
-    ]
+    fence: list[tuple[int, bool]] = []  # while the module's forward runs: (the body's threads, input fenced)
 
+    def enter(module: nn.Module, args: tuple) -> tuple | None:
+        fence.clear()
+        if _kernel_threads is None or torch.compiler.is_compiling() or not args or type(args[0]) is not torch.Tensor:
+            return None
+        body, fenced_input = torch.get_num_threads(), torch.is_grad_enabled() and args[0].requires_grad
+        fence.append((body, fenced_input))
+        torch.set_num_threads(_kernel_threads)
+        return (_ThreadsInBackward.apply(args[0], body),) + args[1:] if fenced_input else None
 
-def _enter_fence(module: nn.Module, args: tuple) -> tuple | None:
-    module._fence = None  # type: ignore[attr-defined]  # (the body's threads, input fenced for the backward)
-    if _kernel_threads is None or torch.compiler.is_compiling() or not args or type(args[0]) is not torch.Tensor:
-        return None
-    body = torch.get_num_threads()
-    fenced_input = torch.is_grad_enabled() and args[0].requires_grad
-    module._fence = (body, fenced_input)  # type: ignore[attr-defined]
-    torch.set_num_threads(_kernel_threads)
-    if not fenced_input:
-        return None
-    return (_ThreadsInBackward.apply(args[0], body),) + args[1:]
+    def leave(module: nn.Module, args: tuple, output: object) -> object:
+        if not fence:
+            return None
+        (body, fenced_input), kernel = fence.pop(), torch.get_num_threads()
+        torch.set_num_threads(body)
+        if not fenced_input or type(output) is not torch.Tensor:
+            return None  # nothing would give the threads back after the module's backward
+        return _ThreadsInBackward.apply(output, kernel)
 
-
-def _leave_fence(module: nn.Module, args: tuple, output: object) -> object:
-    if module._fence is None:  # type: ignore[attr-defined]
-        return None
-    body, fenced_input = module._fence  # type: ignore[attr-defined]
-    module._fence = None  # type: ignore[attr-defined]
-    kernel = torch.get_num_threads()
-    torch.set_num_threads(body)
-    if not fenced_input or type(output) is not torch.Tensor:
-        return None  # nothing would give the threads back after the module's backward
-    return _ThreadsInBackward.apply(output, kernel)
+    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
 
 
 class _ThreadsInBackward(torch.autograd.Function):
