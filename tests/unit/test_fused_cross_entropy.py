@@ -37,8 +37,17 @@ def plain_loss(x, w, labels, mask):
     return (losses * mask).sum() / mask.sum()
 
 
+@pytest.fixture(params=[False, True], ids=["dw_CV", "dw_VC"])
+def dw_layout(request, monkeypatch):
+    """Both layouts of the head's dW accumulation, whichever this CPU would pick (`weight_grad_as_rows`)."""
+    from moetron.model import fused_cross_entropy
+
+    monkeypatch.setattr(fused_cross_entropy, "weight_grad_as_rows", lambda device: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("chunk", [1, 8, 10, N, 64])
-def test_loss_and_gradients_match_the_plain_head(chunk):
+def test_loss_and_gradients_match_the_plain_head(chunk, dw_layout):
     x, w, labels, mask = inputs()
     ref = plain_loss(x, w, labels, mask)
     ref.backward()
@@ -68,7 +77,7 @@ def test_row_weights_and_grad_scale_folded_into_the_gemms_match_the_plain_head()
         assert torch.equal(x.grad[:5], torch.zeros(5, C)) and w.grad.is_contiguous()
 
 
-def test_bf16_gradients_are_as_close_to_exact_as_the_logits_path():
+def test_bf16_gradients_are_as_close_to_exact_as_the_logits_path(dw_layout):
     """bf16: the row factor is applied in fp32 while the gradient is cast (one pass), dW accumulates in fp32."""
     x, w, labels, mask = inputs(5)
     exact = plain_loss(x.double(), w.double(), labels, mask.double())
@@ -103,7 +112,7 @@ def test_buffers_are_reused_only_once_given_back_and_at_most_keep_are_kept():
     assert pool.take((3, 4), torch.float32, cpu) is not a  # the oldest was dropped beyond `keep`
 
 
-def test_two_heads_in_flight_on_one_weight_keep_their_own_gradients():
+def test_two_heads_in_flight_on_one_weight_keep_their_own_gradients(dw_layout):
     """Two forwards before one backward (e.g. the LM head and an MTP head sharing it): the pooled weight-gradient
     buffer of the first is not the second's."""
     x, w, labels, mask = inputs(6)
@@ -328,9 +337,17 @@ def head_kernel():
     return compiled_kernels.compiled_cpu_kernels()
 
 
-def test_the_cpp_chunk_loop_computes_the_python_loops_bits_on_one_thread(head_kernel, monkeypatch):
+def test_weight_grad_layout_follows_the_cpu():
+    from moetron.model import fused_cross_entropy
+
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    assert fused_cross_entropy.weight_grad_as_rows(torch.device("cpu")) is not avx512
+    assert fused_cross_entropy.weight_grad_as_rows(torch.device("cuda")) is False
+
+
+def test_the_cpp_chunk_loop_computes_the_python_loops_bits_on_one_thread(head_kernel, dw_layout, monkeypatch):
     """One worker: the same ATen and BLAS calls in the same order as the Python loop (with the softmax kernel), at a
-    loss scale, with row weights and a short last chunk — bit for bit."""
+    loss scale, with row weights and a short last chunk — bit for bit, in either layout of dW."""
     from moetron.model import fused_cross_entropy
 
     x, w, labels, mask = inputs(seed=5)
@@ -342,7 +359,7 @@ def test_the_cpp_chunk_loop_computes_the_python_loops_bits_on_one_thread(head_ke
         assert torch.equal(a, b)
 
 
-def test_a_thread_per_chunk_matches_the_plain_head_and_computes_the_one_thread_bits(head_kernel):
+def test_a_thread_per_chunk_matches_the_plain_head_and_computes_the_one_thread_bits(head_kernel, dw_layout):
     """Two and three threads, each running whole chunks and then its share of dW's columns (rounds of a chunk per
     thread, a short last round included): the plain head's loss and gradients to fp32 rounding, and at the same
     chunk size the same bits as one thread — dW's chunk products are added in chunk order whatever the threads."""
@@ -368,20 +385,30 @@ def test_a_thread_per_chunk_matches_the_plain_head_and_computes_the_one_thread_b
             assert torch.equal(a, b)
 
 
-def test_the_chunk_loop_splits_dw_by_columns_for_more_workers_than_chunks_and_refuses_bad_labels(head_kernel):
+@pytest.mark.parametrize("as_rows", [False, True])
+def test_the_chunk_loop_splits_dw_by_vocabulary_for_more_workers_than_chunks_and_refuses_bad_labels(
+    head_kernel, as_rows
+):
+    """Both layouts of dW (`weight_grad_as_rows`): [V, C] by rows, [C, V] by columns, written back transposed."""
     x, w, labels, _ = inputs(seed=7)
     weights = torch.full((N,), 1.0 / N)
     buffers = [torch.empty(N, V) for _ in range(3)]
-    dw_CV = torch.full((C, V), float("nan"))  # every column written: two chunks of 20 rows, three column shares
-    loss = head_kernel.fused_head_forward(x.detach(), w.detach(), labels, weights, 1.0, 20, buffers, None, dw_CV)
-    dw = torch.empty(V, C)
-    head_kernel.transpose_scaled(dw_CV, torch.tensor(1.0), dw)
+    shape = (V, C) if as_rows else (C, V)
+    dw_buffer = torch.full(shape, float("nan"))  # every row/column written: two chunks of 20 rows, three shares
+    forward = head_kernel.fused_head_forward
+    loss = forward(x.detach(), w.detach(), labels, weights, 1.0, 20, buffers, None, dw_buffer, as_rows)
+    dw = dw_buffer
+    if not as_rows:
+        dw = torch.empty(V, C)
+        head_kernel.transpose_scaled(dw_buffer, torch.tensor(1.0), dw)
     gw = torch.autograd.grad(F.cross_entropy(F.linear(x, w), labels), w)[0]
     torch.testing.assert_close(dw, gw, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(loss, F.cross_entropy(F.linear(x, w), labels).detach(), rtol=1e-6, atol=1e-6)
-    empty = torch.full((C, V), float("nan"))  # no rows: a zero gradient
-    head_kernel.fused_head_forward(x[:0].detach(), w.detach(), labels[:0], weights[:0], 1.0, 20, buffers, None, empty)
-    assert torch.equal(empty, torch.zeros(C, V))
+    empty = torch.full(shape, float("nan"))  # no rows: a zero gradient
+    forward(x[:0].detach(), w.detach(), labels[:0], weights[:0], 1.0, 20, buffers, None, empty, as_rows)
+    assert torch.equal(empty, torch.zeros(shape))
+    with pytest.raises(RuntimeError, match="the weight gradient must be a contiguous float32"):
+        forward(x.detach(), w.detach(), labels, weights, 1.0, 20, buffers, None, dw_buffer, not as_rows)
     labels[3] = V
     with pytest.raises(RuntimeError, match=f"label {V} of row 3 is outside the vocabulary of {V}"):
-        head_kernel.fused_head_forward(x.detach(), w.detach(), labels, weights, 1.0, 20, buffers, None, dw_CV)
+        forward(x.detach(), w.detach(), labels, weights, 1.0, 20, buffers, None, dw_buffer, as_rows)

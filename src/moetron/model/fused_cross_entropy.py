@@ -26,7 +26,7 @@ joins the row factor (weight · grad_scale / Σ) that already scales the [M, C] 
 (GPU, no compiler) log_softmax, exp_ and the one-hot subtraction run in place; the two agree to fp32 rounding.
 There, in fp32, the whole chunk loop runs in C++ (`csrc/fused_head.cpp`) with a thread per chunk rather than every
 thread in each of its GEMMs (`cpu_head_workers`), in rounds of a chunk per thread, each thread then writing its share
-of dW's columns from the round's chunks. dW is the chunks' products added in chunk order at any thread count, so at
+of dW's vocabulary from the round's chunks. dW is the chunks' products added in chunk order at any thread count, so at
 the same chunk size every thread count computes the Python loop's bits.
 
 Shape legend: N tokens, C hidden size, V (padded) vocabulary, M tokens per chunk.
@@ -34,6 +34,7 @@ Shape legend: N tokens, C hidden size, V (padded) vocabulary, M tokens per chunk
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 
@@ -118,19 +119,39 @@ def _logits_grad_in_place(probs_MV: torch.Tensor, labels_M1: torch.Tensor) -> to
     return probs_MV.scatter_add_(1, labels_M1, torch.full(labels_M1.shape, -1.0, device=probs_MV.device))
 
 
-def _accumulate_weight_grad(dw_CV: torch.Tensor, x_MC: torch.Tensor, grad_MV: torch.Tensor, first: bool) -> None:
-    """dW_CV (fp32) += x_MCᵀ · grad_MV; the first chunk writes it (no zero-fill of a [C, V] buffer)."""
-    if grad_MV.dtype == dw_CV.dtype:
+def weight_grad_as_rows(device: torch.device) -> bool:
+    """Whether the head accumulates dW as [V, C], the weight's own layout (dW_VC += Gᵀ · x_MC, handed to autograd as
+    it is), rather than transposed as [C, V] (dW_CV += x_MCᵀ · G, written back as [V, C] in the backward).
+
+    Which GEMM MKL runs faster depends on the CPU: with AVX-512 (the Intel machine of benchmarks/RESULTS.md, issue 28
+    third pass) xᵀ · G took 21.4 ms per 256-row chunk against 31.9 for Gᵀ · x; with AVX2 (AMD EPYC, issue 28 session
+    42) Gᵀ · x runs at 75–81 GFLOP/s against 65–73 at 256–768 rows, one thread and a thread's half of V alike, and the
+    [V, C] layout also saves the backward's pass over dW. GPU: [C, V] (unmeasured there; cuBLAS either way)."""
+    return device.type == "cpu" and not _cpu_capability().startswith("AVX512")
+
+
+@functools.cache
+def _cpu_capability() -> str:
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _accumulate_weight_grad(
+    dw: torch.Tensor, x_MC: torch.Tensor, grad_MV: torch.Tensor, first: bool, as_rows: bool
+) -> None:
+    """dW (fp32) += grad_MVᵀ · x_MC into dw_VC (`as_rows`), else x_MCᵀ · grad_MV into dw_CV; the first chunk writes
+    it (no zero-fill of a vocabulary-sized buffer)."""
+    left, right = (grad_MV.T, x_MC) if as_rows else (x_MC.T, grad_MV)
+    if grad_MV.dtype == dw.dtype:
         if first:
-            torch.mm(x_MC.T, grad_MV, out=dw_CV)
+            torch.mm(left, right, out=dw)
         else:
-            dw_CV.addmm_(x_MC.T, grad_MV)
+            dw.addmm_(left, right)
         return
-    part_CV = (x_MC.T @ grad_MV).float()  # bf16/fp16 GEMM, fp32 accumulation across chunks
+    part = (left @ right).float()  # bf16/fp16 GEMM, fp32 accumulation across chunks
     if first:
-        dw_CV.copy_(part_CV)
+        dw.copy_(part)
     else:
-        dw_CV.add_(part_CV)
+        dw.add_(part)
 
 
 class CpuBufferPool:
@@ -186,12 +207,12 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     """Σ_n weight_N[n] · CE(x_NC[n] · weight_VCᵀ, labels_N[n]), gradients computed chunk by chunk in forward.
 
     Per chunk, with G = softmax − one-hot ([M, V]) and s_M1 = weight_M1 · grad_scale (the row factor):
-      fp32:       dx_MC = s_M1 ⊙ (G · W)      dW_CV += (s_M1 ⊙ x_MC)ᵀ · G
+      fp32:       dx_MC = s_M1 ⊙ (G · W)      dW_VC += Gᵀ · (s_M1 ⊙ x_MC)   (or dW_CV += (s_M1 ⊙ x_MC)ᵀ · G)
                   — the factor scales [M, C] tensors, so no pass over the [M, V] chunk multiplies it;
       bf16/fp16:  G_low = s_M1 ⊙ G, cast in the same pass (the scale before the cast: see the module docstring),
-                  dx_MC = G_low · W, dW_CV += x_MCᵀ · G_low (fp32 accumulation).
-    dW is accumulated transposed, [C, V]: MKL runs xᵀ · G ([C, M] · [M, V]) ~1.5× faster than Gᵀ · x ([V, M] · [M, C]),
-    at M = 256, C = 128, V = 50304, one and two threads; the backward writes it back as [V, C] once."""
+                  dx_MC = G_low · W, dW_VC += G_lowᵀ · x_MC (or its transpose; fp32 accumulation).
+    dW's layout is the CPU's (`weight_grad_as_rows`): [V, C] is the gradient itself; [C, V] (where MKL runs xᵀ · G
+    faster than Gᵀ · x) is written back as [V, C] once, in the backward."""
 
     @staticmethod
     @on_all_kernel_threads
@@ -208,7 +229,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(x_NC.device.type, enabled=False):
             xc_NC, wc_VC = x_NC.to(dtype), w_VC.to(dtype)
             dx_NC = torch.empty_like(xc_NC) if needs_dx else None
-            dw_CV = BUFFERS.take(w_VC.shape[::-1], torch.float32, w_VC.device) if needs_dw else None
+            dw = _weight_grad_buffer(ctx, w_VC) if needs_dw else None
             loss = torch.zeros((), dtype=torch.float32, device=x_NC.device)
             # one chunk buffer, reused across chunks and steps (CpuBufferPool); the low-precision path adds an fp32
             # one for the softmax and writes its gradient over its logits
@@ -244,12 +265,12 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                         dx_MC.mul_(scale_M1)
                 if needs_dw:
                     x_in_MC = x_MC if low else x_MC * scale_M1
-                    _accumulate_weight_grad(dw_CV, x_in_MC, grad_MV, first=start == 0)
+                    _accumulate_weight_grad(dw, x_in_MC, grad_MV, first=start == 0, as_rows=ctx.dw_as_rows)
             BUFFERS.give(logits_buf)
             if low:
                 BUFFERS.give(probs_buf)
         # not save_for_backward: these are scaled once, in the backward
-        ctx.grads = (dx_NC, dw_CV)
+        ctx.grads = (dx_NC, dw)
         return loss
 
     @staticmethod
@@ -257,21 +278,41 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         if ctx.grads is None:
             raise RuntimeError("the fused LM-head cross-entropy supports one backward per forward (no retain_graph)")
-        (dx_NC, dw_CV), ctx.grads = ctx.grads, None
+        (dx_NC, dw_buffer), ctx.grads = ctx.grads, None
         x_dtype, w_dtype = ctx.input_dtypes
         ratio = grad_loss / ctx.grad_scale  # exactly 1.0 when the announced scale held
         dx = None if dx_NC is None else dx_NC.mul_(ratio.to(dx_NC.dtype)).to(x_dtype)
         dw = None
-        if dw_CV is not None:  # [C, V] back to the weight's [V, C], scaled in the same pass
-            dw = GRADIENT_MEMORY.take(dw_CV.shape[::-1], w_dtype, dw_CV.device)
-            kernels = fused_head_kernels(dw_CV, dw)
-            if kernels is not None:
-                kernels.transpose_scaled(dw_CV, ratio.float(), dw)
-            else:
-                torch.mul(dw_CV.T, ratio, out=dw)
-            BUFFERS.give(dw_CV)
+        if dw_buffer is not None:
+            dw = _weight_grad_out_of(ctx, dw_buffer, ratio, w_dtype)
             leave_for_lookup(ctx.lookup_slot, dw)
         return dx, dw, None, None, None, None
+
+
+def _weight_grad_buffer(ctx, w_VC: torch.Tensor) -> torch.Tensor:
+    """The fp32 buffer the forward accumulates dW into (`weight_grad_as_rows`): [V, C] for an fp32 weight is the
+    gradient itself, on memory from GRADIENT_MEMORY; otherwise a pooled buffer the backward writes back from."""
+    ctx.dw_as_rows = weight_grad_as_rows(w_VC.device)
+    ctx.dw_is_grad = ctx.dw_as_rows and w_VC.dtype == torch.float32
+    if ctx.dw_is_grad:
+        return GRADIENT_MEMORY.take(w_VC.shape, torch.float32, w_VC.device)
+    return BUFFERS.take(w_VC.shape if ctx.dw_as_rows else w_VC.shape[::-1], torch.float32, w_VC.device)
+
+
+def _weight_grad_out_of(ctx, dw_buffer: torch.Tensor, ratio: torch.Tensor, w_dtype: torch.dtype) -> torch.Tensor:
+    """The weight's [V, C] gradient from the forward's buffer, times the upstream gradient over the announced one."""
+    if ctx.dw_is_grad:  # on CPU, where reading the ratio costs nothing; × 1.0 (the usual case) changes no bit
+        if torch.compiler.is_compiling() or ratio.item() != 1.0:
+            dw_buffer.mul_(ratio)
+        return dw_buffer
+    dw = GRADIENT_MEMORY.take((dw_buffer.shape if ctx.dw_as_rows else dw_buffer.shape[::-1]), w_dtype, dw_buffer.device)
+    kernels = None if ctx.dw_as_rows else fused_head_kernels(dw_buffer, dw)
+    if kernels is not None:  # [C, V] back to [V, C], scaled in the same pass
+        kernels.transpose_scaled(dw_buffer, ratio.float(), dw)
+    else:
+        torch.mul(dw_buffer if ctx.dw_as_rows else dw_buffer.T, ratio, out=dw)
+    BUFFERS.give(dw_buffer)
+    return dw
 
 
 def _forward_threads(ctx, kernels, x_NC, w_VC, labels_N, weight_N, chunk: int, grad_scale: float) -> torch.Tensor:
@@ -283,7 +324,7 @@ def _forward_threads(ctx, kernels, x_NC, w_VC, labels_N, weight_N, chunk: int, g
     BUFFERS.keep_at_least(workers + 1)
     rows = min(chunk, num_tokens) or 1
     logits = [BUFFERS.take((rows, vocab), torch.float32, x_NC.device) for _ in range(workers)]
-    dw_CV = BUFFERS.take((hidden, vocab), torch.float32, x_NC.device) if needs_dw else None
+    dw = _weight_grad_buffer(ctx, w_VC) if needs_dw else None
     dx_NC = torch.empty_like(x_NC, memory_format=torch.contiguous_format) if needs_dx else None
     try:
         loss = kernels.fused_head_forward(
@@ -295,12 +336,13 @@ def _forward_threads(ctx, kernels, x_NC, w_VC, labels_N, weight_N, chunk: int, g
             chunk,
             logits,
             dx_NC,
-            dw_CV,
+            dw,
+            needs_dw and ctx.dw_as_rows,
         )
     finally:
         for buffer in logits:
             BUFFERS.give(buffer)
-    ctx.grads = (dx_NC, dw_CV)
+    ctx.grads = (dx_NC, dw)
     return loss
 
 

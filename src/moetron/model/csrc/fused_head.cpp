@@ -2,13 +2,13 @@
 // logits GEMM, the one-exp softmax (softmax_gradient_rows.cpp), the input-gradient GEMM and the weight-gradient
 // GEMM, the threads sharing the work out in rounds of W chunks: in each round every thread first runs a chunk of
 // its own — logits, softmax, input gradient, one-thread BLAS calls included — and then writes its W-th of the
-// weight gradient's columns from the round's chunks.
+// vocabulary in the weight gradient (dW_VC's rows, or dW_CV's columns: the caller's layout) from the round's chunks.
 //
 // Why not one chunk at a time with every thread in each GEMM (the Python loop's way, MKL's threading): the chunk's
 // GEMMs are M = 256 rows against V = 50304 columns, and MKL splits them so that at two threads the three GEMMs cost
 // 1.2–1.5× the process CPU time they take at one thread (the logits GEMM up to 2×: benchmarks/fused_head.py,
 // RESULTS.md); a thread running a whole chunk keeps one thread's efficiency, and the softmax between the GEMMs
-// needs no parallel region. The weight gradient by columns: one [C, V] gradient for all the threads, each
+// needs no parallel region. The weight gradient by vocabulary: one gradient for all the threads, each
 // chunk's product added in chunk order — no per-thread parts to sum afterwards (at two threads that sum cost as
 // much CPU again as writing dW back as [V, C]). The price is one [M, V] chunk buffer per thread
 // (`fused_cross_entropy.cpu_head_workers` caps it).
@@ -18,7 +18,7 @@
 // the Python loop's bits:
 //   loss   −= Σ_rows weight · label_logp            (chunk by chunk, in chunk order, after all workers are done)
 //   dx_MC   = f ⊙ (G · W)
-//   dW_CV  += (f ⊙ x_MC)ᵀ · G                         (the first chunk writes it: no zero-fill)
+//   dW_VC  += Gᵀ · (f ⊙ x_MC)  or  dW_CV += (f ⊙ x_MC)ᵀ · G     (the first chunk writes it: no zero-fill)
 // Round r runs chunks r·W … r·W + W − 1 of the n chunks of `rows` rows (the last may be shorter); the dW sums are
 // in chunk order whatever W is.
 //
@@ -44,7 +44,8 @@ bool plain_cpu(const Tensor& t, at::ScalarType dtype) {
 
 Tensor fused_head_forward(const Tensor& x, const Tensor& w, const Tensor& labels, const Tensor& weights,
                           double grad_scale, int64_t rows, const std::vector<Tensor>& logits_buffers,
-                          const std::optional<Tensor>& grad_x, const std::optional<Tensor>& weight_grad) {
+                          const std::optional<Tensor>& grad_x, const std::optional<Tensor>& weight_grad,
+                          bool weight_grad_rows) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && plain_cpu(x, at::kFloat) &&
                   plain_cpu(w, at::kFloat),
               "fused_head_forward: x [N, C] and w [V, C] must be contiguous CPU float32 tensors");
@@ -61,10 +62,13 @@ Tensor fused_head_forward(const Tensor& x, const Tensor& w, const Tensor& labels
                 "fused_head_forward: every logits buffer must be a contiguous float32 [", std::min(rows, N), ", ",
                 V, "]");
   const bool needs_dw = weight_grad.has_value();
-  if (needs_dw)
-    TORCH_CHECK(plain_cpu(*weight_grad, at::kFloat) && weight_grad->dim() == 2 && weight_grad->size(0) == C &&
-                    weight_grad->size(1) == V,
-                "fused_head_forward: the weight gradient must be a contiguous float32 [", C, ", ", V, "]");
+  if (needs_dw) {
+    const int64_t dw_rows = weight_grad_rows ? V : C, dw_columns = weight_grad_rows ? C : V;
+    TORCH_CHECK(plain_cpu(*weight_grad, at::kFloat) && weight_grad->dim() == 2 && weight_grad->size(0) == dw_rows &&
+                    weight_grad->size(1) == dw_columns,
+                "fused_head_forward: the weight gradient must be a contiguous float32 [", dw_rows, ", ", dw_columns,
+                "]");
+  }
   if (grad_x)
     TORCH_CHECK(plain_cpu(*grad_x, at::kFloat) && grad_x->sizes() == x.sizes(),
                 "fused_head_forward: grad_x must be a contiguous float32 [", N, ", ", C, "]");
@@ -103,17 +107,21 @@ Tensor fused_head_forward(const Tensor& x, const Tensor& w, const Tensor& labels
     }
     if (needs_dw) scaled_x[chunk] = x_MC * factor_M1;
   };
-  // Phase 2 of a round: worker w's columns [w·V / W, (w + 1)·V / W) of dW, over the round's chunks in chunk order.
-  const auto weight_grad_columns = [&](int64_t round, int64_t worker) {
+  // Phase 2 of a round: worker w's share [w·V / W, (w + 1)·V / W) of the vocabulary in dW (dW_VC's rows or dW_CV's
+  // columns), over the round's chunks in chunk order.
+  const auto weight_grad_share = [&](int64_t round, int64_t worker) {
     const int64_t v0 = worker * V / workers, v1 = (worker + 1) * V / workers;
-    Tensor dw_CV = weight_grad->slice(1, v0, v1);
+    Tensor dw_share = weight_grad->slice(weight_grad_rows ? 0 : 1, v0, v1);
     for (int64_t chunk = round * workers; chunk < std::min(chunks, (round + 1) * workers); ++chunk) {
       const int64_t M = std::min(N, (chunk + 1) * rows) - chunk * rows;
       const Tensor g_MV = logits_buffers[chunk - round * workers].slice(0, 0, M).slice(1, v0, v1);
+      // dW_VC += Gᵀ · (f ⊙ x_MC), or dW_CV += (f ⊙ x_MC)ᵀ · G
+      const Tensor left = weight_grad_rows ? g_MV.t() : scaled_x[chunk].t();
+      const Tensor right = weight_grad_rows ? scaled_x[chunk] : g_MV;
       if (chunk == 0)
-        at::mm_out(dw_CV, scaled_x[chunk].t(), g_MV);
+        at::mm_out(dw_share, left, right);
       else
-        dw_CV.addmm_(scaled_x[chunk].t(), g_MV);
+        dw_share.addmm_(left, right);
     }
   };
   // One worker: the calling thread, its BLAS calls threaded as usual. More: one worker per thread of the team, and
@@ -134,7 +142,7 @@ Tensor fused_head_forward(const Tensor& x, const Tensor& w, const Tensor& labels
     on_workers(workers, [&](int64_t worker) {
       if (round * workers + worker < chunks) softmax_and_dx(round * workers + worker, worker);
     });
-    if (needs_dw) on_workers(workers, [&](int64_t worker) { weight_grad_columns(round, worker); });
+    if (needs_dw) on_workers(workers, [&](int64_t worker) { weight_grad_share(round, worker); });
   }
   float loss = 0.0f;
   for (const float part : chunk_loss) loss -= part;

@@ -35,7 +35,8 @@ void softmax_gradient_row(float* row, int64_t V, int64_t label, float* label_log
 // fused_head.cpp
 Tensor fused_head_forward(const Tensor& x, const Tensor& w, const Tensor& labels, const Tensor& weights,
                           double grad_scale, int64_t rows, const std::vector<Tensor>& logits_buffers,
-                          const std::optional<Tensor>& grad_x, const std::optional<Tensor>& weight_grad);
+                          const std::optional<Tensor>& grad_x, const std::optional<Tensor>& weight_grad,
+                          bool weight_grad_rows);
 void transpose_scaled(const Tensor& dw_CV, const Tensor& ratio, Tensor& out);
 
 // add_rows.cpp
