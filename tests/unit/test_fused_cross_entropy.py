@@ -345,9 +345,10 @@ def test_weight_grad_layout_follows_the_cpu():
     assert fused_cross_entropy.weight_grad_as_rows(torch.device("cuda")) is False
 
 
-def test_the_cpp_chunk_loop_computes_the_python_loops_bits_on_one_thread(head_kernel, dw_layout, monkeypatch):
-    """One worker: the same ATen and BLAS calls in the same order as the Python loop (with the softmax kernel), at a
-    loss scale, with row weights and a short last chunk — bit for bit, in either layout of dW."""
+def test_the_cpp_chunk_loop_matches_the_python_loop(head_kernel, dw_layout, monkeypatch):
+    """One worker against the Python loop (with the softmax kernel), at a loss scale, with row weights and a short
+    last chunk, in either layout of dW: the same values to fp32 rounding (the C++ loop adds the label's term of the
+    gradients apart, block by block of the vocabulary)."""
     from moetron.model import fused_cross_entropy
 
     x, w, labels, mask = inputs(seed=5)
@@ -356,7 +357,39 @@ def test_the_cpp_chunk_loop_computes_the_python_loops_bits_on_one_thread(head_ke
     monkeypatch.setattr(fused_cross_entropy, "fused_head_kernels", lambda *tensors: None)
     python = _fused_grads(x, w, labels, weights, chunk=10)
     for a, b in zip(cpp, python, strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_cpp_chunk_loop_over_vocabulary_blocks_matches_the_plain_head(head_kernel, dw_layout):
+    """A vocabulary of several 2048-column blocks (the last one short) with each row's max in a later block than
+    its label, and some rows whose label lies ~120 nats below their max (exp underflows there): the online max and
+    sum, the rescaled dx and the per-block factors of dW give the plain head's loss and gradients, at one and two
+    threads; a NaN in a row's input reaches the loss."""
+    g = torch.Generator().manual_seed(11)
+    rows, hidden, vocab = 40, 16, 5000
+    x = torch.randn(rows, hidden, generator=g, requires_grad=True)
+    w = (torch.randn(vocab, hidden, generator=g) * 0.5).requires_grad_(True)
+    with torch.no_grad():
+        w[4500] = x[:8].mean(0) * 3.0  # rows 0-7: the max in the last block
+        w[4999] = x[8:12].mean(0) * 40.0  # rows 8-11: a max ~100+ nats above the rest
+    labels = torch.randint(0, 2048, (rows,), generator=g)  # every label in the first block
+    weights = torch.full((rows,), 1.0 / rows)
+    ref = F.cross_entropy(F.linear(x, w), labels)
+    gx, gw = torch.autograd.grad(ref * 4.0, (x, w))
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            loss, dx, dw = _fused_grads(x, w, labels, weights, chunk=16, scale=4.0)
+            torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(dx, gx, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(dw, gw, rtol=1e-4, atol=1e-6)
+    finally:
+        torch.set_num_threads(previous)
+    with torch.no_grad():
+        x_nan = x.detach().clone()
+        x_nan[5, 3] = float("nan")
+        assert torch.isnan(fused_linear_cross_entropy(x_nan, w.detach(), labels, weights, 16))
 
 
 def test_a_thread_per_chunk_matches_the_plain_head_and_computes_the_one_thread_bits(head_kernel, dw_layout):

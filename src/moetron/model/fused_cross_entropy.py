@@ -26,8 +26,10 @@ joins the row factor (weight · grad_scale / Σ) that already scales the [M, C] 
 (GPU, no compiler) log_softmax, exp_ and the one-hot subtraction run in place; the two agree to fp32 rounding.
 There, in fp32, the whole chunk loop runs in C++ (`csrc/fused_head.cpp`) with a thread per chunk rather than every
 thread in each of its GEMMs (`cpu_head_workers`), in rounds of a chunk per thread, each thread then writing its share
-of dW's vocabulary from the round's chunks. dW is the chunks' products added in chunk order at any thread count, so at
-the same chunk size every thread count computes the Python loop's bits.
+of dW's vocabulary from the round's chunks; within a chunk it goes block by block of 2048 vocabulary columns (an
+online softmax), so that a block stays in cache from its logits GEMM to its dx product. dW is the chunks' products
+added in chunk order at any thread count, so at the same chunk size every thread count computes the same bits; the
+Python loop agrees with it to fp32 rounding.
 
 Shape legend: N tokens, C hidden size, V (padded) vocabulary, M tokens per chunk.
 """

@@ -1,8 +1,8 @@
 // The fused LM head's fp32 CPU forward (`moetron/model/fused_cross_entropy.py`): for every chunk of rows, the
-// logits GEMM, the one-exp softmax (softmax_gradient_rows.cpp), the input-gradient GEMM and the weight-gradient
-// GEMM, the threads sharing the work out in rounds of W chunks: in each round every thread first runs a chunk of
-// its own — logits, softmax, input gradient, one-thread BLAS calls included — and then writes its W-th of the
-// vocabulary in the weight gradient (dW_VC's rows, or dW_CV's columns: the caller's layout) from the round's chunks.
+// logits GEMM, the one-exp softmax, the input-gradient GEMM and the weight-gradient GEMM, the threads sharing the
+// work out in rounds of W chunks: in each round every thread first runs a chunk of its own — logits, softmax, input
+// gradient, one-thread BLAS calls included — and then writes its W-th of the vocabulary in the weight gradient
+// (dW_VC's rows, or dW_CV's columns: the caller's layout) from the round's chunks.
 //
 // Why not one chunk at a time with every thread in each GEMM (the Python loop's way, MKL's threading): the chunk's
 // GEMMs are M = 256 rows against V = 50304 columns, and MKL splits them so that at two threads the three GEMMs cost
@@ -13,14 +13,23 @@
 // much CPU again as writing dW back as [V, C]). The price is one [M, V] chunk buffer per thread
 // (`fused_cross_entropy.cpu_head_workers` caps it).
 //
-// Per chunk, with G = s·(softmax − one-hot) in place of the logits (s = Σ exp, per row) and the row factor
-// f = weight · grad_scale / s — the same ATen calls, in the same order, as the Python loop, so one worker computes
-// the Python loop's bits:
-//   loss   −= Σ_rows weight · label_logp            (chunk by chunk, in chunk order, after all workers are done)
-//   dx_MC   = f ⊙ (G · W)
-//   dW_VC  += Gᵀ · (f ⊙ x_MC)  or  dW_CV += (f ⊙ x_MC)ᵀ · G     (the first chunk writes it: no zero-fill)
-// Round r runs chunks r·W … r·W + W − 1 of the n chunks of `rows` rows (the last may be shorter); the dW sums are
-// in chunk order whatever W is.
+// Why blocks of the vocabulary in a chunk: a chunk's logits are 77 MB at M = 384, and logits GEMM → max → exp → dx
+// GEMM over the whole chunk takes them through memory four times; two threads doing so at once cost 7% more CPU
+// in their GEMMs than with a 2048-column block (3 MB) kept in cache from its GEMM to its dx product (the kernel:
+// 0.96× the head's CPU at two threads, 0.99× at one; benchmarks/RESULTS.md, issue 28 session 42). The softmax of
+// a block is taken against the row's running max (the online softmax of flash attention): when a later block
+// raises the max, the sum and dx's accumulator shrink by exp(old − new) first; dW, whose GEMM needs the final
+// max and sum, reads the exps back per block with exp(block's max − row's max) folded into its [M, C] operand.
+//
+// Per chunk, with E = exp(logits − m) (m the row's max, s = Σ E per row) in place of the logits and the row factor
+// f = weight · grad_scale / s:
+//   loss   −= Σ_rows weight · (logit[label] − m − log s)     (chunk by chunk, in chunk order, after the workers)
+//   dx_MC   = f ⊙ (E · W) − weight · grad_scale · W[label]
+//   dW_VC  += Eᵀ · (f ⊙ x_MC)  or  dW_CV += (f ⊙ x_MC)ᵀ · E   (the first chunk writes it: no zero-fill),
+//   then dW[label] −= weight · grad_scale · x_row, row by row
+// — (softmax − one-hot) times the row's weight, its label term apart. Round r runs chunks r·W … r·W + W − 1 of the
+// n chunks of `rows` rows (the last may be shorter); the dW sums are in chunk order whatever W is, so every thread
+// count computes the same bits (the Python loop, one GEMM per chunk, agrees to fp32 rounding).
 //
 // Shape legend: N rows (tokens), C hidden size, V vocabulary, M rows of one chunk, W workers (threads).
 
@@ -30,10 +39,24 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
+#include <limits>
 
 namespace moetron_cpu {
 namespace {
+
+// Columns of the vocabulary per block: a block's logits (M × 2048 × 4 bytes, 3 MB at M = 384) stay in cache from
+// their GEMM through their max, exp and dx's partial product.
+constexpr int64_t kVocabBlock = 2048;
+
+// One chunk's rows, from its softmax (phase 1) to its share of dW (phase 2).
+struct ChunkRows {
+  std::vector<float> max, sum;  // per row: the max logit m and s = Σ exp(logit − m)
+  std::vector<float> shift;     // [blocks × M]: the running max a block's exps were taken against
+  std::vector<float> scale;     // weight · grad_scale
+  std::vector<float> factor;    // scale / s
+};
 
 bool plain_cpu(const Tensor& t, at::ScalarType dtype) {
   return t.device().is_cpu() && t.scalar_type() == dtype && t.has_storage() &&
@@ -77,51 +100,108 @@ Tensor fused_head_forward(const Tensor& x, const Tensor& w, const Tensor& labels
     TORCH_CHECK(label[r] >= 0 && label[r] < V, "fused_head_forward: label ", label[r], " of row ", r,
                 " is outside the vocabulary of ", V);
 
-  const int64_t chunks = (N + rows - 1) / rows;
-  Tensor label_logp = at::empty({N}, x.options()), sums = at::empty({N}, x.options());
+  const int64_t chunks = (N + rows - 1) / rows, blocks = (V + kVocabBlock - 1) / kVocabBlock;
+  Tensor label_logp = at::empty({N}, x.options());
   std::vector<float> chunk_loss(chunks, 0.0f);
-  std::vector<Tensor> scaled_x(chunks);  // f ⊙ x_MC per chunk, the weight gradient's left operand
+  std::vector<ChunkRows> chunk_rows(chunks);
   float* logp = label_logp.mutable_data_ptr<float>();
-  float* sum = sums.mutable_data_ptr<float>();
-  const Tensor w_t = w.t();
+  const float* x_data = x.const_data_ptr<float>();
+  const float* w_data = w.const_data_ptr<float>();
+  const float* weight = weights.const_data_ptr<float>();
   if (needs_dw && chunks == 0) weight_grad->zero_();
 
-  // Phase 1 of a round: worker w's chunk (round · W + w) — logits, softmax, loss, dx; its G stays in the buffer.
+  // Phase 1 of a round: worker w's chunk (round · W + w), block by block of the vocabulary — logits, their online
+  // max and sum, exp, dx's partial product — then the loss and the row factors; its exps stay in the buffer.
   const auto softmax_and_dx = [&](int64_t chunk, int64_t worker) {
     const int64_t start = chunk * rows, end = std::min(N, start + rows), M = end - start;
     const Tensor x_MC = x.slice(0, start, end);
     Tensor logits_MV = logits_buffers[worker].slice(0, 0, M);
-    at::mm_out(logits_MV, x_MC, w_t);
     float* data = logits_MV.mutable_data_ptr<float>();
-    for (int64_t r = 0; r < M; ++r)
-      softmax_gradient_row(data + r * V, V, label[start + r], logp + start + r, sum + start + r);
+    ChunkRows& state = chunk_rows[chunk];
+    state.max.assign(M, -std::numeric_limits<float>::infinity());
+    state.sum.assign(M, 0.0f);
+    state.shift.resize(blocks * M);
+    std::vector<float> label_logit(M);
+    Tensor acc_MC = grad_x ? grad_x->slice(0, start, end) : Tensor();  // Σ_blocks exp(block − max) · W_block
+    float* acc = grad_x ? acc_MC.mutable_data_ptr<float>() : nullptr;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t v0 = b * kVocabBlock, v1 = std::min(V, v0 + kVocabBlock);
+      Tensor block_MV = logits_MV.slice(1, v0, v1);
+      const Tensor w_BC = w.slice(0, v0, v1);
+      at::mm_out(block_MV, x_MC, w_BC.t());
+      for (int64_t r = 0; r < M; ++r) {
+        float* row = data + r * V + v0;
+        const int64_t l = label[start + r];
+        if (l >= v0 && l < v1) label_logit[r] = row[l - v0];
+        const float previous = state.max[r], m = max_nan(previous, row_max(row, v1 - v0));
+        if (b > 0 && m > previous) {  // a larger max: what was summed against the old one shrinks by exp(old − new)
+          const float shrink = std::exp(previous - m);
+          state.sum[r] *= shrink;
+          if (acc)
+            for (int64_t c = 0; c < C; ++c) acc[r * C + c] *= shrink;
+        }
+        state.max[r] = m;
+        state.sum[r] += exp_shifted_and_sum(row, v1 - v0, m);
+        state.shift[b * M + r] = m;
+      }
+      if (!acc) continue;
+      if (b == 0)
+        at::mm_out(acc_MC, block_MV, w_BC);
+      else
+        acc_MC.addmm_(block_MV, w_BC);
+    }
+    state.scale.resize(M);
+    state.factor.resize(M);
+    for (int64_t r = 0; r < M; ++r) {
+      logp[start + r] = label_logit[r] - state.max[r] - std::log(state.sum[r]);
+      state.scale[r] = weight[start + r] * static_cast<float>(grad_scale);
+      state.factor[r] = state.scale[r] / state.sum[r];
+    }
     const Tensor weight_M1 = weights.slice(0, start, end).unsqueeze(1);
     chunk_loss[chunk] = (label_logp.slice(0, start, end).unsqueeze(1) * weight_M1).sum().item<float>();
-    if (!grad_x && !needs_dw) return;
-    const Tensor scaled_M1 = grad_scale != 1.0 ? weight_M1 * grad_scale : weight_M1;
-    const Tensor factor_M1 = scaled_M1 / sums.slice(0, start, end).unsqueeze(1);
-    if (grad_x) {
-      Tensor dx_MC = grad_x->slice(0, start, end);
-      at::mm_out(dx_MC, logits_MV, w);
-      dx_MC.mul_(factor_M1);
+    if (!acc) return;
+    // dx = f ⊙ (Σ exp · W − s · W[label]) = f ⊙ acc − weight · grad_scale · W[label]
+    for (int64_t r = 0; r < M; ++r) {
+      const float* w_label = w_data + label[start + r] * C;
+      for (int64_t c = 0; c < C; ++c) acc[r * C + c] = acc[r * C + c] * state.factor[r] - state.scale[r] * w_label[c];
     }
-    if (needs_dw) scaled_x[chunk] = x_MC * factor_M1;
   };
   // Phase 2 of a round: worker w's share [w·V / W, (w + 1)·V / W) of the vocabulary in dW (dW_VC's rows or dW_CV's
-  // columns), over the round's chunks in chunk order.
+  // columns), over the round's chunks in chunk order: per vocabulary block, its exps times x scaled by the row factor
+  // and by exp(the block's max − the row's), then each row's label term, −weight · grad_scale · x_row.
   const auto weight_grad_share = [&](int64_t round, int64_t worker) {
-    const int64_t v0 = worker * V / workers, v1 = (worker + 1) * V / workers;
-    Tensor dw_share = weight_grad->slice(weight_grad_rows ? 0 : 1, v0, v1);
+    const int64_t s0 = worker * V / workers, s1 = (worker + 1) * V / workers;
+    float* dw = weight_grad->mutable_data_ptr<float>();
     for (int64_t chunk = round * workers; chunk < std::min(chunks, (round + 1) * workers); ++chunk) {
-      const int64_t M = std::min(N, (chunk + 1) * rows) - chunk * rows;
-      const Tensor g_MV = logits_buffers[chunk - round * workers].slice(0, 0, M).slice(1, v0, v1);
-      // dW_VC += Gᵀ · (f ⊙ x_MC), or dW_CV += (f ⊙ x_MC)ᵀ · G
-      const Tensor left = weight_grad_rows ? g_MV.t() : scaled_x[chunk].t();
-      const Tensor right = weight_grad_rows ? scaled_x[chunk] : g_MV;
-      if (chunk == 0)
-        at::mm_out(dw_share, left, right);
-      else
-        dw_share.addmm_(left, right);
+      const int64_t start = chunk * rows, M = std::min(N, start + rows) - start;
+      const ChunkRows& state = chunk_rows[chunk];
+      const Tensor g_MV = logits_buffers[chunk - round * workers].slice(0, 0, M);
+      Tensor scaled_MC = at::empty({M, C}, x.options());
+      float* scaled = scaled_MC.mutable_data_ptr<float>();
+      for (int64_t b = s0 / kVocabBlock; b * kVocabBlock < s1; ++b) {
+        const int64_t v0 = std::max(s0, b * kVocabBlock), v1 = std::min(s1, (b + 1) * kVocabBlock);
+        for (int64_t r = 0; r < M; ++r) {
+          const float f = state.factor[r] * std::exp(state.shift[b * M + r] - state.max[r]);
+          for (int64_t c = 0; c < C; ++c) scaled[r * C + c] = x_data[(start + r) * C + c] * f;
+        }
+        const Tensor g_MB = g_MV.slice(1, v0, v1);
+        Tensor dw_part = weight_grad->slice(weight_grad_rows ? 0 : 1, v0, v1);
+        const Tensor left = weight_grad_rows ? g_MB.t() : scaled_MC.t();
+        const Tensor right = weight_grad_rows ? scaled_MC : g_MB;
+        if (chunk == 0)
+          at::mm_out(dw_part, left, right);
+        else
+          dw_part.addmm_(left, right);
+      }
+      for (int64_t r = 0; r < M; ++r) {
+        const int64_t l = label[start + r];
+        if (l < s0 || l >= s1) continue;
+        const float* x_row = x_data + (start + r) * C;
+        for (int64_t c = 0; c < C; ++c) {
+          float& target = weight_grad_rows ? dw[l * C + c] : dw[c * V + l];
+          target -= state.scale[r] * x_row[c];
+        }
+      }
     }
   };
   // One worker: the calling thread, its BLAS calls threaded as usual. More: one worker per thread of the team, and

@@ -31,6 +31,11 @@ Tensor first_max_column(const Tensor& x);
 std::tuple<Tensor, Tensor> softmax_gradient_rows(Tensor& logits, const Tensor& labels);
 // One row of it, in place: the row becomes s·(softmax − one-hot); writes the label's log-probability and s.
 void softmax_gradient_row(float* row, int64_t V, int64_t label, float* label_logp, float* sum);
+// Its parts: the larger of two values (a NaN winning, as ATen's max reductions), a row's max (NaN-propagating), and
+// the row overwritten with exp(row − m), returning its sum (exp_u20 for a finite m, else the exact exp).
+float max_nan(float a, float b);
+float row_max(const float* row, int64_t V);
+float exp_shifted_and_sum(float* row, int64_t V, float m);
 
 // fused_head.cpp
 Tensor fused_head_forward(const Tensor& x, const Tensor& w, const Tensor& labels, const Tensor& weights,

@@ -26,8 +26,9 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
-// The larger of a and b, a NaN winning (as ATen's max reductions propagate it).
-inline float max_nan(float a, float b) { return (std::isnan(a) || a > b) ? a : b; }
+}  // namespace
+
+float max_nan(float a, float b) { return (std::isnan(a) || a > b) ? a : b; }
 
 float row_max(const float* row, int64_t V) {
   float m = -std::numeric_limits<float>::infinity();
@@ -42,6 +43,8 @@ float row_max(const float* row, int64_t V) {
   for (; j < V; ++j) m = max_nan(m, row[j]);
   return m;
 }
+
+namespace {
 
 // Overwrites row with exp(row − m) and returns their sum (two vector accumulators, then the scalar tail).
 template <bool kFast>
@@ -75,12 +78,16 @@ float exp_and_sum(float* row, int64_t V, float m) {
 
 }  // namespace
 
+float exp_shifted_and_sum(float* row, int64_t V, float m) {
+  // a finite max: every x − m is in [−inf, 0], where exp_u20 is within 2 ULP (it flushes below −87 to 0); NaN or
+  // inf logits: the exact exp, so that they reach the loss and the gradients as exp_ would carry them
+  return std::isfinite(m) ? exp_and_sum<true>(row, V, m) : exp_and_sum<false>(row, V, m);
+}
+
 void softmax_gradient_row(float* row, int64_t V, int64_t label, float* label_logp, float* sum) {
   const float m = row_max(row, V);
   const float x_label = row[label];
-  // a finite max: every x − m is in [−inf, 0], where exp_u20 is within 2 ULP (it flushes below −87 to 0); NaN or
-  // inf logits: the exact exp, so that they reach the loss and the gradients as exp_ would carry them
-  const float s = std::isfinite(m) ? exp_and_sum<true>(row, V, m) : exp_and_sum<false>(row, V, m);
+  const float s = exp_shifted_and_sum(row, V, m);
   row[label] -= s;
   *sum = s;
   *label_logp = x_label - m - std::log(s);
