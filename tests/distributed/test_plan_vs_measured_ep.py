@@ -55,6 +55,8 @@ def measure_group(config: str, overrides: dict) -> list[int]:
 @pytest.mark.skipif(sys.platform != "linux", reason="VmHWM and MALLOC_MMAP_THRESHOLD_ are Linux/glibc's")
 @pytest.mark.skipif(not QUICKSTART.is_file(), reason="needs configs/quickstart.yaml")
 def test_planned_peak_memory_matches_an_expert_parallel_step(monkeypatch):
+    import torch
+
     from moetron.plan.estimate import make_plan
     from moetron.plan.hardware import accelerator
 
@@ -64,7 +66,14 @@ def test_planned_peak_memory_matches_an_expert_parallel_step(monkeypatch):
     measured = max(peak - base for peak, base in zip(peaks, baseline, strict=True))
 
     cfg = load(*CASE)
-    plan = make_plan(cfg, WORLD_SIZE, accelerator("cpu", "64GB"))
+    # the plan counts a CPU process's fused-head chunks at its thread count: the ranks' (tests/support/launch.py runs
+    # each on one thread), not this process's
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plan = make_plan(cfg, WORLD_SIZE, accelerator("cpu", "64GB"))
+    finally:
+        torch.set_num_threads(previous)
     assert (plan.dims.ep, plan.dims.world_size) == (EP, WORLD_SIZE)
     ratio = plan.memory.peak / measured
     summary = (

@@ -136,7 +136,7 @@ def test_step_time_is_flops_over_assumed_throughput():
 def test_seed_2x4090_fits_two_4090s_and_advice_makes_a_small_gpu_fit():
     cfg, _ = load_config(SEED, {})
     assert make_plan(cfg, 2, accelerator("4090")).fits
-    tight = make_plan(cfg, 2, accelerator("4090", "3GB"))
+    tight = make_plan(cfg, 2, accelerator("4090", "2.8GB"))
     assert not tight.fits
     fixes = suggestions(tight)
     assert fixes and all(s.plan.fits for s in fixes)
@@ -148,7 +148,7 @@ def test_seed_2x4090_fits_two_4090s_and_advice_makes_a_small_gpu_fit():
             [f for i, f in enumerate(flags) if "--gpus" not in flags[max(i - 1, 0) : i + 1]]
         )
         again, _ = load_config(SEED, overrides)
-        assert make_plan(again, gpus, accelerator("4090", "3GB")).fits, fix.flags
+        assert make_plan(again, gpus, accelerator("4090", "2.8GB")).fits, fix.flags
 
 
 def _flags_to_overrides(flags: list[str]) -> dict:
@@ -313,7 +313,7 @@ def test_vocab_size_comes_from_the_tokenizer_files(tmp_path, capsys):
 
 
 def test_cli_shows_changes_that_fit(capsys):
-    assert main(["plan", "--config", SEED, "--gpus", "2", "--gpu-type", "4090", "--gpu-memory", "3GB"]) == 1
+    assert main(["plan", "--config", SEED, "--gpus", "2", "--gpu-type", "4090", "--gpu-memory", "2.8GB"]) == 1
     text = capsys.readouterr().out
     assert "DOES NOT FIT" in text and "changes that fit" in text and "--micro-batch-size" in text
 

@@ -28,10 +28,12 @@ def test_fused_loss_buffers_are_one_chunk_and_dx():
     cfg = config(True)
     tokens, vocab = 12 * 64, 50304
     assert lm_head.loss_rows(cfg, "cpu") == 256  # the CPU floor of 256 rows (8 MiB of logits would be 41)
-    assert lm_head.lm_loss_bytes(cfg, 4, False, "cpu") == 256 * vocab * 8 + tokens * 128 * 4
+    # fp32: the softmax and its gradient in place of the logits, one [256, V] buffer
+    assert lm_head.lm_loss_bytes(cfg, 4, False, "cpu") == 256 * vocab * 4 + tokens * 128 * 4
     assert lm_head.loss_rows(cfg, "cuda") == tokens  # a GPU chunk of ≥ 1024 rows holds this whole micro-batch
     bf16 = config(True, bf16=True)
-    assert lm_head.lm_loss_bytes(bf16, 2, False, "cpu") == 256 * vocab * (2 + 4 + 4) + tokens * 128 * 2
+    # bf16: the logits in bf16 and the fp32 copy the softmax runs in
+    assert lm_head.lm_loss_bytes(bf16, 2, False, "cpu") == 256 * vocab * (2 + 4) + tokens * 128 * 2
     assert "fused LM-head loss: [256, 50304] chunk buffers" in lm_head.describe(cfg, "cpu")
 
 
@@ -40,8 +42,8 @@ def test_fused_loss_on_two_cpu_threads_counts_a_chunk_per_thread(monkeypatch):
     tokens, vocab = 12 * 64, 50304
     monkeypatch.setattr(lm_head.torch, "get_num_threads", lambda: 2)
     assert lm_head.loss_rows(cfg, "cpu") == 384 and lm_head.loss_workers(cfg, 4, "cpu") == 2
-    # one [h, V] weight gradient for all the threads (csrc/fused_head.cpp): the plan counts it as the head's gradient
-    assert lm_head.lm_loss_bytes(cfg, 4, False, "cpu") == 2 * 384 * vocab * 8 + tokens * 128 * 4
+    # one weight gradient for all the threads (csrc/fused_head.cpp): the plan counts it as the head's gradient
+    assert lm_head.lm_loss_bytes(cfg, 4, False, "cpu") == 2 * 384 * vocab * 4 + tokens * 128 * 4
     assert lm_head.loss_workers(cfg, 2, "cpu") == lm_head.loss_workers(cfg, 4, "cuda") == 1  # the Python loop
 
 

@@ -1,9 +1,9 @@
 """The LM head + loss buffers in the memory plan: the fused chunks (`--fused-cross-entropy`, the default) or the
 materialised `[T, V]` logits.
 
-Fused (`model/fused_cross_entropy.py`): the head's forward holds one chunk of M rows at a time — the logits in the
-compute dtype, their fp32 log-softmax (and, in bf16/fp16, the fp32 copy of the logits it reads); on CPU in fp32
-one chunk per thread (`loss_workers`) — and writes dX
+Fused (`model/fused_cross_entropy.py`): the head's forward holds one chunk of M rows at a time — the logits, whose
+softmax and gradient it computes in place (in fp32: one [M, V] buffer; in bf16/fp16 the logits in that dtype and
+the fp32 copy the softmax runs in); on CPU in fp32 one chunk per thread (`loss_workers`) — and writes dX
 `[T, h]` in the compute dtype; dW `[V, h]` fp32 becomes the head's gradient, which the plan already counts as the
 gradient present at the start of backward. Nothing of size T·V is ever alive, so accumulation holds no previous
 micro-batch's logits either. Plain: logits, fp32 log-softmax and both gradients, 16 B per token and vocabulary
@@ -71,9 +71,9 @@ def lm_loss_bytes(
     rows = loss_rows(cfg, device_kind, dims)
     if not fused(cfg, dims):
         return rows * vocab * (LOGITS_BYTES_PER_ENTRY + (compute_bytes if accumulating else 0))
-    fp32_copy = 4 if compute_bytes != 4 else 0
+    per_entry = 4 if compute_bytes == 4 else compute_bytes + 4  # in place in fp32; else the fp32 copy beside it
     workers = loss_workers(cfg, compute_bytes, device_kind, dims)
-    chunks = workers * rows * vocab * (compute_bytes + 4 + fp32_copy)
+    chunks = workers * rows * vocab * per_entry
     return chunks + tokens * m.hidden_size * compute_bytes
 
 
