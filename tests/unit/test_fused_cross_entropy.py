@@ -390,6 +390,12 @@ def test_the_cpp_chunk_loop_over_vocabulary_blocks_matches_the_plain_head(head_k
         x_nan = x.detach().clone()
         x_nan[5, 3] = float("nan")
         assert torch.isnan(fused_linear_cross_entropy(x_nan, w.detach(), labels, weights, 16))
+        # a first block of nothing but −inf logits (a row of W at −inf against a positive x): they count as exps of 0
+        x_pos, w_inf = x.detach().abs() + 0.1, w.detach().clone()
+        w_inf[:2048] = float("-inf")
+        later = torch.randint(2048, vocab, (rows,), generator=g)
+        expected = F.cross_entropy(F.linear(x_pos, w_inf), later)
+        torch.testing.assert_close(fused_linear_cross_entropy(x_pos, w_inf, later, weights, 16), expected)
 
 
 def test_a_thread_per_chunk_matches_the_plain_head_and_computes_the_one_thread_bits(head_kernel, dw_layout):

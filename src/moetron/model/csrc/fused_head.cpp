@@ -141,7 +141,10 @@ Tensor fused_head_forward(const Tensor& x, const Tensor& w, const Tensor& labels
             for (int64_t c = 0; c < C; ++c) acc[r * C + c] *= shrink;
         }
         state.max[r] = m;
-        state.sum[r] += exp_shifted_and_sum(row, v1 - v0, m);
+        if (m == -std::numeric_limits<float>::infinity())  // nothing but −inf so far: exps of 0 once a max is found
+          std::fill(row, row + (v1 - v0), 0.0f);
+        else
+          state.sum[r] += exp_shifted_and_sum(row, v1 - v0, m);
         state.shift[b * M + r] = m;
       }
       if (!acc) continue;
