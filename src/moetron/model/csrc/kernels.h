@@ -29,10 +29,9 @@ Tensor first_max_column(const Tensor& x);
 
 // softmax_gradient_rows.cpp
 std::tuple<Tensor, Tensor> softmax_gradient_rows(Tensor& logits, const Tensor& labels);
-// One row of it, in place: the row becomes s·(softmax − one-hot); writes the label's log-probability and s.
-void softmax_gradient_row(float* row, int64_t V, int64_t label, float* label_logp, float* sum);
-// Its parts: the larger of two values (a NaN winning, as ATen's max reductions), a row's max (NaN-propagating), and
-// the row overwritten with exp(row − m), returning its sum (exp_u20 for a finite m, else the exact exp).
+// Its row-wise parts, which the fused head's blocks use too: the larger of two values (a NaN winning, as ATen's max
+// reductions), a row's max (NaN-propagating), and the row overwritten with exp(row − m), returning its sum (exp_u20
+// for a finite m, else the exact exp).
 float max_nan(float a, float b);
 float row_max(const float* row, int64_t V);
 float exp_shifted_and_sum(float* row, int64_t V, float m);

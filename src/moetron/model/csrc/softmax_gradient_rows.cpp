@@ -84,6 +84,9 @@ float exp_shifted_and_sum(float* row, int64_t V, float m) {
   return std::isfinite(m) ? exp_and_sum<true>(row, V, m) : exp_and_sum<false>(row, V, m);
 }
 
+namespace {
+
+// One row, in place: the row becomes s·(softmax − one-hot); writes the label's log-probability and s.
 void softmax_gradient_row(float* row, int64_t V, int64_t label, float* label_logp, float* sum) {
   const float m = row_max(row, V);
   const float x_label = row[label];
@@ -92,6 +95,8 @@ void softmax_gradient_row(float* row, int64_t V, int64_t label, float* label_log
   *sum = s;
   *label_logp = x_label - m - std::log(s);
 }
+
+}  // namespace
 
 std::tuple<Tensor, Tensor> softmax_gradient_rows(Tensor& logits, const Tensor& labels) {
   TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
