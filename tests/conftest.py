@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from isa_dependent import ISA_DEPENDENT_FILES  # tests/support
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -57,6 +58,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         relative = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else ""
         if relative in QUICK_FILES and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.quick)
+        if relative in ISA_DEPENDENT_FILES:
+            item.add_marker(pytest.mark.isa_dependent)
 
 
 def _require(path: Path) -> Path:

@@ -249,3 +249,17 @@ def test_index_add_rows_is_bitwise_index_add(threads):
         compiled_kernels.index_add_rows(doubles, torch.tensor([1, 1]), torch.ones(2, 2).double()),
         torch.tensor([[0.0, 0.0], [2.0, 2.0], [0.0, 0.0]], dtype=torch.float64),
     )
+
+
+def test_the_kernel_cache_is_keyed_by_the_isa_level():
+    """A build for one ATEN_CPU_CAPABILITY is never loaded under another: each level's flags (its ISA and the macros
+    that select its Vectorized<float>) are part of the cached module's name."""
+    names = {
+        level: compiled_kernels._module_name(compiled_kernels.build_flags(level))
+        for level in ("DEFAULT", "AVX2", "AVX512")
+    }
+    assert len(set(names.values())) == 3
+    assert "-DCPU_CAPABILITY_AVX2" in compiled_kernels.build_flags("AVX2")
+    # built for the level ATen dispatches to in this process (ATEN_CPU_CAPABILITY included), not the CPU's best
+    own = torch.backends.cpu.get_cpu_capability()
+    assert compiled_kernels._capability() == (own if own in names else "DEFAULT")
