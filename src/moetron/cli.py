@@ -22,7 +22,7 @@ COMMANDS: dict[str, str] = {
     "quickstart": "Build a corpus, tokenizer and data, train a small MoE GPT, evaluate and generate.",
     "preprocess": "Tokenize JSONL/text into Megatron-compatible .bin/.idx files.",
     "train-tokenizer": "Train a byte-level BPE tokenizer (vocab.json + merges.txt + tokenizer.json).",
-    "inspect": "Describe a .bin/.idx dataset: dtype, documents, tokens, sizes, first document.",
+    "inspect": "Describe a .bin/.idx dataset (dtype, documents, tokens, first document), or a checkpoint's integrity.",
     "train": "Train a GPT / MoE GPT (single process or under torchrun).",
     "launch": "torchrun for moetron (its flags, then a command): SIGTERM saves a checkpoint and exits 0.",
     "eval": "Validation loss, perplexity and the routing report of a checkpoint.",

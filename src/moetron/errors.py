@@ -16,6 +16,14 @@ class UserError(Exception):
     """A problem the user can fix; the message names the file or flag, the value and the fix."""
 
 
+class SaidByAnotherRank(UserError):
+    """This rank stops for an error that another rank of the same collective step found and says: quiet, so the
+    run prints one line (e.g. a checkpoint file whose checksum another rank verified)."""
+
+    quiet = True
+    exit_code = 2
+
+
 class ConfigError(UserError):
     """Several configuration problems, reported together."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -161,6 +162,15 @@ def test_an_error_of_rank_1_alone_is_said_once_by_rank_1(tmp_path):
     assert log.count("RuntimeError: injected fault at step 3 on rank 1") == 1 and "[rank0]" not in log, log[-3000:]
     rng = run / "iter_0000002" / "rng" / "rank_00001.safetensors"
     rng.write_bytes(rng.read_bytes()[:20])  # truncated: the header no longer fits
+    resumed = train(prefix, run, nproc=2)
+    errors, log = rank_lines(resumed)
+    assert resumed.returncode != 0 and len(errors) == 1, log[-3000:]
+    # refused by its checksum, by the rank whose share of the files it is (rank 1: every second file from the
+    # second, sorted), before any rank reads it
+    why = "is corrupt or truncated (rng/rank_00001.safetensors: its sha256 differs"
+    assert errors[0].startswith(f"error: rank 1: checkpoint {run / 'iter_0000002'} {why}"), errors
+    assert log.count("rank_00001.safetensors") == 1 and "[rank" not in log, log[-3000:]
+    shutil.rmtree(run / "iter_0000002" / "checksums")  # saved without checksums: the RNG file's own read fails
     resumed = train(prefix, run, nproc=2)
     errors, log = rank_lines(resumed)
     assert resumed.returncode != 0 and len(errors) == 1, log[-3000:]

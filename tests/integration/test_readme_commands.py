@@ -68,6 +68,7 @@ RULES = [
     Rule(r"^moetron train ", extra="--train-iters 2", expect="saved checkpoint"),
     Rule(r"^moetron train-tokenizer ", extra="--vocab-size 300", expect="tok/vocab.json"),
     Rule(r"^moetron preprocess ", expect="_text_document.bin"),
+    Rule(r"^moetron inspect runs/", expect="integrity: ok"),
     Rule(r"^moetron inspect ", expect="documents"),
     Rule(r"^moetron import --megatron-deepspeed", expect="weights and optimizer state"),
     Rule(r"^moetron import --hf", expect="runs/reimported"),

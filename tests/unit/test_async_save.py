@@ -27,7 +27,7 @@ from moetron.validate import validate
 def checkpoint_contents(path: Path) -> dict[str, object]:
     """Every file's bytes, but two that differ between any two saves, even synchronous ones: DCP's `.metadata`
     (compared without the random `save_id` each save draws) and the RNG files (safetensors writes the metadata
-    keys in a random order: compared as their tensors and metadata)."""
+    keys in a random order: compared as their tensors and metadata), and with them their recorded checksums."""
     out: dict[str, object] = {}
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
         key = str(file.relative_to(path))
@@ -35,6 +35,9 @@ def checkpoint_contents(path: Path) -> dict[str, object]:
         if file.suffix == ".safetensors":
             tensors, metadata = ckpt.read_tensors(file)
             out[key] = ({name: t.tolist() for name, t in tensors.items()}, metadata)
+        if file.parent.name == "checksums":  # the same checksums but of those two files'
+            recorded = json.loads(file.read_bytes())["files"]
+            out[key] = {name: c for name, c in recorded.items() if name != ".metadata" and not name.startswith("rng/")}
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     out[".metadata"] = (metadata.state_dict_metadata, metadata.planner_data, metadata.storage_data, metadata.version)
     return out

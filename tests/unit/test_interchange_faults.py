@@ -45,11 +45,18 @@ def export_argv(run: Path, output: Path, *extra: str) -> list[str]:
 def test_export_of_a_truncated_shard_leaves_no_directory(checkpoint, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(checkpoint, run)
-    truncate(next(run.glob("iter_*/*.distcp")))
+    shard = next(run.glob("iter_*/*.distcp"))
+    truncate(shard)
+    before = snapshot(tmp_path)
+    line = one_error_line(export_argv(run, tmp_path / "hf"), capsys)
+    assert f"is corrupt or truncated ({shard.name}: its sha256 differs" in line and str(run) in line
+    assert snapshot(tmp_path) == before  # neither `hf` nor its staging directory
+    # a checkpoint saved without checksums: DCP's read of the shard fails, in one line too
+    shutil.rmtree(shard.parent / "checksums")
     before = snapshot(tmp_path)
     line = one_error_line(export_argv(run, tmp_path / "hf"), capsys)
     assert "is corrupt or truncated (reading model." in line and str(run) in line
-    assert snapshot(tmp_path) == before  # neither `hf` nor its staging directory
+    assert snapshot(tmp_path) == before
 
 
 def test_export_of_a_truncated_metadata_file_is_one_line(checkpoint, tmp_path, capsys):

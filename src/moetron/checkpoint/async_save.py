@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from moetron.checkpoint import files
+from moetron.checkpoint.integrity import files_written_by, record_checksums
 from moetron.checkpoint.rng_files import rng_tensors
 from moetron.checkpoint.state import GlobalView, _attempt, _fail_everywhere_if_any, write_shared_files
 from moetron.errors import UserError
@@ -168,6 +169,8 @@ class AsyncCheckpointer:
         failure = _attempt_any(
             lambda: dcp.save(staging.result(), storage_writer=writer, process_group=self.group, no_dist=no_dist)
         )
+        rank = dist.get_rank(self.group) if env.distributed else 0  # DCP names this process's shards by it
+        failure = failure or _attempt(lambda: record_checksums(tmp, rank, files_written_by(tmp, rank, env.is_main)))
         _fail_everywhere_if_any(env, failure, run_dir, iteration, discard=tmp, group=self.group)
         failure = _attempt(lambda: files.publish(run_dir, iteration, keep_last_n)) if env.is_main else None
         _fail_everywhere_if_any(env, failure, run_dir, iteration, group=self.group)

@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from moetron.checkpoint import files
+from moetron.checkpoint.integrity import checkpoint_files, record_checksums
 from moetron.checkpoint.state import single_process_quiet
 from moetron.config_cli import load_config
 from moetron.errors import UserError
@@ -165,4 +166,5 @@ def convert(load: str, save: str) -> Path:
     shutil.copy(source / "config.yaml", tmp / "config.yaml")
     for rng in sorted((source / "rng").glob("rank_*.safetensors")):
         shutil.copy(rng, tmp / "rng" / rng.name)
+    record_checksums(tmp, 0, checkpoint_files(tmp))  # one process wrote them all
     return files.publish(target, iteration, keep_last_n=1)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from moetron.checkpoint.files import resolve_checkpoint
+from moetron.checkpoint.integrity import verify_checkpoint
 from moetron.checkpoint.state import check_format, load_weights
 from moetron.config import RunConfig
 from moetron.data.tokenizer import load_tokenizer
@@ -82,6 +83,7 @@ def open_run(load: str, flag: str = "--load", tokenizer_overrides: dict | None =
         why = str(err).splitlines()[-1].strip(" -")
         raise UserError(f"{flag} {load}: {config_file} cannot be used ({why}); {flag} another checkpoint") from None
     state = check_format(path)
+    verify_checkpoint(path)  # before any weight is read: a damaged file is refused here, naming it
     overrides = {k: v for k, v in (tokenizer_overrides or {}).items() if v is not None}
     if not overrides:
         return OpenRun(path, cfg, state)

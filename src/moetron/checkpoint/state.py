@@ -35,8 +35,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moetron.checkpoint import files
+from moetron.checkpoint.integrity import files_written_by, record_checksums, verify_checkpoint
 from moetron.checkpoint.rng_files import load_rng, save_rng
-from moetron.errors import UserError
+from moetron.errors import SaidByAnotherRank, UserError
 from moetron.fileio import describe_os_error
 from moetron.parallel.diagnosis import Site, failure_kind
 from moetron.parallel.mesh import ParallelMesh
@@ -236,6 +237,8 @@ def write_files(tmp: Path, tensors: dict[str, torch.Tensor], state: dict, config
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=no_dist)
     if shared_files:
         write_shared_files(tmp, state, config_yaml)
+    rank = 0 if no_dist else dist.get_rank()  # DCP names this process's shards by it
+    record_checksums(tmp, rank, files_written_by(tmp, rank, shared_files))
 
 
 def write_shared_files(tmp: Path, state: dict, config_yaml: str) -> None:
@@ -303,10 +306,18 @@ def check_format(path: Path) -> dict:
 
 
 def load_checkpoint(
-    path: Path, view: GlobalView, optimizer: torch.optim.Optimizer | None = None, load_rng: bool = True, rank: int = 0
+    path: Path,
+    view: GlobalView,
+    optimizer: torch.optim.Optimizer | None = None,
+    load_rng: bool = True,
+    rank: int = 0,
+    env=None,
 ) -> dict:
-    """Restore into the view's model (and `optimizer`, this rank's RNG when asked); returns the trainer state."""
+    """Restore into the view's model (and `optimizer`, this rank's RNG when asked); returns the trainer state.
+    Every file is first checked against its recorded checksum: by this process alone, or with `env` (the run's
+    DistEnv) each rank its share, all agreeing (`integrity.py`)."""
     state = check_format(path)
+    verify_shared(path, env)
     tensors = view.model_state()
     if optimizer is not None:
         ensure_optimizer_state(optimizer)
@@ -316,6 +327,25 @@ def load_checkpoint(
     if load_rng:
         load_rng_file(path, rank)
     return state
+
+
+def verify_shared(path: Path, env=None) -> None:
+    """`verify_checkpoint` of `path`, spread over the ranks of `env` when distributed: each hashes its share, and a
+    mismatch anywhere stops every rank — the one that found it says which file, the others stop quietly."""
+    if env is None or not env.distributed:
+        verify_checkpoint(path)
+        return
+    problem = None
+    try:
+        verify_checkpoint(path, part=(env.rank, env.world_size))
+    except UserError as err:
+        problem = err
+    flag = torch.tensor([float(problem is not None)], device=env.device)
+    failed = bool(env.all_reduce_(flag, op=dist.ReduceOp.MAX).item())  # a host read, once per load
+    if problem is not None:
+        raise problem
+    if failed:
+        raise SaidByAnotherRank(f"checkpoint {path}: another rank found a file that does not match its checksum")
 
 
 def _check_against_metadata(path: Path, tensors: dict[str, torch.Tensor]) -> None:

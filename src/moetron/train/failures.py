@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from moetron.errors import UserError
+from moetron.errors import SaidByAnotherRank, UserError
 from moetron.parallel import diagnosis
 
 KEY = "moetron/first_failure"
@@ -160,7 +160,7 @@ def own_errors() -> Iterator[None]:
     the run's first failure and keeps its traceback. Nothing changes in one process or before the group exists."""
     try:
         yield
-    except (RankFailed, PeerFailed, CollectiveFailed, OwnError):
+    except (RankFailed, PeerFailed, CollectiveFailed, OwnError, SaidByAnotherRank):
         raise
     except Exception as err:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):

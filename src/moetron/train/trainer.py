@@ -424,11 +424,11 @@ class Trainer:
     def _load(self, path: Path) -> None:
         t = self.cfg.train
         if t.finetune:
-            load_checkpoint(path, self.checkpoint_view(), None, load_rng=False, rank=self.env.rank)
+            load_checkpoint(path, self.checkpoint_view(), None, load_rng=False, rank=self.env.rank, env=self.env)
             return
         optimizer = None if t.no_load_optim else self.optimizer
         view = self.checkpoint_view()
-        state = load_checkpoint(path, view, optimizer, load_rng=not t.no_load_rng, rank=self.env.rank)
+        state = load_checkpoint(path, view, optimizer, load_rng=not t.no_load_rng, rank=self.env.rank, env=self.env)
         self.progress = Progress(**{f.name: int(state[f.name]) for f in dataclasses.fields(Progress)})
         flags = self.scheduler.spec
         note = self.scheduler.load_state_dict(state["scheduler"], override=t.override_opt_param_scheduler)
