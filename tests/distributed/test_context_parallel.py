@@ -4,14 +4,15 @@ process, `--compile` (the ring attention with the per-sequence aux loss), activa
 checkpoints (4: curves and gradient norms). Each `--cp-comm-type` (all_gather, p2p ring, a2a Ulysses) follows the
 same curves, and the three attentions agree within fp64 rounding on the same inputs.
 
-Every layout trains the same global batch (sequence length 256, zigzag-split over 2 ranks) and must give the
-one-process LM loss and MoE (aux) loss at every step of 10 within 1e-4 relative (dropout off: SDPA draws attention
-masks inside the kernel, which no split can reproduce). Two models: learned positions with multi-head attention and
-a dense + MoE layer; RoPE with grouped-query attention, SwiGLU and RMSNorm (both position kinds must see each
-chunk's true positions). MoE layers are dropless and without random draws (capacity and the routers' random draws
-are per rank's tokens, as per data-parallel rank: see parallel/cp/apply_cp.py); the first model trains with the
-per-sequence aux loss (`seq`), the second with the `global` one, both of which CP computes over the whole
-sequences (without that the reported aux loss is off by ~1e-2 relative, the LM curve by ~3e-5).
+Every layout trains the same global batch (sequence length 256, zigzag-split over 2 ranks; 512 over 4) with the
+seed recipes' defaults — hidden dropout 0.1, capacity factor 1.0 with dropping (min capacity 4), the aux loss,
+top-2 with its sampled second expert or top-1 with RSample noise and random token selection — and must give the
+one-process LM loss, MoE (aux) loss and gradient norm at every step of 10 within 1e-6 relative: every random draw
+and capacity decision is the one-process run's (parallel/cp/whole_sequence.py; attention dropout is off: SDPA
+draws its masks inside the kernel, which no split can reproduce). Three models: learned positions with multi-head
+attention and a dense + MoE layer (top-2, the per-sequence aux loss `seq`); the same with the seed recipes' top-1
+routing; RoPE with grouped-query attention, SwiGLU and RMSNorm (top-2, the `global` aux loss). Both position kinds
+must see each chunk's true positions, and CP computes both aux losses over the whole sequences.
 One spawned group carries every check.
 """
 
@@ -38,6 +39,7 @@ from moetron.train.trainer import Trainer
 SEQ, STEPS, HALF, MBS, GLOBAL_BATCH = 256, 10, 5, 2, 4
 MODELS = {
     "learned-mha-seq-aux": {"moe_aux_loss_type": "seq", "moe_loss_coeff": 0.01},  # the aux loss of whole sequences
+    "learned-mha-top1": {"topk": 1, "moe_noisy_gate_policy": "RSample", "moe_loss_coeff": 0.01},  # the seed recipes'
     "rope-gqa": {  # the `global` aux loss (the default type) of each micro-batch
         "moe_loss_coeff": 0.01,
         "position_embedding_type": "rope",
@@ -49,20 +51,21 @@ MODELS = {
 }
 
 
-def samples(n: int = 256, seed: int = 0) -> np.ndarray:
-    """Token sequences of SEQ + 1 with a pattern to learn (next = current + 1 mod VOCAB, from a random start)."""
+def samples(n: int = 256, seed: int = 0, seq: int = SEQ) -> np.ndarray:
+    """Token sequences of seq + 1 with a pattern to learn (next = current + 1 mod VOCAB, from a random start)."""
     starts = np.random.default_rng(seed).integers(0, VOCAB, (n, 1))
-    return (starts + np.arange(SEQ + 1)) % VOCAB
+    return (starts + np.arange(seq + 1)) % VOCAB
 
 
 def cp_config(
     model: str, cp: int = 1, ep: int = 1, tp: int = 1, save: str | None = None, comm: str = "all_gather", zero: int = 0,
-    pp: int = 1, compile_blocks: bool = False,
+    pp: int = 1, compile_blocks: bool = False, seq: int = SEQ,
 ):  # fmt: skip
     cfg = tiny_config(micro_batch_size=MBS, global_batch_size=GLOBAL_BATCH, train_iters=STEPS)
     m, p = cfg.model, cfg.parallel
-    m.seq_length, m.hidden_dropout, m.attention_dropout = SEQ, 0.0, 0.0
-    m.moe_token_dropping, m.moe_loss_coeff, m.moe_top2_2nd_expert_sampling = False, 0.0, False
+    m.seq_length, m.hidden_dropout, m.attention_dropout = seq, 0.1, 0.0  # the seed recipes' routing and dropout
+    m.moe_token_dropping, m.moe_train_capacity_factor, m.moe_min_capacity = True, 1.0, 4
+    m.moe_top2_2nd_expert_sampling, m.moe_use_rts = True, True
     for key, value in MODELS[model].items():
         setattr(m, key, value)
     p.context_parallel_size, p.moe_expert_parallel_size = cp, ep
@@ -79,7 +82,12 @@ def trainer(cfg, env: DistEnv | None = None) -> Trainer:
     mesh = ParallelMesh.build(cfg.dims(env.world_size), env)
     parallel = build(cfg, mesh, env.device)
     loader = DistributedBatchLoader(
-        samples(), MBS, mesh.coords.dp, mesh.size("dp"), cp_rank=mesh.coords.cp, cp_size=mesh.size("cp")
+        samples(seq=cfg.model.seq_length),
+        MBS,
+        mesh.coords.dp,
+        mesh.size("dp"),
+        cp_rank=mesh.coords.cp,
+        cp_size=mesh.size("cp"),
     )
     return Trainer(cfg, env, parallel, loader, None, config_yaml="# test\n")
 
@@ -166,7 +174,7 @@ def two_process_checks(rank: int, world_size: int, cp_dir: str) -> dict:
 
 def assert_curve(got: list[float], want: list[float], what: str) -> None:
     got_t, want_t = torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
-    torch.testing.assert_close(got_t, want_t, rtol=1e-4, atol=0, msg=what)
+    torch.testing.assert_close(got_t, want_t, rtol=1e-6, atol=0, msg=what)
 
 
 @pytest.mark.distributed
@@ -225,6 +233,9 @@ def four_process_checks(rank: int, world_size: int, cp_dir: str) -> dict:
     out["pp2"] = run_curve(trainer(cp_config("rope-gqa", cp=2, pp=2), env), HALF)
     # the later stage's RoPE positions when sequence parallelism hands it T / tp tokens (no CP: the same code path)
     out["pp2-tp2-sp"] = run_curve(trainer(cp_config("rope-gqa", pp=2, tp=2), env), HALF)
+    # CP 4 over sequences of 512: the seed recipes' top-1 routing alone, top-2 with EP 2 folded over dp × cp
+    out["cp4"] = run_curve(trainer(cp_config("learned-mha-top1", cp=4, seq=2 * SEQ), env), HALF)
+    out["cp4-ep2"] = run_curve(trainer(cp_config("rope-gqa", cp=4, ep=2, seq=2 * SEQ), env), HALF)
     return out
 
 
@@ -232,13 +243,19 @@ def four_process_checks(rank: int, world_size: int, cp_dir: str) -> dict:
 @pytest.mark.slow
 def test_context_and_tensor_parallel_follow_one_process(tmp_path):
     """CP 2 × TP 2 with sequence parallelism × EP 2 folded (4 processes), at ZeRO 0 and 3; CP 2 × DP 2 at ZeRO 1
-    and 3; CP 2 × PP 2: the one-process curve and gradient norm, and each checkpoint continues on one process."""
+    and 3; CP 2 × PP 2; CP 4 alone and × EP 2: the one-process curve and gradient norm, and each checkpoint
+    continues on one process."""
     torch.set_num_threads(1)
     cp_dir = str(tmp_path)
     reference = run_curve(trainer(cp_config("rope-gqa")), STEPS)
     losses, norms, moe = reference["loss"], reference["norm"], reference["moe"]
+    long = {name: run_curve(trainer(cp_config(model, seq=2 * SEQ)), HALF)
+            for name, model in (("cp4", "learned-mha-top1"), ("cp4-ep2", "rope-gqa"))}  # fmt: skip
     for rank, got in enumerate(run_distributed(four_process_checks, world_size=4, args=(cp_dir,))):
         assert_curve(got["head"], losses[:HALF], f"rank {rank}: CP 2 × TP 2 + SP × EP 2")
+        for name, what in (("cp4", "CP 4, seq 512, top-1 RSample"), ("cp4-ep2", "CP 4 × EP 2, seq 512")):
+            for key in ("loss", "norm", "moe"):
+                assert_curve(got[name][key], long[name][key], f"rank {rank}: {what}: {key}")
         for name, what in (("zero1", "CP 2 × DP 2, ZeRO-1"), ("zero3", "CP 2 × DP 2, ZeRO-3"),
                            ("p2p-zero3", "CP 2 (p2p) × TP 2 + SP × EP 2, ZeRO-3"), ("pp2", "CP 2 × PP 2"),
                            ("pp2-tp2-sp", "PP 2 × TP 2 + SP, RoPE")):  # fmt: skip

@@ -13,12 +13,15 @@
 `build` runs every step once, in this order (the order is the contract), each one small `apply_*` in its own module:
   1. build on the meta device (no memory; layers keyed by global index, so names never change);
      split_for_pipeline  keep this pipeline rank's layers and ends (pp/split.py);
+     apply_cp_dropout    context parallelism's dropout: the one-process masks at this rank's positions, before
+                    tensor parallelism hooks the embedding dropout (cp/apply_cp.py);
   2. apply_tp       split attention, dense MLPs and the vocabulary over the tp ranks; sequence parallelism
                     (tp/apply_tp.py);
   3. apply_ep       keep this rank's `E / ep` experts, install the all-to-all dispatcher (ep/apply_ep.py);
   4. apply_moe_tp   each TP rank dispatches its share of the tokens through that dispatcher, or (expert TP)
                     keeps a slice of every expert's ffn channels (tp/moe.py);
-     apply_cp       context parallelism: zigzag positions, attention over the whole sequence (cp/apply_cp.py);
+     apply_cp       context parallelism: zigzag positions, attention over the whole sequence, the routers'
+                    draws and capacity over the whole micro-batch (cp/apply_cp.py);
   5. apply_ac       recompute each layer in backward (activation_checkpoint.py);
   6. apply_compile  `torch.compile` each transformer block (compile.py);
   7. materialise on the device and initialise: weights are drawn per parameter name and per GLOBAL expert id
@@ -52,7 +55,7 @@ from moetron.model.gpt import GPTModel
 from moetron.model.loss import HeadLoss, fuses_head, language_model_loss, make_head_loss
 from moetron.parallel.activation_checkpoint import apply_ac
 from moetron.parallel.compile import apply_compile
-from moetron.parallel.cp.apply_cp import apply_cp
+from moetron.parallel.cp.apply_cp import apply_cp, apply_cp_dropout
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.dp.replicate import DataParallel, apply_dp
 from moetron.parallel.dp.zero_spec import REPLICATED, ZeroSpec
@@ -186,6 +189,7 @@ def build_local_model(
     with torch.device("meta"):
         model = GPTModel(cfg)
     split_for_pipeline(model, mesh, layout)
+    apply_cp_dropout(model, mesh)
     apply_tp(model, mesh)
     apply_ep(model, mesh, expert_replicas, ep_dispatch)
     apply_moe_tp(model, mesh)

@@ -11,13 +11,18 @@ them, `data/loader.py`). Three things change, all installed here from outside th
     independent masks (SDPA draws inside the kernel: no layout can reproduce the one-process masks).
   - the aux losses: each router's `sequence_mean` averages the route fractions over the CP ranks
     (`SequenceMean`): of every sequence for `--moe-aux-loss-type seq`, of the micro-batch for `global`, so each is
-    the loss of the whole sequences (`model/moe/routing/balancing_losses.py`).
+    the loss of the whole sequences (`model/moe/routing/balancing_losses.py`);
+  - the routers' random draws and capacity decisions: each router's `token_rows` places its tokens in the whole
+    micro-batch (`whole_sequence.py`), so the sampled second expert, RSample / Jitter noise, the RTS keys, the
+    capacity and the dropped routes are the one-process run's;
+  - hidden dropout: the one-process mask at this rank's positions (`apply_cp_dropout`, before tensor parallelism,
+    whose sequence shards then keep their part of it: `parallel/sequence_dropout.py`).
 Everything else is per token and runs on the local tokens as it is. The loss needs no change: every rank holds
 the same number of tokens and the LM loss is a plain mean, so the mean over CP ranks of the local means is the
 mean over the whole sequence (Σ token losses / global token count), and the dense gradients, averaged over the
-dp × cp ranks (`dp_cp`, parallel/dp/replicate.py), are the one-process gradients. MoE layers route their local
-tokens like any others (capacity and random routing draws per rank, as DeepSpeed computes them per data-parallel
-rank: only dropless routing without random draws reproduces the one-process run exactly).
+dp × cp ranks (`dp_cp`, parallel/dp/replicate.py), are the one-process gradients. So every layout with CP follows
+the one-process run with the default routing and dropout on — except attention dropout, which SDPA draws inside
+its kernel (no split can reproduce those masks).
 """
 
 from __future__ import annotations
@@ -27,11 +32,14 @@ import torch.distributed as dist
 
 from moetron.data.context_chunks import zigzag_positions
 from moetron.model.gpt import GPTModel
+from moetron.model.mtp import mtp_transformer_layers
 from moetron.parallel.cp.attention import ContextParallelAttention
 from moetron.parallel.cp.ring import RingAttention
 from moetron.parallel.cp.ulysses import UlyssesAttention
+from moetron.parallel.cp.whole_sequence import ZigzagTokens
 from moetron.parallel.diagnosis import Site
 from moetron.parallel.mesh import ParallelMesh
+from moetron.parallel.sequence_dropout import zigzag_dropout
 
 # `--cp-comm-type` → the attention every layer gets (Megatron-Core's names)
 ATTENTIONS = {"all_gather": ContextParallelAttention, "p2p": RingAttention, "a2a": UlyssesAttention}
@@ -54,6 +62,21 @@ def apply_cp(model: GPTModel, mesh: ParallelMesh, comm_type: str = "all_gather")
         layer.self_attention.stream_shard += ("cp", rank)
     for moe in model.moe_layers():
         moe.router.sequence_mean = SequenceMean(mesh.group("cp"), size)
+        moe.router.token_rows = ZigzagTokens(mesh.group("cp"), rank, size)
+
+
+def apply_cp_dropout(model: GPTModel, mesh: ParallelMesh) -> None:
+    """Hidden and embedding dropout with the one-process masks at this CP rank's zigzag positions (nothing when
+    cp == 1). Before `apply_tp`: sequence parallelism keeps its shard of these positions, and the module it hooks
+    (the embedding dropout) is then the one that stays."""
+    size = mesh.size("cp")
+    if size == 1:
+        return
+    rank = mesh.coords.cp
+    for layer in [layer for _, layer in model.layer_items()] + mtp_transformer_layers(model):
+        layer.hidden_dropout = zigzag_dropout(layer.hidden_dropout, rank, size)
+    if getattr(model, "embedding_dropout", None) is not None:
+        model.embedding_dropout = zigzag_dropout(model.embedding_dropout, rank, size)
 
 
 class SequenceMean:

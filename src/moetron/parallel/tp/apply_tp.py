@@ -24,7 +24,7 @@ norms run on sequence shards (`SequenceParallel`), each attention / MLP / MoE in
 (`PrepareModuleInput` Shard(1) → Replicate) and each row-parallel output reduce-scattered (`output_layouts=
 Shard(1)`); the embedding output is scattered after its dropout and the final norm's output gathered for the head.
 Hidden dropout on a sequence shard draws the one-process mask of the whole sequence and keeps its shard
-(`SequenceShardDropout`), so SP reproduces the one-process run with dropout on; attention dropout draws on head
+(`parallel/sequence_dropout.py`), so SP reproduces the one-process run with dropout on; attention dropout draws on head
 shards from per-rank streams (`SelfAttention.stream_shard`) — independent masks, not the one-process ones.
 
 Parameters stay plain local shards read through DTensor views (`shard_views.py`: why), each drawn at
@@ -58,6 +58,7 @@ from moetron.model.mla import MultiLatentAttention
 from moetron.model.mtp import mtp_transformer_layers
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
+from moetron.parallel.sequence_dropout import shard_dropout
 from moetron.parallel.tp.shard_views import ShardViews, localize_parameters
 
 
@@ -164,25 +165,6 @@ def summed_over_shards(tp_mesh) -> Callable[[torch.Tensor], torch.Tensor]:
     return summed
 
 
-class SequenceShardDropout(nn.Dropout):
-    """Dropout of a sequence shard (dim 1 = positions) with the one-process mask: the mask of the whole sequence
-    is drawn (the same draws as `nn.Dropout` on the full tensor) and this rank keeps its positions. Costs tp× the
-    random numbers of the shard; buys a sequence-parallel run equal to the one-process run with dropout on."""
-
-    def __init__(self, p: float, rank: int, size: int):
-        super().__init__(p)
-        self.rank, self.size = rank, size
-
-    def forward(self, x_BSC: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0:
-            return x_BSC
-        shard = x_BSC.shape[1]
-        full = list(x_BSC.shape)
-        full[1] *= self.size
-        mask = F.dropout(torch.ones(full, dtype=x_BSC.dtype, device=x_BSC.device), self.p, True)
-        return x_BSC * mask.narrow(1, self.rank * shard, shard).contiguous()
-
-
 # ---------------------------------------------------------------- applying it
 def apply_tp(model: GPTModel, mesh: ParallelMesh) -> None:
     """Split the dense parts of `model` over the tensor-parallel ranks (see the module docstring). Call on the meta
@@ -205,7 +187,7 @@ def apply_tp(model: GPTModel, mesh: ParallelMesh) -> None:
         if isinstance(layer.self_attention, MultiLatentAttention):
             layer.self_attention.shared_key_hook = summed_over_shards(tp_mesh)
         if sp:
-            layer.hidden_dropout = SequenceShardDropout(layer.hidden_dropout.p, rank, tp)
+            layer.hidden_dropout = shard_dropout(layer.hidden_dropout, rank, tp)
     for module in mtp_modules:
         if sp:
             parallelize_module(module, tp_mesh, _mtp_input_gather())

@@ -24,6 +24,7 @@ from moetron.model.moe.routing.capacity_and_dropping import (
 )
 from moetron.model.moe.routing.decision import Routing, RoutingInputError, buffer_slots, route_counts, route_fraction
 from moetron.model.moe.routing.mean_and_gather import MeanAndGather
+from moetron.model.moe.routing.token_rows import LOCAL_ROWS, TokenRows
 
 
 # ---------------------------------------------------------------- noise (torch.distributions' formulas)
@@ -49,9 +50,9 @@ def gumbel_rsample(shape: torch.Size, device: torch.device) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def multiplicative_jitter(x: torch.Tensor, epsilon: float = 1e-2) -> torch.Tensor:
+def multiplicative_jitter(x: torch.Tensor, epsilon: float = 1e-2, rows: TokenRows = LOCAL_ROWS) -> torch.Tensor:
     """Switch Transformer's input jitter: x · U(1 − eps, 1 + eps), elementwise."""
-    return x * uniform_rsample(x.shape, 1.0 - epsilon, 1.0 + epsilon, x.device)
+    return x * rows.draw(lambda shape: uniform_rsample(shape, 1.0 - epsilon, 1.0 + epsilon, x.device), x.shape)
 
 
 # ---------------------------------------------------------------- helpers
@@ -103,19 +104,22 @@ def top1_gating(
     noisy_gate_policy: str | None = None,
     drop_tokens: bool = True,
     use_rts: bool = True,
+    rows: TokenRows = LOCAL_ROWS,
 ) -> Routing:
     """Switch routing: one expert per token, weight = its raw softmax probability.
 
     `noisy_gate_policy` must already be None in eval mode (the caller decides, as TopKGate does).
     Random draws: RSample Gumbel [T, E] first (if asked), then the RTS uniform [T, E] (if `use_rts`).
+    `rows`: these tokens' place in the micro-batch (`token_rows.py`): draws, capacity and drops are its.
     """
     num_tokens, num_experts = logits_TE.shape
-    _check_top1_tokens(num_tokens, min_capacity)  # DeepSpeed asserts this; we say what to change instead
+    device = logits_TE.device
+    _check_top1_tokens(rows.tokens(num_tokens), min_capacity)  # DeepSpeed asserts this; we say what to change
     noisy_logits_TE = None
     if noisy_gate_policy == "RSample":  # noise only picks the expert; the weight stays the clean probability
-        noisy_logits_TE = logits_TE + gumbel_rsample(logits_TE.shape, logits_TE.device)
+        noisy_logits_TE = logits_TE + rows.draw(lambda shape: gumbel_rsample(shape, device), logits_TE.shape)
     probs_TE = F.softmax(logits_TE, dim=1)
-    capacity = capacity_from_factor(num_tokens, num_experts, capacity_factor, 1, min_capacity)
+    capacity = capacity_from_factor(rows.tokens(num_tokens), num_experts, capacity_factor, 1, min_capacity)
 
     ids_T = first_argmax(noisy_logits_TE if noisy_logits_TE is not None else probs_TE)
     ids_TK = ids_T.unsqueeze(1)
@@ -125,23 +129,30 @@ def top1_gating(
 
     # Random token selection: an over-full expert keeps the C routes with the largest random keys. The
     # draw happens even when nothing can overflow (dropless), to keep the RNG stream in step with DeepSpeed.
-    rand_TE = uniform_rsample(logits_TE.shape, 0.0, 1.0, logits_TE.device) if use_rts else None
+    # The keys of the whole micro-batch: an over-full expert's C winners are chosen among all its routes.
+    uniform = lambda shape: uniform_rsample(shape, 0.0, 1.0, device)
+    rand_TE = rows.draw_whole(uniform, logits_TE.shape) if use_rts else None
     if not drop_tokens:
         # Capacity = the max load: every route fits. (DeepSpeed's topk at k = max load agrees, except that
         # it may drop a route whose random key is exactly 0.0, tied with the unrouted zeros of a full column
         # — a 2^-24 chance per route; dropless mode keeps it.)
         capacity = dropless_capacity(counts_E, num_tokens)
         kept_T = torch.ones_like(ids_T, dtype=torch.bool)
-    elif rand_TE is not None and host_reads_are_free(rand_TE.device):
-        kept_T = keep_top_random_keys_top1(ids_T, rand_TE, capacity)  # reads the device once: free on a CPU
-    elif rand_TE is not None:  # keys = one-hot mask · U(0, 1), as DeepSpeed computes them
-        kept_T = keep_top_keys_top1(ids_T, torch.where(_one_hot_bool(ids_T, num_experts), rand_TE, 0.0), capacity)
-    else:  # DeepSpeed's int64 one-hot mask as the keys: its exact ties
-        kept_T = keep_top_keys_top1(ids_T, _one_hot_bool(ids_T, num_experts).long(), capacity)
+    else:
+        kept_T = rows.mine(_keep_top1(rows.whole(ids_T), rand_TE, capacity, num_experts))
 
     kept_TK = kept_T.unsqueeze(1)
     weights_TK = gates_TK * kept_TK  # raw probability, no renormalisation for k = 1
     return Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, counts_E, probs_TE, "token")
+
+
+def _keep_top1(ids_T: torch.Tensor, rand_TE: torch.Tensor | None, capacity: int, num_experts: int) -> torch.Tensor:
+    """bool [T]: the routes each over-full expert keeps — the largest random keys (RTS), else DeepSpeed's ties."""
+    if rand_TE is not None and host_reads_are_free(rand_TE.device):
+        return keep_top_random_keys_top1(ids_T, rand_TE, capacity)  # reads the device once: free on a CPU
+    if rand_TE is not None:  # keys = one-hot mask · U(0, 1), as DeepSpeed computes them
+        return keep_top_keys_top1(ids_T, torch.where(_one_hot_bool(ids_T, num_experts), rand_TE, 0.0), capacity)
+    return keep_top_keys_top1(ids_T, _one_hot_bool(ids_T, num_experts).long(), capacity)  # DeepSpeed's exact ties
 
 
 # ---------------------------------------------------------------- top-2
@@ -151,17 +162,20 @@ def top2_gating(
     min_capacity: int,
     drop_tokens: bool = True,
     second_expert_sampling: bool = True,
+    rows: TokenRows = LOCAL_ROWS,
 ) -> Routing:
     """GShard routing: first choice = argmax, second = argmax of Gumbel-perturbed logits (train and eval).
 
     Slots queue every first choice before any second choice; overflowing routes drop by position; the two
     weights are renormalised over the kept routes (eps floor), so a lone surviving first route weighs 1.0.
+    `rows`: these tokens' place in the micro-batch (`token_rows.py`): the noise, capacity and queue are its.
     """
     num_tokens, num_experts = logits_TE.shape
     probs_TE = F.softmax(logits_TE, dim=1)
     ids1_T = first_argmax(probs_TE)
     if second_expert_sampling:  # DeepSpeed adds the noise in place; out of place gives the same values
-        logits_TE = logits_TE + gumbel_rsample(logits_TE.shape, logits_TE.device)
+        device = logits_TE.device
+        logits_TE = logits_TE + rows.draw(lambda shape: gumbel_rsample(shape, device), logits_TE.shape)
     ids2_T = first_argmax(logits_TE.masked_fill(_one_hot_bool(ids1_T, num_experts), float("-inf")))
 
     counts1_E = route_counts(ids1_T, num_experts)
@@ -171,10 +185,11 @@ def top2_gating(
 
     # Queue positions: every first choice (token order), then every second choice; drop past capacity.
     all_routes_TK = torch.ones_like(ids_TK, dtype=torch.bool)
-    slots_TK = buffer_slots(ids_TK, all_routes_TK, num_experts, "choice")
-    if drop_tokens:
-        capacity = capacity_from_factor(num_tokens, num_experts, capacity_factor, 2, min_capacity)
-        kept_TK = slots_TK < capacity
+    if drop_tokens:  # the queue of the whole micro-batch's routes
+        capacity = capacity_from_factor(rows.tokens(num_tokens), num_experts, capacity_factor, 2, min_capacity)
+        every_id_TK = rows.whole(ids_TK)
+        slots_TK = buffer_slots(every_id_TK, torch.ones_like(every_id_TK, dtype=torch.bool), num_experts, "choice")
+        kept_TK = rows.mine(slots_TK < capacity)
     else:
         capacity = dropless_capacity(counts_E)  # no clamp to T for top-2, as in DeepSpeed
         kept_TK = all_routes_TK
@@ -187,7 +202,12 @@ def top2_gating(
 
 # ---------------------------------------------------------------- top-k (k > 2)
 def topk_gating(
-    logits_TE: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True
+    logits_TE: torch.Tensor,
+    k: int,
+    capacity_factor: float,
+    min_capacity: int,
+    drop_tokens: bool = True,
+    rows: TokenRows = LOCAL_ROWS,
 ) -> Routing:
     """DeepSpeed's general top-k ('probs' drop policy, no randomness): each over-full expert keeps its
     highest-probability routes; weights renormalised over the kept routes; aux loss divided by k."""
@@ -198,10 +218,13 @@ def topk_gating(
     counts_E = route_counts(ids_TK, num_experts)
     aux_loss = torch.mean(probs_TE.mean(0) * route_fraction(counts_E, num_tokens)) * num_experts * num_experts / k
 
-    if drop_tokens:
-        capacity = capacity_from_factor(num_tokens, num_experts, capacity_factor, k, min_capacity)
-        keys_TE = torch.zeros_like(probs_TE).scatter(1, ids_TK, top_probs_TK.detach())
-        mask_TE = keep_top_keys(mask_TE, keys_TE, capacity, sort=False)
+    if drop_tokens:  # each over-full expert keeps its best routes of the whole micro-batch
+        capacity = capacity_from_factor(rows.tokens(num_tokens), num_experts, capacity_factor, k, min_capacity)
+        every_id_TK, every_prob_TK = rows.whole(ids_TK), rows.whole(top_probs_TK.detach())
+        every_TE = torch.zeros((every_id_TK.shape[0], num_experts), dtype=probs_TE.dtype, device=probs_TE.device)
+        keys_TE = every_TE.scatter(1, every_id_TK, every_prob_TK)
+        every_mask_TE = torch.zeros_like(keys_TE, dtype=torch.bool).scatter_(1, every_id_TK, True)
+        mask_TE = rows.mine(keep_top_keys(every_mask_TE, keys_TE, capacity, sort=False))
     else:
         capacity = dropless_capacity(counts_E)
 

@@ -29,6 +29,7 @@ from moetron.model.moe.routing.capacity_and_dropping import (
 from moetron.model.moe.routing.decision import Routing, route_counts, route_fraction
 from moetron.model.moe.routing.mean_and_gather import MeanAndGather
 from moetron.model.moe.routing.router_config import RouterConfig
+from moetron.model.moe.routing.token_rows import LOCAL_ROWS, TokenRows
 
 
 def routing_probs(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:
@@ -124,8 +125,10 @@ def generic_topk_gating(
     k: int,
     capacity_factor: float,
     expert_bias_E: torch.Tensor | None = None,
+    rows: TokenRows = LOCAL_ROWS,
 ) -> Routing:
-    """Top-k routing with the modern options; capacity and dropping as DeepSpeed's `topkgating`."""
+    """Top-k routing with the modern options; capacity and dropping as DeepSpeed's `topkgating`, over the whole
+    micro-batch `rows` places these tokens in (`token_rows.py`)."""
     num_tokens, num_experts = logits_TE.shape
     scores_TE = _scores(logits_TE, cfg)
     probs_TE = _probs_from_scores(logits_TE, scores_TE, cfg)
@@ -141,8 +144,9 @@ def generic_topk_gating(
         capacity = dropless_capacity(counts_E)
         kept_TK = torch.ones_like(ids_TK, dtype=torch.bool)
     else:
-        capacity = capacity_from_factor(num_tokens, num_experts, capacity_factor, k, cfg.moe_min_capacity)
-        kept_TK = _keep_within_capacity(logits_TE, ids_TK, route_scores_TK, capacity, cfg.moe_use_rts)
+        capacity = capacity_from_factor(rows.tokens(num_tokens), num_experts, capacity_factor, k, cfg.moe_min_capacity)
+        every_id_TK, every_score_TK = rows.whole(ids_TK), rows.whole(route_scores_TK.detach())
+        kept_TK = rows.mine(_keep_within_capacity(num_experts, every_id_TK, every_score_TK, capacity, cfg.moe_use_rts))
 
     weights_TK = route_scores_TK * kept_TK
     if renormalises(cfg, k):
@@ -165,13 +169,16 @@ def has_unit_weights(cfg: RouterConfig, k: int) -> bool:
 
 
 def _keep_within_capacity(
-    logits_TE: torch.Tensor, ids_TK: torch.Tensor, route_scores_TK: torch.Tensor, capacity: int, by_score: bool
+    num_experts: int, ids_TK: torch.Tensor, route_scores_TK: torch.Tensor, capacity: int, by_score: bool
 ) -> torch.Tensor:
     """bool [T, K]: 'probs' policy (each over-full expert keeps its highest-scoring routes) or 'position'
     (its earliest tokens)."""
-    mask_TE = torch.zeros_like(logits_TE, dtype=torch.bool).scatter_(1, ids_TK, True)
+    shape = (ids_TK.shape[0], num_experts)
+    mask_TE = torch.zeros(shape, dtype=torch.bool, device=ids_TK.device).scatter_(1, ids_TK, True)
     if by_score:
-        keys_TE = torch.zeros_like(logits_TE).scatter(1, ids_TK, route_scores_TK.detach())
+        keys_TE = torch.zeros(shape, dtype=route_scores_TK.dtype, device=ids_TK.device).scatter(
+            1, ids_TK, route_scores_TK
+        )
         mask_TE = keep_top_keys(mask_TE, keys_TE, capacity, sort=False)
     else:
         mask_TE = keep_by_position(mask_TE, capacity)

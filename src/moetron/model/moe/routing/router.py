@@ -36,6 +36,7 @@ from moetron.model.moe.routing.decision import Routing
 from moetron.model.moe.routing.deepspeed_gating import multiplicative_jitter, top1_gating, top2_gating, topk_gating
 from moetron.model.moe.routing.generic_gating import generic_topk_gating
 from moetron.model.moe.routing.router_config import RouterConfig
+from moetron.model.moe.routing.token_rows import LOCAL_ROWS, TokenRows
 
 __all__ = ["Router", "RouterConfig", "Routing"]
 
@@ -61,6 +62,9 @@ class Router(nn.Module):
         # parallelism sets it: a rank routes only its chunks); the seq and global aux losses' route fractions go
         # through it. None: every sequence is whole here
         self.sequence_mean: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # (T, seq_len, device) → where these T tokens sit in the micro-batch (`token_rows.py`); context parallelism
+        # sets it, so that the random draws and capacity decisions are the one-process run's. None: all are here
+        self.token_rows: Callable[[int, int | None, torch.device], TokenRows] | None = None
         self.weight = nn.Parameter(torch.empty(num_experts, cfg.hidden_size, dtype=torch.float32))
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         # Transient (zero after every optimizer step), so it stays out of checkpoints.
@@ -78,40 +82,41 @@ class Router(nn.Module):
         path = "generic" if self.generic else "deepspeed"
         return f"hidden={self.weight.shape[1]}, experts={self.num_experts}, topk={self.topk}, path={path}"
 
-    def gate_logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+    def gate_logits(self, x_TD: torch.Tensor, rows: TokenRows = LOCAL_ROWS) -> torch.Tensor:
         """fp32 logits [T, E], whatever the input dtype or autocast state (the router always runs in fp32)."""
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             x_TD = x_TD.float()
             if self.cfg.moe_noisy_gate_policy == "Jitter" and self.training:
-                x_TD = multiplicative_jitter(x_TD)
+                x_TD = multiplicative_jitter(x_TD, rows=rows)
             return F.linear(x_TD, self.weight.float())
 
     def forward(self, x_TD: torch.Tensor, seq_len: int | None = None) -> Routing:
         """Route T tokens. `seq_len`: tokens per sequence (x_TD flattens [B, seq_len, D]); used by the
         sequence-wise aux loss, None = one sequence."""
-        logits_TE = self.gate_logits(x_TD)
+        rows = LOCAL_ROWS if self.token_rows is None else self.token_rows(x_TD.shape[0], seq_len, x_TD.device)
+        logits_TE = self.gate_logits(x_TD, rows)
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            routing = self._route(logits_TE)
+            routing = self._route(logits_TE, rows)
             routing = self._with_losses(routing, logits_TE, seq_len)
         if self.training and self.cfg.moe_router_bias_update_rate > 0:
             with torch.no_grad():
                 self.load_since_update_E += routing.tokens_per_expert_E.float()
         return routing
 
-    def _route(self, logits_TE: torch.Tensor) -> Routing:
+    def _route(self, logits_TE: torch.Tensor, rows: TokenRows = LOCAL_ROWS) -> Routing:
         cfg = self.cfg
         capacity_factor = cfg.moe_train_capacity_factor if self.training else cfg.moe_eval_capacity_factor
         if self.generic:
             bias_E = self.expert_bias if cfg.moe_router_bias_update_rate > 0 else None
-            return generic_topk_gating(logits_TE, cfg, self.topk, capacity_factor, bias_E)
-        drop = cfg.moe_token_dropping
+            return generic_topk_gating(logits_TE, cfg, self.topk, capacity_factor, bias_E, rows)
+        drop, min_capacity = cfg.moe_token_dropping, cfg.moe_min_capacity
         if self.topk == 1:
             noisy = cfg.moe_noisy_gate_policy if self.training else None  # TopKGate: no noise in eval
-            return top1_gating(logits_TE, capacity_factor, cfg.moe_min_capacity, noisy, drop, cfg.moe_use_rts)
+            return top1_gating(logits_TE, capacity_factor, min_capacity, noisy, drop, cfg.moe_use_rts, rows)
         if self.topk == 2:
             sampling = cfg.moe_top2_2nd_expert_sampling  # in train AND eval, as in DeepSpeed
-            return top2_gating(logits_TE, capacity_factor, cfg.moe_min_capacity, drop, sampling)
-        return topk_gating(logits_TE, self.topk, capacity_factor, cfg.moe_min_capacity, drop)
+            return top2_gating(logits_TE, capacity_factor, min_capacity, drop, sampling, rows)
+        return topk_gating(logits_TE, self.topk, capacity_factor, min_capacity, drop, rows)
 
     def _with_losses(self, routing: Routing, logits_TE: torch.Tensor, seq_len: int | None) -> Routing:
         """Replace the path's global aux loss when another type is asked for, and add the z-loss."""
