@@ -14,7 +14,7 @@ import torch
 from trainer_support import build_trainer, tiny_config
 
 from moetron.checkpoint import integrity, open_run, resolve_checkpoint
-from moetron.checkpoint.state import verify_shared
+from moetron.checkpoint.state import load_rng_file, verify_shared
 from moetron.cli import main
 from moetron.errors import SaidByAnotherRank, UserError
 from moetron.parallel.env import DistEnv
@@ -132,3 +132,15 @@ def test_a_distributed_load_stops_every_rank_when_one_finds_a_damaged_file(train
     with pytest.raises(SaidByAnotherRank, match="another rank found a file that does not match its checksum"):
         verify_shared(path, _PeerFoundADamagedFile(rank=1, world_size=2))
     verify_shared(path, _TwoRanks(rank=1, world_size=2))  # no mismatch anywhere: every share passes
+
+
+def test_a_missing_rng_file_of_a_saving_rank_is_refused_and_a_new_rank_starts_from_the_seed(trained, tmp_path, capsys):
+    """Without checksums too: a checkpoint saved by one process has rank 0's RNG file; rank 1 of a larger run has
+    none to load (a warning), while rank 0's missing is damage, refused in one line."""
+    _, path = damaged_copy(trained, tmp_path)
+    shutil.rmtree(path / "checksums")
+    load_rng_file(path, rank=1)
+    assert "the checkpoint was saved by 1 process(es)); rank 1's RNG continues from the seed" in capsys.readouterr().out
+    (path / "rng" / "rank_00000.safetensors").unlink()
+    with pytest.raises(UserError, match=r"missing rng/rank_00000.safetensors, which rank 0 of the 1 processes"):
+        load_rng_file(path, rank=0)

@@ -155,8 +155,14 @@ def test_cli_table_json_top_and_fixed_flags(tiny_config, capsys):
 def test_no_layout_for_seven_gpus_is_one_clear_line(tiny_config, capsys):
     code, _, err = run_cli(capsys, "--config", str(tiny_config), "--gpus", "7", "--gpu-type", "cpu",
                            "--gpu-memory", "4GB", "--search")  # fmt: skip
-    assert code == 1
+    assert code == 2  # an error of the flags, not "does not fit" (1)
     assert err.startswith("error: --gpus 7: none of the") and "accepts" in err and len(err.strip().splitlines()) == 1
+
+
+def test_fixed_flags_that_cannot_combine_are_an_error(tiny_config, capsys):
+    code, _, err = run_cli(capsys, "--config", str(tiny_config), "--gpus", "4", "--gpu-type", "cpu",
+                           "--gpu-memory", "4GB", "--search", "--tensor-model-parallel-size", "3")  # fmt: skip
+    assert code == 2 and err.startswith("error: --gpus 4: ") and len(err.strip().splitlines()) == 1
 
 
 def test_nothing_fits_says_so(tiny_config, capsys):

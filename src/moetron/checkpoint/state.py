@@ -412,11 +412,21 @@ def _first_line(err: BaseException) -> str:
 
 
 def load_rng_file(path: Path, rank: int) -> None:
+    """This rank's generator states. A checkpoint saved by fewer processes has none for the ranks beyond them (the
+    run continues from the seed there, and says so); one missing among those the saving run wrote is refused."""
     rng_file = path / "rng" / f"rank_{rank:05d}.safetensors"
     if rng_file.is_file():
         load_rng(rng_file)
-    else:
-        print(f"warning: {rng_file} not found (different process count?); RNG continues from the seed")
+        return
+    # every process of a save writes a DCP shard file `__{rank}_{n}.distcp` and its RNG file
+    ranks = [int(p.name.split("_")[2]) for p in path.glob("__*_*.distcp")]
+    ranks += [int(p.stem.removeprefix("rank_")) for p in (path / "rng").glob("rank_*.safetensors")]
+    savers = max(ranks, default=-1) + 1
+    if rank < savers:
+        raise files.corrupt(path, f"missing rng/{rng_file.name}, which rank {rank} of the {savers} processes that "
+                            "saved it wrote; add --no-load-rng to continue from the seed instead")  # fmt: skip
+    print(f"warning: {rng_file} not found (the checkpoint was saved by {savers} process(es)); rank {rank}'s RNG "
+          "continues from the seed")  # fmt: skip
 
 
 def load_weights(path: Path, model: nn.Module, mesh: ParallelMesh | None = None) -> dict:

@@ -4,7 +4,8 @@
     moetron plan --config my.yaml --gpus 16 --nodes 2 --gpu-type H100 --interconnect nvlink4,ib-ndr --search --json
     moetron plan --config tiny.yaml --gpus 4 --gpu-type cpu --gpu-memory 8GB --search --measure --top 3
 
-Exit status: 0 layouts fit (the table lists them), 1 none fits (the reason is printed), 2 an error.
+Exit status: 0 layouts fit (the table lists them), 1 none fits the memory (the reason is printed), 2 an error —
+including flags that fix dimensions to values no layout of --gpus combines, and a GPU count no layout divides.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def run_search(args: argparse.Namespace, cfg: RunConfig, gpus: int, device: Acce
         if args.json:
             print(json.dumps({"config": args.config, "gpus": gpus, "rows": [], "reason": message}, indent=2))
         print(f"error: {message}", file=sys.stderr)
-        return 1
+        return 1 if result.valid else 2  # valid layouts too big: "does not fit"; none valid: the flags' error
     rows = result.rows[: args.top]
     if args.measure:
         from moetron.plan.measure import measure_rows
