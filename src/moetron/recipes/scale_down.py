@@ -103,7 +103,7 @@ def _shrink_model(cfg: RunConfig, given: set[str]) -> None:
 
 def _shrink_moe(cfg: RunConfig, given: set[str]) -> None:
     """Layers: the first dense layer (if the recipe has any) and MOE_SLOTS MoE slots of the recipe's interval;
-    experts: at most MAX_EXPERTS per layer, a pyramid's counts divided by one factor."""
+    experts: at most MAX_EXPERTS per layer, a pyramid's counts divided by one factor; top-k below the expert count."""
     m = cfg.model
     first_dense = min(m.moe_first_dense_layers, 1)
     _set(m, "moe_first_dense_layers", first_dense, given)
@@ -113,8 +113,8 @@ def _shrink_moe(cfg: RunConfig, given: set[str]) -> None:
     factor = math.ceil(max(counts) / MAX_EXPERTS)
     _set(m, "num_experts", [e if e <= 1 else max(2, e // factor) for e in counts], given)
     moe = [e for e in m.num_experts if e > 1]
-    if moe:
-        _set(m, "topk", min(m.topk, min(moe)), given)
+    if moe:  # sparse routing still: at most half the experts of the smallest layer (top-8 of 128 → top-4 of 8)
+        _set(m, "topk", min(m.topk, max(1, min(moe) // 2)), given)
         _shrink_expert_groups(cfg, moe, given)
     _set(m, "num_shared_experts", min(m.num_shared_experts, 1), given)
 
