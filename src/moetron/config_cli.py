@@ -240,6 +240,8 @@ EXCLUSIVE_GROUPS = {
     "LR warmup": ("lr_warmup_tokens", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction"),
     "LR decay": ("lr_decay_tokens", "lr_decay_iters", "lr_decay_samples"),
     "run length": ("train_iters", "train_samples", "train_tokens"),
+    # `--save` wins over `--output-dir` when both are set: one given on the command line drops the file's other
+    "run directory": ("save", "output_dir"),
 }
 
 

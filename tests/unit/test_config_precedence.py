@@ -75,6 +75,17 @@ def test_replaced_yaml_values_are_named_in_the_banner(workdir, tok):
     assert "replaced the config file's lr_warmup_tokens: 375000000, train_tokens: 300000000000" in banner
 
 
+def test_output_dir_on_the_command_line_beats_the_recipes_save(workdir, tok):
+    """`--save` wins over `--output-dir` when both are set; a recipe's `save` must not silently win over an
+    `--output-dir` the user typed: the flag replaces the file's run directory (and the banner says so)."""
+    cfg, explicit = load_config("gpt-125M-moe64", {"output_dir": "runs/mine", "train_iters": 50})
+    assert cfg.run_dir() == "runs/mine" and cfg.train.save is None
+    assert explicit.replaced["save"] == "checkpoints/gpt-125M-moe64"
+    assert "save: checkpoints/gpt-125M-moe64 (a flag of the same kind" in startup_banner(cfg, 8, "cuda", explicit)
+    cfg, _ = load_config("gpt-125M-moe64", {"save": "runs/saved", "output_dir": "runs/mine"})
+    assert cfg.run_dir() == "runs/saved"  # both typed: --save, as documented
+
+
 # ---------------------------------------------------------------------------- startup warnings and banner
 def test_seed_case_warns_about_fp16_on_cpu_and_a_decay_longer_than_the_run(workdir, tok):
     overrides = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, max_position_embeddings=64)
