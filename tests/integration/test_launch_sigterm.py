@@ -130,3 +130,43 @@ def test_sigterm_while_the_workers_start_says_they_were_stopped_by_it(tmp_path):
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in stderr and "its error is above" not in stderr, stderr[-3000:]
     assert "was stopped by the SIGTERM passed on to it while it was still starting" in errors[0], errors
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_workers_of_a_killed_launcher_save_and_stop(tmp_path):
+    """`kill -9` of `moetron launch` forwards nothing: each worker gets its SIGTERM from the kernel when its parent
+    dies (PR_SET_PDEATHSIG), so the ranks agree to stop after the same step, save one checkpoint and exit, instead
+    of training on unsupervised."""
+    from moetron.commands.launch import worker_pids
+
+    prefix = write_dataset(tmp_path / "corpus_text_document", documents=60)
+    run = tmp_path / "run"
+    train = [*TINY, "--data-path", prefix, "--global-batch-size", "4", "--eval-iters", "0", "--train-iters", "100000"]
+    train += ["--save", str(run), "--save-interval", "100000"]
+    command = [sys.executable, "-m", "moetron", "launch", "--standalone", "--nproc-per-node", "2", "train", *train]
+    with open(tmp_path / "out", "w+") as out:
+        proc = subprocess.Popen(command, env=ENV, stdout=out, stderr=subprocess.STDOUT, text=True)
+        workers: list[int] = []
+        try:
+            wait_for_iterations(run, 3, proc)
+            workers = worker_pids(proc.pid)
+            assert len(workers) == 2
+            proc.kill()
+            proc.wait()
+            deadline = time.monotonic() + 300
+            while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            alive = [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+        finally:
+            for pid in workers:
+                if Path(f"/proc/{pid}").exists():
+                    os.kill(pid, signal.SIGKILL)
+        out.seek(0)
+        log = out.read()
+    assert alive == [], log[-3000:]
+    stopped = re.findall(r"received SIGTERM: saving at iteration (\d+) and exiting", log)
+    assert len(stopped) == 1, log[-3000:]
+    iteration = int(stopped[0])
+    assert (run / "latest").read_text().strip() == f"iter_{iteration:07d}"
+    assert assert_loadable(run) == iteration

@@ -187,7 +187,9 @@ def run(argv: list[str]) -> int:
         return 0
     args = torchrun_args(argv)
     check_before_launch(args)
-    os.environ[LAUNCH_MARK] = "1"  # the workers' errors say nothing of plain torchrun (`moetron.cli`)
+    # the workers' errors say nothing of plain torchrun (`moetron.cli`), and they stop with a checkpoint if this
+    # process dies without a word (SIGKILL: nothing forwarded; `train/signals.py`, `stop_with_launcher`)
+    os.environ[LAUNCH_MARK] = str(os.getpid())
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -5,11 +5,18 @@ trainer checks it between steps, so no step is ever cut in half. With several pr
 agreed on by all ranks (a MAX all-reduce), so every rank stops after the same step and saves together.
 `--exit-duration-in-mins` raises the same flag (`request`): each rank's clock differs slightly, and the
 agreement makes them stop together.
+
+Under `moetron launch` a worker also asks the kernel for a SIGTERM when the launcher dies (`PR_SET_PDEATHSIG`): a
+launcher killed with SIGKILL (an OOM killer, `kill -9`) forwards nothing, and workers left on their own would train
+unsupervised to the end. With it they stop after the step, save and exit, as on a forwarded SIGTERM.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -42,12 +49,31 @@ class StopSignal:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: signals cannot be caught here
                 pass
+        stop_with_launcher(self)
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+LAUNCHER_PID = "MOETRON_LAUNCH"  # set by `moetron launch` to its pid (commands/launch.py)
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_launcher(stop: StopSignal) -> None:
+    """A worker of `moetron launch` (whose pid is in MOETRON_LAUNCH, and who is its parent): SIGTERM this process
+    when the launcher dies; if it is gone already, stop now. Elsewhere (plain torchrun, one process, not Linux):
+    nothing."""
+    launcher = os.environ.get(LAUNCHER_PID, "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    if os.getppid() != int(launcher):
+        return  # not the launcher's own child (e.g. a process a worker started): its parent is not the launcher
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != int(launcher):  # it died between the check and the prctl: no signal will come
+        stop.request("the launcher (moetron launch) is gone")
 
 
 class StopFlag:
