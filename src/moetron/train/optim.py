@@ -60,6 +60,7 @@ def muon_param_groups(
     """(Muon groups of the registry's hidden matrices, the remaining (name, parameter) for AdamW's groups)."""
     muon = {"momentum": train.muon_momentum, "nesterov": train.muon_use_nesterov, "ns_steps": train.muon_num_ns_steps}
     muon |= {"scale_mode": train.muon_scale_mode, "extra_scale_factor": train.muon_extra_scale_factor}
+    muon |= {"split_qkv": train.muon_split_qkv}
     decay, no_decay, rest = [], [], []
     for name, param in named_params:
         if not param.requires_grad:
