@@ -8,8 +8,8 @@ loss at every step and the one-process weights at the end (1e-5 relative):
       shards: each matrix's update gathered over dp), ZeRO-3 × DP 2 (FSDP2 shards; experts sharded on dim 0 stay
       local), DP 2 × EP 2 (whole experts per rank), TP 2 (`--muon-tp-mode duplicated`: TP shards gathered; one
       key/value group per rank, so Q, K and V are split out of the gathered matrix as one process splits them),
-      TP 2 under ZeRO-1 and ZeRO-3 (a ZeRO DTensor over dp 1 whose global tensor is the TP shard: the TP gather
-      must still follow); the ZeRO-1 × DP 2 run also saves at step 5.
+      TP 2 under ZeRO-1 and ZeRO-3, and with expert TP 2 under ZeRO-1 (a ZeRO DTensor over dp 1 whose global
+      tensor is the TP shard: the TP gather must still follow); the ZeRO-1 × DP 2 run also saves at step 5.
   this process: the one-process reference, then the ZeRO-1 checkpoint resumed on 1 process (the layout-free
       Muon state) repeats the reference's steps 6–10.
 """
@@ -33,6 +33,7 @@ LAYOUTS = {
     "tp2": {"tensor_model_parallel_size": 2},
     "tp2-zero1": {"tensor_model_parallel_size": 2, "zero_stage": 1},
     "tp2-zero3": {"tensor_model_parallel_size": 2, "zero_stage": 3},
+    "tp2-etp2-zero1": {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2, "zero_stage": 1},
 }
 
 
