@@ -77,6 +77,7 @@ class TrainConfig:
     muon_scale_mode: str = "spectral"  # spectral | shape_scaling | unit_rms_norm: the update's scale by shape
     muon_extra_scale_factor: float = 0.2  # spectral × 0.2 = Moonlight's AdamW-RMS match: AdamW's --lr carries over
     muon_tp_mode: str = "duplicated"  # duplicated: gather TP shards, orthogonalise whole | blockwise: each shard
+    muon_split_qkv: bool = True  # fused QKV: Q, K, V orthogonalised apart (Megatron-Core; --muon-no-split-qkv: whole)
 
     # ---- precision ----
     fp16: bool = False  # autocast fp16 + dynamic loss scaling

@@ -14,7 +14,8 @@ groups, the YAML's options of that group are dropped (reset to their defaults): 
 options win over step-based ones, as in Megatron (the startup warns about the ignored one).
 
 Flags: `--num-layers 4` for every field; booleans are switches with a `--no-` form, plus Megatron's negative
-spellings (`--disable-moe-token-dropping`, `--disable-moe-top2-2nd-expert-sampling`, `--disable-bias-linear`).
+spellings (`--disable-moe-token-dropping`, `--disable-moe-top2-2nd-expert-sampling`, `--disable-bias-linear`,
+Megatron-Core's `--muon-no-split-qkv`).
 Unknown flags and YAML keys are errors with a did-you-mean suggestion.
 """
 
@@ -44,6 +45,7 @@ NEGATIVE_FLAGS = {
     "disable-moe-token-dropping": "moe_token_dropping",
     "disable-moe-top2-2nd-expert-sampling": "moe_top2_2nd_expert_sampling",
     "disable-bias-linear": "add_bias_linear",
+    "muon-no-split-qkv": "muon_split_qkv",
 }
 
 

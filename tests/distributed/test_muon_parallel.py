@@ -1,12 +1,15 @@
 """Muon (`--optimizer muon`) under every layout that holds a matrix differently, against one process (gloo).
 
-A tiny MoE GPT (layer 1: 4 experts) trains 10 steps of the same global batch with Muon; every layout must give the
-one-process loss at every step and the one-process weights at the end (1e-5 relative):
+A tiny MoE GPT (layer 1: 4 experts; GQA: 4 query heads in 2 key/value groups) trains 10 steps of the same global
+batch with Muon, the fused QKV weight split into Q, K and V (the default); every layout must give the one-process
+loss at every step and the one-process weights at the end (1e-5 relative):
 
   2 processes (one spawned group): DP 2 (replicas: gradients reduced before the step), ZeRO-1 × DP 2 (optimizer
       shards: each matrix's update gathered over dp), ZeRO-3 × DP 2 (FSDP2 shards; experts sharded on dim 0 stay
-      local), DP 2 × EP 2 (whole experts per rank), TP 2 (`--muon-tp-mode duplicated`: TP shards gathered); the
-      ZeRO-1 run also saves at step 5.
+      local), DP 2 × EP 2 (whole experts per rank), TP 2 (`--muon-tp-mode duplicated`: TP shards gathered; one
+      key/value group per rank, so Q, K and V are split out of the gathered matrix as one process splits them),
+      TP 2 under ZeRO-1 and ZeRO-3, and with expert TP 2 under ZeRO-1 (a ZeRO DTensor over dp 1 whose global
+      tensor is the TP shard: the TP gather must still follow); the ZeRO-1 × DP 2 run also saves at step 5.
   this process: the one-process reference, then the ZeRO-1 checkpoint resumed on 1 process (the layout-free
       Muon state) repeats the reference's steps 6–10.
 """
@@ -28,6 +31,9 @@ LAYOUTS = {
     "zero3-dp2": {"zero_stage": 3},
     "dp2-ep2": {"moe_expert_parallel_size": 2},
     "tp2": {"tensor_model_parallel_size": 2},
+    "tp2-zero1": {"tensor_model_parallel_size": 2, "zero_stage": 1},
+    "tp2-zero3": {"tensor_model_parallel_size": 2, "zero_stage": 3},
+    "tp2-etp2-zero1": {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2, "zero_stage": 1},
 }
 
 
@@ -37,6 +43,7 @@ def muon_config(save: str | None = None, **parallel):
     )
     m = cfg.model
     m.attention_dropout, m.moe_use_rts, m.moe_top2_2nd_expert_sampling = 0.0, False, False
+    m.num_key_value_heads = 2  # GQA: Q, K and V of different row counts in the fused weight
     # no key bias: its gradient is zero but for rounding, which AdamW's normalised step turns into lr-sized moves
     # that differ between summation orders (an AdamW trait, not Muon's)
     m.add_bias_linear = False

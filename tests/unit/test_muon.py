@@ -1,10 +1,14 @@
 """Muon (`--optimizer muon`): the Newton–Schulz orthogonalisation, the scale rule, the registry's parameter split,
-one step by hand, and a checkpoint round trip that resumes bit for bit."""
+one step by hand, the fused QKV weight split into Q, K and V (and its flags), and a checkpoint round trip that
+resumes bit for bit."""
+
+import argparse
 
 import pytest
 import torch
 from trainer_support import build_trainer, run_losses, tiny_config
 
+from moetron.config_cli import add_config_arguments, cli_overrides, load_config
 from moetron.model.gpt import create_model
 from moetron.parallel.params import ParamRegistry
 from moetron.parallel.whole_matrix import WholeAlready
@@ -90,6 +94,56 @@ def test_one_step_by_hand():
     expected = start * (1 - 0.05 * 0.1) - 0.05 * 0.2 * 24**0.5 * orthogonalise(update, 5)
     torch.testing.assert_close(weight.detach(), expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(optimizer.state[weight]["momentum_buffer"], momentum)
+
+
+QKV = "layers.0.self_attention.query_key_value.weight"
+
+
+def qkv_step(split: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
+    """One Muon step of only the fused QKV weight of a GQA model (4 query heads, 2 key/value groups, head dim 8):
+    (weight before, weight after, the gradient, lr, weight decay)."""
+    cfg = tiny_config(optimizer="muon", num_key_value_heads=2, muon_split_qkv=split)
+    model = create_model(cfg.model, "cpu", 0)
+    registry = ParamRegistry.from_model(model)
+    assert registry[QKV].qkv_heads == (2, 8)
+    weight = dict(model.named_parameters())[QKV]
+    before, grad = weight.detach().clone(), torch.randn(weight.shape, generator=torch.Generator().manual_seed(3))
+    weight.grad = grad.clone()  # every other parameter has no gradient: the step leaves it alone
+    optimizer = build_optimizer(model, registry, cfg.train, torch.device("cpu"))
+    optimizer.step()
+    group = next(g for g in optimizer.param_groups if any(p is weight for p in g["params"]))
+    return before, weight.detach().clone(), grad, group["lr"], group["weight_decay"]
+
+
+def test_the_fused_qkv_weight_is_orthogonalised_as_q_k_and_v_apart():
+    """Split (the default): the update of the fused weight is Newton–Schulz of its Q rows (4 heads · 8), K rows and V
+    rows (2 groups · 8 each) apart, each scaled by 0.2·sqrt(max(its rows, 32)). The rows are picked here from the
+    layout itself (per key/value group: its 2 query heads, its key head, its value head), not by the code under test.
+    `--muon-no-split-qkv` orthogonalises the 64 × 32 matrix whole."""
+    before, after, grad, lr, decay = qkv_step(split=True)
+    update = grad.lerp(0.05 * grad, 0.95)  # Nesterov from a zero buffer: buf = (1 − μ)·g
+    head_dim, per_group = 8, 4  # rows of a group: 2 query heads, the key head, the value head
+    heads = torch.arange(64).view(2, per_group, head_dim)  # [group, head in group, channel]
+    rows = {"q": heads[:, :2].reshape(-1), "k": heads[:, 2].reshape(-1), "v": heads[:, 3].reshape(-1)}
+    expected = torch.empty_like(update)
+    for part in rows.values():
+        expected[part] = orthogonalise(update[part], 5) * update_scale("spectral", len(part), 32, 0.2)
+    torch.testing.assert_close(after, before * (1 - lr * decay) - lr * expected, rtol=1e-6, atol=1e-6)
+
+    before, whole_after, grad, lr, decay = qkv_step(split=False)
+    whole = orthogonalise(update, 5) * update_scale("spectral", 64, 32, 0.2)
+    torch.testing.assert_close(whole_after, before * (1 - lr * decay) - lr * whole, rtol=1e-6, atol=1e-6)
+    assert (whole - expected).norm() > 0.1 * whole.norm()  # the two rules really differ
+
+
+def test_muon_split_qkv_is_on_by_default_and_megatron_cores_flag_turns_it_off():
+    def parse(argv: list[str]) -> bool:
+        parser = argparse.ArgumentParser()
+        add_config_arguments(parser)
+        return load_config(None, cli_overrides(parser.parse_args(argv)))[0].train.muon_split_qkv
+
+    assert parse([]) is True and parse(["--muon-split-qkv"]) is True
+    assert parse(["--muon-no-split-qkv"]) is False and parse(["--no-muon-split-qkv"]) is False
 
 
 def test_muon_state_round_trips_a_checkpoint_bit_exactly(tmp_path):

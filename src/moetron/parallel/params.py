@@ -14,7 +14,8 @@ Kinds:
 Optimizer roles: `matrix` marks the hidden weight matrices Muon orthogonalises (`--optimizer muon`): every
 `nn.Linear` weight but the LM head's and the gates' (PR-MoE's coefficient, the shared-expert gate; the router owns
 its weight outside any Linear), and every expert stack (`GroupedExperts`, routed or shared: each `[E, in, out]`
-expert its own matrix).
+expert its own matrix). `qkv_heads` marks attention's fused `query_key_value` weight, whose rows are grouped by
+key/value head (`model/attention.py`): Muon orthogonalises its Q, K and V rows as three matrices (`--muon-split-qkv`).
 Embeddings, the head, gates, norms and biases stay with AdamW (Muon's rule: only the hidden layers' 2-D weights).
 The layout along tensor parallelism (`tp_dim`, the dimension split over the TP ranks) is recorded by
 `parallel.tp.apply_tp.record_tp_layouts`: None (replicated) until then. A split parameter holds 1 / tp of its tensor.
@@ -28,6 +29,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from moetron.model.attention import SelfAttention
 from moetron.model.moe.experts.grouped import GroupedExperts
 
 NO_DECAY_NAME_PARTS = ("bias", "norm", "ln_", "layernorm")
@@ -45,6 +47,8 @@ class ParamInfo:
     num_global_experts: int = 0
     tp_dim: int | None = None  # the dimension split over the tensor-parallel ranks (None: replicated over them)
     matrix: bool = False  # a hidden weight matrix (Muon orthogonalises it; see the module docstring)
+    # attention's fused QKV weight: (query heads per key/value group, head dim), the row layout of one group
+    qkv_heads: tuple[int, int] | None = None
 
     @property
     def is_expert(self) -> bool:
@@ -72,6 +76,15 @@ def expert_containers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
+def fused_qkv_weights(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Name → (query heads per key/value group, head dim) of every fused `query_key_value` weight."""
+    return {
+        f"{prefix}.query_key_value.weight": (module.queries_per_group, module.head_dim)
+        for prefix, module in model.named_modules()
+        if isinstance(module, SelfAttention)
+    }
+
+
 def hidden_matrices(model: nn.Module) -> set[str]:
     """Names of the hidden weight matrices: Linear weights but the LM head's and the gates', and the weight stacks
     of every `GroupedExperts` (routed experts, shared experts, PR-MoE's residual MLP; 3-D: biases `[E, F]` are 2-D)."""
@@ -97,12 +110,13 @@ class ParamRegistry:
         for prefix, container in expert_containers(model):
             for leaf, _ in container.named_parameters():
                 expert_of[f"{prefix}.{leaf}"] = container
-        matrices = hidden_matrices(model)
+        matrices, qkv = hidden_matrices(model), fused_qkv_weights(model)
         infos = {}
         for name, param in model.named_parameters():
             container = expert_of.get(name)
             if container is None:
-                infos[name] = ParamInfo(name, "dense", decays(name, param.ndim), matrix=name in matrices)
+                matrix = name in matrices
+                infos[name] = ParamInfo(name, "dense", decays(name, param.ndim), matrix=matrix, qkv_heads=qkv.get(name))
             else:
                 infos[name] = ParamInfo(
                     name,

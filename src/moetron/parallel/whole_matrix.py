@@ -16,6 +16,8 @@ same orthogonalisation of the same whole matrix (duplicated compute, as Megatron
                                                  then this rank's block
     TP shard, mode `blockwise`                 none: each shard is orthogonalised      —
                                                  alone (Megatron-Core's default)
+    ZeRO shard of a TP shard, `duplicated`     the ZeRO gather (the rank's TP shard),  both all-gathers
+                                                 then the TP gather
 
 The gathered copy is transient (one matrix at a time: peak memory grows by the largest matrix, not by the model).
 Row and column order do not matter: orthogonalisation commutes with permuting them, so concatenating the shards in
@@ -91,19 +93,38 @@ class TensorParallelBlock:
         return whole.narrow(self.dim, self.rank * block, block)
 
 
+@dataclass
+class ShardedTensorParallelBlock:
+    """A ZeRO shard of a TP shard: its DTensor's global tensor is the rank's TP shard, so gather that first, then
+    the TP blocks; back the other way. (Gathering only over ZeRO's mesh would orthogonalise each TP block alone.)"""
+
+    zero: ShardedRows
+    tp: TensorParallelBlock
+
+    def whole(self, local: torch.Tensor) -> torch.Tensor:
+        return self.tp.whole(self.zero.whole(local))
+
+    def mine(self, whole: torch.Tensor) -> torch.Tensor:
+        return self.zero.mine(self.tp.mine(whole))
+
+
 def matrix_part(name: str, param: torch.Tensor, registry: ParamRegistry, mesh: ParallelMesh | None, tp_mode: str):
     """How parameter `name` (as the optimizer steps it: `param`) becomes whole for orthogonalisation and back."""
     from torch.distributed.tensor import DTensor, Shard
 
     info = registry[name]
-    if isinstance(param, DTensor):
-        placements = tuple(param.placements)
-        if info.is_expert and all(p == Shard(0) for p in placements):
-            return WholeAlready()  # whole experts on every rank: each is orthogonalised where it lives
-        return ShardedRows(param.device_mesh, placements, param.shape, param.stride())
+    tp = None
     if info.tp_dim is not None and mesh is not None and tp_mode == "duplicated":
         dim_name = "etp" if info.is_expert else "tp"
         if mesh.size(dim_name) > 1:
             sub = mesh.submesh(dim_name)
-            return TensorParallelBlock(sub.get_group(), mesh.size(dim_name), sub.get_local_rank(), info.tp_dim)
-    return WholeAlready()
+            tp = TensorParallelBlock(sub.get_group(), mesh.size(dim_name), sub.get_local_rank(), info.tp_dim)
+    zero = None
+    if isinstance(param, DTensor):
+        placements = tuple(param.placements)
+        # whole experts on every rank (a stack sharded on its expert dimension): each orthogonalised where it lives
+        if not (info.is_expert and all(p == Shard(0) for p in placements)):
+            zero = ShardedRows(param.device_mesh, placements, param.shape, param.stride())
+    if zero is not None and tp is not None:
+        return ShardedTensorParallelBlock(zero, tp)
+    return zero or tp or WholeAlready()

@@ -13,6 +13,13 @@ is 0.2, what AdamW's updates have in practice, and AdamW's learning rate and wei
 Megatron-Core's default factor is 1.0, which needs a Muon-specific learning rate). The scale is taken from the shape
 of the matrix orthogonalised (the whole one, or one TP block under `--muon-tp-mode blockwise`).
 
+Attention's fused QKV weight is three projections in one tensor, so by default (`--muon-split-qkv`, Megatron-Core's
+default; `--muon-no-split-qkv` turns it off) its Q rows (heads · head dim), K rows and V rows (key/value heads · head
+dim each) are orthogonalised as three matrices, each scaled by its own shape — as Megatron-Core does, and as any
+Muon does on a model with separate q/k/v projections (Hugging Face's layout). moetron's rows are grouped by key/value
+head (`model/attention.py`), so the three are gathered out of the groups and put back in place. A TP rank holds
+whole groups: `duplicated` gathers them into the one-process matrix first, `blockwise` splits its own groups.
+
 Which parameters are matrices is the parameter registry's (`ParamInfo.matrix`): Linear weights of attention and MLPs
 and the routed experts' `[E, in, out]` stacks, each expert orthogonalised as its own matrix in one batched iteration.
 Embeddings, the LM head, the router and other gates, norms and biases are AdamW's (`torch.optim.adam.adam`, the
@@ -35,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
 
+from moetron.model.attention import fuse_qkv, split_qkv_weight
 from moetron.parallel.params import ParamInfo
 from moetron.parallel.whole_matrix import TP_MODES
 
@@ -72,6 +80,27 @@ def update_scale(mode: str, fan_out: int, fan_in: int, extra: float) -> float:
     return base * extra
 
 
+def scaled_orthogonal(update: torch.Tensor, info: ParamInfo, group: dict) -> torch.Tensor:
+    """The step direction of one whole matrix (or expert stack): orthogonalised and scaled by its shape, or for a
+    fused QKV weight under `split_qkv` its Q, K and V rows each on their own."""
+    if not (group.get("split_qkv") and info.qkv_heads is not None):
+        return _scaled_orthogonal_matrix(update, info, group)
+    queries_per_group, head_dim = info.qkv_heads
+    rows_per_group = (queries_per_group + 2) * head_dim
+    if update.shape[0] % rows_per_group:  # whole key/value groups always: TP splits by groups
+        raise ValueError(f"{info.name}: {update.shape[0]} rows are not whole QKV groups of {rows_per_group} rows")
+    groups = update.shape[0] // rows_per_group
+    q, k, v = split_qkv_weight(update, groups * queries_per_group, groups)
+    parts = (_scaled_orthogonal_matrix(part, info, group) for part in (q, k, v))
+    return fuse_qkv(*parts, groups * queries_per_group, groups)
+
+
+def _scaled_orthogonal_matrix(update: torch.Tensor, info: ParamInfo, group: dict) -> torch.Tensor:
+    orthogonal = orthogonalise(update, group["ns_steps"])
+    fan_out, fan_in = info.fan_out_in(tuple(update.shape))
+    return orthogonal * update_scale(group["scale_mode"], fan_out, fan_in, group["extra_scale_factor"])
+
+
 @dataclass
 class MatrixPlan:
     info: ParamInfo
@@ -86,8 +115,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class Muon(torch.optim.AdamW):
     """AdamW groups (`muon: False`) and Muon groups (`muon: True`, with `momentum`, `nesterov`, `ns_steps`,
-    `scale_mode`, `extra_scale_factor`) in one optimizer: one state, one LR schedule, one checkpoint. `plans`: each
-    Muon parameter's registry entry and how it is made whole (by `id`)."""
+    `scale_mode`, `extra_scale_factor`, optionally `split_qkv`) in one optimizer: one state, one LR schedule, one
+    checkpoint. `plans`: each Muon parameter's registry entry and how it is made whole (by `id`)."""
 
     def __init__(self, groups: list[dict], plans: dict[int, MatrixPlan], **adamw):
         super().__init__(groups, **adamw)
@@ -118,12 +147,10 @@ class Muon(torch.optim.AdamW):
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
             plan = self.plans[id(param)]
-            whole = orthogonalise(plan.part.whole(update), group["ns_steps"])
-            fan_out, fan_in = plan.info.fan_out_in(tuple(whole.shape))
-            scale = update_scale(group["scale_mode"], fan_out, fan_in, group["extra_scale_factor"])
+            direction = scaled_orthogonal(plan.part.whole(update), plan.info, group)
             weight = _local(param)
             weight.mul_(1 - lr * group["weight_decay"])
-            weight.add_(plan.part.mine(whole).to(weight.dtype), alpha=-lr * scale)
+            weight.add_(plan.part.mine(direction).to(weight.dtype), alpha=-lr)
 
     def _adamw_group(self, group: dict) -> None:
         """`torch.optim.Adam.step`'s body for one group (decoupled weight decay: AdamW)."""

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from moetron.parallel.grad_norm import sum_of_squares
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.params import ParamRegistry
 from moetron.parallel.whole_matrix import matrix_part
@@ -59,6 +60,7 @@ def muon_param_groups(
     """(Muon groups of the registry's hidden matrices, the remaining (name, parameter) for AdamW's groups)."""
     muon = {"momentum": train.muon_momentum, "nesterov": train.muon_use_nesterov, "ns_steps": train.muon_num_ns_steps}
     muon |= {"scale_mode": train.muon_scale_mode, "extra_scale_factor": train.muon_extra_scale_factor}
+    muon |= {"split_qkv": train.muon_split_qkv}
     decay, no_decay, rest = [], [], []
     for name, param in named_params:
         if not param.requires_grad:
@@ -101,11 +103,9 @@ def build_optimizer(
 
 
 def local_grad_norm_sq(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The squared norm of one process's gradients, accumulated exactly as the distributed one (float64)."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    norms = torch._foreach_norm(grads, 2.0)
-    return torch.stack([n.float() for n in norms]).pow(2).sum()
+    return sum_of_squares(grads, grads[0].device if grads else torch.device("cpu"))
 
 
 def local_grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -122,7 +122,8 @@ def clip_gradients(
     max_norm: float,
     grad_norm_sq_fn: Callable[[list[torch.Tensor]], torch.Tensor] = local_grad_norm_sq,
 ) -> torch.Tensor:
-    """Clip to `max_norm` by the global L2 norm (0 = only measure); returns the norm before clipping (a tensor).
+    """Clip to `max_norm` by the global L2 norm (0 = only measure); returns the norm before clipping (a float64
+    tensor: the coefficient comes from the layout-free float64 norm and is rounded once, to the gradients' fp32).
 
     Non-finite norms leave the gradients untouched: the trainer skips such steps.
     """
@@ -132,5 +133,5 @@ def clip_gradients(
         coeff = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         coeff = torch.where(torch.isfinite(coeff), coeff, torch.ones_like(coeff))
         grads = local_grads(params)
-        torch._foreach_mul_(grads, coeff.to(grads[0].device))
+        torch._foreach_mul_(grads, coeff.to(grads[0].device, torch.float32))
     return total

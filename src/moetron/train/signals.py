@@ -101,5 +101,6 @@ class StopFlag:
             return float(norm), False
         with STOP_SITE:
             self.work.wait()
-        norm_value, flag_value = torch.stack([norm.float().to(self.flag.device), self.flag]).tolist()
+        # float64: the norm is read as computed (the 0/1 flag is exact in any dtype)
+        norm_value, flag_value = torch.stack([norm.to(self.flag.device, torch.float64), self.flag.double()]).tolist()
         return norm_value, flag_value > 0
