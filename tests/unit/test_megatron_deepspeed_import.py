@@ -186,3 +186,23 @@ def test_weights_only_refuses_code_and_names_the_escape_hatch(tmp_path):
 def test_not_a_checkpoint_is_one_line(tmp_path):
     with pytest.raises(UserError, match="no mp_rank_00_model_states.pt there"):
         import_megatron_deepspeed(str(tmp_path), str(tmp_path / "run"))
+
+
+@pytest.mark.parametrize("gone", [0, 1])
+def test_a_missing_optimizer_file_of_an_ep_rank_is_named(tmp_path, gone):
+    """The EP-2 fixture without one of its two optimizer files: refused in one line naming the missing file (not the
+    one present, which an EP-1 reading of it would blame), with the way to import the weights alone."""
+    import shutil
+
+    from moetron.errors import UserError
+
+    source = tmp_path / "mds"
+    shutil.copytree(FIXTURES / "moe_top1_ep2" / "checkpoint", source)
+    (missing,) = source.glob(f"*/expp_rank_{gone}_mp_rank_00_optim_states.pt")
+    missing.unlink()
+    with pytest.raises(UserError) as err:
+        import_megatron_deepspeed(str(source), str(tmp_path / "run"))
+    message = str(err.value)
+    assert f"{missing.name} is missing (the checkpoint was saved by 2 expert-parallel ranks" in message
+    assert "--no-optim" in message and f"expp_rank_{1 - gone}" not in message
+    assert import_megatron_deepspeed(str(source), str(tmp_path / "weights"), no_optim=True).with_optimizer is False

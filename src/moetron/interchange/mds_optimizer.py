@@ -70,8 +70,9 @@ def index_names(param_groups: list[dict], order: list[tuple[str, torch.Size]], w
     return names
 
 
-def read_moments(step: Path, source: MDSTensors, cfg: ModelConfig, allow_pickle: bool):
-    """({Megatron name: {state key: tensor}}, why not) from every EP rank's optimizer file."""
+def read_moments(step: Path, source: MDSTensors, cfg: ModelConfig, allow_pickle: bool, ep_size: int = 1):
+    """({Megatron name: {state key: tensor}}, why not) from every EP rank's optimizer file (`ep_size` of them, as the
+    saved args say; a missing one is refused naming it, not mistaken for a smaller EP)."""
     if list(step.glob("*zero_pp_rank_*_optim_states.pt")):
         return None, "ZeRO-partitioned optimizer state (zero_pp_rank_* files) is not read"
     if len(source.shards) > 1:
@@ -79,6 +80,14 @@ def read_moments(step: Path, source: MDSTensors, cfg: ModelConfig, allow_pickle:
     files = sorted(step.glob("expp_rank_*_mp_rank_00_optim_states.pt"), key=lambda p: int(p.name.split("_")[2]))
     if not files:
         return None, "the checkpoint holds no expp_rank_*_optim_states.pt files"
+    ranks = max(ep_size, 1 + max(int(p.name.split("_")[2]) for p in files))
+    expected = [step / f"expp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in range(ranks)]
+    missing = [path.name for path in expected if path not in files]
+    if missing:
+        raise UserError(
+            f"{step}: {missing[0]} is missing (the checkpoint was saved by {ranks} expert-parallel ranks, one "
+            f"optimizer file each); restore it, or import the weights alone with --no-optim"
+        )
     moments: dict[str, dict[str, torch.Tensor]] = {}
     for ep_rank, path in enumerate(files):
         optimizer = load_pt(path, allow_pickle).get("optimizer") or {}
@@ -98,9 +107,11 @@ def read_moments(step: Path, source: MDSTensors, cfg: ModelConfig, allow_pickle:
     return moments, ""
 
 
-def optimizer_tensors(step: Path, source: MDSTensors, cfg: ModelConfig, layout: str, allow_pickle: bool = False):
+def optimizer_tensors(
+    step: Path, source: MDSTensors, cfg: ModelConfig, layout: str, allow_pickle: bool = False, ep_size: int = 1
+):
     """(`<moetron parameter>.<key>` → tensor, or None; why not) for moetron's AdamW (exp_avg, exp_avg_sq, step)."""
-    moments, why = read_moments(step, source, cfg, allow_pickle)
+    moments, why = read_moments(step, source, cfg, allow_pickle, ep_size)
     if moments is None:
         return None, why
     steps = [float(s["step"]) for s in moments.values() if "step" in s]

@@ -137,7 +137,8 @@ def import_megatron_deepspeed(
     notes += [text for text in (rotary.note, rotary.warning) if text]
     optim = None
     if not no_optim:
-        optim, why = optimizer_tensors(step, source, cfg.model, layout, allow_pickle)
+        ep_size = cfg.parallel.moe_expert_parallel_size  # from the saved args: how many optimizer files to expect
+        optim, why = optimizer_tensors(step, source, cfg.model, layout, allow_pickle, ep_size)
         if optim is None:
             notes.append(f"optimizer state not imported: {why}")
     scheduler = states.get("lr_scheduler") or {}
