@@ -108,6 +108,9 @@ class TrainConfig:
     save: str | None = None  # checkpoint directory (also the run directory)
     save_interval: int | None = None  # iterations between checkpoints (one is always saved at the end)
     async_save: bool = False  # copy the tensors to CPU and write them in the background while training goes on
+    # a periodic save that fails (a full disk): by default the run stops with one line (rc 2), the previous
+    # checkpoint intact; with this, it says so and trains on (the final save must still succeed)
+    continue_on_save_failure: bool = False
     load: str | None = None  # a run directory (its latest checkpoint) or an iter_* directory to resume from
     finetune: bool = False  # load weights only; iteration, optimizer and data position start at 0 (a new --save)
     no_load_optim: bool = False

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from moetron.errors import UserError
 from moetron.fileio import fsync_dir as _fsync_dir
@@ -51,9 +51,15 @@ def write_json(path: Path, obj) -> None:
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """A small safetensors file (RNG states), fsynced. Serialised in memory and written by Python, so that a full
+    disk or a read-only filesystem raises an OSError with its errno, which every save turns into one line
+    (safetensors' own file writer raises a SafetensorError that only names the errno in its text)."""
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    save_file(cpu, str(path), metadata=metadata)
-    _fsync_file(path)
+    data = save(cpu, metadata=metadata)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_text_atomic(path: Path, text: str) -> None:

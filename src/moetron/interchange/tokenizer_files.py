@@ -50,7 +50,9 @@ def export_tokenizer(data: DataConfig, out: Path, max_length: int) -> Tokens:
     if data.tokenizer_type == "GPT2BPETokenizer":
         shutil.copy(data.vocab_file, out / "vocab.json")
         shutil.copy(data.merge_file, out / "merges.txt")
-        tokenizer.core.save(str(out / "tokenizer.json"))  # the fast form: found whatever the model type maps to
+        # the fast form, found whatever the model type maps to; written by Python, so that a full disk is an
+        # OSError (one line, `hf_export._staged`), not the tokenizers library's bare Exception
+        (out / "tokenizer.json").write_text(tokenizer.core.to_str(pretty=True))
         config.update(tokenizer_class="GPT2Tokenizer", add_prefix_space=False, errors="replace")
     else:
         shutil.copy(_tokenizer_model_file(data), out / "tokenizer.json")

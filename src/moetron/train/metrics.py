@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from moetron.fileio import write_atomic
+from moetron.fileio import write_atomic, write_errors_named
 from moetron.model.moe.stats import MoEStats
 from moetron.train.peak_memory import memory_text
 
@@ -232,7 +232,7 @@ class RunLogger:
 
     def _append(self, name: str, record: dict) -> None:
         if self.run_dir:
-            with open(self.run_dir / name, "a") as f:
+            with write_errors_named(f"the run's log {name}"), open(self.run_dir / name, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
     def progress(self, iteration: int) -> None:

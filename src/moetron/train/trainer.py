@@ -31,7 +31,7 @@ from moetron.checkpoint import GlobalView, load_checkpoint, save_checkpoint
 from moetron.checkpoint.async_save import AsyncCheckpointer
 from moetron.config import RunConfig
 from moetron.errors import UserError
-from moetron.fileio import write_atomic
+from moetron.fileio import describe_os_error, write_atomic
 from moetron.model.cpu_threads import body_threads, fence_on_all_kernel_threads
 from moetron.model.flops import flops_per_token, megatron_tflops, mfu, peak_tflops
 from moetron.model.rng import STREAMS
@@ -118,6 +118,7 @@ class Trainer:
         self.last_saved_iteration: int | None = None
         self.async_saver = AsyncCheckpointer(env) if cfg.train.async_save and cfg.train.save else None
         self.logger: RunLogger | None = None
+        self.routing_counts_failed = False  # said once (`_save_routing_counts`)
         self.stop: StopSignal | None = None  # set while train() runs
         self.stop_agreed = False  # every rank's verdict after the last step: some rank got a signal
         self.planned_memory_bytes: float | None = None  # `moetron plan`'s peak for this layout (set by run.py)
@@ -275,7 +276,7 @@ class Trainer:
             if t.eval_interval and it % t.eval_interval == 0 and not self.done():
                 self.run_evaluation()
             if t.save and t.save_interval and it % t.save_interval == 0 and not self.progress.consecutive_skips:
-                self.save()  # never in the middle of a NaN streak: the last checkpoint stays a good one
+                self.periodic_save()  # never in the middle of a NaN streak: the last checkpoint stays a good one
             interval_start += time.perf_counter() - paused
             reason = self._stop_reason(stop)
             if reason:  # without --save there is nothing to save to: stop, as Megatron does, and say so
@@ -348,11 +349,20 @@ class Trainer:
 
     def _save_routing_counts(self, iteration: int) -> None:
         """The last interval's routes per expert in the run directory (a few numbers per MoE layer, overwritten each
-        interval), for `moetron plan --routing-from RUN_DIR`."""
+        interval), for `moetron plan --routing-from RUN_DIR`. A convenience, not the run's record: a write that fails
+        (a full disk) is said once and training goes on; the metrics log and the checkpoints decide about stopping."""
         par = self.cfg.parallel
         record = routing_counts_record(self.health, iteration, par.moe_expert_parallel_size, par.moe_expert_replicas)
-        if record is not None and self.env.is_main and self.run_dir:
-            write_atomic(Path(self.run_dir) / ROUTING_COUNTS_FILE, json.dumps(record) + "\n")
+        if record is None or not self.env.is_main or not self.run_dir:
+            return
+        path = Path(self.run_dir) / ROUTING_COUNTS_FILE
+        try:
+            write_atomic(path, json.dumps(record) + "\n")
+        except OSError as err:
+            if not self.routing_counts_failed:
+                self.logger_print(f" warning: cannot write {path} ({describe_os_error(err, path.parent)}); it keeps "
+                                  "the last routes written, and training goes on")  # fmt: skip
+            self.routing_counts_failed = True
 
     def run_evaluation(self) -> dict | None:
         t = self.cfg.train
@@ -396,6 +406,17 @@ class Trainer:
 
     def checkpoint_view(self) -> GlobalView:
         return GlobalView(self.model, self.parallel.registry, self.mesh, self.parallel.optimizer_parameters())
+
+    def periodic_save(self) -> None:
+        """A save of --save-interval. One that fails (a full disk: one line, its temporaries removed, the previous
+        checkpoint intact) stops the run, unless --continue-on-save-failure asked to train on; then the failure is
+        said and the next save tries again. With --async-save the failure of a write surfaces at the next save."""
+        try:
+            self.save()
+        except UserError as err:
+            if not self.cfg.train.continue_on_save_failure or getattr(err, "quiet", False):
+                raise
+            self.logger_print(f" warning: {err}; training goes on (--continue-on-save-failure)")
 
     def save(self) -> Path:
         t = self.cfg.train
