@@ -1,13 +1,15 @@
 """`--moe-expert-replicas`: hot experts copied onto under-loaded EP ranks, exact by construction (gloo, 4 processes).
 
 One spawned group carries every check (spawning is the expensive part):
-  - one MoE layer, EP 2 and EP 4, top-1 / top-2, capacity and dropless, K = 1 (and 3 where a rank holds 4
-    experts), under a gate whose rows for experts 1–7 are zero (expert 0 takes the tokens it scores above 0, expert 1
-    the rest: both on EP rank 0): the output, the input and gate gradients and
-    every local expert's gradient equal the plain all-to-all dispatcher's (replica gradients summed into the owner);
-  - training, EP 2 (× expert-data-parallel 2, dropless) and EP 4 (capacity routing), 20 steps: with one replica slot
-    the loss curve equals the run without replicas within 1e-5 relative, `moe_ep_load_routed` is >= 1.5 and
-    `moe_ep_load_computed` <= 1.15 on those steps;
+  - one MoE layer, EP 2 and EP 4, top-1 / top-2, capacity and dropless, K = 1, one below a rank's experts and as
+    many as them (a rank may hold more copies than experts of its own), under a gate whose rows for experts 1–7
+    are zero (expert 0 takes the tokens it scores above 0, expert 1 the rest: both on EP rank 0): the output, the
+    input and gate gradients and every local expert's gradient equal the plain all-to-all dispatcher's (replica
+    gradients summed into the owner);
+  - training, EP 2 (× expert-data-parallel 2, dropless), EP 4 (capacity routing) and EP 4 with one expert per rank
+    (4 experts: Mixtral's layout, capacity routing), 20 steps: with one replica slot the loss curve equals the run
+    without replicas within 1e-5 relative, `moe_ep_load_routed` is >= 1.5 and `moe_ep_load_computed` <= 1.15 on
+    those steps;
   - host reads: one layer step with replicas on the CUDA code path (grouped_mm) reads the device once per rank
     (the `.tolist()` of every split size), as the plain dispatcher does;
   - composition, EP 2, 10 steps: with ZeRO 2 (capacity) and ZeRO 3 (dropless) on FSDP2, PP 2 × ZeRO 1, PP 2 zero
@@ -98,16 +100,16 @@ def layer_checks(rank: int, world_size: int) -> dict:
         group = ParallelMesh.build(dims, DistEnv(rank=rank, world_size=world_size)).group("ep")
         loads[("host reads", ep)] = replica_host_reads(rank, ep, group)
         for topk, dropless in ((1, False), (1, True), (2, False), (2, True)):
-            for slots in sorted({1, EXPERTS // ep - 1}):  # one slot, and the most a rank may have
+            for slots in sorted({1, EXPERTS // ep - 1, EXPERTS // ep}):  # up to as many as a rank's own experts
                 loads[(ep, topk, dropless, slots)] = skewed_layer_case(rank, ep, group, topk, dropless, slots)
     return loads
 
 
 # ---------------------------------------------------------------- training
-def replica_config(ep: int, replicas: int, dropless: bool, **train):
+def replica_config(ep: int, replicas: int, dropless: bool, experts: int = EXPERTS, **train):
     cfg = tiny_config(micro_batch_size=MBS, global_batch_size=MBS * 4, train_iters=STEPS, hidden_dropout=0.0, **train)
     m = cfg.model
-    m.attention_dropout, m.num_experts, m.topk = 0.0, [EXPERTS], 1
+    m.attention_dropout, m.num_experts, m.topk = 0.0, [experts], 1
     m.moe_loss_coeff = 0.0  # nothing pulls the router back to balance
     m.moe_router_bias_update_rate = 1e-9  # the expert bias exists (selection only) and practically stays put
     m.moe_token_dropping = not dropless
@@ -166,6 +168,10 @@ def all_checks(rank: int, world_size: int, save_dir: str) -> dict:
         resumed = skewed_trainer(replica_config(ep, 1, dropless, **save), env)
         resumed.load(resolve_checkpoint(save["save"]))
         out[("resumed", ep)] = run_steps(resumed, STEPS - SAVE_AT)
+    # one expert per rank (EP 4, 4 experts): the hot expert's rows spread over the three other ranks' slots
+    for replicas in (0, 1):
+        cfg = replica_config(4, replicas, dropless=False, experts=4)
+        out[("one expert per rank", replicas)] = run_steps(skewed_trainer(cfg, env), STEPS)
     # last: `--compile` sets process-wide Inductor options
     out[("compiled", 2)] = run_steps(skewed_trainer(replica_config(2, 1, True, compile=True), env), COMPILED_STEPS)
     return out
@@ -190,6 +196,9 @@ def test_expert_replicas_are_exact_and_balance_the_ranks(tmp_path):
             assert plain["computed"] == plain["routed"]
             assert min(replicas["routed"]) >= 1.5, replicas["routed"]  # the router really is imbalanced
             assert max(replicas["computed"]) <= 1.15, replicas["computed"]
+        plain, replicas = r[("one expert per rank", 0)], r[("one expert per rank", 1)]
+        torch.testing.assert_close(torch.tensor(replicas["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0)
+        assert min(replicas["routed"]) >= 1.5 and max(replicas["computed"]) <= 1.15, replicas
         compiled, plain = r[("compiled", 2)], r[("plain", 2)]  # the eager run without replicas
         torch.testing.assert_close(
             torch.tensor(compiled["losses"]), torch.tensor(plain["losses"][:COMPILED_STEPS]), rtol=1e-5, atol=0

@@ -62,8 +62,10 @@ def test_replica_problems_name_the_flag_and_the_fix():
     assert expert_replica_problems(1, [8, 8], ep4) == []
     (no_ep,) = expert_replica_problems(1, [8], ParallelDims(world_size=2, dp=2))
     assert no_ep.startswith("--moe-expert-replicas 1 needs --moe-expert-parallel-size > 1")
-    (too_many,) = expert_replica_problems(2, [1, 8], ep4)
-    assert "must be below the experts each EP rank holds (2" in too_many and "use at most 1" in too_many
+    # as many slots as a rank's own experts, or more (one expert per rank: where a hot expert hurts most)
+    assert expert_replica_problems(2, [1, 8], ep4) == expert_replica_problems(3, [4], ep4) == []
+    (negative,) = expert_replica_problems(-1, [8], ep4)
+    assert negative.startswith("--moe-expert-replicas -1 must be >= 0")
     # every other layout composes (tests/distributed/test_expert_replicas.py)
     every = ParallelDims(world_size=8, dp=2, tp=2, pp=2, ep=4, etp=2)
     assert expert_replica_problems(1, [16], every) == []
@@ -76,11 +78,31 @@ def test_validate_reports_replica_problems_before_launch():
     cfg = RunConfig()
     cfg.model.num_layers, cfg.model.num_experts = 2, [4]
     cfg.train.train_iters = 1
-    cfg.parallel.moe_expert_parallel_size, cfg.parallel.moe_expert_replicas = 2, 2
+    cfg.parallel.moe_expert_parallel_size, cfg.parallel.moe_expert_replicas = 1, 1
     problems = [p for p in validate(cfg, world_size=2) if "--moe-expert-replicas" in p]
     assert problems == [
-        "--moe-expert-replicas 2 must be below the experts each EP rank holds (2 = --num-experts / "
-        "--moe-expert-parallel-size 2); use at most 1 or more experts per rank"
+        "--moe-expert-replicas 1 needs --moe-expert-parallel-size > 1 (replicas copy experts between EP ranks); drop it"
     ]
-    cfg.parallel.moe_expert_replicas = 1
+    cfg.parallel.moe_expert_parallel_size, cfg.parallel.moe_expert_replicas = 2, 2  # K = the 2 local experts
     assert not [p for p in validate(cfg, world_size=2) if "--moe-expert-replicas" in p]
+
+
+def test_the_plan_counts_the_replica_slots_weights():
+    """K slots per MoE layer hold K experts' weights (compute dtype) until the backward: on top of the rank's share,
+    at any K (also beyond its own experts)."""
+    from moetron.config import RunConfig
+    from moetron.model.flops import expert_mlp_params
+    from moetron.plan.memory import estimate_memory
+
+    cfg = RunConfig()
+    cfg.model.num_layers, cfg.model.num_experts, cfg.model.hidden_size = 4, [4], 64
+    cfg.model.num_attention_heads, cfg.model.seq_length, cfg.model.max_position_embeddings = 4, 32, 32
+    cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.bf16 = 2, 8, True
+    cfg.parallel.moe_expert_parallel_size = 4
+    dims = cfg.dims(4)
+    base = estimate_memory(cfg, dims).all_to_all
+    moe_layers = sum(e > 1 for e in cfg.model.experts_per_layer())
+    per_expert = expert_mlp_params(cfg.model, cfg.model.expert_ffn_size)
+    for slots in (1, 2):
+        cfg.parallel.moe_expert_replicas = slots
+        assert estimate_memory(cfg, dims).all_to_all - base == slots * per_expert * 2 * (moe_layers + 1)

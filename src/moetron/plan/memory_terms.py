@@ -39,7 +39,14 @@ from dataclasses import asdict, dataclass
 
 from moetron.config import RunConfig
 from moetron.model.config import ModelConfig
-from moetron.model.flops import attention_params, count_parameters, embedding_params, mlp_params, moe_layer_params
+from moetron.model.flops import (
+    attention_params,
+    count_parameters,
+    embedding_params,
+    expert_mlp_params,
+    mlp_params,
+    moe_layer_params,
+)
 from moetron.parallel.dims import ParallelDims
 from moetron.plan.lm_head import lm_loss_bytes
 from moetron.plan.model_cache import cached
@@ -211,14 +218,27 @@ def logits_bytes(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda") 
 
 
 def all_to_all_bytes(cfg: RunConfig, dims: ParallelDims) -> int:
-    """Send + receive buffers of the largest MoE layer's routed tokens (only with EP > 1)."""
+    """Send + receive buffers of the largest MoE layer's routed tokens (only with EP > 1), and the expert weights
+    `--moe-expert-replicas` receives (`replica_slot_bytes`)."""
     model = cfg.model
     moe = [e for e in model.experts_per_layer() if e > 1]
     if dims.ep == 1 or not moe:
         return 0
     tokens = cfg.train.micro_batch_size * model.seq_length
     rows = max(routed_rows(model, e, tokens, dims.ep) for e in moe) * activation_split(dims).routes
-    return int(2 * rows * model.hidden_size * compute_bytes(cfg))
+    return int(2 * rows * model.hidden_size * compute_bytes(cfg)) + replica_slot_bytes(cfg, dims)
+
+
+def replica_slot_bytes(cfg: RunConfig, dims: ParallelDims) -> int:
+    """`--moe-expert-replicas K`: every MoE layer receives K experts' weights (this rank's expert-TP slice, in the
+    compute dtype) from their owners and holds them for its backward, which sends one layer's weight gradients back
+    at a time. K may exceed the rank's own experts: the slots are this memory, on top of its share."""
+    model, slots = cfg.model, cfg.parallel.moe_expert_replicas
+    moe = [e for e in model.experts_per_layer() if e > 1]
+    if not slots or dims.ep == 1 or not moe:
+        return 0
+    per_expert = expert_mlp_params(model, model.expert_ffn_size) // max(dims.etp, 1)
+    return int(slots * per_expert * compute_bytes(cfg) * (len(moe) + 1))
 
 
 def assemble(

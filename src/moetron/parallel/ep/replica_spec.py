@@ -1,8 +1,9 @@
 """What `--moe-expert-replicas K` needs of the rest of the configuration: its problems, before launch.
 
 Pure arithmetic (no torch), read by `validate.py`. K replica slots per EP rank copy hot experts from other EP
-ranks, so it needs expert parallelism (EP > 1) and fewer slots than a rank's own experts (a rank holding K or more
-copies would hold more weights than its own share: more EP is the better fix there).
+ranks, so it needs expert parallelism (EP > 1). K may reach or exceed a rank's own experts — one expert per rank
+(Mixtral's 8 on EP 8, DeepSeek-V3's 256 on EP 256) is where one hot expert hurts most, and a slot there halves it;
+the slots' weights are memory on top of the rank's share, which `moetron plan` counts (`replica_slot_bytes`).
 
 Every other layout composes (tested against the same run without replicas, `tests/distributed/test_expert_replicas.py`):
 ZeRO 1–3 (the replica weights are read inside the experts' forward, after FSDP2 has gathered them, and their
@@ -29,11 +30,4 @@ def expert_replica_problems(replicas: int, experts_per_layer: list[int], dims: P
         return [f"{flag} must be >= 0 (replica slots per expert-parallel rank; 0 turns replication off)"]
     if dims.ep <= 1:
         return [f"{flag} needs --moe-expert-parallel-size > 1 (replicas copy experts between EP ranks); drop it"]
-    moe_experts = [e for e in experts_per_layer if e > 1]
-    fewest_local = min(moe_experts) // dims.ep if moe_experts else 0
-    if replicas >= fewest_local:
-        return [
-            f"{flag} must be below the experts each EP rank holds ({fewest_local} = --num-experts / "
-            f"--moe-expert-parallel-size {dims.ep}); use at most {max(fewest_local - 1, 0)} or more experts per rank"
-        ]
     return []
