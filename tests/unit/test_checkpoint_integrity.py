@@ -136,11 +136,17 @@ def test_a_distributed_load_stops_every_rank_when_one_finds_a_damaged_file(train
 
 def test_a_missing_rng_file_of_a_saving_rank_is_refused_and_a_new_rank_starts_from_the_seed(trained, tmp_path, capsys):
     """Without checksums too: a checkpoint saved by one process has rank 0's RNG file; rank 1 of a larger run has
-    none to load (a warning), while rank 0's missing is damage, refused in one line."""
+    none to load (a warning). Saved by two, rank 0's missing is damage, refused in one line; a converter's checkpoint
+    (no RNG file at all) starts every rank from the seed."""
     _, path = damaged_copy(trained, tmp_path)
     shutil.rmtree(path / "checksums")
     load_rng_file(path, rank=1)
     assert "the checkpoint was saved by 1 process(es)); rank 1's RNG continues from the seed" in capsys.readouterr().out
-    (path / "rng" / "rank_00000.safetensors").unlink()
-    with pytest.raises(UserError, match=r"missing rng/rank_00000.safetensors, which rank 0 of the 1 processes"):
+    rng = path / "rng"
+    shutil.copy(rng / "rank_00000.safetensors", rng / "rank_00001.safetensors")  # as two processes save
+    (rng / "rank_00000.safetensors").unlink()
+    with pytest.raises(UserError, match=r"missing rng/rank_00000.safetensors, which rank 0 of the 2 processes"):
         load_rng_file(path, rank=0)
+    (rng / "rank_00001.safetensors").unlink()  # `import` / `upcycle` write none
+    load_rng_file(path, rank=0)
+    assert "holds no RNG states (written by a converter)" in capsys.readouterr().out

@@ -418,10 +418,13 @@ def load_rng_file(path: Path, rank: int) -> None:
     if rng_file.is_file():
         load_rng(rng_file)
         return
-    # every process of a save writes a DCP shard file `__{rank}_{n}.distcp` and its RNG file
-    ranks = [int(p.name.split("_")[2]) for p in path.glob("__*_*.distcp")]
-    ranks += [int(p.stem.removeprefix("rank_")) for p in (path / "rng").glob("rank_*.safetensors")]
-    savers = max(ranks, default=-1) + 1
+    # every process of a trainer's save writes a DCP shard file `__{rank}_{n}.distcp` and its RNG file; a converter's
+    # checkpoint (`import`, `upcycle`) has no RNG file at all: nothing is missing there
+    rng_ranks = [int(p.stem.removeprefix("rank_")) for p in (path / "rng").glob("rank_*.safetensors")]
+    if not rng_ranks:
+        print(f"warning: {path} holds no RNG states (written by a converter); rank {rank}'s RNG starts from the seed")
+        return
+    savers = 1 + max(rng_ranks + [int(p.name.split("_")[2]) for p in path.glob("__*_*.distcp")])
     if rank < savers:
         raise files.corrupt(path, f"missing rng/{rng_file.name}, which rank {rank} of the {savers} processes that "
                             "saved it wrote; add --no-load-rng to continue from the seed instead")  # fmt: skip
