@@ -90,16 +90,16 @@ def convert_tensors(
     """moetron name → fp32 tensor, by the rules; the model's tensors no rule makes are zero (expert biases). Every
     tensor in the files is placed or refused: with config.json (`hf`, of class `arch`) given, its layer counts and
     each tensor's shape are checked against the weights first, one line naming both values when they disagree."""
+    shapes = model_shapes(RunConfig(model=cfg))
     if hf is not None:
         check_layers(weights, cfg, *layer_fields(arch, hf), source)
-        check_shapes(weights, rules, cfg, hf, source)
+        check_shapes(weights, rules, shapes, hf, source)
     left = unplaced(weights, rules, cfg)
     if left:
         raise UserError(
             f"{source}: tensors moetron has no place for: {', '.join(left[:4])}"
             f"{' …' if len(left) > 4 else ''}; is config.json from this checkpoint?"
         )
-    shapes = model_shapes(RunConfig(model=cfg))
     tensors = {rule.moetron: rule.to_moetron([weights.get(n) for n in rule.hf]).float().contiguous() for rule in rules}
     for name, shape in shapes.items():
         if name not in tensors and name.endswith("router.expert_bias"):

@@ -56,6 +56,8 @@ def check_layers(weights: HFWeights, cfg: ModelConfig, layers_field: str, mtp_fi
     """config.json's layer count (`layers_field`) and MTP module count (`mtp_field`; None: the class reads no MTP
     modules) against the layers the weights hold, one line naming both when they disagree."""
     decoder, mtp = _weights_layers(weights)
+    if not decoder and not mtp:  # names of another layout: the rules name the tensors they miss
+        return
     prefix = "transformer.h." if any(n.startswith("transformer.h.") for n in weights.names()) else "model.layers."
     count = len(decoder)
     if decoder and decoder != list(range(count)):
@@ -181,13 +183,9 @@ def _disagreement(name: str, actual: tuple[int, ...], expected: tuple[int, ...],
     return f"config.json's fields give {name} the shape {list(expected)}, the weights another"
 
 
-def check_shapes(weights: HFWeights, rules: list[Rule], cfg: ModelConfig, hf: dict, source: str) -> None:
-    """Each HF tensor a rule reads has the shape config.json implies; the first that does not is one line naming
-    the field it contradicts with both values, and the tensor with its file and shape."""
-    from moetron.config import RunConfig
-    from moetron.interchange.new_run import model_shapes
-
-    shapes = model_shapes(RunConfig(model=cfg))
+def check_shapes(weights: HFWeights, rules: list[Rule], shapes: dict[str, torch.Size], hf: dict, source: str) -> None:
+    """Each HF tensor a rule reads has the shape config.json implies (`shapes`: the model's tensors'); the first
+    that does not is one line naming the field it contradicts with both values, and the tensor's file and shape."""
     for rule in rules:
         if rule.moetron not in shapes or not all(n in weights for n in rule.hf):
             continue  # a tensor missing from the files is named when it is read
