@@ -9,16 +9,18 @@ import json
 from pathlib import Path
 
 import pytest
-from interchange_support import tiny_checkpoint
+import torch
+from interchange_support import VOCAB, tiny_checkpoint, tokens
 from test_hf_deepseek_v3 import MLA, TINY_V3
 from test_hf_import import CONFIGS, random_hf_model, save_with_tokenizer
 from test_interchange_faults import one_error_line
 
 from moetron.errors import UserError
+from moetron.eval.generate import load_model
 from moetron.interchange.hf_export import export_hf
 from moetron.interchange.hf_import import import_hf
 
-pytest.importorskip("transformers", reason="the checkpoints are written by transformers itself")
+transformers = pytest.importorskip("transformers", reason="the checkpoints are written by transformers itself")
 
 
 def saved(tmp_path: Path, name: str, monkeypatch, **config) -> Path:
@@ -95,16 +97,38 @@ def test_mtp_modules_config_json_counts_are_placed(mtp_export, tmp_path):
     assert result.cfg.model.mtp_num_layers == 2
 
 
-def test_a_class_without_mtp_import_refuses_mtp_modules_instead_of_dropping_them(mtp_export, tmp_path):
-    """GLM-4-MoE releases carry DeepSeek-V3-layout MTP layers too, which moetron's Glm4MoeForCausalLM import does
-    not read: the layer check (the class's MTP field None) names them rather than leaving them behind."""
+def test_a_class_without_mtp_modules_refuses_them_instead_of_dropping_them(mtp_export, tmp_path):
+    """The same layers in a checkpoint of a class whose import reads no MTP modules (Mixtral, Qwen3-MoE, …): the
+    layer check (the class's MTP field None) names them rather than leaving them behind."""
     from moetron.interchange.hf_weight_checks import check_layers
     from moetron.interchange.safetensors_stream import HFWeights
     from moetron.model.config import ModelConfig
 
     cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=300)
     with pytest.raises(UserError, match=r"2 MTP module\(s\) \(model\.layers\.3–4: .*does not read"):
-        check_layers(HFWeights(mtp_export), cfg, "num_hidden_layers", None, "--hf glm")
+        check_layers(HFWeights(mtp_export), cfg, "num_hidden_layers", None, "--hf DIR")
+
+
+def test_glm4_moe_mtp_modules_are_placed_both_ways(tmp_path):
+    """GLM-4.5's releases hold DeepSeek-V3-layout MTP layers with GLM's attention: a GQA DeepSeek-style model with
+    an MTP module exports natively to Glm4MoeForCausalLM (which loads the trunk with the same logits) and imports
+    back with every MTP tensor; with num_nextn_predict_layers 0 they are refused, not dropped."""
+    run, _, model = tiny_checkpoint(tmp_path, "glm4_moe", mtp_num_layers=1, init_method_std=0.2)
+    result = export_hf(str(run), str(tmp_path / "hf"))
+    assert (result.hf_class, result.remote_code) == ("Glm4MoeForCausalLM", False)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x).logits[..., :VOCAB], atol=1e-4, rtol=0)
+    back = import_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
+    assert back.cfg.model.mtp_num_layers == 1
+    ours, theirs = model.state_dict(), load_model(str(tmp_path / "back"), "cpu")[0].state_dict()
+    for name in (n for n in ours if n.startswith("mtp.")):
+        torch.testing.assert_close(theirs[name], ours[name], atol=0, rtol=0, msg=name)
+    edit_config(tmp_path / "hf", num_nextn_predict_layers=0)
+    assert "past config.json's num_nextn_predict_layers 0" in refusal(tmp_path / "hf", tmp_path)
 
 
 def test_kv_lora_rank_that_disagrees_with_the_weights_is_one_line_naming_both(tmp_path, monkeypatch):

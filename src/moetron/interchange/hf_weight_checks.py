@@ -80,8 +80,9 @@ def check_layers(weights: HFWeights, cfg: ModelConfig, layers_field: str, mtp_fi
     what = f"{len(unread)} MTP module(s) ({_span(unread, 'model.layers.')}: enorm, hnorm, eh_proj, a layer)"
     if mtp_field is None:
         raise UserError(
-            f"{source}: the weights hold {what}, which this class's import does not read (moetron imports "
-            f"DeepSeek-V3's, DeepseekV3ForCausalLM); remove their tensors from the files to import the model alone"
+            f"{source}: the weights hold {what}, which this class's import does not read (moetron reads "
+            f"DeepseekV3ForCausalLM's and Glm4MoeForCausalLM's); remove their tensors from the files to import the "
+            f"model alone"
         )
     raise UserError(
         f"{source}: the weights hold {what} past config.json's {mtp_field} {cfg.mtp_num_layers}; set {mtp_field} to "
