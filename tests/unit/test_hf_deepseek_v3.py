@@ -196,15 +196,18 @@ def trained_final_norms(model) -> None:
 
 def check_with_transformers_mtp_model(hf, model, x: torch.Tensor, monkeypatch) -> None:
     """transformers' `MtpModel` (what `generate(use_mtp=True)` drafts with) finds DeepSeek-V3's MTP layers by the
-    class's `model.layers.61` pattern (the real model's layer count); pointed at this tiny model's layers 3 and 4, it
-    loads the exported modules. Handed what `generate` hands it, the main model's `hidden_states[-1]` (after the
-    final norm), and chained as its own drafting loop chains the depths (each one's `post_norm` output into the
-    next), its logits are moetron's at every depth, and so is the MTP loss computed from them."""
+    class's `model.layers.61` pattern (the real model's layer count; GLM-4-MoE's: 46 and 92); pointed at this tiny
+    model's layers, it loads the exported modules. Handed what `generate` hands it, the main model's
+    `hidden_states[-1]` (after the final norm), and chained as its own drafting loop chains the depths (each one's
+    `post_norm` output into the next), its logits are moetron's at every depth, and so is the MTP loss computed
+    from them."""
     from transformers.modeling_layers import MtpModel
 
-    monkeypatch.setattr(hf, "_keys_to_ignore_on_load_unexpected", {r"model\.layers\.[34]\..*"})
+    L, D = model.cfg.num_layers, model.cfg.mtp_num_layers
+    indices = "|".join(str(L + k) for k in range(D))
+    monkeypatch.setattr(hf, "_keys_to_ignore_on_load_unexpected", {rf"model\.layers\.({indices})\..*"})
     drafter = MtpModel.from_pretrained(hf).eval()
-    assert len(drafter.layers) == 2
+    assert len(drafter.layers) == D
     inputs, labels = x[:, :-1], x[:, 1:]
     B, T = inputs.shape
     ours: list[torch.Tensor] = []
@@ -218,7 +221,9 @@ def check_with_transformers_mtp_model(hf, model, x: torch.Tensor, monkeypatch) -
         hidden = hf(inputs, output_hidden_states=True).hidden_states[-1]  # what generate(use_mtp=True) hands it
         positions = torch.arange(T)[None].expand(B, -1)
         losses = []
-        for k in (1, 2):  # depth k reads t_{i+k} (the tail past the sequence: any token, masked out of the loss)
+        for k in range(
+            1, D + 1
+        ):  # depth k reads t_{i+k} (the tail past the sequence: any token, masked out of the loss)
             shifted = torch.cat([inputs[:, k:], inputs[:, :k]], dim=1)
             hidden = drafter.forward_layer(k - 1, hidden, positions, None, input_ids=shifted)
             theirs = drafter._project_to_logits(hidden)

@@ -6,12 +6,13 @@ and its file — never a traceback, never weights left behind."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from interchange_support import VOCAB, tiny_checkpoint, tokens
-from test_hf_deepseek_v3 import MLA, TINY_V3
+from interchange_support import VOCAB, save_model, tiny_checkpoint, tokens
+from test_hf_deepseek_v3 import MLA, TINY_V3, check_with_transformers_mtp_model, trained_final_norms
 from test_hf_import import CONFIGS, random_hf_model, save_with_tokenizer
 from test_interchange_faults import one_error_line
 
@@ -109,11 +110,16 @@ def test_a_class_without_mtp_modules_refuses_them_instead_of_dropping_them(mtp_e
         check_layers(HFWeights(mtp_export), cfg, "num_hidden_layers", None, "--hf DIR")
 
 
-def test_glm4_moe_mtp_modules_are_placed_both_ways(tmp_path):
+def test_glm4_moe_mtp_modules_are_placed_both_ways(tmp_path, monkeypatch):
     """GLM-4.5's releases hold DeepSeek-V3-layout MTP layers with GLM's attention: a GQA DeepSeek-style model with
-    an MTP module exports natively to Glm4MoeForCausalLM (which loads the trunk with the same logits) and imports
-    back with every MTP tensor; with num_nextn_predict_layers 0 they are refused, not dropped."""
-    run, _, model = tiny_checkpoint(tmp_path, "glm4_moe", mtp_num_layers=1, init_method_std=0.2)
+    an MTP module exports natively to Glm4MoeForCausalLM (which loads the trunk with the same logits; transformers'
+    MtpModel predicts what moetron's module does) and imports back with every MTP tensor; with
+    num_nextn_predict_layers 0 they are refused, not dropped."""
+    run, cfg, model = tiny_checkpoint(tmp_path, "glm4_moe", mtp_num_layers=1, init_method_std=0.2,
+                                      make_vocab_size_divisible_by=4)  # fmt: skip
+    trained_final_norms(model)
+    shutil.rmtree(run)
+    save_model(run, cfg, model)
     result = export_hf(str(run), str(tmp_path / "hf"))
     assert (result.hf_class, result.remote_code) == ("Glm4MoeForCausalLM", False)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -122,6 +128,7 @@ def test_glm4_moe_mtp_modules_are_placed_both_ways(tmp_path):
     x = tokens()
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x).logits[..., :VOCAB], atol=1e-4, rtol=0)
+    check_with_transformers_mtp_model(hf, model, tokens(4, 12), monkeypatch)
     back = import_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
     assert back.cfg.model.mtp_num_layers == 1
     ours, theirs = model.state_dict(), load_model(str(tmp_path / "back"), "cpu")[0].state_dict()
