@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
-from interchange_support import ARCHITECTURES, VOCAB, run_config, tiny_checkpoint, tokens
+import torch.nn.functional as F
+from interchange_support import ARCHITECTURES, VOCAB, run_config, save_model, tiny_checkpoint, tokens
 from test_hf_export import greedy_hf, greedy_moetron, load_hf
 from test_hf_import import CONFIGS, random_hf_model, save_with_tokenizer
 
@@ -18,6 +20,7 @@ from moetron.interchange.hf_architectures import DEEPSEEK_V3, GLM4_MOE, find_arc
 from moetron.interchange.hf_export import export_hf
 from moetron.interchange.hf_import import import_hf
 from moetron.model.gpt import GPTModel
+from moetron.model.loss import language_model_loss, make_head_loss
 
 transformers = pytest.importorskip("transformers", reason="checked against transformers' DeepseekV3ForCausalLM")
 
@@ -142,33 +145,37 @@ def mtp_loss_of(model, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_mla_mtp_model_exports_its_mtp_modules_in_deepseek_v3s_layout_and_imports_back(tmp_path, monkeypatch):
-    """A MoE MTP module goes to `model.layers.<num_hidden_layers + k>.` (enorm, hnorm, eh_proj, the layer,
-    shared_head.norm and copies of the embedding and head, as DeepSeek's release stores it): transformers' class
-    loads the model with the same logits, transformers' own `MtpModel` reads the module and predicts what moetron's
-    does, and the import gives back the same MTP loss."""
+    """Two MoE MTP modules go to `model.layers.<num_hidden_layers + k>.` (enorm, hnorm, eh_proj, the layer,
+    shared_head.norm and copies of the embedding and head, as DeepSeek's release stores them): transformers' class
+    loads the model with the same logits, transformers' own `MtpModel` reads the modules and, from what transformers
+    hands it, predicts what moetron's do, and the import gives back the same MTP loss."""
     # no padded vocabulary rows (300 = 75 · 4): the export drops those, and moetron's loss counts their softmax share
-    run, _, model = tiny_checkpoint(tmp_path, "glm4_moe", **{**MLA, "q_lora_rank": None}, init_method_std=0.2,
-                                    mtp_num_layers=1, make_vocab_size_divisible_by=4)  # fmt: skip
+    run, cfg, model = tiny_checkpoint(tmp_path, "glm4_moe", **{**MLA, "q_lora_rank": None}, init_method_std=0.2,
+                                      mtp_num_layers=2, make_vocab_size_divisible_by=4)  # fmt: skip
+    trained_final_norms(model)
+    shutil.rmtree(run)
+    save_model(run, cfg, model)
     assert model.cfg.padded_vocab_size() == VOCAB
     assert model.mtp.layers["0"].transformer_layer.is_moe
     result = export_hf(str(run), str(tmp_path / "hf"))
     assert (result.hf_class, result.remote_code) == ("DeepseekV3ForCausalLM", False)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["num_nextn_predict_layers"] == 1 and "num_mtp_layers" not in config
+    assert config["num_nextn_predict_layers"] == 2 and "num_mtp_layers" not in config
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
-    mtp_names = {n.removeprefix("model.layers.3.") for n in index if n.startswith("model.layers.3.")}
+    mtp_names = {n.removeprefix("model.layers.4.") for n in index if n.startswith("model.layers.4.")}
     assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
             "embed_tokens.weight", "self_attn.kv_a_proj_with_mqa.weight", "mlp.gate.e_score_correction_bias",
             "mlp.experts.7.down_proj.weight", "mlp.shared_experts.up_proj.weight"} <= mtp_names  # fmt: skip
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
-    assert not info["missing_keys"] and all(k.startswith("model.layers.3.") for k in info["unexpected_keys"])
-    x = tokens()
+    assert not info["missing_keys"] and all(k.startswith(("model.layers.3.", "model.layers.4.")) for k in
+                                            info["unexpected_keys"])  # fmt: skip
+    x = tokens(4, 12)
     with torch.no_grad():
         torch.testing.assert_close(hf.eval()(x).logits, model(x).logits[..., :VOCAB], atol=1e-4, rtol=0)
     check_with_transformers_mtp_model(hf, model, x, monkeypatch)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
     back, cfg, _ = load_model(str(tmp_path / "back"), "cpu")
-    assert cfg.model.mtp_num_layers == 1 and not cfg.model.mtp_dense_layers
+    assert cfg.model.mtp_num_layers == 2 and not cfg.model.mtp_dense_layers
     ours, theirs = model.state_dict(), back.state_dict()
     for name in (n for n in ours if n.startswith("mtp.")):  # every MTP tensor back, bit for bit
         torch.testing.assert_close(theirs[name], ours[name], atol=0, rtol=0, msg=name)
@@ -178,25 +185,48 @@ def test_mla_mtp_model_exports_its_mtp_modules_in_deepseek_v3s_layout_and_import
     assert any("--mtp-dense-layers has no DeepseekV3ForCausalLM" in w for w in DEEPSEEK_V3.problems(dense))
 
 
+@torch.no_grad()
+def trained_final_norms(model) -> None:
+    """Final-norm weights far from 1, as training leaves them (DeepSeek-V3's range from 0.2 to a few): whether a
+    depth reads the state before or after a final norm then changes its predictions, not just their last digits."""
+    g = torch.Generator().manual_seed(11)
+    for norm in [model.final_layernorm] + [m.final_layernorm for m in model.mtp.layers.values()]:
+        norm.weight.uniform_(0.2, 3.0, generator=g)
+
+
 def check_with_transformers_mtp_model(hf, model, x: torch.Tensor, monkeypatch) -> None:
     """transformers' `MtpModel` (what `generate(use_mtp=True)` drafts with) finds DeepSeek-V3's MTP layers by the
-    class's `model.layers.61` pattern (the real model's layer count); pointed at this tiny model's layer 3, it loads the
-    exported module and, from the same trunk state, gives moetron's depth-1 logits."""
+    class's `model.layers.61` pattern (the real model's layer count; GLM-4-MoE's: 46 and 92); pointed at this tiny
+    model's layers, it loads the exported modules. Handed what `generate` hands it, the main model's
+    `hidden_states[-1]` (after the final norm), and chained as its own drafting loop chains the depths (each one's
+    `post_norm` output into the next), its logits are moetron's at every depth, and so is the MTP loss computed
+    from them."""
     from transformers.modeling_layers import MtpModel
 
-    monkeypatch.setattr(hf, "_keys_to_ignore_on_load_unexpected", {r"model\.layers\.3.*"})
+    L, D = model.cfg.num_layers, model.cfg.mtp_num_layers
+    indices = "|".join(str(L + k) for k in range(D))
+    monkeypatch.setattr(hf, "_keys_to_ignore_on_load_unexpected", {rf"model\.layers\.({indices})\..*"})
     drafter = MtpModel.from_pretrained(hf).eval()
-    T = x.shape[1] - 1
-    with torch.no_grad():
-        hidden = model(x[:, :-1], return_logits=False).hidden
-        module = model.mtp.layers["0"]
-        from moetron.model.mtp import embed_tokens
+    assert len(drafter.layers) == D
+    inputs, labels = x[:, :-1], x[:, 1:]
+    B, T = inputs.shape
+    ours: list[torch.Tensor] = []
 
-        ours = module(hidden, embed_tokens(model, x[:, 1:]), model.rope_angles(torch.arange(T)))
-        ours = torch.nn.functional.linear(module.final_layernorm(ours), model.head_weight())[..., :VOCAB]
-        positions = torch.arange(T)[None].expand(x.shape[0], -1)
-        embeds = drafter.embed_tokens(x[:, 1:])
-        masks = drafter.create_masks_for_mtp_layer(0, embeds, None, positions)
-        theirs = drafter.layers[0](embeds, hidden, position_embeddings=drafter.rotary_emb(embeds, positions),
-                                   position_ids=positions, cache=None, **masks)  # fmt: skip
-        torch.testing.assert_close(drafter._project_to_logits(theirs), ours, atol=1e-4, rtol=0)
+    def keep_logits(logits_BTV, labels_BT, mask_BT=None):
+        ours.append(logits_BTV[..., :VOCAB])
+        return language_model_loss(logits_BTV, labels_BT, mask_BT)
+
+    with torch.no_grad():
+        mtp_loss = model(inputs, mtp_labels_BT=labels, head_loss=make_head_loss(False, keep_logits)).mtp_loss
+        hidden = hf(inputs, output_hidden_states=True).hidden_states[-1]  # what generate(use_mtp=True) hands it
+        positions = torch.arange(T)[None].expand(B, -1)
+        losses = []
+        for k in range(
+            1, D + 1
+        ):  # depth k reads t_{i+k} (the tail past the sequence: any token, masked out of the loss)
+            shifted = torch.cat([inputs[:, k:], inputs[:, :k]], dim=1)
+            hidden = drafter.forward_layer(k - 1, hidden, positions, None, input_ids=shifted)
+            theirs = drafter._project_to_logits(hidden)
+            torch.testing.assert_close(theirs[:, : T - k], ours[k - 1][:, : T - k], atol=1e-4, rtol=0)
+            losses.append(F.cross_entropy(theirs[:, : T - k].flatten(0, 1), labels[:, k:].flatten()))
+        torch.testing.assert_close(mtp_loss, torch.stack(losses).mean(), atol=1e-5, rtol=0)

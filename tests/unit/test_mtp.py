@@ -30,8 +30,10 @@ def mtp_model(depths: int = 2, **overrides):
 
 def chain_by_hand(model, tokens_BT: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3's sequential MTP on truncated sequences: depth k keeps positions 0 … T−k−1 (causal attention, so
-    the rolled-in tail of the model's version cannot reach them), sees t_{i+k} and predicts t_{i+k+1}."""
-    hidden = model(tokens_BT, return_logits=False).hidden
+    the rolled-in tail of the model's version cannot reach them), sees t_{i+k} and predicts t_{i+k+1}. Every depth
+    reads a normed state, as Megatron-Core's and transformers' MTP do: depth 1 the model's final norm's output (what
+    its head reads), depth k + 1 depth k's final norm's output (what the head reads for depth k)."""
+    hidden = model.final_layernorm(model(tokens_BT, return_logits=False).hidden)
     T, losses = tokens_BT.shape[1], []
     for k, module in enumerate(model.mtp.layers.values(), start=1):
         keep = T - k
@@ -39,8 +41,9 @@ def chain_by_hand(model, tokens_BT: torch.Tensor, labels_BT: torch.Tensor) -> to
         embedded = module.enorm(model.word_embeddings(tokens_BT[:, k:]))
         x = module.eh_proj(torch.cat([embedded, module.hnorm(hidden)], dim=-1))
         rope = model.rope_angles(torch.arange(keep))
-        hidden, _ = module.transformer_layer(x, rope)
-        logits = F.linear(module.final_layernorm(hidden), model.head_weight()).float()
+        x, _ = module.transformer_layer(x, rope)
+        hidden = module.final_layernorm(x)
+        logits = F.linear(hidden, model.head_weight()).float()
         losses.append(F.cross_entropy(logits.flatten(0, 1), labels_BT[:, k:].flatten()))
     return torch.stack(losses).mean()
 
@@ -48,6 +51,9 @@ def chain_by_hand(model, tokens_BT: torch.Tensor, labels_BT: torch.Tensor) -> to
 @pytest.mark.parametrize("fused", [True, False])
 def test_mtp_loss_is_deepseek_v3s_sequential_chain(fused):
     model = mtp_model(depths=2)
+    with torch.no_grad():  # final norms far from 1, as training leaves them: reading before or after them differs
+        for norm in [model.final_layernorm] + [m.final_layernorm for m in model.mtp.layers.values()]:
+            norm.weight.uniform_(0.2, 3.0, generator=torch.Generator().manual_seed(11))
     batch = random_samples(3, seed=5)
     tokens, labels = batch[:, :-1], batch[:, 1:]
     with torch.no_grad():

@@ -15,7 +15,8 @@ The Llama family here shares one layout (RMSNorm, RoPE rotate-half, SwiGLU, sepa
   DeepSeek-V3 DeepSeek-V3's MoE (sigmoid scores, selection-only expert bias, group-limited top-k, scaling factor,
              shared experts, first k layers dense) with multi-head latent attention (--multi-latent-attention;
              its tensors and RoPE layout: `hf_deepseek_v3.py`)
-  GLM-4-MoE  DeepSeek-V3's MoE with GQA attention (what a DeepSeek-V3-style config without MLA exports to)
+  GLM-4-MoE  DeepSeek-V3's MoE with GQA attention (what a DeepSeek-V3-style config without MLA exports to), its
+             MTP modules in DeepSeek-V3's layout (GLM-4.5's releases)
 GPT-2 (`hf_gpt2.py`) is Megatron's default dense GPT; the base they share is `hf_architecture_base.py`. Every model
 routes dropless in transformers, so a config that drops tokens is expressed only when exported `--dropless` (how
 `moetron generate` routes anyway).
@@ -74,7 +75,7 @@ class LlamaFamily(Architecture):
     bias: str = "none"  # none | qkv (Qwen2-MoE, GLM: --add-qkv-bias) | all (Llama: --add-bias-linear)
     sigmoid: bool = False  # DeepSeek-V3 routing (GLM-4-MoE, DeepSeek-V3)
     mla: bool = False  # multi-head latent attention (DeepSeek-V3)
-    mtp: bool = False  # MTP modules in the checkpoint (DeepSeek-V3's layout: `hf_deepseek_v3.py`)
+    mtp: bool = False  # MTP modules in the checkpoint (DeepSeek-V3's layout, GLM-4-MoE's too: `hf_deepseek_v3.py`)
 
     # ------------------------------------------------------------ what it expresses
     def problems(self, cfg: ModelConfig) -> list[str]:
@@ -98,7 +99,7 @@ class LlamaFamily(Architecture):
             p += moe_layout_problems(self, cfg, self.placement)
             p += routing_problems(self, cfg, self.sigmoid)
             p += self._shared_problems(cfg)
-            p += mtp_problems(cfg, experts_of(cfg)) if self.mtp else []
+            p += mtp_problems(cfg, experts_of(cfg), self.hf_class) if self.mtp else []
             if self.sigmoid and experts_of(cfg) // cfg.num_expert_groups < 2:
                 p.append(
                     f"--num-expert-groups {cfg.num_expert_groups}: {self.hf_class} scores a group by its two "
@@ -178,6 +179,8 @@ class LlamaFamily(Architecture):
             out["use_qk_norm"] = cfg.qk_layernorm
         if self.placement is not None:
             out.update(self._moe_config(cfg))
+        if self.mtp:  # the releases' own key (transformers reads it as num_mtp_layers)
+            out["num_nextn_predict_layers"] = cfg.mtp_num_layers
         return out
 
     def _moe_config(self, cfg: ModelConfig) -> dict:
@@ -207,7 +210,6 @@ class LlamaFamily(Architecture):
             out.update(
                 n_routed_experts=experts,
                 n_shared_experts=cfg.num_shared_experts,
-                num_mtp_layers=0,
                 first_k_dense_replace=cfg.moe_first_dense_layers,
                 n_group=cfg.num_expert_groups,
                 topk_group=cfg.topk_groups if cfg.num_expert_groups > 1 else 1,
@@ -220,10 +222,18 @@ class LlamaFamily(Architecture):
     def model_fields(self, hf: dict) -> dict:
         from moetron.interchange.hf_config_import import llama_family_fields
 
-        return llama_family_fields(self, hf)
+        return {**llama_family_fields(self, hf), **(mtp_fields(hf) if self.mtp else {})}
 
     # ------------------------------------------------------------ tensors
-    def rules(self, cfg: ModelConfig) -> list[Rule]:
+    def rules(self, cfg: ModelConfig, mtp_copies: bool = True) -> list[Rule]:
+        """Every tensor; with MTP modules (`mtp`) theirs too, and (`mtp_copies`, export) their copies of the shared
+        embedding and head, which import leaves (the model shares one)."""
+        return self._trunk_rules(cfg) + (mtp_rules(self, cfg, copies=mtp_copies) if self.mtp else [])
+
+    def import_rules(self, cfg: ModelConfig, hf: dict) -> list[Rule]:
+        return self.rules(cfg, mtp_copies=False)
+
+    def _trunk_rules(self, cfg: ModelConfig) -> list[Rule]:
         vocab, padded = cfg.vocab_size, cfg.padded_vocab_size()
         rules = [vocab_rows("word_embeddings.weight", "model.embed_tokens.weight", vocab, padded)]
         for i, experts in enumerate(cfg.experts_per_layer()):
@@ -309,16 +319,10 @@ class DeepseekV3Family(LlamaFamily):
     def hf_config(self, cfg: ModelConfig, tokens: Tokens) -> dict:
         out = super().hf_config(cfg, tokens)
         out.pop("head_dim")  # DeepseekV3Config derives it (qk_rope_head_dim)
-        out.pop("num_mtp_layers")  # DeepSeek's own key instead (transformers reads both)
-        return {**out, **mla_hf_config(cfg), "num_nextn_predict_layers": cfg.mtp_num_layers}
+        return {**out, **mla_hf_config(cfg)}
 
     def model_fields(self, hf: dict) -> dict:
-        from moetron.interchange.hf_config_import import llama_family_fields
-
-        return {**llama_family_fields(self, hf), **mla_fields(hf), **mtp_fields(hf)}
-
-    def rules(self, cfg: ModelConfig, mtp_copies: bool = True) -> list[Rule]:
-        return super().rules(cfg) + mtp_rules(self, cfg, copies=mtp_copies)
+        return {**super().model_fields(hf), **mla_fields(hf)}
 
     def import_rules(self, cfg: ModelConfig, hf: dict) -> list[Rule]:
         return replace(self, rope_interleave=rope_interleaved(hf)).rules(cfg, mtp_copies=False)
@@ -346,6 +350,7 @@ GLM4_MOE = LlamaFamily(
     qk_norm="optional",
     bias="qkv",
     sigmoid=True,
+    mtp=True,  # GLM-4.5's releases: DeepSeek-V3's MTP layout at model.layers.<num_hidden_layers>
 )
 
 

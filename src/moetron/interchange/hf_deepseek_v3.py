@@ -21,6 +21,7 @@ module k (0-based) is `model.layers.<num_hidden_layers + k>.` with `enorm`, `hno
 attention and MoE tensors, `shared_head.norm` (moetron's `final_layernorm`) and copies of the shared
 `embed_tokens` / `shared_head.head` (export writes them as DeepSeek's release does; import reads the model's own).
 DeepseekV3ForCausalLM ignores those layers on load (transformers' `MtpModel` reads them for speculative decoding).
+GLM-4-MoE's releases (`Glm4MoeForCausalLM`) store theirs the same way, with that class's attention.
 """
 
 from __future__ import annotations
@@ -118,11 +119,11 @@ def mtp_rules(arch, cfg: ModelConfig, copies: bool) -> list[Rule]:
     return rules
 
 
-def mtp_problems(cfg: ModelConfig, experts: int) -> list[str]:
-    """DeepSeek-V3's MTP layers are MoE layers like the main ones (`experts`: theirs)."""
+def mtp_problems(cfg: ModelConfig, experts: int, hf_class: str) -> list[str]:
+    """DeepSeek-V3's (and GLM-4-MoE's) MTP layers are MoE layers like the main ones (`experts`: theirs)."""
     if cfg.mtp_num_layers and cfg.mtp_layer_experts() != experts:
         return [
-            "--mtp-dense-layers has no DeepseekV3ForCausalLM equivalent (its MTP layers are MoE layers); train "
+            f"--mtp-dense-layers has no {hf_class} equivalent (its MTP layers are MoE layers); train "
             "without it, or export with --remote-code"
         ]
     return []

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,13 +24,11 @@ from moetron.errors import UserError
 from moetron.interchange.hf_architectures import Architecture, architectures
 from moetron.interchange.hf_deepseek_v3 import mtp_layers_present
 from moetron.interchange.hf_tensor_rules import Rule, same
+from moetron.interchange.hf_weight_checks import check_layers, check_shapes, unplaced
 from moetron.interchange.new_run import check_new_run_dir, model_shapes, write_run
 from moetron.interchange.safetensors_stream import HFWeights
 from moetron.interchange.tokenizer_files import import_tokenizer
 from moetron.model.config import ModelConfig
-
-# Tensors some HF checkpoints carry that moetron computes instead (RoPE frequencies) or does not have.
-IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"), re.compile(r".*\.attn\.(masked_)?bias$"))
 
 
 @dataclass
@@ -70,34 +67,43 @@ def _model_config(arch: Architecture | None, hf: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in fields.items() if k in known})
 
 
-def _leftovers(weights: HFWeights, used: set[str], num_layers: int, tied: bool) -> list[str]:
-    """HF tensors no rule read, other than known extras (RoPE buffers, layers past num_hidden_layers: MTP modules
-    not imported, or their copies of the shared embedding and head)."""
-    left = []
-    for name in weights.names():
-        layer = re.match(r"model\.layers\.(\d+)\.", name)
-        if name in used or any(p.match(name) for p in IGNORED) or (layer and int(layer.group(1)) >= num_layers):
-            continue
-        if name == "lm_head.weight" and tied:  # some checkpoints store the tied output layer anyway
-            continue
-        left.append(name)
-    return left
+def layer_fields(arch: Architecture | None, hf: dict) -> tuple[str, str | None]:
+    """config.json's names for the decoder layer count and the MTP module count (None: the class reads none)."""
+    if arch is None:
+        return "moetron.num_layers", "moetron.mtp_num_layers"
+    layers = "n_layer" if "n_layer" in hf else "num_hidden_layers"
+    if not getattr(arch, "mtp", False):
+        return layers, None
+    return layers, "num_mtp_layers" if "num_mtp_layers" in hf and "num_nextn_predict_layers" not in hf else (
+        "num_nextn_predict_layers"
+    )  # fmt: skip
 
 
-def convert_tensors(weights: HFWeights, rules: list[Rule], cfg: ModelConfig, source: str) -> dict[str, torch.Tensor]:
-    """moetron name → fp32 tensor, by the rules; the model's tensors no rule makes are zero (expert biases)."""
+def convert_tensors(
+    weights: HFWeights,
+    rules: list[Rule],
+    cfg: ModelConfig,
+    source: str,
+    arch: Architecture | None = None,
+    hf: dict | None = None,
+) -> dict[str, torch.Tensor]:
+    """moetron name → fp32 tensor, by the rules; the model's tensors no rule makes are zero (expert biases). Every
+    tensor in the files is placed or refused: with config.json (`hf`, of class `arch`) given, its layer counts and
+    each tensor's shape are checked against the weights first, one line naming both values when they disagree."""
     shapes = model_shapes(RunConfig(model=cfg))
-    tensors = {rule.moetron: rule.to_moetron([weights.get(n) for n in rule.hf]).float().contiguous() for rule in rules}
-    for name, shape in shapes.items():
-        if name not in tensors and name.endswith("router.expert_bias"):
-            tensors[name] = torch.zeros(shape)
-    tied = not cfg.untie_embeddings_and_output_weights
-    left = _leftovers(weights, {n for r in rules for n in r.hf}, cfg.num_layers, tied)
+    if hf is not None:
+        check_layers(weights, cfg, *layer_fields(arch, hf), source)
+        check_shapes(weights, rules, shapes, hf, source)
+    left = unplaced(weights, rules, cfg)
     if left:
         raise UserError(
             f"{source}: tensors moetron has no place for: {', '.join(left[:4])}"
             f"{' …' if len(left) > 4 else ''}; is config.json from this checkpoint?"
         )
+    tensors = {rule.moetron: rule.to_moetron([weights.get(n) for n in rule.hf]).float().contiguous() for rule in rules}
+    for name, shape in shapes.items():
+        if name not in tensors and name.endswith("router.expert_bias"):
+            tensors[name] = torch.zeros(shape)
     return tensors
 
 
@@ -117,7 +123,7 @@ def import_hf(hf_dir: str, save: str, seq_length: int | None = None) -> ImportRe
             notes.append(f"config.json names {cfg.model.mtp_num_layers} MTP modules, the weights hold {present}")
             cfg.model.mtp_num_layers = present
     rules = arch.import_rules(cfg.model, hf) if arch is not None else [same(n, f"model.{n}") for n in model_shapes(cfg)]
-    tensors = convert_tensors(weights, rules, cfg.model, f"--hf {hf_dir}")
+    tensors = convert_tensors(weights, rules, cfg.model, f"--hf {hf_dir}", arch, hf)
     hf_class = arch.hf_class if arch is not None else "MoetronForCausalLM"
     notes = [f"imported by `moetron import --hf {hf_dir}` ({hf_class})", *notes]
     Path(save).mkdir(parents=True, exist_ok=True)

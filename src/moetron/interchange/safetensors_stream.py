@@ -99,23 +99,26 @@ class HFWeights:
     def __init__(self, directory: Path):
         self.directory = Path(directory)
         self.where: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}  # from the headers: checked against config.json before reading
         for pattern in ("*.safetensors", "pytorch_model*.bin"):
             for path in sorted(self.directory.glob(pattern)):
-                for name in self._names(path):
+                for name, shape in self._shapes(path).items():
                     self.where.setdefault(name, path)
+                    self.shapes.setdefault(name, shape)
             if self.where:
                 break
         if not self.where:
             raise UserError(f"--hf {directory}: no *.safetensors or pytorch_model*.bin weights there")
         self._bin_cache: tuple[Path, dict] | None = None
 
-    def _names(self, path: Path) -> list[str]:
+    def _shapes(self, path: Path) -> dict[str, tuple[int, ...]]:
+        """Each tensor's name and shape in one file (a safetensors header; a .bin file's memory-mapped tensors)."""
         if path.suffix == ".safetensors":
             from safetensors import safe_open
 
             with self._readable(path), safe_open(str(path), framework="pt") as f:
-                return list(f.keys())
-        return list(_load_bin(path))
+                return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        return {name: tuple(t.shape) for name, t in _load_bin(path).items()}
 
     @contextlib.contextmanager
     def _readable(self, path: Path) -> Iterator[None]:
@@ -136,6 +139,12 @@ class HFWeights:
 
     def names(self) -> list[str]:
         return list(self.where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def file_of(self, name: str) -> str:
+        return self.where[name].name
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.where:

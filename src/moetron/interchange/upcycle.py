@@ -55,7 +55,7 @@ def dense_source(load: str | None, hf: str | None) -> tuple[RunConfig, dict[str,
     if arch is None:
         raise UserError(f"--hf {hf}: a moetron remote-code export; upcycle its moetron checkpoint with --load")
     cfg = RunConfig(model=_model_config(arch, config))
-    tensors = convert_tensors(HFWeights(source), arch.rules(cfg.model), cfg.model, f"--hf {hf}")
+    tensors = convert_tensors(HFWeights(source), arch.rules(cfg.model), cfg.model, f"--hf {hf}", arch, config)
     cfg.data = dataclasses.replace(cfg.data, **hf_tokenizer_fields(source))
     return cfg, tensors, f"--hf {hf} ({arch.hf_class})"
 

@@ -5,7 +5,7 @@ Shapes: B batch, T tokens, C hidden size, V padded vocabulary.
     tokens ─▶ word embeddings (+ learned positions) ─▶ dropout
            ─▶ N × [ x + drop(attn(norm(x))),  x + drop(mlp_or_moe(norm(x))) ]
            ─▶ final norm ─▶ logits (tied word embeddings, or a separate output layer)
-    (training with --mtp-num-layers D: the last layer's output also feeds D multi-token-prediction modules,
+    (training with --mtp-num-layers D: the final norm's output also feeds D multi-token-prediction modules,
      `model/mtp.py`, that share the embedding and the head; `forward(mtp_labels_BT=...)` returns their loss)
 
 Layer i is a MoE layer when `cfg.experts_per_layer()[i] > 1` (Megatron's `get_num_experts_per_layer`).

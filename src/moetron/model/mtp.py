@@ -1,12 +1,20 @@
 """Multi-token prediction (`--mtp-num-layers D`): DeepSeek-V3's sequential MTP modules, Megatron-Core's flags.
 
 Shapes: B batch, T tokens, C hidden size. Module k (k = 1 … D) sees, at position i, the previous depth's hidden
-state h^{k-1}_i (h^0: the main model's last layer, before its final norm) and the embedding of token t_{i+k}, and
-predicts t_{i+k+1}:
+state h^{k-1}_i and the embedding of token t_{i+k}, and predicts t_{i+k+1}:
 
+    h^0   = the model's final_layernorm(last layer's output)        # what its own head reads
     h'_i  = eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)])      # 2C → C; embedding first, as Megatron-Core and
-    h^k   = transformer layer(h')                                  # DeepSeek-V3's released weights order them
-    loss_k = CE(head(final_layernorm(h^k)), t_{i+k+1})              # the model's own embedding and output head
+    h^k   = module k's final_layernorm(transformer layer(h'))      # DeepSeek-V3's released weights order them
+    loss_k = CE(head(h^k), t_{i+k+1})                              # the model's own embedding and output head
+
+Every depth reads the state after a final norm, as Megatron-Core does (its decoder block applies the final layernorm
+before `MultiTokenPredictionBlock` runs, and each MTP layer returns its own final layernorm's output, which the
+next depth and the head share) and as transformers' `MtpModel` does (`generate(use_mtp=True)` hands it
+`hidden_states[-1]`, the normed last state, and chains each layer's `post_norm` output, DeepSeek's
+`shared_head.norm`). The head reads each norm through its own call (under tensor parallelism the norm's output is
+laid out for the vocabulary-parallel head); the next depth reads it through `chain_input`, which tensor
+parallelism sets to turn that layout back into the module input's (`parallel/tp/apply_tp.py`).
 
 The shifted tokens and labels are the micro-batch's rolled left by k; the k positions at the end that would need
 tokens past the sequence are masked out of loss_k (Megatron-Core's `roll_tensor`). The MTP loss is the mean of the
@@ -41,7 +49,8 @@ from moetron.model.rng import STREAMS
 
 
 class MTPModule(nn.Module):
-    """One depth: the two norms, the 2C → C projection, one transformer layer and its own final norm."""
+    """One depth: the two norms, the 2C → C projection, one transformer layer and its own final norm (which the
+    caller applies: `forward` returns the layer's output, before it)."""
 
     def __init__(self, cfg: ModelConfig, layer: nn.Module):
         super().__init__()
@@ -78,6 +87,9 @@ class MultiTokenPrediction(nn.Module):
         self.layers = nn.ModuleDict(
             {str(k): MTPModule(cfg, make_layer(cfg.num_layers + k)) for k in range(cfg.mtp_num_layers)}
         )
+        # a final norm's output → the next depth's input; the identity on one process (tensor parallelism lays
+        # the norms' outputs out for the head and sets the way back: `apply_tp`)
+        self.chain_input: Callable[[torch.Tensor], torch.Tensor] = _unchanged
 
     def loss(
         self,
@@ -92,12 +104,19 @@ class MultiTokenPrediction(nn.Module):
         T = tokens_BT.shape[1]
         mask_BT = torch.ones_like(labels_BT, dtype=torch.float32) if loss_mask_BT is None else loss_mask_BT.float()
         rope = model.rope_angles(torch.arange(T, device=tokens_BT.device))
-        h_BTC, losses = hidden_BTC, []
-        for module in self.layers.values():  # depth k: everything one more position to the left
+        h_BTC, losses = self.chain_input(model.final_layernorm(hidden_BTC)), []  # h^0: after the final norm
+        depths = list(self.layers.values())
+        for k, module in enumerate(depths, start=1):  # depth k: everything one more position to the left
             tokens_BT, labels_BT, mask_BT = rolled(tokens_BT), rolled(labels_BT), rolled(mask_BT)
-            h_BTC = module(h_BTC, embed_tokens(model, tokens_BT), rope)
-            losses.append(head_loss(_DepthHead(model, module), h_BTC, labels_BT, mask_BT))
+            x_BTC = module(h_BTC, embed_tokens(model, tokens_BT), rope)
+            losses.append(head_loss(_DepthHead(model, module), x_BTC, labels_BT, mask_BT))
+            if k < len(depths):  # the next depth reads this one's normed state, as the head does
+                h_BTC = self.chain_input(module.final_layernorm(x_BTC))
         return torch.stack(losses).mean()
+
+
+def _unchanged(h_BTC: torch.Tensor) -> torch.Tensor:
+    return h_BTC
 
 
 def mtp_transformer_layers(module: nn.Module) -> list[nn.Module]:

@@ -17,7 +17,8 @@
     MTP modules (model/mtp)  each one's transformer layer as the main (dense) layers; enorm, hnorm, eh_proj replicated;
                              its final norm hands the shared vocab-parallel head a replicated DTensor, as the model's
                              does (`_mtp_plan`; with sequence parallelism its input is gathered for the shift and
-                             eh_proj, `_mtp_input_gather`, and eh_proj's output scattered for the layer)
+                             eh_proj, `_mtp_input_gather`, and eh_proj's output scattered for the layer); the
+                             final norms' head-shaped outputs handed back to the next depth (`_mtp_chain_input`)
 
 With `--sequence-parallel` (Megatron's SP) the residual stream between the TP regions holds seq / tp positions:
 norms run on sequence shards (`SequenceParallel`), each attention / MLP / MoE input is all-gathered
@@ -139,6 +140,19 @@ def _mtp_input_gather() -> PrepareModuleInput:
     )
 
 
+def _mtp_chain_input(sp: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A final norm's output (the model's, or an MTP module's: a replicated DTensor of whole sequences, laid out
+    for the vocab-parallel head) as the next MTP depth takes its input: this rank's sequence shard under sequence
+    parallelism (`_mtp_input_gather` gathers it again, as it does every depth's), else the whole local tensor."""
+
+    def chain_input(h_BTC: torch.Tensor) -> torch.Tensor:
+        if not isinstance(h_BTC, DTensor):
+            return h_BTC
+        return (h_BTC.redistribute(placements=[Shard(1)]) if sp else h_BTC).to_local()
+
+    return chain_input
+
+
 def _sequence_gather() -> PrepareModuleOutput:
     """A final norm's sequence-shard output gathered whole (a replicated DTensor) for the vocab-parallel head."""
     return PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False)
@@ -188,6 +202,8 @@ def apply_tp(model: GPTModel, mesh: ParallelMesh) -> None:
             layer.self_attention.shared_key_hook = summed_over_shards(tp_mesh)
         if sp:
             layer.hidden_dropout = shard_dropout(layer.hidden_dropout, rank, tp)
+    if mtp_modules:  # each depth reads the previous final norm's output (model/mtp.py), here head-shaped
+        model.mtp.chain_input = _mtp_chain_input(sp)
     for module in mtp_modules:
         if sp:
             parallelize_module(module, tp_mesh, _mtp_input_gather())
