@@ -7,8 +7,10 @@ The reference below is written from the description of Megatron-DeepSpeed's code
 `RotaryEmbedding` returns [cos(emb), sin(emb)] of the angles emb = positions ⊗ inv_freq (twice), the attention
 unpacks that pair as (query frequencies, key frequencies), and `apply_rotary_pos_emb(t, freqs)` rotates t by
 cos(freqs)/sin(freqs), cached in a module-level table keyed only by the sequence length (so the key call reuses
-the table the query call built). No rotary checkpoint was recorded from the real library (the fixtures use learned
-positions), so the import tests build one from a real fixture by turning rotary embeddings on in its args.
+the table the query call built). The real library's rotary checkpoint (fixture rotary_llama_top2, recorded at
+Megatron-DeepSpeed 4efb479d, after PR #441) checks the detection on the args it saved and the import against the
+logits it computed; the variants it cannot record (saved before PR #441, DeepSpeed sequence parallelism) are built
+from a real fixture by rewriting its args.
 """
 
 from __future__ import annotations
@@ -19,18 +21,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from moetron.cli import main
 from moetron.errors import UserError
 from moetron.eval.generate import load_model
-from moetron.interchange.mds_rotary import MDS_441
+from moetron.interchange.mds_rotary import MDS_441, rotary_kind
 from moetron.interchange.megatron_deepspeed import find_step_dir, import_megatron_deepspeed
 from moetron.interchange.safe_load import Opaque, load_pt
 from moetron.model import attention as attention_module
 from moetron.model.gpt import GPTModel
 from moetron.model.rotary import apply_rotary, rotary_angles
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_deepspeed" / "moe_top1_ep2"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_deepspeed"
+FIXTURE = FIXTURES / "moe_top1_ep2"
+RECORDED = FIXTURES / "rotary_llama_top2"  # recorded with --use-rotary-position-embeddings by the real library
 
 
 class MegatronDeepSpeed441Rotary:
@@ -78,6 +83,38 @@ def test_compat_rotary_equals_megatron_deepspeeds_formula():
 
 
 # ---------------------------------------------------------------------------- the importer
+def test_recorded_rotary_checkpoint_is_pr441_and_imports_what_it_computed(tmp_path, capsys):
+    """The real library's checkpoint, args as saved: detected as PR #441's rotary, and the import computes the
+    logits Megatron-DeepSpeed computed; standard RoPE on the same weights does not (so the recording did rotate by
+    cos(mθ))."""
+    args = vars(load_pt(find_step_dir(str(RECORDED / "checkpoint")) / "mp_rank_00_model_states.pt")["args"])
+    assert (args["use_rotary_position_embeddings"], args["add_position_embedding"]) == (True, False)
+    assert args["ds_sequence_parallel_fpdt"] is False and rotary_kind(args) == "pr441"
+    expected = load_file(RECORDED / "expected.safetensors")
+    tokens = expected["tokens"]
+
+    def computed(run: Path) -> tuple[torch.Tensor, torch.Tensor, object]:
+        model, cfg, _ = load_model(str(run), "cpu")
+        torch.manual_seed(1234)  # DeepSpeed's eval-mode random token selection drew from this seed too
+        with torch.no_grad():
+            out = model(tokens[:, :-1], labels_BT=tokens[:, 1:])
+        return out.logits, out.lm_loss, cfg
+
+    argv = ["import", "--megatron-deepspeed", str(RECORDED / "checkpoint")]
+    assert main([*argv, "--save", str(tmp_path / "kept")]) == 0
+    assert "note: rotary embeddings as Megatron-DeepSpeed computed them since its PR #441" in capsys.readouterr().out
+    logits, loss, cfg = computed(tmp_path / "kept")
+    assert (cfg.model.position_embedding_type, cfg.model.rotary_compat) == ("rope", MDS_441)
+    torch.testing.assert_close(logits, expected["logits"], atol=1e-5, rtol=0)
+    assert abs(float(loss) - float(expected["loss"])) < 1e-5
+
+    assert main([*argv, "--save", str(tmp_path / "standard"), "--rope-convert", "standard"]) == 0
+    assert "fine-tune it before use" in capsys.readouterr().err
+    logits, _, cfg = computed(tmp_path / "standard")
+    assert cfg.model.rotary_compat == "none"
+    assert (logits - expected["logits"]).abs().max() > 0.5
+
+
 def rotary_checkpoint(out: Path, **arg_changes) -> Path:
     """The real EP-2 fixture with rotary embeddings on in its args (learned positions dropped), saved as Megatron-
     DeepSpeed after PR #441 saves it (its args include ds_sequence_parallel_fpdt)."""

@@ -1,6 +1,7 @@
 """Megatron-DeepSpeed MoE checkpoints → moetron. The fixtures were written by the real Megatron-DeepSpeed and
-DeepSpeed (tests/fixtures/megatron_deepspeed/record.py says how): an EP-2 top-1 MoE and a PR-MoE (pyramid +
-residual, top-2), with what the source model computed on a fixed batch and its live optimizer's moments.
+DeepSpeed (tests/fixtures/megatron_deepspeed/record.py says how): an EP-2 top-1 MoE, a PR-MoE (pyramid +
+residual, top-2) and a Llama-style top-2 MoE (rotary, SwiGLU experts, RMSNorm, untied, no biases), with what the
+source model computed on a fixed batch and its live optimizer's moments.
 Variants the recorder cannot produce here (tensor parallel 2; the pre-2024 per-head QKV layout) are written from the
 real checkpoint exactly to Megatron-DeepSpeed's documented layout."""
 
@@ -25,7 +26,7 @@ from moetron.interchange.megatron_deepspeed import _args, find_step_dir, import_
 from moetron.interchange.safe_load import Opaque, load_pt
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_deepspeed"
-RUNS = ["moe_top1_ep2", "prmoe_top2"]
+RUNS = ["moe_top1_ep2", "prmoe_top2", "rotary_llama_top2"]
 
 
 def source_outputs(model, run: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -46,6 +47,12 @@ def test_imported_model_computes_what_megatron_deepspeed_computed(tmp_path, run)
     torch.testing.assert_close(logits, expected["logits"], atol=1e-5, rtol=0)
     assert abs(float(loss) - float(expected["loss"])) < 1e-5
     assert cfg.model.mlp_type == ("residual" if run == "prmoe_top2" else "standard")
+    m = cfg.model
+    llama = run == "rotary_llama_top2"  # every Llama-style setting came from the recorded args
+    assert (m.position_embedding_type, m.swiglu, m.normalization) == (
+        ("rope", True, "rmsnorm") if llama else ("learned_absolute", False, "layernorm")
+    )
+    assert (m.untie_embeddings_and_output_weights, m.add_bias_linear) == (llama, not llama)
     import json
 
     state = json.loads((path / "state.json").read_text())
