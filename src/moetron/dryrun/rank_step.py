@@ -1,0 +1,182 @@
+"""One simulated rank: moetron's own build, trainer and `train_step()` on fake CUDA tensors, measured.
+
+    record = run_rank(cfg, rank=5, world_size=64, steps=2)
+
+The process group is torch's fake one (backend "fake": every collective returns at once and moves no data), the
+mesh is built before the fake mode (DeviceMesh reads its rank table's values), then everything else runs inside
+FakeTensorMode: the model is built on `cuda:0` (`parallelize.build`, the run's real recipe), the Trainer wraps it,
+and each step runs under `MemTracker` (live bytes by category, and the peak's module and phase) and `StepObserver`
+(host reads, collectives, fp32 GEMMs). The numbers reported per step are the last step's (step 2 holds the
+optimizer's state: the steady state); the peak is the largest over all steps.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from moetron.config import RunConfig
+from moetron.dryrun import attention_kernels
+from moetron.dryrun.observe import StepObserver, where
+
+CATEGORIES = {  # MemTracker's reference types -> the report's names
+    "Parameter": "parameters",
+    "Buffer": "buffers",
+    "Gradient": "gradients",
+    "Optstate": "optimizer_state",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Other": "other",
+}
+
+
+class FakeBatches:
+    """The loader's interface with zero tokens: a dry run reads no data (values never matter here)."""
+
+    def __init__(self, mbs: int, seq: int, cp_rank: int = 0, cp_size: int = 1):
+        self.mbs, self.seq, self.cp_rank, self.cp_size, self.i = mbs, seq, cp_rank, cp_size, 0
+
+    @property
+    def next_first_sample(self) -> int:
+        return self.i * self.mbs
+
+    def next_micro_batch(self) -> torch.Tensor:
+        self.i += 1
+        return torch.zeros(self.mbs, self.seq + 1, dtype=torch.long)
+
+    def local_chunks(self, x_BT: torch.Tensor) -> torch.Tensor:
+        from moetron.data.context_chunks import take_zigzag
+
+        return take_zigzag(x_BT, self.cp_rank, self.cp_size)
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.i * self.mbs}
+
+
+def note_ep_routes() -> None:
+    """Before each default all-to-all exchange, tell the stand-ins how many routes the micro-batch has (so its
+    split sizes are balanced ones, `stand_ins.py`)."""
+    from moetron.dryrun import stand_ins
+    from moetron.parallel.ep.all_to_all import AllToAllDispatcher
+
+    assert hasattr(AllToAllDispatcher, "exchange_counts"), "dry run: AllToAllDispatcher.exchange_counts is gone"
+    dispatch = AllToAllDispatcher.dispatch
+    if getattr(dispatch, "dryrun", False):
+        return
+
+    def noted(self, x_TD, routing):
+        stand_ins.note_routes(routing.expert_ids_TK.numel(), self.ep_size)
+        return dispatch(self, x_TD, routing)
+
+    noted.dryrun = True
+    AllToAllDispatcher.dispatch = noted
+
+
+def init_fake_group(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+class PeakWhere:
+    """Wraps MemTracker's peak bookkeeping: when the peak grows, note the innermost module, the phase and the step."""
+
+    def __init__(self, tracker, device: torch.device):
+        self.tracker, self.device = tracker, device
+        self.step = 0
+        self.at = {"module": "", "phase": "", "step": 0, "where": ""}
+        original = tracker._update_peak_stats
+
+        def update(peak_state) -> None:
+            before = tracker._peak_mem.get(device, 0)
+            original(peak_state)
+            if tracker._peak_mem.get(device, 0) > before:
+                self.at = self._now()
+
+        tracker._update_peak_stats = update
+
+    def _now(self) -> dict:
+        mods = self.tracker._mod_tracker
+        parents = [p for p in mods.parents if p != "Global"]
+        module = max(parents, key=lambda p: p.count("."), default="")
+        phase = "optimizer" if self.tracker._in_opt else ("backward" if mods.is_bw else "forward")
+        return {"module": module, "phase": phase, "step": self.step, "where": where(sys._getframe(2))}
+
+
+def moe_module_names(model) -> set[str]:
+    moe = {id(m) for m in model.moe_layers()}
+    return {name for name, module in model.named_modules() if id(module) in moe}
+
+
+def run_rank(cfg: RunConfig, rank: int, world_size: int, steps: int) -> dict:
+    """Build and step rank `rank` of `world_size` on a fake cuda:0; its measurements (see `report.py`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from moetron.parallel.env import DistEnv
+    from moetron.parallel.mesh import ParallelMesh
+    from moetron.parallel.parallelize import build
+    from moetron.train.trainer import Trainer
+
+    started = time.perf_counter()
+    note_ep_routes()
+    init_fake_group(rank, world_size)
+    device = torch.device("cuda", 0)
+    env = DistEnv(rank=rank, world_size=world_size, device=device)
+    dims = cfg.dims(world_size)
+    mesh = ParallelMesh.build(dims, env)  # outside the fake mode: DeviceMesh reads its rank table
+    coords = dims.coordinates(rank)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        parallel = build(cfg, mesh, device)
+        loader = FakeBatches(cfg.train.micro_batch_size, cfg.model.seq_length, coords.cp, dims.cp)
+        trainer = Trainer(cfg, env, parallel, loader)
+        trainer.model.train()
+        moe_names = moe_module_names(trainer.model)
+        moe_suffixes = tuple("." + name for name in moe_names)
+        tracker = MemTracker()
+        tracker.track_external(trainer.model, trainer.optimizer)
+        peak = PeakWhere(tracker, device)
+
+        def in_moe_layer() -> bool:  # the tracker names modules from the outermost wrapper (DDP's `module.`)
+            return any(p.endswith(suffix) for p in tracker._mod_tracker.parents for suffix in moe_suffixes)
+
+        def module_now() -> str:
+            return max((p for p in tracker._mod_tracker.parents if p != "Global"), key=lambda p: p.count("."), default="")
+
+        observer = StepObserver(lambda: len(tracker._mod_tracker.parents) > 1, in_moe_layer, module_now)
+        built = time.perf_counter()
+        step_seconds = []
+        with tracker, observer:
+            for step in range(1, steps + 1):
+                peak.step = step
+                tracker.reset_mod_stats()
+                observer.reset()
+                attention_kernels.CHOICES.clear()
+                start = time.perf_counter()
+                trainer.train_step()
+                step_seconds.append(time.perf_counter() - start)
+    snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
+    local_moe = len(moe_names)
+    micro = cfg.num_micro_batches(dims.dp)
+    return {
+        "rank": rank,
+        "pp_stage": coords.pp,
+        "peak_bytes": int(snapshot.get("Total", 0)),
+        "peak_by_category": {CATEGORIES.get(k, k): int(v) for k, v in snapshot.items() if k != "Total"},
+        "peak_at": peak.at,
+        "host_reads": dict(observer.reads),
+        "host_reads_per_step": sum(observer.reads.values()),
+        "moe_layer_reads_per_step": observer.moe_reads,
+        "local_moe_layers": local_moe,
+        "micro_batches": micro,
+        "collectives": [[op, dtype, size, n] for (op, dtype, size), n in sorted(observer.collectives.items())],
+        "fp32_gemms": [[op, at, n] for (op, at), n in sorted(observer.fp32_gemms.items())],
+        "cpu_ops": [[op, at, n] for (op, at), n in sorted(observer.cpu_ops.items())],
+        "attention_kernels": {k: attention_kernels.CHOICES.get(k, 0) for k in attention_kernels.KERNELS},
+        "build_seconds": built - started,
+        "step_seconds": step_seconds,
+    }
