@@ -109,6 +109,8 @@ class StepObserver(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor lower to local ops first; they come back here
         kwargs = kwargs or {}
+        if func.namespace != "prim" and func is not torch.ops.aten._local_scalar_dense.default:
+            self._last_read = None  # an op between two reads: they are two reads, even from one instruction
         tensors = _tensors(args, kwargs)
         on_cuda = [t for t in tensors if t.device.type == "cuda"]
         name = func.__name__.split(".")[0]
@@ -135,7 +137,7 @@ class StepObserver(TorchDispatchMode):
     def _count_read(self) -> None:
         frame = _first_outside(sys._getframe(1))
         key = (id(frame), frame.f_lasti if frame is not None else -1)
-        if key == self._last_read:  # the same Python instruction: `.tolist()` reads element by element
+        if key == self._last_read:  # `.tolist()` reads element by element, with no op in between: one read
             return
         self._last_read = key
         self.reads[where(frame) if frame is not None else self._where()] += 1

@@ -98,6 +98,22 @@ class PeakWhere:
                 self.at = self._now()
 
         tracker._update_peak_stats = update
+        tracker._pre_fw_hook = self._each_call_anew(tracker._pre_fw_hook)
+
+    def _each_call_anew(self, pre_forward):
+        # MemTracker refuses a root module's second forward before `reset_mod_stats` (it reads it as a second
+        # iteration), but a step calls the model once per micro-batch (gradient accumulation, pipeline stages).
+        # Only the global peak and categories are read here: forget that module's own stats and track it again.
+        tracker = self.tracker
+
+        def pre_forward_each_call(module, inputs) -> None:
+            name = tracker._mod_tracker.get_known_fqn(module)
+            others = set(tracker._mod_tracker.parents) - {name}
+            if module in tracker.memory_tracking and not tracker._mod_tracker.is_bw and others <= {"Global"}:
+                del tracker.memory_tracking[module]
+            pre_forward(module, inputs)
+
+        return pre_forward_each_call
 
     def _now(self) -> dict:
         mods = self.tracker._mod_tracker

@@ -19,10 +19,20 @@ from pathlib import Path
 from moetron.dryrun.shim import SHIM_ENV, load_shim
 
 
+def root_cause(err: BaseException) -> BaseException:
+    """The exception that started it (torch's pipeline stage re-raises an op's error as its cause)."""
+    seen = {id(err)}
+    while (err.__cause__ or err.__context__) is not None and id(err.__cause__ or err.__context__) not in seen:
+        err = err.__cause__ or err.__context__
+        seen.add(id(err))
+    return err
+
+
 def error_record(err: BaseException) -> dict:
     """One line for an exception of the step: the op that raised (when an op did), its first line, and where."""
     from moetron.dryrun.observe import SKIPPED_DIRS, _short
 
+    err = root_cause(err)
     op = getattr(err, "dryrun_op", "")
     at = getattr(err, "dryrun_where", "")
     if not at:  # raised outside an op: the innermost frame outside torch in the traceback
