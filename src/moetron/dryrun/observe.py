@@ -21,6 +21,7 @@ place it was called from (`op_of`, `where_of`), so the worker reports one line i
 
 from __future__ import annotations
 
+import re
 import sys
 import sysconfig
 from collections import Counter
@@ -149,8 +150,10 @@ class StepObserver(TorchDispatchMode):
         if at != "?":
             return at
         node = torch._C._current_autograd_node()  # the backward's step being run, in autograd's own thread
-        step = f" ({node.name()})" if node is not None else ""
-        return f"backward{step} of {self.module_now() or 'the model'}"
+        if node is None:
+            return f"backward of {self.module_now() or 'the model'}"
+        forward = forward_site(node)
+        return f"backward of {forward}" if forward else f"backward ({node.name()}) of {self.module_now() or 'the model'}"
 
     def _host_read(self, tensor: torch.Tensor):
         self._count_read()
@@ -172,6 +175,19 @@ class StepObserver(TorchDispatchMode):
                 op_name(func),
                 self._where(),
             )
+
+
+_FRAME_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def forward_site(node) -> str:
+    """Where the forward op of an autograd node was called, from the stack anomaly mode saved with it ("")."""
+    stack = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
+    for entry in reversed(stack or []):
+        match = _FRAME_LINE.search(entry)
+        if match and not match.group(1).startswith(SKIPPED_DIRS):
+            return f"{_short(match.group(1))}:{match.group(2)}"
+    return ""
 
 
 MASK_INDEXING = {"index", "index_put", "index_put_", "_index_put_impl_"}

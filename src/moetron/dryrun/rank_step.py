@@ -166,7 +166,9 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, steps: int) -> dict:
         observer = StepObserver(lambda: len(tracker._mod_tracker.parents) > 1, in_moe_layer, module_now)
         built = time.perf_counter()
         step_seconds = []
-        with tracker, observer:
+        # anomaly mode keeps each autograd node's forward stack: a backward op's `where` is its forward's line
+        # (check_nan off: it would read values)
+        with tracker, observer, torch.autograd.set_detect_anomaly(True, check_nan=False):
             for step in range(1, steps + 1):
                 peak.step = step
                 tracker.reset_mod_stats()

@@ -44,8 +44,13 @@ def error_record(err: BaseException) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    config_path, rank, world_size, steps, out = argv
     load_shim(os.environ.get(SHIM_ENV) or None)
+    return run(argv)
+
+
+def run(argv: list[str]) -> int:
+    """The rank's run in a process whose shim is loaded (`main`, or a test's driver that plants a defect first)."""
+    config_path, rank, world_size, steps, out = argv
     from moetron.dryrun import patches
 
     patches.apply_all()
