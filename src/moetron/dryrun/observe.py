@@ -94,6 +94,7 @@ class StepObserver(TorchDispatchMode):
         self.reads: Counter = Counter()  # where -> host reads
         self.moe_reads = 0  # of them, inside a MoE layer
         self.collectives: Counter = Counter()  # (op, dtype, bytes) -> calls
+        self.collective_sites: dict = {}  # (op, dtype, bytes) -> where the first one was called
         self.fp32_gemms: Counter = Counter()  # (op, where) -> calls
         self.cpu_ops: Counter = Counter()  # (op, where) -> calls
         self._last_read: tuple | None = None
@@ -102,6 +103,7 @@ class StepObserver(TorchDispatchMode):
         """Start a new step's records."""
         self.reads, self.moe_reads = Counter(), 0
         self.collectives, self.fp32_gemms, self.cpu_ops = Counter(), Counter(), Counter()
+        self.collective_sites = {}
         self._last_read = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -164,7 +166,9 @@ class StepObserver(TorchDispatchMode):
             return
         size = max(t.numel() * t.element_size() for t in tensors)  # the larger side: the gathered / sent buffer
         dtype = str(tensors[0].dtype).removeprefix("torch.")
-        self.collectives[(op_name(func), dtype, size)] += 1
+        key = (op_name(func), dtype, size)
+        self.collectives[key] += 1
+        self.collective_sites.setdefault(key, self._where())
 
     def _check_devices(self, func, tensors: list[torch.Tensor]) -> None:
         cpu = [t for t in tensors if t.device.type == "cpu" and t.dim() > 0]

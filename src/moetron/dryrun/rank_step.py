@@ -191,7 +191,10 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, steps: int) -> dict:
         "moe_layer_reads_per_step": observer.moe_reads,
         "local_moe_layers": local_moe,
         "micro_batches": micro,
-        "collectives": [[op, dtype, size, n] for (op, dtype, size), n in sorted(observer.collectives.items())],
+        "collectives": [
+            [op, dtype, size, n, observer.collective_sites.get((op, dtype, size), "?")]
+            for (op, dtype, size), n in sorted(observer.collectives.items())
+        ],
         "fp32_gemms": [[op, at, n] for (op, at), n in sorted(observer.fp32_gemms.items())],
         "cpu_ops": [[op, at, n] for (op, at), n in sorted(observer.cpu_ops.items())],
         "attention_kernels": {k: attention_kernels.CHOICES.get(k, 0) for k in attention_kernels.KERNELS},

@@ -4,7 +4,7 @@ JSON keys (a stable contract): device ("cuda"), world_size, ranks, peak_bytes (t
 planned_peak_bytes (`moetron plan`'s peak for that rank's layout), peak_by_category (of the rank with the largest
 peak, at its peak), host_reads_per_step, host_reads_per_moe_layer (reads inside MoE layers per step / (local MoE
 layers × micro-batches)), host_reads ([{where, count}] per step), collectives ([{op, dtype, bytes, count}] per
-step), attention_kernels ({flash, efficient, cudnn, math}: SDPA calls per step). Per-step numbers are the last
+step; with `where`, the first call's place), attention_kernels ({flash, efficient, cudnn, math}: SDPA calls per step). Per-step numbers are the last
 step's of the heaviest rank (every rank's where they differ: the maximum of each). Extra keys: peak_at (module,
 phase, step), fp32_gemms, cpu_ops, per_rank (each rank's peak and seconds), fits, gpu_memory_bytes.
 """
@@ -30,9 +30,11 @@ def merge(records: list[dict], world_size: int, planned: float | None, memory: i
         if r["local_moe_layers"]
     ]
     collectives: dict = {}
+    sites: dict = {}
     for r in records:
-        for op, dtype, size, n in r["collectives"]:
+        for op, dtype, size, n, at in r["collectives"]:
             collectives[(op, dtype, size)] = max(collectives.get((op, dtype, size), 0), n)
+            sites.setdefault((op, dtype, size), at)
     kernels = {k: max(r["attention_kernels"][k] for r in records) for k in heaviest["attention_kernels"]}
     peak = heaviest["peak_bytes"]
     return {
@@ -47,7 +49,8 @@ def merge(records: list[dict], world_size: int, planned: float | None, memory: i
         "host_reads_per_moe_layer": max(per_layer, default=0.0),
         "host_reads": [{"where": at, "count": n} for at, n in sorted(reads.items())],
         "collectives": [
-            {"op": op, "dtype": dtype, "bytes": size, "count": n} for (op, dtype, size), n in sorted(collectives.items())
+            {"op": op, "dtype": dtype, "bytes": size, "count": n, "where": sites[(op, dtype, size)]}
+            for (op, dtype, size), n in sorted(collectives.items())
         ],
         "attention_kernels": kernels,
         "fp32_gemms": sorted({(op, at) for r in records for op, at, _ in r["fp32_gemms"]}),
@@ -91,7 +94,7 @@ def format_report(report: dict, context: int) -> str:
     )
     lines += [f"  {r['where']} ×{r['count']}" for r in report["host_reads"]]
     lines.append(f"collectives per step: {sum(c['count'] for c in report['collectives'])}")
-    lines += [f"  {c['op']} {c['dtype']} {c['bytes']:,} B ×{c['count']}" for c in report["collectives"]]
+    lines += [f"  {c['op']} {c['dtype']} {c['bytes']:,} B ×{c['count']}  ({c['where']})" for c in report["collectives"]]
     kernels = ", ".join(f"{k} {n}" for k, n in report["attention_kernels"].items())
     lines.append(f"attention kernels per step: {kernels}")
     if report["fp32_gemms"]:
