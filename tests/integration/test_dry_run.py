@@ -44,7 +44,7 @@ LAYOUTS = {  # one rank (5) of 8; two MoE layers (1 and 3) in every model
 LOCAL = TINY + " --moe-expert-parallel-size 1 --global-batch-size 2"
 ONE_PROCESS = {  # world size 1; the plants are undone after their run
     "local": "none|" + LOCAL,
-    "local_batched_dropless": "none|" + LOCAL + " --moe-expert-backend batched --moe-token-dropping false",
+    "local_batched_dropless": "none|" + LOCAL + " --moe-expert-backend batched --no-moe-token-dropping",
     "planted_cpu_tensor": "cpu_tensor|" + LOCAL,
     "planted_item": "item|" + LOCAL,
 }
