@@ -29,6 +29,7 @@ from moetron.config_cli import add_config_arguments, cli_overrides, load_config 
 from moetron.dryrun import patches  # noqa: E402
 from moetron.dryrun.worker import error_record  # noqa: E402
 
+
 def plant_cpu_tensor() -> tuple[object, str, object, int]:
     from moetron.model.attention import SelfAttention
 

@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a GPU-path defect (one line naming the op and where)."
     )
     group = parser.add_argument_group("dry run")
-    group.add_argument("--config", metavar="FILE.yaml", help="the YAML config (or recipe name) `moetron train` would use")
+    group.add_argument(
+        "--config", metavar="FILE.yaml", help="the YAML config (or recipe name) `moetron train` would use"
+    )
     group.add_argument("--gpus", type=int, help="the run's world size; default: the fewest the parallel sizes need")
     group.add_argument(
         "--ranks",

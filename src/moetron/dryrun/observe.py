@@ -155,7 +155,9 @@ class StepObserver(TorchDispatchMode):
         if node is None:
             return f"backward of {self.module_now() or 'the model'}"
         forward = forward_site(node)
-        return f"backward of {forward}" if forward else f"backward ({node.name()}) of {self.module_now() or 'the model'}"
+        return (
+            f"backward of {forward}" if forward else f"backward ({node.name()}) of {self.module_now() or 'the model'}"
+        )
 
     def _host_read(self, tensor: torch.Tensor):
         self._count_read()

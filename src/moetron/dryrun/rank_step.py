@@ -161,7 +161,9 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, steps: int) -> dict:
             return any(p.endswith(suffix) for p in tracker._mod_tracker.parents for suffix in moe_suffixes)
 
         def module_now() -> str:
-            return max((p for p in tracker._mod_tracker.parents if p != "Global"), key=lambda p: p.count("."), default="")
+            return max(
+                (p for p in tracker._mod_tracker.parents if p != "Global"), key=lambda p: p.count("."), default=""
+            )
 
         observer = StepObserver(lambda: len(tracker._mod_tracker.parents) > 1, in_moe_layer, module_now)
         built = time.perf_counter()

@@ -1,12 +1,20 @@
 """The simulated ranks' records merged into one report: the JSON contract, the printed lines, the verdict.
 
-JSON keys (a stable contract): device ("cuda"), world_size, ranks, peak_bytes (the largest simulated rank's),
-planned_peak_bytes (`moetron plan`'s peak for that rank's layout), peak_by_category (of the rank with the largest
-peak, at its peak), host_reads_per_step, host_reads_per_moe_layer (reads inside MoE layers per step / (local MoE
-layers × micro-batches)), host_reads ([{where, count}] per step), collectives ([{op, dtype, bytes, count}] per
-step; with `where`, the first call's place), attention_kernels ({flash, efficient, cudnn, math}: SDPA calls per step). Per-step numbers are the last
-step's of the heaviest rank (every rank's where they differ: the maximum of each). Extra keys: peak_at (module,
-phase, step), fp32_gemms, cpu_ops, per_rank (each rank's peak and seconds), fits, gpu_memory_bytes.
+JSON keys (a stable contract):
+  device                    "cuda"
+  world_size, ranks         the run's world size; the simulated ranks
+  peak_bytes                the largest simulated rank's peak (live tensors, as torch.cuda.max_memory_allocated)
+  planned_peak_bytes        `moetron plan`'s peak for this layout (its heaviest rank), null where it has none
+  peak_by_category          that rank's bytes at its peak: parameters, gradients, optimizer_state, activations,
+                            temporaries, buffers, other
+  host_reads_per_step       reads of device values on the host in one step
+  host_reads_per_moe_layer  of them, the ones inside MoE layers / (local MoE layers x micro-batches)
+  host_reads                [{"where": "file:line", "count": n}] per step
+  collectives               [{"op", "dtype", "bytes", "count"}] per step (and "where": the first call's place)
+  attention_kernels         {"flash", "efficient", "cudnn", "math"}: SDPA calls per step by kernel
+Per-step numbers are the last step's (step 2 holds the optimizer's state); over several ranks the largest of each.
+Extra keys: peak_at (rank, step, phase, module), fp32_gemms, cpu_ops, per_rank (peak and seconds of each),
+gpu_memory_bytes and fits (null without --gpu-memory).
 """
 
 from __future__ import annotations
@@ -56,8 +64,13 @@ def merge(records: list[dict], world_size: int, planned: float | None, memory: i
         "fp32_gemms": sorted({(op, at) for r in records for op, at, _ in r["fp32_gemms"]}),
         "cpu_ops": sorted({(op, at) for r in records for op, at, _ in r["cpu_ops"]}),
         "per_rank": [
-            {"rank": r["rank"], "pp_stage": r["pp_stage"], "peak_bytes": r["peak_bytes"],
-             "build_seconds": round(r["build_seconds"], 2), "step_seconds": [round(s, 2) for s in r["step_seconds"]]}
+            {
+                "rank": r["rank"],
+                "pp_stage": r["pp_stage"],
+                "peak_bytes": r["peak_bytes"],
+                "build_seconds": round(r["build_seconds"], 2),
+                "step_seconds": [round(s, 2) for s in r["step_seconds"]],
+            }
             for r in records
         ],  # fmt: skip
         "gpu_memory_bytes": memory,
@@ -76,7 +89,9 @@ def gib(n: float | None) -> str:
 
 
 def format_report(report: dict, context: int) -> str:
-    lines = [f"dry run: {len(report['ranks'])} simulated rank(s) {report['ranks']} of {report['world_size']} (fake cuda)"]
+    lines = [
+        f"dry run: {len(report['ranks'])} simulated rank(s) {report['ranks']} of {report['world_size']} (fake cuda)"
+    ]
     for r in report["per_rank"]:
         steps = ", ".join(f"{s:.1f}" for s in r["step_seconds"])
         lines.append(f"  rank {r['rank']} (stage {r['pp_stage']}): peak {gib(r['peak_bytes'])}; steps {steps} s")
@@ -109,7 +124,6 @@ def verdict(report: dict, context: int) -> str:
     memory = report["gpu_memory_bytes"]
     if memory is None:
         return "verdict: the step runs on the GPU path; no --gpu-memory given, so no fit verdict"
-    needed = report["peak_bytes"] + context
     word = "fits" if report["fits"] else "does NOT fit"
     return f"verdict: {word} {gib(memory)} (peak {gib(report['peak_bytes'])} + {gib(context)} CUDA context)"
 

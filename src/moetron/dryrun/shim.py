@@ -45,8 +45,11 @@ def _torch_paths() -> tuple[str, Path, bool, int]:
     """(torch version, torch's package directory, whether it is a CUDA build, its C++ ABI flag)."""
     import torch
 
-    return torch.__version__, Path(torch.__file__).parent, torch.version.cuda is not None, int(
-        torch._C._GLIBCXX_USE_CXX11_ABI
+    return (
+        torch.__version__,
+        Path(torch.__file__).parent,
+        torch.version.cuda is not None,
+        int(torch._C._GLIBCXX_USE_CXX11_ABI),
     )
 
 
