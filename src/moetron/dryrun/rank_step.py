@@ -128,78 +128,108 @@ def moe_module_names(model) -> set[str]:
     return {name for name, module in model.named_modules() if id(module) in moe}
 
 
+def build_trainer(cfg: RunConfig, env, mesh):
+    """The rank's Trainer as `moetron train` builds it (inside the fake mode: every tensor on the fake cuda:0)."""
+    from moetron.parallel.parallelize import build
+    from moetron.train.trainer import Trainer
+
+    dims = cfg.dims(env.world_size)
+    coords = dims.coordinates(env.rank)
+    parallel = build(cfg, mesh, env.device)
+    loader = FakeBatches(cfg.train.micro_batch_size, cfg.model.seq_length, coords.cp, dims.cp)
+    trainer = Trainer(cfg, env, parallel, loader)
+    trainer.model.train()
+    return trainer
+
+
+class StepProbe:
+    """The instruments around a trainer's steps: MemTracker (bytes by category, the peak and where) and the
+    StepObserver (host reads, collectives, fp32 GEMMs, CPU tensors), both told which module is running."""
+
+    def __init__(self, trainer):
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        self.trainer = trainer
+        moe_names = moe_module_names(trainer.model)
+        self.local_moe_layers = len(moe_names)
+        self.moe_suffixes = tuple("." + name for name in moe_names)  # the tracker names modules from the
+        self.tracker = MemTracker()  # outermost wrapper (DDP's `module.`): MoE layers are matched by suffix
+        self.tracker.track_external(trainer.model, trainer.optimizer)
+        self.peak = PeakWhere(self.tracker, trainer.env.device)
+        self.observer = StepObserver(self.in_model, self.in_moe_layer, self.module_now)
+
+    def parents(self) -> set[str]:
+        return self.tracker._mod_tracker.parents
+
+    def in_model(self) -> bool:
+        return len(self.parents()) > 1  # "Global" is always there
+
+    def in_moe_layer(self) -> bool:
+        return any(p.endswith(suffix) for p in self.parents() for suffix in self.moe_suffixes)
+
+    def module_now(self) -> str:
+        return max((p for p in self.parents() if p != "Global"), key=lambda p: p.count("."), default="")
+
+    def run(self, steps: int) -> list[float]:
+        """`steps` training steps; the seconds of each. The per-step records are the last step's."""
+        seconds = []
+        # anomaly mode keeps each autograd node's forward stack: a backward op's `where` is its forward's line
+        # (check_nan off: it would read values)
+        with self.tracker, self.observer, torch.autograd.set_detect_anomaly(True, check_nan=False):
+            for step in range(1, steps + 1):
+                self.peak.step = step
+                self.tracker.reset_mod_stats()
+                self.observer.reset()
+                attention_kernels.CHOICES.clear()
+                start = time.perf_counter()
+                self.trainer.train_step()
+                seconds.append(time.perf_counter() - start)
+        return seconds
+
+    def record(self) -> dict:
+        snapshot = self.tracker.get_tracker_snapshot("peak").get(self.trainer.env.device, {})
+        observer = self.observer
+        return {
+            "peak_bytes": int(snapshot.get("Total", 0)),
+            "peak_by_category": {CATEGORIES.get(k, k): int(v) for k, v in snapshot.items() if k != "Total"},
+            "peak_at": self.peak.at,
+            "host_reads": dict(observer.reads),
+            "host_reads_per_step": sum(observer.reads.values()),
+            "moe_layer_reads_per_step": observer.moe_reads,
+            "local_moe_layers": self.local_moe_layers,
+            "collectives": [
+                [op, dtype, size, n, observer.collective_sites.get((op, dtype, size), "?")]
+                for (op, dtype, size), n in sorted(observer.collectives.items())
+            ],
+            "fp32_gemms": [[op, at, n] for (op, at), n in sorted(observer.fp32_gemms.items())],
+            "cpu_ops": [[op, at, n] for (op, at), n in sorted(observer.cpu_ops.items())],
+            "attention_kernels": {k: attention_kernels.CHOICES.get(k, 0) for k in attention_kernels.KERNELS},
+        }
+
+
 def run_rank(cfg: RunConfig, rank: int, world_size: int, steps: int) -> dict:
     """Build and step rank `rank` of `world_size` on a fake cuda:0; its measurements (see `report.py`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     from moetron.parallel.env import DistEnv
     from moetron.parallel.mesh import ParallelMesh
-    from moetron.parallel.parallelize import build
-    from moetron.train.trainer import Trainer
 
     started = time.perf_counter()
     note_ep_routes()
     init_fake_group(rank, world_size)
-    device = torch.device("cuda", 0)
-    env = DistEnv(rank=rank, world_size=world_size, device=device)
+    env = DistEnv(rank=rank, world_size=world_size, device=torch.device("cuda", 0))
     dims = cfg.dims(world_size)
     mesh = ParallelMesh.build(dims, env)  # outside the fake mode: DeviceMesh reads its rank table
-    coords = dims.coordinates(rank)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        parallel = build(cfg, mesh, device)
-        loader = FakeBatches(cfg.train.micro_batch_size, cfg.model.seq_length, coords.cp, dims.cp)
-        trainer = Trainer(cfg, env, parallel, loader)
-        trainer.model.train()
-        moe_names = moe_module_names(trainer.model)
-        moe_suffixes = tuple("." + name for name in moe_names)
-        tracker = MemTracker()
-        tracker.track_external(trainer.model, trainer.optimizer)
-        peak = PeakWhere(tracker, device)
-
-        def in_moe_layer() -> bool:  # the tracker names modules from the outermost wrapper (DDP's `module.`)
-            return any(p.endswith(suffix) for p in tracker._mod_tracker.parents for suffix in moe_suffixes)
-
-        def module_now() -> str:
-            return max(
-                (p for p in tracker._mod_tracker.parents if p != "Global"), key=lambda p: p.count("."), default=""
-            )
-
-        observer = StepObserver(lambda: len(tracker._mod_tracker.parents) > 1, in_moe_layer, module_now)
+        trainer = build_trainer(cfg, env, mesh)
         built = time.perf_counter()
-        step_seconds = []
-        # anomaly mode keeps each autograd node's forward stack: a backward op's `where` is its forward's line
-        # (check_nan off: it would read values)
-        with tracker, observer, torch.autograd.set_detect_anomaly(True, check_nan=False):
-            for step in range(1, steps + 1):
-                peak.step = step
-                tracker.reset_mod_stats()
-                observer.reset()
-                attention_kernels.CHOICES.clear()
-                start = time.perf_counter()
-                trainer.train_step()
-                step_seconds.append(time.perf_counter() - start)
-    snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
-    local_moe = len(moe_names)
-    micro = cfg.num_micro_batches(dims.dp)
+        probe = StepProbe(trainer)
+        step_seconds = probe.run(steps)
     return {
         "rank": rank,
-        "pp_stage": coords.pp,
-        "peak_bytes": int(snapshot.get("Total", 0)),
-        "peak_by_category": {CATEGORIES.get(k, k): int(v) for k, v in snapshot.items() if k != "Total"},
-        "peak_at": peak.at,
-        "host_reads": dict(observer.reads),
-        "host_reads_per_step": sum(observer.reads.values()),
-        "moe_layer_reads_per_step": observer.moe_reads,
-        "local_moe_layers": local_moe,
-        "micro_batches": micro,
-        "collectives": [
-            [op, dtype, size, n, observer.collective_sites.get((op, dtype, size), "?")]
-            for (op, dtype, size), n in sorted(observer.collectives.items())
-        ],
-        "fp32_gemms": [[op, at, n] for (op, at), n in sorted(observer.fp32_gemms.items())],
-        "cpu_ops": [[op, at, n] for (op, at), n in sorted(observer.cpu_ops.items())],
-        "attention_kernels": {k: attention_kernels.CHOICES.get(k, 0) for k in attention_kernels.KERNELS},
+        "pp_stage": dims.coordinates(rank).pp,
+        "micro_batches": cfg.num_micro_batches(dims.dp),
+        **probe.record(),
         "build_seconds": built - started,
         "step_seconds": step_seconds,
     }

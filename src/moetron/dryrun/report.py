@@ -99,7 +99,8 @@ def format_report(report: dict, context: int) -> str:
     ratio = f" (measured / plan {peak / planned:.2f})" if planned else ""
     at = report["peak_at"]
     lines.append(f"peak memory {gib(peak)}, plan {gib(planned)}{ratio}")
-    lines.append(f"  at: rank {at['rank']}, step {at['step']}, {at['phase']} of {at['module'] or 'the model'}")
+    site = f" ({at['where']})" if at.get("where", "?") != "?" else ""
+    lines.append(f"  at: rank {at['rank']}, step {at['step']}, {at['phase']} of {at['module'] or 'the model'}{site}")
     for name, n in sorted(report["peak_by_category"].items(), key=lambda kv: -kv[1]):
         if n:
             lines.append(f"  {name:<16} {gib(n)}")
