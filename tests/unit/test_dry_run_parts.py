@@ -17,6 +17,7 @@ from moetron.dryrun.worker import error_record, root_cause
 from moetron.errors import UserError
 
 MIB = 1024**2
+pytestmark = pytest.mark.quick  # seconds, no process: part of the README's quick subset
 
 
 def layout(pp: int = 1, tp: int = 1) -> RunConfig:
