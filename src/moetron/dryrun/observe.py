@@ -40,6 +40,7 @@ MOETRON_ROOT = Path(__file__).parents[1]  # .../moetron
 STDLIB_DIR = sysconfig.get_paths()["stdlib"]
 SKIPPED_DIRS = (TORCH_DIR, DRYRUN_DIR, STDLIB_DIR, "<")  # "<frozen ...>", "<string>"
 
+PROPAGATING = [0]  # > 0 while DTensor's sharding propagation runs ops on global shapes (patches.py): not the rank's
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 NOT_COLLECTIVES = ("wait_tensor", "wait")
 GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "addbmm", "mv"}
@@ -112,6 +113,8 @@ class StepObserver(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor lower to local ops first; they come back here
         kwargs = kwargs or {}
+        if PROPAGATING[0]:
+            return func(*args, **kwargs)
         if func.namespace != "prim" and func is not torch.ops.aten._local_scalar_dense.default:
             self._last_read = None  # an op between two reads: they are two reads, even from one instruction
         tensors = _tensors(args, kwargs)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from moetron.dryrun import attention_kernels
+from moetron.dryrun import attention_kernels, observe
 
 CAPABILITY = (9, 0)  # an H100's: the grouped-GEMM and compile paths pick their sm90 branches
 
@@ -213,6 +213,25 @@ def patch_pipelining() -> None:
     torch.random.fork_rng = fork_rng
 
 
+def patch_dtensor_propagation() -> None:
+    # DTensor's sharding propagation runs each op once more on fake tensors of the GLOBAL shapes to learn the
+    # output's metadata, under whatever fake mode is active: here the dry run's own, so MemTracker and the observer
+    # would count those global-size tensors (and their GEMMs) as the rank's. While it runs, `observe.PROPAGATING`
+    # tells both to look away.
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = _require(ShardingPropagator, "_propagate_tensor_meta_non_cached")
+
+    def propagate(self, *args, **kwargs):
+        observe.PROPAGATING[0] += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            observe.PROPAGATING[0] -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+
+
 def apply_all() -> None:
     """Every patch, once per process."""
     if getattr(apply_all, "done", False):
@@ -225,6 +244,7 @@ def apply_all() -> None:
         patch_ddp,
         patch_device_handle,
         patch_pipelining,
+        patch_dtensor_propagation,
     ):
         patch()
     apply_all.done = True

@@ -18,7 +18,7 @@ import time
 import torch
 
 from moetron.config import RunConfig
-from moetron.dryrun import attention_kernels
+from moetron.dryrun import attention_kernels, observe
 from moetron.dryrun.observe import StepObserver, where
 
 CATEGORIES = {  # MemTracker's reference types -> the report's names
@@ -99,6 +99,13 @@ class PeakWhere:
 
         tracker._update_peak_stats = update
         tracker._pre_fw_hook = self._each_call_anew(tracker._pre_fw_hook)
+        track = tracker._track
+
+        def track_the_ranks_own(reftype, tensor) -> None:  # not DTensor's global-shape propagation (patches.py)
+            if not observe.PROPAGATING[0]:
+                track(reftype, tensor)
+
+        tracker._track = track_the_ranks_own
 
     def _each_call_anew(self, pre_forward):
         # MemTracker refuses a root module's second forward before `reset_mod_stats` (it reads it as a second
