@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moetron.cli import main as moetron_main
-from moetron.commands.dry_run import chosen_ranks
+from moetron.commands.dry_run import chosen_ranks, error_line
 from moetron.config import RunConfig
 from moetron.dryrun import attention_kernels, patches, report, shim, stand_ins
 from moetron.dryrun.observe import reads_values_for_shape, where
@@ -142,8 +142,22 @@ def test_an_op_error_is_one_line_naming_the_op_and_where():
 
 
 def test_a_patch_fails_loudly_when_torch_moved_what_it_replaces():
-    with pytest.raises(AssertionError, match="has no .*no_such_function"):
+    with pytest.raises(AssertionError, match="has no .*no_such_function") as raised:
         patches._require(torch.cuda, "no_such_function")
+    line = error_line(3, error_record(raised.value))
+    assert line.startswith("dry-run: rank 3: dry run: torch ") and "patches.py must be updated" in line
+
+
+def test_a_defect_line_names_the_op_and_where():
+    record = {
+        "error": "GPUPathDefect: aten.add.Tensor mixes a CPU tensor [64]",
+        "op": "aten.add.Tensor",
+        "where": "a.py:3",
+    }
+    assert error_line(0, record) == (
+        "dry-run: rank 0: GPU-path defect in aten.add.Tensor at a.py:3: GPUPathDefect: aten.add.Tensor mixes a CPU "
+        "tensor [64]"
+    )
 
 
 def test_the_shim_is_cached_per_torch_version():
