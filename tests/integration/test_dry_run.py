@@ -41,6 +41,7 @@ LAYOUTS = {  # one rank (5) of 8; two MoE layers (1 and 3) in every model
     "zero1": TINY + EP + " --global-batch-size 16 --zero-stage 1",
     "zero3": TINY + EP + " --global-batch-size 16 --zero-stage 3",
 }
+REFUSED = TINY + EP + " --global-batch-size 8 --tensor-model-parallel-size 2 --moe-ep-dispatch static"
 LOCAL = TINY + " --moe-expert-parallel-size 1 --global-batch-size 2"
 ONE_PROCESS = {  # world size 1; the plants are undone after their run
     "local": "none|" + LOCAL,
@@ -78,8 +79,9 @@ def run_driver(tmp: Path, world_size: int, rank: int, specs: list[str]) -> list[
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory) -> dict[str, dict]:
-    records = run_driver(tmp_path_factory.mktemp("layouts"), 8, 5, [f"none|{f}" for f in LAYOUTS.values()])
-    return dict(zip(LAYOUTS, records, strict=True))
+    specs = [f"none|{f}" for f in [*LAYOUTS.values(), REFUSED]]
+    records = run_driver(tmp_path_factory.mktemp("layouts"), 8, 5, specs)
+    return dict(zip([*LAYOUTS, "refused"], records, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +109,11 @@ def assert_gpu_path_is_clean(record: dict) -> None:
     assert record["cpu_ops"] == [], record["cpu_ops"]
 
 
+def test_a_layout_train_refuses_is_refused_before_anything_is_built(layouts):
+    record = layouts["refused"]
+    assert record["error"].startswith("ConfigError: ") and "static" in record["error"]
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_each_layout_runs_as_one_rank_of_eight(layouts, name):
     record = layouts[name]
@@ -123,7 +130,7 @@ def test_each_layout_runs_as_one_rank_of_eight(layouts, name):
 
 
 def test_layouts_send_their_collectives(layouts):
-    ops = {name: {c[0] for c in r["collectives"]} for name, r in layouts.items()}
+    ops = {name: {c[0] for c in layouts[name]["collectives"]} for name in LAYOUTS}
     assert "c10d.alltoall_base_.default" in ops["ep"]
     assert {"c10d._allgather_base_.default", "c10d._reduce_scatter_base_.default"} <= ops["zero3"]
     assert "_c10d_functional.reduce_scatter_tensor.default" in ops["tp_sp"]

@@ -139,6 +139,8 @@ def error_line(rank: int, record: dict) -> str:
     torch-side patch that no longer applies: `moetron/dryrun/patches.py`)."""
     if record["error"].startswith("AssertionError: dry run:"):
         return f"dry-run: rank {rank}: {record['error'].removeprefix('AssertionError: ')}"
+    if record["error"].startswith(("ConfigError: ", "UserError: ")):
+        return f"dry-run: rank {rank}: {record['error'].split(': ', 1)[1]}"
     op = f" in {record['op']}" if record.get("op") else ""
     return f"dry-run: rank {rank}: GPU-path defect{op} at {record['where']}: {record['error']}"
 

@@ -2,6 +2,7 @@
 
     record = run_rank(cfg, rank=5, world_size=64, steps=2)
 
+The config is checked first as `moetron train` checks it (`validate()`, less this machine's data and output files).
 The process group is torch's fake one (backend "fake": every collective returns at once and moves no data), the
 mesh is built before the fake mode (DeviceMesh reads its rank table's values), then everything else runs inside
 FakeTensorMode: the model is built on `cuda:0` (`parallelize.build`, the run's real recipe), the Trainer wraps it,
@@ -214,6 +215,18 @@ class StepProbe:
         }
 
 
+def check_config(cfg: RunConfig, world_size: int) -> None:
+    """moetron's own `validate()`, as `moetron train` runs it, less the problems of this machine's files: a dry run
+    reads no data and writes nothing (the data and output sections' problems are not its). A `ConfigError`."""
+    from moetron.errors import ConfigError
+    from moetron.validate import output_problems, validate
+
+    not_ours = {*cfg.data.problems(), *cfg.data.tokenizer_file_problems(), *output_problems(cfg)}
+    problems = [p for p in validate(cfg, world_size) if p not in not_ours]
+    if problems:
+        raise ConfigError(problems)
+
+
 def run_rank(cfg: RunConfig, rank: int, world_size: int, steps: int) -> dict:
     """Build and step rank `rank` of `world_size` on a fake cuda:0; its measurements (see `report.py`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -222,6 +235,7 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, steps: int) -> dict:
     from moetron.parallel.mesh import ParallelMesh
 
     started = time.perf_counter()
+    check_config(cfg, world_size)
     note_ep_routes()
     init_fake_group(rank, world_size)
     env = DistEnv(rank=rank, world_size=world_size, device=torch.device("cuda", 0))
