@@ -46,6 +46,8 @@ LOCAL = TINY + " --moe-expert-parallel-size 1 --global-batch-size 2"
 ONE_PROCESS = {  # world size 1; the plants are undone after their run
     "local": "none|" + LOCAL,
     "local_batched_dropless": "none|" + LOCAL + " --moe-expert-backend batched --no-moe-token-dropping",
+    "local_fp16": "none|" + LOCAL.replace("--bf16 --no-fp16", "--fp16 --no-bf16"),
+    "local_fp32": "none|" + LOCAL.replace("--bf16 --no-fp16", "--no-bf16 --no-fp16"),
     "planted_cpu_tensor": "cpu_tensor|" + LOCAL,
     "planted_item": "item|" + LOCAL,
 }
@@ -153,6 +155,14 @@ def test_one_process_reads_once_per_step(one_process):
     assert_gpu_path_is_clean(record)
     assert record["host_reads"] == {STEP_READ: 1}
     assert record["attention_kernels"]["flash"] == 4
+
+
+def test_fp16_runs_on_the_gpu_path_and_fp32_takes_the_efficient_kernel(one_process):
+    fp16, fp32 = one_process["local_fp16"], one_process["local_fp32"]
+    assert_gpu_path_is_clean(fp16)
+    assert fp16["host_reads"] == {STEP_READ: 1} and fp16["attention_kernels"]["flash"] == 4
+    assert "error" not in fp32 and fp32["host_reads"] == {STEP_READ: 1}
+    assert fp32["attention_kernels"] == {"flash": 0, "efficient": 4, "cudnn": 0, "math": 0}  # flash: fp16/bf16 only
 
 
 def test_batched_experts_read_the_largest_load_once_per_moe_layer(one_process):

@@ -178,3 +178,18 @@ def test_the_command_parses_train_flags():
     dry_run.add_arguments(parser)
     args = parser.parse_args(["--config", "x.yaml", "--gpus", "8", "--num-layers", "4", "--ranks", "all"])
     assert (args.gpus, args.ranks, args.steps, args.num_layers) == (8, "all", 2, 4)
+
+
+def test_to_empty_replaces_parameters_and_keeps_ties(monkeypatch):
+    """The patch that stands in for `Module.to_empty` on fake tensors, checked on real ones: new Parameters on the
+    device, shapes and requires_grad kept, a tied weight still one Parameter."""
+    monkeypatch.setattr(torch.nn.Module, "to_empty", torch.nn.Module.to_empty)  # restored after the test
+    patches.patch_to_empty()
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False))
+        model.register_buffer("scale", torch.ones(3))
+    model[1].weight = model[0].weight
+    model.to_empty(device="cpu")
+    assert model[0].weight is model[1].weight and model[0].weight.device.type == "cpu"
+    assert model[0].weight.shape == (8, 4) and model[0].weight.requires_grad
+    assert model.scale.device.type == "cpu" and model.scale.shape == (3,)
