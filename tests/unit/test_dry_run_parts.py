@@ -112,8 +112,9 @@ def test_stand_ins_are_neutral_and_splits_are_balanced():
     assert stand_ins.value_for(torch.tensor(True), frame) is False
     assert stand_ins.value_for(torch.tensor(3), frame) == 0
     assert stand_ins.value_for(torch.tensor(3.0), frame) == 0.0
-    stand_ins.note_routes(routes=256, ep_size=4)
-    assert stand_ins.balanced_split(frame) == 64
+    stand_ins.use_routing({})
+    stand_ins.note_routes(routes=256, ep_size=4, ep_rank=1)
+    assert [stand_ins.exchange_split(frame, element) for element in range(8)] == [64] * 8
 
 
 def test_where_names_the_first_frame_outside_torch():
@@ -193,3 +194,21 @@ def test_to_empty_replaces_parameters_and_keeps_ties(monkeypatch):
     assert model[0].weight is model[1].weight and model[0].weight.device.type == "cpu"
     assert model[0].weight.shape == (8, 4) and model[0].weight.requires_grad
     assert model.scale.device.type == "cpu" and model.scale.shape == (3,)
+
+
+def test_measured_routing_sizes_the_splits_of_the_hottest_rank():
+    routes_E = [40, 40, 10, 10, 10, 10, 5, 5]  # 8 experts over 4 EP ranks: rank 0 owns the hot pair
+    assert stand_ins.rank_shares(routes_E, 4) == [80 / 130, 20 / 130, 20 / 130, 10 / 130]
+    sent, received = stand_ins.split_sizes(130, 4, 0, routes_E)[:4], stand_ins.split_sizes(130, 4, 0, routes_E)[4:]
+    assert sent == [80, 20, 20, 10] and received == [80, 80, 80, 80]  # every peer routes like this rank
+    assert stand_ins.split_sizes(128, 4, 2, None) == [32] * 8  # balanced without a measurement
+
+
+def test_the_hottest_ep_rank_is_chosen_by_default():
+    from moetron.commands.dry_run import hottest_ep_rank
+
+    cfg = layout()
+    cfg.model.num_experts, cfg.parallel.moe_expert_parallel_size = [8], 4
+    routing = {1: [5, 5, 10, 10, 40, 40, 10, 10], 3: [5, 5, 10, 10, 30, 30, 10, 10]}
+    assert hottest_ep_rank(routing, cfg, 8) == 2
+    assert chosen_ranks("heaviest", cfg, 8, hot_ep_rank=2) == [2]  # ep is the fastest-varying expert coordinate

@@ -53,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory", metavar="SIZE", help="memory per GPU for the verdict, e.g. 80GB")
     group.add_argument("--steps", type=int, default=2, help="training steps per rank (default 2)")
     group.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    group.add_argument(
+        "--routing-from",
+        metavar="RUN_DIR",
+        help="size the expert-parallel splits and expert buffers with the routes per expert a training run measured "
+        "(its routing_counts.json, as `plan --routing-from`) instead of balanced routing; the default ranks are then "
+        "the EP rank whose experts take the most routes",
+    )
     add_config_arguments(parser)
 
 
@@ -64,13 +71,17 @@ def fewest_gpus(cfg: RunConfig) -> int:
                     * p.context_parallel_size)  # fmt: skip
 
 
-def chosen_ranks(text: str, cfg: RunConfig, world_size: int) -> list[int]:
+def chosen_ranks(text: str, cfg: RunConfig, world_size: int, hot_ep_rank: int = 0) -> list[int]:
+    """`--ranks`: all, a list, or by default the first rank of each pipeline stage whose EP coordinate is
+    `hot_ep_rank` (the rank owning the most-routed experts; any one under balanced routing)."""
     if text == "all":
         return list(range(world_size))
     if text == "heaviest":
         dims, first = cfg.dims(world_size), {}
         for rank in range(world_size):
-            first.setdefault(dims.coordinates(rank).pp, rank)
+            coords = dims.coordinates(rank)
+            if coords.ep == hot_ep_rank % dims.ep:
+                first.setdefault(coords.pp, rank)
         return sorted(first.values())
     try:
         ranks = sorted({int(r) for r in text.split(",") if r.strip()})
@@ -103,13 +114,50 @@ def checked_config(args: argparse.Namespace) -> tuple[RunConfig, int]:
     return cfg, world_size
 
 
-def planned_peak(cfg: RunConfig, world_size: int) -> float | None:
+def planned_peak(cfg: RunConfig, world_size: int, routing_from: str | None = None) -> float | None:
+    """`moetron plan`'s peak for the layout (with `--routing-from`: for its hottest EP rank, as plan says it)."""
     from moetron.commands.train import planned_peak_bytes
 
-    return planned_peak_bytes(cfg, world_size, "cuda")
+    if not routing_from:
+        return planned_peak_bytes(cfg, world_size, "cuda")
+    from moetron.plan.estimate import make_plan
+    from moetron.plan.hardware import accelerator
+    from moetron.plan.routing_from import hottest_rank_plan, read_routing
+
+    plan = make_plan(cfg, world_size, accelerator(None))
+    return hottest_rank_plan(plan, read_routing(routing_from))[0].memory.peak
 
 
-def run_ranks(cfg: RunConfig, ranks: list[int], world_size: int, steps: int) -> list[dict]:
+def measured_routing(run_dir: str, cfg: RunConfig) -> dict[int, list[float]]:
+    """Routes per expert by MoE layer index from a run's routing_counts.json (one line when it does not fit)."""
+    from moetron.plan.routing_from import read_routing
+
+    layers = cfg.model.routed_layer_indices()
+    routes = read_routing(run_dir).routes_per_layer
+    experts = cfg.model.experts_per_layer()
+    mismatched = [i for r, i in zip(routes, layers, strict=False) if i < len(experts) and len(r) != experts[i]]
+    if len(routes) != len(layers) or mismatched:
+        raise UserError(
+            f"--routing-from {run_dir}: its routing counts are of {len(routes)} MoE layer(s) of "
+            f"{sorted({len(r) for r in routes})} experts; this model has {len(layers)} of {sorted(set(experts))}"
+        )
+    return dict(zip(layers, routes, strict=True))
+
+
+def hottest_ep_rank(routing: dict[int, list[float]], cfg: RunConfig, world_size: int) -> int:
+    """The EP rank whose experts take the most routes, summed over the MoE layers (0 under balanced routing)."""
+    from moetron.dryrun.stand_ins import rank_shares
+
+    ep = cfg.dims(world_size).ep
+    if not routing or ep == 1:
+        return 0
+    totals = [sum(shares) for shares in zip(*(rank_shares(r, ep) for r in routing.values()), strict=True)]
+    return max(range(ep), key=totals.__getitem__)
+
+
+def run_ranks(
+    cfg: RunConfig, ranks: list[int], world_size: int, steps: int, routing: dict[int, list[float]] | None = None
+) -> list[dict]:
     """One child process per rank, one after another (each uses every core it is given); their records."""
     from moetron.dryrun.shim import SHIM_ENV, built_shim
 
@@ -118,11 +166,15 @@ def run_ranks(cfg: RunConfig, ranks: list[int], world_size: int, steps: int) -> 
     with tempfile.TemporaryDirectory(prefix="moetron-dry-run-") as tmp:
         config = Path(tmp) / "config.pkl"
         config.write_bytes(pickle.dumps(cfg))
+        extra = []
+        if routing:
+            extra = [str(Path(tmp) / "routing.json")]
+            Path(extra[0]).write_text(json.dumps(routing))
         env = {**os.environ, SHIM_ENV: str(shim or ""), "PYTHONUNBUFFERED": "1"}
         for rank in ranks:
             out = Path(tmp) / f"rank{rank}.json"
             command = [sys.executable, "-m", "moetron.dryrun.worker", str(config), str(rank), str(world_size)]
-            proc = subprocess.run([*command, str(steps), str(out)], env=env, capture_output=True, text=True,
+            proc = subprocess.run([*command, str(steps), str(out), *extra], env=env, capture_output=True, text=True,
                                   timeout=RANK_TIMEOUT_S)  # fmt: skip
             if not out.is_file():
                 tail = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()][-1:]
@@ -151,10 +203,11 @@ def run(args: argparse.Namespace) -> int:
 
     cfg, world_size = checked_config(args)
     memory = parse_memory(args.gpu_memory) if args.gpu_memory else None
-    ranks = chosen_ranks(args.ranks, cfg, world_size)
-    records = run_ranks(cfg, ranks, world_size, args.steps)
+    routing = measured_routing(args.routing_from, cfg) if args.routing_from else None
+    ranks = chosen_ranks(args.ranks, cfg, world_size, hottest_ep_rank(routing or {}, cfg, world_size))
+    records = run_ranks(cfg, ranks, world_size, args.steps, routing)
     context = GIB  # the plan's CUDA context and workspaces (plan/hardware.py)
-    merged = report.merge(records, world_size, planned_peak(cfg, world_size), memory, context)
+    merged = report.merge(records, world_size, planned_peak(cfg, world_size, args.routing_from), memory, context)
     print(report.format_report(merged, context), flush=True)
     if args.json:
         from moetron.fileio import write_atomic

@@ -99,6 +99,7 @@ class StepObserver(TorchDispatchMode):
         self.fp32_gemms: Counter = Counter()  # (op, where) -> calls
         self.cpu_ops: Counter = Counter()  # (op, where) -> calls
         self._last_read: tuple | None = None
+        self._element = 0
 
     def reset(self) -> None:
         """Start a new step's records."""
@@ -140,15 +141,18 @@ class StepObserver(TorchDispatchMode):
             self.cpu_ops[(op_name(func), self._where())] += 1
         return out
 
-    def _count_read(self) -> None:
+    def _count_read(self) -> int:
+        """Count a read (once per instruction); the element's index within it (`.tolist()`: 0, 1, ...)."""
         frame = _first_outside(sys._getframe(1))
         key = (id(frame), frame.f_lasti if frame is not None else -1)
         if key == self._last_read:  # `.tolist()` reads element by element, with no op in between: one read
-            return
-        self._last_read = key
+            self._element += 1
+            return self._element
+        self._last_read, self._element = key, 0
         self.reads[where(frame) if frame is not None else self._where()] += 1
         if self.in_moe_layer():
             self.moe_reads += 1
+        return 0
 
     def _where(self) -> str:
         at = where(sys._getframe(2))
@@ -163,8 +167,8 @@ class StepObserver(TorchDispatchMode):
         )
 
     def _host_read(self, tensor: torch.Tensor):
-        self._count_read()
-        return stand_ins.value_for(tensor, sys._getframe(1))
+        element = self._count_read()
+        return stand_ins.value_for(tensor, sys._getframe(1), element)
 
     def _collective(self, func, tensors: list[torch.Tensor]) -> None:
         if not tensors:

@@ -68,11 +68,22 @@ def note_ep_routes() -> None:
         return
 
     def noted(self, x_TD, routing):
-        stand_ins.note_routes(routing.expert_ids_TK.numel(), self.ep_size)
+        capacity = routing.capacity_source if isinstance(routing.capacity_source, int) else None
+        cap = None if capacity is None else capacity * self.num_local
+        stand_ins.note_routes(routing.expert_ids_TK.numel(), self.ep_size, self.ep_rank, cap)
         return dispatch(self, x_TD, routing)
 
     noted.dryrun = True
     AllToAllDispatcher.dispatch = noted
+    from moetron.model.moe.layer import MoELayer
+
+    forward = MoELayer.forward
+
+    def forward_noted(self, *args, **kwargs):  # which layer's routing sizes the reads inside it
+        stand_ins.note_layer(self.layer_index)
+        return forward(self, *args, **kwargs)
+
+    MoELayer.forward = forward_noted
 
 
 def init_fake_group(rank: int, world_size: int) -> None:
@@ -227,16 +238,21 @@ def check_config(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(problems)
 
 
-def run_rank(cfg: RunConfig, rank: int, world_size: int, steps: int) -> dict:
-    """Build and step rank `rank` of `world_size` on a fake cuda:0; its measurements (see `report.py`)."""
+def run_rank(
+    cfg: RunConfig, rank: int, world_size: int, steps: int, routing: dict[int, list[float]] | None = None
+) -> dict:
+    """Build and step rank `rank` of `world_size` on a fake cuda:0; its measurements (see `report.py`).
+    `routing`: routes per expert by MoE layer index (a run's measured loads) instead of balanced routing."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from moetron.dryrun import stand_ins
     from moetron.parallel.env import DistEnv
     from moetron.parallel.mesh import ParallelMesh
 
     started = time.perf_counter()
     check_config(cfg, world_size)
     note_ep_routes()
+    stand_ins.use_routing(routing or {})
     init_fake_group(rank, world_size)
     env = DistEnv(rank=rank, world_size=world_size, device=torch.device("cuda", 0))
     dims = cfg.dims(world_size)

@@ -1,5 +1,5 @@
-"""`python -m moetron.dryrun.worker CONFIG.pkl RANK WORLD_SIZE STEPS OUT.json`: one simulated rank (a child of
-`moetron dry-run`).
+"""`python -m moetron.dryrun.worker CONFIG.pkl RANK WORLD_SIZE STEPS OUT.json [ROUTING.json]`: one simulated rank
+(a child of `moetron dry-run`; ROUTING.json: routes per expert by MoE layer index, from `--routing-from`).
 
 The fake-CUDA shim (`$MOETRON_FAKE_CUDA_SHIM`) is loaded before anything imports torch, then the patches, then the
 rank runs (`rank_step.run_rank`). OUT.json receives the rank's record, or `{"error": ..., "op": ..., "where": ...}`:
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
 
 def run(argv: list[str]) -> int:
     """The rank's run in a process whose shim is loaded (`main`, or a test's driver that plants a defect first)."""
-    config_path, rank, world_size, steps, out = argv
+    config_path, rank, world_size, steps, out, *routing_path = argv
     from moetron.dryrun import patches
 
     patches.apply_all()
@@ -58,7 +58,10 @@ def run(argv: list[str]) -> int:
 
     cfg = pickle.loads(Path(config_path).read_bytes())
     try:
-        record = run_rank(cfg, int(rank), int(world_size), int(steps))
+        routing = (
+            {int(k): v for k, v in json.loads(Path(routing_path[0]).read_text()).items()} if routing_path else None
+        )
+        record = run_rank(cfg, int(rank), int(world_size), int(steps), routing)
         status = 0
     except Exception as err:  # noqa: BLE001 - any failure of the step is the report, as one line
         record, status = error_record(err), 2
