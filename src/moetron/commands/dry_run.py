@@ -3,6 +3,7 @@
     moetron dry-run --config gpt-1.3B-moe128 --gpus 64 --num-layers 4 --gpu-memory 80GB
     moetron dry-run --config seed-2x4090-moe128 --gpus 2 --gpu-memory 24GB --json dry.json
     moetron dry-run --config my.yaml --gpus 8 --ranks all --steps 3
+    moetron dry-run --config my.yaml --gpus 8 --routing-from runs/my-run    # the hottest EP rank of that routing
 
 Every `moetron train` flag works here too. Each simulated rank is a child process that builds the model with
 moetron's own recipe on fake `cuda` tensors (no memory, no values) under torch's fake process group, and runs
