@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "eval": "Validation loss, perplexity and the routing report of a checkpoint.",
     "generate": "Sample text from a checkpoint with a KV cache.",
     "plan": "Parameters, FLOPs, per-GPU memory and a fits/doesn't-fit verdict, without running.",
+    "dry-run": "The real training step on fake GPUs on a CPU: measured memory, host reads, collectives, defects.",
     "convert-checkpoint": "Convert a moetron 0.1 checkpoint (format 1) to the current checkpoint format.",
     "export": "Export a checkpoint as a Hugging Face model (native transformers class, or trust_remote_code).",
     "import": "Import a Hugging Face or Megatron-DeepSpeed checkpoint as a moetron run.",

@@ -1,0 +1,224 @@
+"""`moetron dry-run` end to end: tiny configs as one rank of 8 in every layout, planted GPU-path defects, the CLI.
+
+The layouts share one process (tests/support/dry_run_driver.py: start-up and imports are most of a tiny rank's
+time), the one-process runs and the planted defects another, and the CLI runs once. Each asserts what the GPU
+path must show: the step runs, the host reads are the documented ones (moetron/dryrun/README section and
+`benchmarks/host_syncs.py`), no GEMM runs in fp32 outside the router under bf16, the attention takes flash (or the
+efficient kernel where the mask demands it), and the measured peak is the plan's within 10%.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moetron.dryrun import shim
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER = REPO / "tests" / "support" / "dry_run_driver.py"
+
+pytestmark = pytest.mark.skipif(
+    shim.needs_shim() and shim.compiler() is None, reason="the dry run's fake-CUDA shim needs a C++ compiler"
+)
+
+TINY = (
+    "--config gpt-1.3B-moe128 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64"
+    " --num-experts 8 --vocab-size 512 --num-layers 4 --micro-batch-size 2 --bf16 --no-fp16 --train-iters 10"
+    " --lr-warmup-iters 0 --eval-iters 0 --no-checkpoint-activations"
+)
+EP = " --moe-expert-parallel-size 4"
+LAYOUTS = {  # one rank (5) of 8; two MoE layers (1 and 3) in every model
+    "ep": TINY + EP + " --global-batch-size 16",
+    "ep_static": TINY + EP + " --global-batch-size 16 --moe-ep-dispatch static",
+    "tp_sp": TINY + EP + " --global-batch-size 8 --tensor-model-parallel-size 2 --sequence-parallel",
+    "cp": TINY + EP + " --global-batch-size 8 --context-parallel-size 2",
+    "pp": TINY + EP + " --global-batch-size 16 --pipeline-model-parallel-size 2",  # rank 5: the last stage
+    "zero1": TINY + EP + " --global-batch-size 16 --zero-stage 1",
+    "zero3": TINY + EP + " --global-batch-size 16 --zero-stage 3",
+}
+REFUSED = TINY + EP + " --global-batch-size 8 --tensor-model-parallel-size 2 --moe-ep-dispatch static"
+LOCAL = TINY + " --moe-expert-parallel-size 1 --global-batch-size 2"
+ONE_PROCESS = {  # world size 1; the plants are undone after their run
+    "local": "none|" + LOCAL,
+    "local_batched_dropless": "none|" + LOCAL + " --moe-expert-backend batched --no-moe-token-dropping",
+    "local_fp16": "none|" + LOCAL.replace("--bf16 --no-fp16", "--fp16 --no-bf16"),
+    "local_fp32": "none|" + LOCAL.replace("--bf16 --no-fp16", "--no-bf16 --no-fp16"),
+    "planted_cpu_tensor": "cpu_tensor|" + LOCAL,
+    "planted_item": "item|" + LOCAL,
+}
+ALL_TO_ALL = "moetron/parallel/ep/all_to_all.py:117"
+STATIC_CHECK = "moetron/parallel/ep/static_buffers.py:69"
+STEP_READ = "moetron/train/signals.py:75"  # one process
+STEP_READ_DISTRIBUTED = "moetron/train/signals.py:78"
+ROUTER = "moetron/model/moe/routing/router.py:87"
+
+
+def config(flags: str):
+    import argparse
+
+    from moetron.config_cli import add_config_arguments, cli_overrides, load_config
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    parser.add_argument("--config")
+    parsed = parser.parse_args(flags.split())
+    return load_config(parsed.config, cli_overrides(parsed))[0]
+
+
+def run_driver(tmp: Path, world_size: int, rank: int, specs: list[str]) -> list[dict]:
+    out = tmp / "records.json"
+    env = {**os.environ, shim.SHIM_ENV: str(shim.built_shim() or "")}
+    command = [sys.executable, str(DRIVER), str(out), str(world_size), str(rank), *specs]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> dict[str, dict]:
+    specs = [f"none|{f}" for f in [*LAYOUTS.values(), REFUSED]]
+    records = run_driver(tmp_path_factory.mktemp("layouts"), 8, 5, specs)
+    return dict(zip([*LAYOUTS, "refused"], records, strict=True))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict[str, dict]:
+    records = run_driver(tmp_path_factory.mktemp("one"), 1, 0, list(ONE_PROCESS.values()))
+    return dict(zip(ONE_PROCESS, records, strict=True))
+
+
+def per_step_moe_reads(record: dict) -> int:
+    return record["local_moe_layers"] * record["micro_batches"]
+
+
+def expected_reads(name: str, record: dict) -> dict[str, int]:
+    """The documented host reads of a step: one for the step (the gradient norm and stop flag), plus the default
+    EP dispatcher's split sizes once per MoE layer and micro-batch, or the static dispatcher's one check."""
+    if name == "ep_static":
+        return {STATIC_CHECK: 1, STEP_READ_DISTRIBUTED: 1}
+    return {ALL_TO_ALL: per_step_moe_reads(record), STEP_READ_DISTRIBUTED: 1}
+
+
+def assert_gpu_path_is_clean(record: dict) -> None:
+    assert "error" not in record, record
+    gemm_sites = {at.removeprefix("backward of ") for _, at, _ in record["fp32_gemms"]}
+    assert gemm_sites <= {ROUTER}, record["fp32_gemms"]  # bf16 everywhere but the fp32 gate
+    assert record["cpu_ops"] == [], record["cpu_ops"]
+
+
+def test_a_layout_train_refuses_is_refused_before_anything_is_built(layouts):
+    record = layouts["refused"]
+    assert record["error"].startswith("ConfigError: ") and "static" in record["error"]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_each_layout_runs_as_one_rank_of_eight(layouts, name):
+    record = layouts[name]
+    assert_gpu_path_is_clean(record)
+    assert record["local_moe_layers"] == (1 if name == "pp" else 2)
+    assert record["host_reads"] == expected_reads(name, record)
+    kernels = record["attention_kernels"]
+    attention_layers = 2 if name == "pp" else 4
+    if name == "cp":  # the zigzag chunks' masks: the efficient kernel takes masks, flash does not
+        assert kernels == {"flash": 0, "efficient": attention_layers * record["micro_batches"], "cudnn": 0, "math": 0}
+    else:
+        assert kernels == {"flash": attention_layers * record["micro_batches"], "efficient": 0, "cudnn": 0, "math": 0}
+    assert record["peak_bytes"] > 0 and record["step_seconds"] and len(record["step_seconds"]) == 2
+
+
+def test_layouts_send_their_collectives(layouts):
+    ops = {name: {c[0] for c in layouts[name]["collectives"]} for name in LAYOUTS}
+    assert "c10d.alltoall_base_.default" in ops["ep"]
+    assert {"c10d._allgather_base_.default", "c10d._reduce_scatter_base_.default"} <= ops["zero3"]
+    assert "_c10d_functional.reduce_scatter_tensor.default" in ops["tp_sp"]
+    assert {"c10d.send.default", "c10d.recv_.default"} & ops["pp"]
+    combine = [c for c in layouts["ep"]["collectives"] if c[0] == "c10d.alltoall_base_.default" and c[1] == "bfloat16"]
+    assert combine, "the experts' outputs go back in the compute dtype"
+
+
+@pytest.mark.parametrize("name", ["local", *LAYOUTS])
+def test_the_measured_peak_is_the_plans_within_ten_percent(layouts, one_process, name):
+    from moetron.commands.train import planned_peak_bytes
+
+    record, flags, world = (one_process[name], LOCAL, 1) if name == "local" else (layouts[name], LAYOUTS[name], 8)
+    planned = planned_peak_bytes(config(flags), world, "cuda")
+    assert abs(record["peak_bytes"] / planned - 1) < 0.10, (record["peak_bytes"], planned, record["peak_at"])
+
+
+def test_one_process_reads_once_per_step(one_process):
+    record = one_process["local"]
+    assert_gpu_path_is_clean(record)
+    assert record["host_reads"] == {STEP_READ: 1}
+    assert record["attention_kernels"]["flash"] == 4
+
+
+def test_fp16_runs_on_the_gpu_path_and_fp32_takes_the_efficient_kernel(one_process):
+    fp16, fp32 = one_process["local_fp16"], one_process["local_fp32"]
+    assert_gpu_path_is_clean(fp16)
+    assert fp16["host_reads"] == {STEP_READ: 1} and fp16["attention_kernels"]["flash"] == 4
+    assert "error" not in fp32 and fp32["host_reads"] == {STEP_READ: 1}
+    assert fp32["attention_kernels"] == {"flash": 0, "efficient": 4, "cudnn": 0, "math": 0}  # flash: fp16/bf16 only
+
+
+def test_batched_experts_read_the_largest_load_once_per_moe_layer(one_process):
+    record = one_process["local_batched_dropless"]
+    assert_gpu_path_is_clean(record)
+    assert record["host_reads"] == {STEP_READ: 1, "moetron/model/moe/experts/backends.py:119": 2}
+    assert record["moe_layer_reads_per_step"] == 2
+
+
+def test_a_cpu_tensor_inside_a_layer_is_a_defect_named_with_its_line(one_process):
+    record = one_process["planted_cpu_tensor"]
+    assert record["op"] == "aten.add.Tensor"
+    assert record["where"] == f"{DRIVER}:{record['planted_line']}"
+    assert "CPU tensor [64]" in record["error"]
+
+
+def test_an_item_inside_a_moe_layer_is_an_extra_host_read_per_layer(one_process):
+    record = one_process["planted_item"]
+    assert_gpu_path_is_clean(record)
+    planted = f"{DRIVER}:{record['planted_line']}"
+    assert record["host_reads"] == {STEP_READ: 1, planted: 2}
+    assert record["moe_layer_reads_per_step"] == 2
+
+
+def test_the_command_prints_writes_json_and_exits_1_when_it_does_not_fit(tmp_path):
+    out = tmp_path / "dry.json"
+    flags = [*LAYOUTS["ep"].split(), "--gpus", "8", "--gpu-memory", "1MB", "--json", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "moetron", "dry-run", *flags], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert "verdict: does NOT fit" in proc.stdout
+    report = json.loads(out.read_text())
+    keys = {"device", "world_size", "ranks", "peak_bytes", "planned_peak_bytes", "peak_by_category"}
+    keys |= {"host_reads_per_step", "host_reads_per_moe_layer", "host_reads", "collectives", "attention_kernels"}
+    assert keys <= set(report)
+    assert (report["device"], report["world_size"], report["ranks"]) == ("cuda", 8, [0])
+    assert report["host_reads_per_step"] == 3 and report["host_reads_per_moe_layer"] == 1
+    assert {c["op"] for c in report["collectives"]} >= {"c10d.alltoall_base_.default"}
+    assert set(report["attention_kernels"]) == {"flash", "efficient", "cudnn", "math"}
+
+
+def test_measured_routing_sizes_the_hottest_ranks_buffers(tmp_path):
+    """--routing-from: experts 0-1 (EP rank 0's) take most routes; rank 0 is simulated, receives more rows than
+    under balanced routing, and its peak is within 10% of what `plan --routing-from` says for that rank."""
+    routes = {"iteration": 10, "expert_parallel_size": 4, "expert_replicas": 0, "layers": [
+        {"routes_per_expert": [40, 40, 10, 10, 10, 10, 5, 5]}, {"routes_per_expert": [30, 30, 20, 20, 10, 10, 5, 5]},
+    ]}  # fmt: skip
+    (tmp_path / "routing_counts.json").write_text(json.dumps(routes))
+    out = tmp_path / "dry.json"
+    flags = [*LAYOUTS["ep"].split(), "--no-moe-token-dropping", "--gpus", "8", "--routing-from", str(tmp_path)]
+    proc = subprocess.run([sys.executable, "-m", "moetron", "dry-run", *flags, "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["ranks"] == [0]
+    received = max(c["bytes"] for c in report["collectives"] if c["op"] == "c10d.alltoall_base_.default")
+    balanced = 2 * 64 * 1 * 64 * 2  # T·K rows (mbs 2 × seq 64 × top-1) of hidden 64 in bf16, sent or received
+    assert received > balanced
+    assert abs(report["peak_bytes"] / report["planned_peak_bytes"] - 1) < 0.10
