@@ -47,6 +47,8 @@ QUICK_FILES = {
     "tests/unit/test_indexed.py",
     "tests/unit/test_schedule.py",
     "tests/unit/test_plan.py",
+    "tests/unit/test_dry_run_parts.py",
+    "tests/integration/test_dry_run.py",  # the real step on fake GPUs: every layout as one rank of 8 (~1 min)
     "tests/integration/test_scale_down.py",
     "tests/integration/test_readme_commands.py",
 }

@@ -80,6 +80,7 @@ RULES = [
     Rule(r"^moetron generate ", extra="--max-new-tokens 8", expect="Return the"),
     Rule(r"^moetron eval-harness ", expect="moetron_tiny"),
     Rule(r"^moetron export ", expect="quickstart-hf"),
+    Rule(r"^moetron dry-run ", extra="--num-layers 2", expect="verdict: "),  # minutes per rank at full depth
 ]
 
 
@@ -127,7 +128,7 @@ QUICKSTART_RUN = ("runs/quickstart", "quickstart-hf")  # what the (slow) quickst
 
 
 def _param(block: Block, command: str):
-    slow = [pytest.mark.slow] if command.startswith("moetron quickstart") else []
+    slow = [pytest.mark.slow] if command.startswith(("moetron quickstart", "moetron dry-run")) else []
     return pytest.param(block, command, id=f"L{block.line}:{command.splitlines()[0][:50]}", marks=slow)
 
 

@@ -17,7 +17,7 @@ from moetron.dryrun.worker import error_record, root_cause
 from moetron.errors import UserError
 
 MIB = 1024**2
-pytestmark = pytest.mark.quick  # seconds, no process: part of the README's quick subset
+# part of the README's quick subset (tests/conftest.py QUICK_FILES): seconds, no process
 
 
 def layout(pp: int = 1, tp: int = 1) -> RunConfig:
