@@ -465,3 +465,27 @@ def test_the_chunk_loop_splits_dw_by_vocabulary_for_more_workers_than_chunks_and
     labels[3] = V
     with pytest.raises(RuntimeError, match=f"label {V} of row 3 is outside the vocabulary of {V}"):
         forward(x.detach(), w.detach(), labels, weights, 1.0, 20, buffers, None, dw_buffer, as_rows)
+
+
+@pytest.mark.parametrize("as_rows", [False, True])
+def test_a_bf16_weight_gradient_is_formed_block_by_block_of_the_vocabulary(as_rows, monkeypatch):
+    """The bf16 dW product and its fp32 copy never exist for the whole vocabulary at once (a 1.9 GB transient at
+    Qwen3's): blocks of a few vocabulary rows give the same sums as one block (the same dot products)."""
+    from moetron.model import fused_cross_entropy
+
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(N, C, generator=g).bfloat16()
+    grads = [torch.randn(N, V, generator=g).bfloat16() for _ in range(2)]
+    shape = (V, C) if as_rows else (C, V)
+    results = []
+    for block_bytes in (2**40, C * 6 * 7):  # one block; blocks of 7 vocabulary entries (the last one short)
+        monkeypatch.setattr(fused_cross_entropy, "DW_PRODUCT_BLOCK_BYTES", block_bytes)
+        dw = torch.full(shape, float("nan"))
+        for i, grad in enumerate(grads):
+            fused_cross_entropy._accumulate_weight_grad(dw, x, grad, i == 0, as_rows)
+        results.append(dw)
+    assert torch.equal(results[0], results[1])
+    exact = sum(grad.double().T @ x.double() for grad in grads)
+    # each chunk's product is rounded to bf16 (half an ULP: 2^-9 relative) before the fp32 sum
+    bound = 2.0**-8 * sum(grad.double().abs().T @ x.double().abs() for grad in grads)
+    assert_within(results[0], exact if as_rows else exact.T, bound if as_rows else bound.T, "bf16 dW")

@@ -137,23 +137,38 @@ def _cpu_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+# A bf16/fp16 chunk's dW product is formed and copied to fp32 this many bytes of it at a time (its compute-dtype
+# product and fp32 copy together): in one piece it would be a [V, C] transient of 6 bytes per entry beside the chunk,
+# 1.9 GB at Qwen3's vocabulary (measured by `moetron dry-run`).
+DW_PRODUCT_BLOCK_BYTES = 128 * 2**20
+
+
 def _accumulate_weight_grad(
     dw: torch.Tensor, x_MC: torch.Tensor, grad_MV: torch.Tensor, first: bool, as_rows: bool
 ) -> None:
     """dW (fp32) += grad_MVᵀ · x_MC into dw_VC (`as_rows`), else x_MCᵀ · grad_MV into dw_CV; the first chunk writes
     it (no zero-fill of a vocabulary-sized buffer)."""
-    left, right = (grad_MV.T, x_MC) if as_rows else (x_MC.T, grad_MV)
     if grad_MV.dtype == dw.dtype:
+        left, right = (grad_MV.T, x_MC) if as_rows else (x_MC.T, grad_MV)
         if first:
             torch.mm(left, right, out=dw)
         else:
             dw.addmm_(left, right)
         return
-    part = (left @ right).float()  # bf16/fp16 GEMM, fp32 accumulation across chunks
-    if first:
-        dw.copy_(part)
-    else:
-        dw.add_(part)
+    # bf16/fp16 GEMM, fp32 accumulation across chunks: block by block of the vocabulary (each entry is the same
+    # dot product whatever the block)
+    vocab, hidden = grad_MV.shape[1], x_MC.shape[1]
+    block = max(1, DW_PRODUCT_BLOCK_BYTES // (hidden * (grad_MV.element_size() + 4)))
+    for start in range(0, vocab, block):
+        grad_block = grad_MV[:, start : start + block]
+        if as_rows:
+            part, target = (grad_block.T @ x_MC).float(), dw[start : start + block]
+        else:
+            part, target = (x_MC.T @ grad_block).float(), dw[:, start : start + block]
+        if first:
+            target.copy_(part)
+        else:
+            target.add_(part)
 
 
 class CpuBufferPool:
