@@ -83,7 +83,7 @@ def scaled_dot_product_attention(
 ):
     """`F.scaled_dot_product_attention`, on cuda tensors through the kernel a GPU would choose."""
     if query.device.type != "cuda":
-        return MATH_FALLBACK(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=enable_gqa)
+        return MATH_FALLBACK(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     kernel = choose(query, key, value, attn_mask, is_causal)
     CHOICES[kernel] += 1
@@ -99,4 +99,4 @@ def scaled_dot_product_attention(
             query, key, value, bias, grad, dropout_p, is_causal, scale=scale
         )
         return out[0]
-    return MATH_FALLBACK(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=enable_gqa)
+    return MATH_FALLBACK(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
