@@ -212,3 +212,15 @@ def test_the_hottest_ep_rank_is_chosen_by_default():
     routing = {1: [5, 5, 10, 10, 40, 40, 10, 10], 3: [5, 5, 10, 10, 30, 30, 10, 10]}
     assert hottest_ep_rank(routing, cfg, 8) == 2
     assert chosen_ranks("heaviest", cfg, 8, hot_ep_rank=2) == [2]  # ep is the fastest-varying expert coordinate
+
+
+def test_the_math_kernel_gets_torchs_keyword_only_arguments(monkeypatch):
+    """Where a GPU would take the math kernel (fp32 with GQA: flash needs 16-bit, the efficient kernel no GQA) or the
+    tensors are not cuda, torch's own SDPA runs, with `scale` and `enable_gqa` passed as the keywords they are."""
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(attention_kernels, "MATH_FALLBACK", F.scaled_dot_product_attention)
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    out = attention_kernels.scaled_dot_product_attention(q, k, v, None, 0.0, True, 0.5, enable_gqa=True)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5, enable_gqa=True)
+    assert torch.equal(out, want)
