@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import moetron
 from moetron.dryrun import shim
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,11 +52,21 @@ ONE_PROCESS = {  # world size 1; the plants are undone after their run
     "planted_cpu_tensor": "cpu_tensor|" + LOCAL,
     "planted_item": "item|" + LOCAL,
 }
-ALL_TO_ALL = "moetron/parallel/ep/all_to_all.py:117"
-STATIC_CHECK = "moetron/parallel/ep/static_buffers.py:69"
-STEP_READ = "moetron/train/signals.py:75"  # one process
-STEP_READ_DISTRIBUTED = "moetron/train/signals.py:78"
-ROUTER = "moetron/model/moe/routing/router.py:87"
+
+
+def site(path: str, text: str) -> str:
+    """`path:line` of the first line of moetron's `path` holding `text`: the documented host reads and GEMMs, found
+    in the source rather than written as numbers that any edit above them would shift."""
+    source = (Path(moetron.__file__).parent / path.removeprefix("moetron/")).read_text().splitlines()
+    return f"{path}:{next(i for i, line in enumerate(source, 1) if text in line)}"
+
+
+ALL_TO_ALL = site("moetron/parallel/ep/all_to_all.py", "sizes = torch.cat([counts_RL.sum(1), recv_RL.sum(1)]).tolist()")
+STATIC_CHECK = site("moetron/parallel/ep/static_buffers.py", "in zip(self.dispatchers, shares.tolist(), strict=True)")
+STEP_READ = site("moetron/train/signals.py", "return float(norm), False")  # one process
+STEP_READ_DISTRIBUTED = site("moetron/train/signals.py", "norm_value, flag_value = torch.stack(")
+ROUTER = site("moetron/model/moe/routing/router.py", "return F.linear(x_TD, self.weight.float())")
+BATCHED_READ = site("moetron/model/moe/experts/backends.py", "capacity = int(counts_E.max()) if num_experts else 0")
 
 
 def config(flags: str):
@@ -168,7 +179,7 @@ def test_fp16_runs_on_the_gpu_path_and_fp32_takes_the_efficient_kernel(one_proce
 def test_batched_experts_read_the_largest_load_once_per_moe_layer(one_process):
     record = one_process["local_batched_dropless"]
     assert_gpu_path_is_clean(record)
-    assert record["host_reads"] == {STEP_READ: 1, "moetron/model/moe/experts/backends.py:119": 2}
+    assert record["host_reads"] == {STEP_READ: 1, BATCHED_READ: 2}
     assert record["moe_layer_reads_per_step"] == 2
 
 
