@@ -56,12 +56,23 @@ def test_a_prompt_that_fills_the_context_is_one_line(run, capsys):
     assert err.startswith("error: the prompt has ") and "shorten the prompt" in err and len(err.splitlines()) == 1
 
 
+def as_saved_elsewhere(run_dir, old: str, new: str) -> None:
+    """The run as a machine whose tokenizer lived at `new` saved it: its config.yaml files (the run's and each
+    checkpoint's) name `new`, and each checkpoint's checksums are that save's (`checkpoint/integrity.py`)."""
+    from moetron.checkpoint.integrity import CHECKSUM_DIR, checkpoint_files, record_checksums
+
+    for config in run_dir.rglob("config.yaml"):
+        config.write_text(config.read_text().replace(old, new))
+    for checkpoint in run_dir.glob("iter_*"):
+        shutil.rmtree(checkpoint / CHECKSUM_DIR)
+        record_checksums(checkpoint, 0, checkpoint_files(checkpoint))
+
+
 def test_moved_tokenizer_files_and_the_override_flags(run, tmp_path, capsys):
     moved = tmp_path / "moved"
     shutil.copytree(run / "tok", moved)
     shutil.copytree(run / "run", tmp_path / "run")
-    for config in (tmp_path / "run").rglob("config.yaml"):  # the run's and each checkpoint's
-        config.write_text(config.read_text().replace(str(run / "tok"), str(tmp_path / "gone")))
+    as_saved_elsewhere(tmp_path / "run", str(run / "tok"), str(tmp_path / "gone"))
     load = ["--load", str(tmp_path / "run")]
     assert main(["generate", *load, "--prompt", "The"]) == 2
     err = capsys.readouterr().err
@@ -89,8 +100,7 @@ def test_export_takes_the_same_tokenizer_flags(run, tmp_path, capsys):
     tokenizer_json = tmp_path / "tokenizer.json"
     shutil.copy(tmp_path / "hf" / "tokenizer.json", tokenizer_json)
     shutil.copytree(run / "run", tmp_path / "run")
-    for config in (tmp_path / "run").rglob("config.yaml"):
-        config.write_text(config.read_text().replace(str(run / "tok"), str(tmp_path / "gone")))
+    as_saved_elsewhere(tmp_path / "run", str(run / "tok"), str(tmp_path / "gone"))
     argv = ["export", "--load", str(tmp_path / "run"), "--output", str(tmp_path / "hf2")]
     assert main(argv) == 2 and "--vocab-file" in capsys.readouterr().err
     assert main([*argv, "--tokenizer-model", str(tokenizer_json)]) == 0
