@@ -23,7 +23,9 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -116,8 +118,22 @@ def _late_errors(results, procs, collected: dict, errors: list[str], dump_dir: s
     return late
 
 
+class RankSegfaulted(AssertionError):
+    """A rank of the group died of SIGSEGV (the message holds its threads' Python stacks)."""
+
+
 def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 180.0) -> list:
-    """`[fn(0, world_size, *args), fn(1, world_size, *args), ...]`, each computed in its own process."""
+    """`[fn(0, world_size, *args), fn(1, world_size, *args), ...]`, each computed in its own process.
+
+    A group in which a rank dies of SIGSEGV runs once more, and the test fails only if it crashes again. Why: under a
+    loaded 2-core machine torch 2.13's functional all-reduce in a DTensor backward (gloo) was seen to segfault about
+    once in 20 runs of tests/distributed/test_mla_tensor_parallel.py (never alone on an idle machine, never twice in
+    a row); the first crash's stacks are printed to stderr, so a crash that repeats is still a failure, with both."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="launch_dumps_") as dump_dir:
+            return _run(fn, world_size, args, timeout, dump_dir)
+    except RankSegfaulted as crash:
+        print(f"distributed test: a rank segfaulted; running the group once more. The crash:\n{crash}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="launch_dumps_") as dump_dir:
         return _run(fn, world_size, args, timeout, dump_dir)
 
@@ -160,5 +176,6 @@ def _run(fn, world_size: int, args: tuple, timeout: float, dump_dir: str) -> lis
         # the first error is often a peer's "connection reset": name the rank that died without a word (a
         # signal, e.g. -11 for a segfault, with its threads' Python stacks) and the other ranks' own errors
         errors += _late_errors(results, procs, collected, errors, dump_dir)
-        raise AssertionError("\n".join(errors))
+        crashed = any(p.exitcode == -signal.SIGSEGV for p in procs)
+        raise (RankSegfaulted if crashed else AssertionError)("\n".join(errors))
     return [collected[r] for r in range(world_size)]
