@@ -35,7 +35,6 @@ from dataclasses import dataclass
 
 import torch
 
-from moetron.commands.train import planned_peak_bytes
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
 from moetron.model.flops import count_parameters, flops_per_token, peak_tflops
 from moetron.parallel.env import DistEnv
@@ -43,6 +42,7 @@ from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.parallelize import build
 from moetron.plan.estimate import make_plan
 from moetron.plan.hardware import GIB, Accelerator, parse_memory
+from moetron.plan.memory import planned_peak_bytes
 from moetron.train.peak_memory import peak_memory
 from moetron.train.trainer import Trainer
 

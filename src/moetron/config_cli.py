@@ -307,6 +307,16 @@ PREFIX_LIST_FIELDS = ("data_path", "train_data_path", "valid_data_path", "test_d
 OUTPUT_FIELDS = ("save", "output_dir", "tensorboard_dir")  # where the run writes: the directory it started in
 
 
+def config_from_flags(flags: list[str]) -> tuple[RunConfig, ExplicitNames]:
+    """The config `moetron train FLAGS` would run (`--config` included), for tools and tests that hold a command
+    line rather than parsed arguments."""
+    parser = argparse.ArgumentParser(prog="moetron train")
+    add_config_arguments(parser)
+    parser.add_argument("--config")
+    parsed = parser.parse_args(flags)
+    return load_config(parsed.config, cli_overrides(parsed))
+
+
 def _absolute(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import moetron
+from moetron.config_cli import config_from_flags
 from moetron.dryrun import shim
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,18 +68,6 @@ STEP_READ = site("moetron/train/signals.py", "return float(norm), False")  # one
 STEP_READ_DISTRIBUTED = site("moetron/train/signals.py", "norm_value, flag_value = torch.stack(")
 ROUTER = site("moetron/model/moe/routing/router.py", "return F.linear(x_TD, self.weight.float())")
 BATCHED_READ = site("moetron/model/moe/experts/backends.py", "capacity = int(counts_E.max()) if num_experts else 0")
-
-
-def config(flags: str):
-    import argparse
-
-    from moetron.config_cli import add_config_arguments, cli_overrides, load_config
-
-    parser = argparse.ArgumentParser()
-    add_config_arguments(parser)
-    parser.add_argument("--config")
-    parsed = parser.parse_args(flags.split())
-    return load_config(parsed.config, cli_overrides(parsed))[0]
 
 
 def run_driver(tmp: Path, world_size: int, rank: int, specs: list[str]) -> list[dict]:
@@ -154,10 +143,10 @@ def test_layouts_send_their_collectives(layouts):
 
 @pytest.mark.parametrize("name", ["local", *LAYOUTS])
 def test_the_measured_peak_is_the_plans_within_ten_percent(layouts, one_process, name):
-    from moetron.commands.train import planned_peak_bytes
+    from moetron.plan.memory import planned_peak_bytes
 
     record, flags, world = (one_process[name], LOCAL, 1) if name == "local" else (layouts[name], LAYOUTS[name], 8)
-    planned = planned_peak_bytes(config(flags), world, "cuda")
+    planned = planned_peak_bytes(config_from_flags(flags.split())[0], world, "cuda")
     assert abs(record["peak_bytes"] / planned - 1) < 0.10, (record["peak_bytes"], planned, record["peak_at"])
 
 
@@ -213,6 +202,19 @@ def test_the_command_prints_writes_json_and_exits_1_when_it_does_not_fit(tmp_pat
     assert report["host_reads_per_step"] == 3 and report["host_reads_per_moe_layer"] == 1
     assert {c["op"] for c in report["collectives"]} >= {"c10d.alltoall_base_.default"}
     assert set(report["attention_kernels"]) == {"flash", "efficient", "cudnn", "math"}
+
+
+def test_plan_dry_run_prints_both_peaks_and_the_measured_verdict_decides():
+    """`plan --dry-run`: the exit status is the dry run's verdict; with --json its report is under "dry_run" (the
+    side-by-side text: tests/unit/test_dry_run_parts.py)."""
+    flags = [*LAYOUTS["ep"].split(), "--gpus", "8", "--gpu-memory", "1GB", "--dry-run"]
+    proc = subprocess.run([sys.executable, "-m", "moetron", "plan", *flags, "--json"], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr  # a tiny step plus the 1 GiB CUDA context does not fit 1 GiB
+    plan = json.loads(proc.stdout)
+    dry = plan["dry_run"]
+    assert dry["ranks"] == [0] and dry["fits"] is False and dry["planned_peak_bytes"] == plan["memory"]["peak"]
+    assert abs(dry["peak_bytes"] / dry["planned_peak_bytes"] - 1) < 0.10
 
 
 def test_measured_routing_sizes_the_hottest_ranks_buffers(tmp_path):

@@ -73,6 +73,7 @@ RULES = [
     Rule(r"^moetron import --megatron-deepspeed", expect="weights and optimizer state"),
     Rule(r"^moetron import --hf", expect="runs/reimported"),
     Rule(r"^moetron plan .*--search.*--json", expect='"predicted_rank"'),
+    Rule(r"^moetron plan .*--dry-run", extra="--num-layers 2", expect="verdict (dry run): "),
     Rule(r"^moetron plan .*--json", expect='"fits"'),
     Rule(r"^moetron plan .*--scale-down", expect="fits"),
     Rule(r"^moetron plan ", expect="memory per GPU"),

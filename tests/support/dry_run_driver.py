@@ -21,11 +21,9 @@ from moetron.dryrun.shim import SHIM_ENV, load_shim
 
 load_shim(os.environ.get(SHIM_ENV) or None)  # before torch
 
-import argparse  # noqa: E402
-
 import torch  # noqa: E402
 
-from moetron.config_cli import add_config_arguments, cli_overrides, load_config  # noqa: E402
+from moetron.config_cli import config_from_flags  # noqa: E402
 from moetron.dryrun import patches  # noqa: E402
 from moetron.dryrun.worker import error_record  # noqa: E402
 
@@ -58,14 +56,6 @@ def plant_item() -> tuple[object, str, object, int]:
 PLANTS = {"cpu_tensor": plant_cpu_tensor, "item": plant_item}
 
 
-def config(flags: str):
-    parser = argparse.ArgumentParser()
-    add_config_arguments(parser)
-    parser.add_argument("--config")
-    parsed = parser.parse_args(flags.split())
-    return load_config(parsed.config, cli_overrides(parsed))[0]
-
-
 def run_one(spec: str, rank: int, world_size: int) -> dict:
     from moetron.dryrun.rank_step import run_rank
 
@@ -75,7 +65,7 @@ def run_one(spec: str, rank: int, world_size: int) -> dict:
     if owner is not None:
         setattr(owner, name, planted)
     try:
-        record = run_rank(config(flags), rank, world_size, steps=2)
+        record = run_rank(config_from_flags(flags.split())[0], rank, world_size, steps=2)
     except Exception as err:  # noqa: BLE001 - the test reads the worker's one-line record
         record = error_record(err)
     finally:

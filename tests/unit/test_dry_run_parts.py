@@ -74,6 +74,19 @@ def test_the_verdict_adds_the_cuda_context(memory_mib, status):
     assert ("does NOT fit" in report.verdict(merged, 1024 * MIB)) == (status == report.EXIT_DOES_NOT_FIT)
 
 
+def test_plan_dry_run_puts_each_group_of_the_plan_beside_the_measured_one():
+    merged = report.merge([record(0, 30 * MIB, {"a.py:1": 1})], 8, planned=28 * MIB, memory=None, context=0)
+    held = {"weights": 8 * MIB, "weight_casts": 4 * MIB, "gradients": 2 * MIB, "optimizer": 0, "activations": 14 * MIB}
+    lines = report.format_beside_plan(held, merged).splitlines()
+    assert lines[0] == "plan vs dry run (the real step on fake CUDA devices: rank(s) [0] of 8)"
+    rows = {line[:32].strip(): line[32:].split("   (")[0].split() for line in lines[2:7]}
+    assert rows["parameters (and their copies)"] == ["12.00", "MiB", "15.00", "MiB"]  # weights + casts; parameters
+    assert rows["gradients"] == ["2.00", "MiB", "0", "B"]
+    assert rows["activations and temporaries"] == ["14.00", "MiB", "15.00", "MiB"]
+    assert rows["peak"] == ["28.00", "MiB", "30.00", "MiB"] and "(dry run / plan 1.07)" in lines[6]
+    assert "1 host read(s)" in lines[-1] and "attention kernels flash 4" in lines[-1]
+
+
 def qkv(heads: int = 8, kv_heads: int = 8, head: int = 64, v_head: int = 64, dtype=torch.bfloat16, keys: int = 128):
     def make(h, d, t):
         return torch.empty(2, h, t, d, dtype=dtype, device="meta")

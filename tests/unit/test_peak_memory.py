@@ -9,8 +9,7 @@ import pytest
 import torch
 from trainer_support import build_trainer, tiny_config
 
-from moetron.commands.train import planned_peak_bytes
-from moetron.plan.memory import estimate_memory
+from moetron.plan.memory import estimate_memory, planned_peak_bytes
 from moetron.process_memory import peak_rss_bytes
 from moetron.train.metrics import METRIC_KEYS, console_line
 from moetron.train.peak_memory import GIB, MemorySnapshots, peak_memory, planned_line

@@ -330,3 +330,11 @@ def test_cli_errors_are_one_clear_message(argv, message, capsys):
     assert main(["plan", "--config", SEED, *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err and "Traceback" not in err
+
+
+def test_plan_dry_run_refuses_what_it_cannot_measure(capsys):
+    """`--dry-run` runs one layout's CUDA step: with --search or a CPU --gpu-type it stops before any process."""
+    assert main(["plan", "--config", SEED, "--gpus", "2", "--dry-run", "--search"]) == 2
+    assert "--dry-run measures one layout; drop --search" in capsys.readouterr().err
+    assert main(["plan", "--config", SEED, "--gpus", "2", "--gpu-type", "cpu", "--gpu-memory", "8GB", "--dry-run"]) == 2
+    assert "--dry-run runs the CUDA step; --gpu-type cpu plans a CPU" in capsys.readouterr().err

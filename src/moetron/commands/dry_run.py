@@ -117,7 +117,7 @@ def checked_config(args: argparse.Namespace) -> tuple[RunConfig, int]:
 
 def planned_peak(cfg: RunConfig, world_size: int, routing_from: str | None = None) -> float | None:
     """`moetron plan`'s peak for the layout (with `--routing-from`: for its hottest EP rank, as plan says it)."""
-    from moetron.commands.train import planned_peak_bytes
+    from moetron.plan.memory import planned_peak_bytes
 
     if not routing_from:
         return planned_peak_bytes(cfg, world_size, "cuda")
@@ -198,18 +198,34 @@ def error_line(rank: int, record: dict) -> str:
     return f"dry-run: rank {rank}: GPU-path defect{op} at {record['where']}: {record['error']}"
 
 
+def measured_report(
+    cfg: RunConfig,
+    world_size: int,
+    ranks: str = "heaviest",
+    steps: int = 2,
+    routing_from: str | None = None,
+    memory: int | None = None,
+) -> dict:
+    """The dry run's report (the JSON contract of `moetron/dryrun/report.py`) of `cfg` on `world_size` GPUs; also
+    `moetron plan --dry-run`'s."""
+    from moetron.dryrun import report
+    from moetron.plan.hardware import GIB
+
+    routing = measured_routing(routing_from, cfg) if routing_from else None
+    chosen = chosen_ranks(ranks, cfg, world_size, hottest_ep_rank(routing or {}, cfg, world_size))
+    records = run_ranks(cfg, chosen, world_size, steps, routing)
+    context = GIB  # the plan's CUDA context and workspaces (plan/hardware.py)
+    return report.merge(records, world_size, planned_peak(cfg, world_size, routing_from), memory, context)
+
+
 def run(args: argparse.Namespace) -> int:
     from moetron.dryrun import report
     from moetron.plan.hardware import GIB, parse_memory
 
     cfg, world_size = checked_config(args)
     memory = parse_memory(args.gpu_memory) if args.gpu_memory else None
-    routing = measured_routing(args.routing_from, cfg) if args.routing_from else None
-    ranks = chosen_ranks(args.ranks, cfg, world_size, hottest_ep_rank(routing or {}, cfg, world_size))
-    records = run_ranks(cfg, ranks, world_size, args.steps, routing)
-    context = GIB  # the plan's CUDA context and workspaces (plan/hardware.py)
-    merged = report.merge(records, world_size, planned_peak(cfg, world_size, args.routing_from), memory, context)
-    print(report.format_report(merged, context), flush=True)
+    merged = measured_report(cfg, world_size, args.ranks, args.steps, args.routing_from, memory)
+    print(report.format_report(merged, GIB), flush=True)
     if args.json:
         from moetron.fileio import write_atomic
 

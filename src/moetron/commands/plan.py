@@ -31,8 +31,9 @@ from moetron.config import RunConfig
 from moetron.config_cli import add_config_arguments, cli_names, cli_overrides, load_config
 from moetron.errors import UserError
 from moetron.plan.advice import largest_micro_batch, suggestions
-from moetron.plan.estimate import DEFAULT_MFU, adapted_expert_parallel, make_plan
-from moetron.plan.hardware import DEFAULT_GPU, KNOWN, accelerator
+from moetron.plan.estimate import DEFAULT_MFU, Plan, adapted_expert_parallel, make_plan
+from moetron.plan.hardware import DEFAULT_GPU, KNOWN, accelerator, with_article
+from moetron.plan.peak_parts import held_at_peak
 from moetron.plan.report import format_plan, plan_dict
 from moetron.plan.routing_from import hottest_rank_plan, read_routing
 from moetron.recipes.scale_down import describe, scale_down
@@ -78,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="size the hottest expert-parallel rank's expert activations and time with the routes per expert a "
         "training run measured (its routing_counts.json; with --moe-expert-replicas if given) instead of "
         "assuming balanced routing",
+    )
+    group.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="also run the step on fake CUDA devices on this CPU (`moetron dry-run`: the heaviest rank of each "
+        "pipeline stage, 2 steps) and print its measured peak beside the plan's; the verdict is then the dry run's",
     )
     add_search_arguments(parser)
     add_config_arguments(parser)
@@ -126,6 +133,10 @@ def run(args: argparse.Namespace) -> int:
     device = accelerator(args.gpu_type, args.gpu_memory, cfg.train.peak_tflops)
     if args.routing_from and (args.search or args.measure):
         raise UserError("--routing-from sizes one layout's hottest EP rank; drop --search/--measure or it")
+    if args.dry_run and (args.search or args.measure):
+        raise UserError("--dry-run measures one layout; drop --search/--measure or it")
+    if args.dry_run and device.kind != "cuda":
+        raise UserError(f"--dry-run runs the CUDA step; --gpu-type {args.gpu_type} plans a CPU: drop one of them")
     if args.search or args.measure:
         return run_search(args, cfg, gpus, device, explicit)
     note = adapt_expert_parallel(cfg, gpus, explicit)
@@ -136,9 +147,37 @@ def run(args: argparse.Namespace) -> int:
     if args.routing_from:  # the hottest EP rank under a run's measured routing (plan/routing_from.py)
         plan, hot = hottest_rank_plan(plan, read_routing(args.routing_from))
     fixes, larger = suggestions(plan), largest_micro_batch(plan)
+    measured = measured_beside(plan, args.routing_from) if args.dry_run else None
     if args.json:
         routing = {"routing_from": hot.to_dict()} if hot else {}
-        print(json.dumps({**plan_dict(plan, fixes, args.config, larger), **routing}, indent=2))
+        dry = {"dry_run": measured} if measured else {}
+        print(json.dumps({**plan_dict(plan, fixes, args.config, larger), **routing, **dry}, indent=2))
     else:
         print((hot.line() + "\n" if hot else "") + format_plan(plan, fixes, args.config, larger))
+        if measured:
+            print(dry_run_lines(plan, measured))
+    if measured:  # the measured peak decides
+        return EXIT_FITS if measured["fits"] else EXIT_DOES_NOT_FIT
     return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT
+
+
+def measured_beside(plan: Plan, routing_from: str | None) -> dict:
+    """`--dry-run`: the dry run's report for the planned layout, its fit judged as the plan's (same context)."""
+    from moetron.commands.dry_run import measured_report
+
+    dry = measured_report(plan.cfg, plan.dims.world_size, routing_from=routing_from)
+    dry["gpu_memory_bytes"] = plan.device.memory_bytes
+    dry["fits"] = dry["peak_bytes"] + plan.device.context_bytes <= plan.device.memory_bytes
+    return dry
+
+
+def dry_run_lines(plan: Plan, measured: dict) -> str:
+    from moetron.dryrun.report import format_beside_plan, gib
+
+    word = "fits" if measured["fits"] else "does NOT fit"
+    needed = measured["peak_bytes"] + plan.device.context_bytes
+    return (
+        format_beside_plan(held_at_peak(plan.memory), measured)
+        + f"\nverdict (dry run): {word} {with_article(plan.device.name)} ({gib(needed)} with the CUDA context; "
+        f"{gib(plan.device.memory_bytes)} available)"
+    )

@@ -70,16 +70,6 @@ def startup_problems(cfg: RunConfig, explicit: set[str], world_size: int) -> lis
     return problems
 
 
-def planned_peak_bytes(cfg: RunConfig, world_size: int, device_type: str) -> float | None:
-    """`moetron plan`'s peak bytes per device for this run's layout, for the banner and the log lines."""
-    from moetron.plan.memory import estimate_memory
-
-    try:
-        return estimate_memory(cfg, cfg.dims(world_size), "cuda" if device_type == "cuda" else "cpu").peak
-    except Exception:  # noqa: BLE001 - a layout the planner does not model yet costs the banner line, not the run
-        return None
-
-
 def checked_config(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, set[str]]:
     """The run's config and the fields given explicitly, or a `ConfigError` naming every startup problem."""
     cfg, explicit = load_config(args.config, cli_overrides(args))
@@ -120,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         if on_rank_zero():  # every rank knows it; rank 0 says it
             print(note, file=sys.stderr)
         return 0
+    from moetron.plan.memory import planned_peak_bytes
     from moetron.train.failures import own_errors
     from moetron.train.run import run_training
 

@@ -121,6 +121,44 @@ def format_report(report: dict, context: int) -> str:
     return "\n".join(lines)
 
 
+# `moetron plan --dry-run`: the plan's memory rows (plan/peak_parts.py, at the peak's moment) and the dry run's
+# categories (torch's MemTracker) grouped so that each line compares like with like
+BESIDE_PLAN = (  # (label, the plan's rows, the dry run's categories)
+    ("parameters (and their copies)", ("weights", "weight_casts", "gathered"), ("parameters",)),
+    ("gradients", ("gradients", "ddp_buckets"), ("gradients",)),
+    ("optimizer state", ("optimizer",), ("optimizer_state",)),
+    ("activations and temporaries", ("activations", "logits", "all_to_all"),
+     ("activations", "temporaries", "buffers", "other")),
+)  # fmt: skip
+
+
+def format_beside_plan(held: dict[str, int], report: dict) -> str:
+    """The plan's peak and the dry run's, group by group (`held`: the plan's bytes per row at its peak)."""
+    ranks = report["ranks"]
+    lines = [
+        f"plan vs dry run (the real step on fake CUDA devices: rank(s) {ranks} of {report['world_size']})",
+        f"  {'':<30} {'plan':>12} {'dry run':>12}",
+    ]
+    measured = report["peak_by_category"]
+    for label, rows, categories in BESIDE_PLAN:
+        planned = sum(held.get(r, 0) for r in rows)
+        lines.append(f"  {label:<30} {gib(planned):>12} {gib(sum(measured.get(c, 0) for c in categories)):>12}")
+    planned, peak = report["planned_peak_bytes"], report["peak_bytes"]
+    ratio = f"   (dry run / plan {peak / planned:.2f})" if planned else ""
+    lines.append(f"  {'peak':<30} {gib(planned):>12} {gib(peak):>12}{ratio}")
+    at = report["peak_at"]
+    site = f" ({at['where']})" if at.get("where", "?") != "?" else ""
+    lines.append(f"  the dry run's peak: rank {at['rank']}, step {at['step']}, {at['phase']} of "
+                 f"{at['module'] or 'the model'}{site}")  # fmt: skip
+    kernels = ", ".join(f"{k} {n}" for k, n in report["attention_kernels"].items() if n) or "none"
+    lines.append(
+        f"  per step: {report['host_reads_per_step']} host read(s) ({report['host_reads_per_moe_layer']:g} per MoE "
+        f"layer and micro-batch), {sum(c['count'] for c in report['collectives'])} collective(s), attention "
+        f"kernels {kernels}; `moetron dry-run` with the same flags lists them"
+    )
+    return "\n".join(lines)
+
+
 def verdict(report: dict, context: int) -> str:
     memory = report["gpu_memory_bytes"]
     if memory is None:

@@ -25,7 +25,7 @@ from moetron.plan.memory_terms import (
 from moetron.plan.pipeline_parallel import plan_stages
 
 __all__ = ["LocalParams", "MemoryEstimate", "assemble", "compute_bytes", "estimate_memory", "layer_bytes"]
-__all__ += ["local_parameters", "routed_rows"]
+__all__ += ["local_parameters", "planned_peak_bytes", "routed_rows"]
 
 
 def estimate_memory(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda") -> MemoryEstimate:
@@ -37,3 +37,12 @@ def estimate_memory(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda
     activations = activation_bytes(local, dims, device_kind) + gathered_kv_bytes(cfg, dims, compute_bytes(cfg))
     return assemble(cfg, dims, local_parameters(cfg.model, dims), activations, logits_bytes(local, dims, device_kind),
                     all_to_all_bytes(local, dims))  # fmt: skip
+
+
+def planned_peak_bytes(cfg: RunConfig, world_size: int, device_type: str) -> float | None:
+    """`moetron plan`'s peak bytes per device for this run's layout (train's banner and log lines, the dry run's
+    comparison, gpu_smoke); None for a layout the planner does not model."""
+    try:
+        return estimate_memory(cfg, cfg.dims(world_size), "cuda" if device_type == "cuda" else "cpu").peak
+    except Exception:  # noqa: BLE001 - a layout the planner does not model yet costs the banner line, not the run
+        return None
