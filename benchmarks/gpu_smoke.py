@@ -15,7 +15,8 @@ grouped kernel on sm90/sm100) and SDPA restricted to the flash backend (an error
   - tokens/s over the timed steps after warm-up (compilation included in the warm-up), the achieved TFLOP/s and MFU
     against the device's bf16 peak (moetron.model.flops: 989 TFLOP/s for H200) with moetron's FLOPs/token formula,
     beside a published reference where there is one (Qwen3-30B-A3B: NeMo AutoModel's 28% MFU on 8 × H100, BF16);
-  - peak GPU memory (`torch.cuda.max_memory_allocated`);
+  - peak GPU memory (`torch.cuda.max_memory_allocated`) beside `moetron plan`'s prediction and beside
+    `moetron dry-run`'s measurement of the same slice on fake CUDA devices (`--no-dry-run-check` skips it);
   - host syncs per step, counted with `torch.cuda.set_sync_debug_mode("warn")` over one timed step, with where they
     come from (the trainer's design: exactly one, the gradient-norm read);
   - the first `--check-steps` losses against the same run in fp32 on the CPU (same seed, hence the same weights —
@@ -26,6 +27,7 @@ Without CUDA (and without `--device cpu` or `--dry-run`) it prints one `gpu_smok
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import functools
 import time
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetron.config_cli import add_config_arguments, cli_overrides, load_config
+from moetron.config_cli import config_from_flags, load_config
 from moetron.model.flops import count_parameters, flops_per_token, peak_tflops
 from moetron.parallel.env import DistEnv
 from moetron.parallel.mesh import ParallelMesh
@@ -103,12 +105,7 @@ def slice_config(args: argparse.Namespace, layers: int, device_type: str, precis
     if not precise:
         flags += " --bf16" + (" --compile" if args.compile else "")
         flags += " --moe-expert-backend grouped_mm" if device_type == "cuda" else ""
-    parser = argparse.ArgumentParser()
-    add_config_arguments(parser)
-    parser.add_argument("--config")
-    parsed = parser.parse_args(flags.split())
-    cfg, _ = load_config(parsed.config, cli_overrides(parsed))
-    return cfg
+    return config_from_flags(flags.split())[0]
 
 
 def micro_batch_size(args: argparse.Namespace) -> int:
@@ -250,6 +247,8 @@ def speed_run(args: argparse.Namespace, device: torch.device) -> list[str]:
         syncs, where = count_host_syncs(trainer, device)
     lines += speed_lines(args, cfg, args.steps * cfg.train.micro_batch_size * cfg.model.seq_length / elapsed, device)
     lines.append(memory_line(cfg, device))
+    if device.type == "cuda" and args.dry_run_check:
+        lines.append(dry_run_line(cfg, peak_memory(device)["peak_memory_gib"] * GIB))
     if device.type == "cuda":
         lines.append(f"host syncs per step: {syncs} ({', '.join(f'{k} ×{v}' for k, v in where.items()) or 'none'})")
     del trainer
@@ -270,6 +269,20 @@ def memory_line(cfg, device: torch.device) -> str:
         f"peak memory {measured / GIB:.2f} GiB ({what}); plan {planned / GIB:.2f} GiB; measured / plan "
         f"{measured / planned:.2f}"
     )
+
+
+def dry_run_line(cfg, measured: float) -> str:
+    """`moetron dry-run` of the same slice (fake CUDA devices on this host's CPU) beside the real peak: the check
+    of the dry run itself, which measures every other layout without a GPU. The dry run runs eager (it does not
+    cover --compile), so a compiled run's peak may be lower by the temporaries its fused kernels never make."""
+    from moetron.commands.dry_run import measured_report
+    from moetron.dryrun.report import gib
+
+    eager = copy.deepcopy(cfg)
+    eager.train.compile = False
+    dry = measured_report(eager, 1)["peak_bytes"]
+    note = " (the real run compiled; the dry run is eager)" if cfg.train.compile else ""
+    return f"dry run peak {gib(dry)} (fake cuda, same slice); real / dry run {measured / dry:.2f}{note}"
 
 
 def check_against_cpu(args: argparse.Namespace, layers: int, accelerated: list[float]) -> list[str]:
@@ -312,6 +325,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--check-steps", type=int, default=3, help="first steps compared with CPU fp32")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--skip-cpu-check", action="store_true")
+    parser.add_argument(
+        "--no-dry-run-check",
+        dest="dry_run_check",
+        action="store_false",
+        help="on CUDA, skip `moetron dry-run` of the same slice beside the real peak (minutes on the CPU)",
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model of the same shape family (CPU testing)")
     return parser.parse_args(argv)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -235,3 +236,19 @@ def test_measured_routing_sizes_the_hottest_ranks_buffers(tmp_path):
     balanced = 2 * 64 * 1 * 64 * 2  # T·K rows (mbs 2 × seq 64 × top-1) of hidden 64 in bf16, sent or received
     assert received > balanced
     assert abs(report["peak_bytes"] / report["planned_peak_bytes"] - 1) < 0.10
+
+
+def test_gpu_smoke_puts_the_dry_run_of_its_slice_beside_the_real_peak(monkeypatch):
+    """On a GPU, benchmarks/gpu_smoke.py checks the dry run itself: its slice (bf16, grouped_mm; eager, as the dry
+    run runs) on fake CUDA devices, the measured peak beside the real one."""
+    monkeypatch.syspath_prepend(REPO / "benchmarks")  # the benchmark under test, not a helper
+    import gpu_smoke
+
+    args = gpu_smoke.parse_args(["--tiny"])
+    cfg = gpu_smoke.slice_config(args, 2, "cuda", precise=False)
+    line = gpu_smoke.dry_run_line(cfg, measured=64 * 2**20)
+    pattern = r"dry run peak (\d+\.\d\d) MiB \(fake cuda, same slice\); real / dry run (\d+\.\d\d)(.*)"
+    match = re.fullmatch(pattern, line)
+    assert match, line  # a tiny slice's peak: some MiB
+    assert float(match[2]) == pytest.approx(64 / float(match[1]), rel=0.01)
+    assert match[3] == " (the real run compiled; the dry run is eager)" and cfg.train.compile
