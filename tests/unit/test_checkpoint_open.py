@@ -4,8 +4,6 @@ error for the same broken checkpoint, whichever command met it; and training nev
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -92,12 +90,3 @@ def test_a_model_opened_by_open_run_holds_the_checkpoints_weights(tmp_path):
     assert not model.training
     for (name, got), (_, want) in zip(model.state_dict().items(), saved.state_dict().items(), strict=True):
         assert torch.equal(got, want), name
-
-
-def test_training_does_not_import_the_eval_package():
-    code = (
-        "import sys, moetron.train.trainer, moetron.train.executor, moetron.train.pipeline_executor;"
-        "print(sorted(m for m in sys.modules if m.startswith('moetron.eval')))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import builtins
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from data_helpers import CORPUS, make_tiny_tokenizer, megatron_reference, tiny_tokenizer_flags, write_jsonl
+from dead_pid import dead_pid
 from fs_faults import FailingFile, enospc, full_disk, read_only_dir, snapshot
 
 import moetron.data.indexed as indexed_module
@@ -251,8 +248,7 @@ def test_preprocess_with_zero_documents_is_an_error_and_writes_nothing(tmp_path,
 
 # ---------------------------------------------------------------------------- defect 6: killed preprocess
 def test_stale_temporaries_of_a_dead_writer_are_removed(tmp_path, tok_dir, capsys):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    pid = int(dead.stdout)
+    pid = dead_pid()
     stale = [tmp_path / f".out_text_document.bin.tmp-{pid}", tmp_path / f".out_text_document.idx.tmp-{pid}"]
     alive = tmp_path / f".out_text_document.bin.tmp-{os.getppid()}"  # a live process: not ours to delete
     for path in [*stale, alive]:
@@ -261,23 +257,6 @@ def test_stale_temporaries_of_a_dead_writer_are_removed(tmp_path, tok_dir, capsy
     assert main(preprocess_argv(tok_dir, [source], tmp_path / "out")) == 0
     assert "removed 2 temporary file(s) of a killed earlier run" in capsys.readouterr().err
     assert not any(p.exists() for p in stale) and alive.exists()
-
-
-def test_sigterm_cleans_up_and_exits_non_zero_with_one_line(tmp_path, tok_dir):
-    source = write_jsonl(tmp_path / "in.jsonl", [" ".join(CORPUS) * 20] * 20000)
-    argv = [sys.executable, "-m", "moetron", *preprocess_argv(tok_dir, [source], tmp_path / "out")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".out_text_document.bin.tmp-*")) and time.monotonic() < deadline:
-        time.sleep(0.05)  # wait until it is writing
-    assert proc.poll() is None, "preprocess finished before it could be interrupted; make the input larger"
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 2
-    line = one_error_line(err)
-    assert "stopped by SIGTERM" in line and "nothing was written" in line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
 # ---------------------------------------------------------------------------- defect 9: file modes

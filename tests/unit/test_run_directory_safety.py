@@ -10,12 +10,11 @@ import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from dead_pid import dead_pid
 from test_train_guards import TINY, write_dataset
 
 from moetron.cli import main
@@ -180,11 +179,10 @@ def test_a_run_directory_in_use_is_refused(trained, capsys, elsewhere):
 
 def test_a_stale_lock_is_taken_over_and_the_lock_released_at_the_end(trained, capsys):
     prefix, run = trained
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    lock = write_lock(run, socket.gethostname(), dead.pid)
+    pid = dead_pid()
+    lock = write_lock(run, socket.gethostname(), pid)
     assert main(resume(prefix, run)) == 0
-    assert f"note: {lock} was left by pid {dead.pid} on host {socket.gethostname()}" in capsys.readouterr().out
+    assert f"note: {lock} was left by pid {pid} on host {socket.gethostname()}" in capsys.readouterr().out
     assert not lock.exists() and (run / "iter_0000006").is_dir()
     assert LOCK_NAME not in {p.name for p in run.rglob("*") if p.parent != run}  # never copied into a checkpoint
 
