@@ -97,7 +97,7 @@ def chosen_ranks(text: str, cfg: RunConfig, world_size: int, hot_ep_rank: int = 
 def checked_config(args: argparse.Namespace) -> tuple[RunConfig, int]:
     """The run's config and world size; a ConfigError naming every problem `moetron train` would refuse (apart from
     this machine's files: a dry run reads no data and writes nothing)."""
-    from moetron.commands.plan import tokenizer_given
+    from moetron.commands.tokenizer_flags import tokenizer_given
     from moetron.plan.estimate import layout_problems
     from moetron.train.run import resolve_vocab_size
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 
 from moetron.commands.plan_search import add_search_arguments, run_search
+from moetron.commands.tokenizer_flags import tokenizer_given
 from moetron.config import RunConfig
 from moetron.config_cli import add_config_arguments, cli_names, cli_overrides, load_config
 from moetron.errors import UserError
@@ -88,13 +88,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_search_arguments(parser)
     add_config_arguments(parser)
-
-
-def tokenizer_given(cfg: RunConfig) -> bool:
-    """Tokenizer files that exist are named (a recipe's example paths that do not exist are ignored here)."""
-    d = cfg.data
-    files = [d.vocab_file] if d.tokenizer_type == "GPT2BPETokenizer" else [d.tokenizer_model]
-    return all(files) and all(os.path.exists(f) for f in files)
 
 
 def adapt_expert_parallel(cfg: RunConfig, gpus: int, explicit: set[str]) -> str | None:

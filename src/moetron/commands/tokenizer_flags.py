@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+
+from moetron.config import RunConfig
 
 
 def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,3 +28,10 @@ def tokenizer_overrides(args: argparse.Namespace) -> dict:
     elif {"vocab_file", "merge_file"} & set(given):
         given["tokenizer_type"] = "GPT2BPETokenizer"
     return given
+
+
+def tokenizer_given(cfg: RunConfig) -> bool:
+    """Tokenizer files that exist are named (a recipe's example paths that do not exist are ignored here)."""
+    d = cfg.data
+    files = [d.vocab_file] if d.tokenizer_type == "GPT2BPETokenizer" else [d.tokenizer_model]
+    return all(files) and all(os.path.exists(f) for f in files)
