@@ -116,3 +116,13 @@ def test_a_layouts_bad_flags_are_one_clear_error_before_anything_starts(name, tm
     for fragment in fragments:
         assert fragment in err, fragment
     assert "Traceback" not in err and not run.exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_seed_recipe_scaled_down_under_torchrun_keeps_expert_parallelism(tmp_path, corpus_flags):
+    run = tmp_path / "seed"
+    flags = ["--config", "seed-2x4090-moe128", "--scale-down", *corpus_flags, "--train-iters", "2", "--save", str(run)]
+    proc = moetron_train(*flags, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "expert parallel 2" in proc.stdout and f" iteration {2:>7d}/2 |" in proc.stdout

@@ -81,6 +81,29 @@ def test_flags_given_on_the_command_line_win_and_keep_their_group():
     assert cfg.train.fp16  # on a GPU the recipe's precision stays
 
 
+@pytest.mark.parametrize(
+    ("recipe", "world_size", "ep"),
+    [("seed-2x4090-moe128", 2, 2), ("seed-2x4090-moe128", 1, 1), ("gpt-1.3B-moe128", 2, 2), ("gpt-1.3B-moe128", 4, 4)],
+)
+def test_under_torchrun_the_recipes_expert_parallelism_is_kept_where_it_can_run(recipe, world_size, ep):
+    """The recipe's EP stays where it divides the processes and the scaled experts (8), else the largest that does
+    (gpt-1.3B-moe128's EP 64 on 2 or 4 processes); every layout check passes on that many processes."""
+    cfg, explicit = load_config(recipe, {})
+    scale_down(cfg, explicit, on_gpu=False, world_size=world_size)
+    assert cfg.parallel.moe_expert_parallel_size == ep and layout_problems(cfg, world_size) == []
+
+
+def test_the_global_batch_holds_a_micro_batch_per_data_parallel_rank():
+    """The README's two-process line with --micro-batch-size 8: 16 samples, not the one-process default's 8 that
+    two ranks of micro-batch 8 cannot split."""
+    cfg, explicit = load_config("seed-2x4090-moe128", {"micro_batch_size": 8})
+    scale_down(cfg, explicit, on_gpu=False, world_size=2)
+    assert cfg.train.global_batch_size == 16 and layout_problems(cfg, 2) == []
+    cfg, explicit = load_config("seed-2x4090-moe128", {})
+    scale_down(cfg, explicit, on_gpu=False, world_size=4)
+    assert cfg.train.global_batch_size == 16  # micro-batch 4 on 4 ranks
+
+
 def test_the_tokenizer_sizes_the_vocabulary(tmp_path):
     tok = train_bpe_tokenizer([_corpus_file(tmp_path)], 300, tmp_path / "tok")
     files = {"vocab_file": str(tok / "vocab.json"), "merge_file": str(tok / "merges.txt")}

@@ -281,3 +281,18 @@ def test_publish_mode_gives_a_temporary_file_the_umask_mode(tmp_path):
     assert os.stat(name).st_mode & 0o777 == 0o666 & ~current_umask()
     publish_mode(tmp_path, 0o777)
     assert tmp_path.stat().st_mode & 0o777 == 0o777 & ~current_umask()
+
+
+# ---------------------------------------------------------------------------- the output prefix's directories
+def test_the_output_prefixs_missing_directories_are_made_and_removed_again_on_an_error(tmp_path, tok_dir, capsys):
+    """Every README example writes under data/, which a fresh clone lacks: preprocess makes it. A run that fails
+    leaves none of the directories it made."""
+    source = write_jsonl(tmp_path / "in.jsonl", CORPUS)
+    assert main(preprocess_argv(tok_dir, [source], tmp_path / "data" / "sub" / "corpus")) == 0
+    assert (tmp_path / "data" / "sub" / "corpus_text_document.bin").is_file()
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    assert main(preprocess_argv(tok_dir, [empty], tmp_path / "new" / "corpus")) == 2
+    assert "no document" in one_error_line(capsys.readouterr().err) and not (tmp_path / "new").exists()
+    (tmp_path / "file").write_text("not a directory")
+    assert main(preprocess_argv(tok_dir, [source], tmp_path / "file" / "x" / "corpus")) == 2
+    assert "is a file, not a directory" in one_error_line(capsys.readouterr().err)

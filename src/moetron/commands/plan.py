@@ -110,7 +110,7 @@ def adapt_expert_parallel(cfg: RunConfig, gpus: int, explicit: set[str]) -> str 
 def run(args: argparse.Namespace) -> int:
     cfg, explicit = load_config(args.config, cli_overrides(args))
     if args.scale_down:
-        changed = scale_down(cfg, explicit, on_gpu=(args.gpu_type or "").lower() != "cpu")
+        changed = scale_down(cfg, explicit, on_gpu=(args.gpu_type or "").lower() != "cpu", world_size=args.gpus or 1)
         print(f"note: {describe(changed)}", file=sys.stderr, flush=True)
     if tokenizer_given(cfg):
         # the vocabulary `moetron train` would use: the tokenizer's, unless --vocab-size is set (same rule as train)

@@ -76,7 +76,7 @@ def checked_config(args: argparse.Namespace, world_size: int) -> tuple[RunConfig
     if args.scale_down:
         import torch
 
-        scale_down(cfg, explicit, on_gpu=torch.cuda.is_available())
+        scale_down(cfg, explicit, on_gpu=torch.cuda.is_available(), world_size=world_size)
     tensorboard_follows_the_run(cfg, explicit)  # a recipe's tensorboard/NAME, with --save given: inside that run
     problems = startup_problems(cfg, explicit, world_size)
     if not problems and not args.print_config:  # "nothing to train": only for a run that could start and trains

@@ -147,13 +147,25 @@ def encode_chunk(chunk: Chunk, keys: list[str], append_eod: bool) -> EncodedChun
     return EncodedChunk(tokens, lengths, problems, bad_records, chunk.nbytes)
 
 
+def _missing_directories(prefix: str) -> list[Path]:
+    """The output prefix's directories that do not exist yet, outermost first (`data/x` in a fresh clone: `data`)."""
+    missing, parent = [], Path(prefix).parent
+    while not parent.exists() and parent != parent.parent:
+        missing.insert(0, parent)
+        parent = parent.parent
+    return missing
+
+
 def _check_before_work(options: PreprocessOptions) -> tuple[list, Tokenizer]:
     if options.workers < 1:
         raise UserError(f"--workers {options.workers} must be at least 1")
     if not options.json_keys:
         raise UserError("--json-keys needs at least one key")
+    missing = _missing_directories(options.output_prefix)
     for key in options.json_keys:
         for path in (bin_path(options.output_path(key)), idx_path(options.output_path(key))):
+            if missing:  # made once everything is checked: then its nearest existing directory must be writable
+                path = missing[0]
             problem = output_file_problem(f"--output-prefix '{options.output_prefix}'", path)
             if problem:
                 raise UserError(problem)
@@ -273,6 +285,9 @@ def preprocess(options: PreprocessOptions) -> PreprocessSummary:
     An output without a single document is an error too: an empty input, or `--json-keys` that match no record.
     """
     sources, tokenizer = _check_before_work(options)
+    made = _missing_directories(options.output_prefix)
+    for directory in made:
+        directory.mkdir()
     stale = [p for key in options.json_keys for p in remove_stale_temporaries(options.output_path(key))]
     dtype = best_dtype(tokenizer.vocab_size)
     start = time.perf_counter()
@@ -302,6 +317,9 @@ def preprocess(options: PreprocessOptions) -> PreprocessSummary:
     except BaseException:
         for builder in builders.values():
             builder.abort()
+        for directory in reversed(made):  # the directories made for this output: nothing of it is left
+            with contextlib.suppress(OSError):
+                directory.rmdir()
         raise
     finally:
         results.close()  # stops the worker pool at once when we leave early

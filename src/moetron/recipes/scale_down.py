@@ -36,14 +36,16 @@ DECAY = ("lr_decay_tokens", "lr_decay_iters", "lr_decay_samples")
 RUN_LENGTH = ("train_iters", "train_samples", "train_tokens")
 
 
-def scale_down(cfg: RunConfig, explicit: set[str], on_gpu: bool) -> dict[str, tuple]:
+def scale_down(cfg: RunConfig, explicit: set[str], on_gpu: bool, world_size: int = 1) -> dict[str, tuple]:
     """Shrink `cfg` in place (flags in `explicit.cli` are kept); returns {name: (old, new)} of what changed, also
-    stored as `explicit.scaled`. `on_gpu`: keep the recipe's fp16/bf16 (on a CPU they only slow the run down)."""
+    stored as `explicit.scaled`. `on_gpu`: keep the recipe's fp16/bf16 (on a CPU they only slow the run down).
+    `world_size`: the processes of the run (torchrun's), over which the recipe's expert parallelism is kept where
+    it can run and the global batch is sized."""
     given = set(getattr(explicit, "cli", explicit))
     old = _snapshot(cfg)
     _shrink_model(cfg, given)
-    _shrink_parallel(cfg, given)
-    _shrink_run(cfg, given, on_gpu)
+    _shrink_parallel(cfg, given, world_size)
+    _shrink_run(cfg, given, on_gpu, world_size)
     if "vocab_size" not in given:
         _drop_from_yaml(explicit, "vocab_size")  # the tokenizer sizes the vocabulary (a recipe's 50257 is GPT-2's)
     new = _snapshot(cfg)
@@ -131,11 +133,20 @@ def _shrink_expert_groups(cfg: RunConfig, moe_counts: list[int], given: set[str]
     _set(m, "topk_groups", max(1, min(max(m.topk_groups, reaching_topk), m.num_expert_groups)), given)
 
 
-def _shrink_parallel(cfg: RunConfig, given: set[str]) -> None:
-    """One process (or plain data parallelism under torchrun): every other degree back to 1."""
+def _shrink_parallel(cfg: RunConfig, given: set[str], world_size: int) -> None:
+    """Data parallelism over the processes, and the recipe's expert parallelism where it divides them and the
+    scaled expert counts (else the largest size that does: EP 64 on 2 processes runs EP 2); every other degree
+    back to 1."""
+    from moetron.plan.estimate import adapted_expert_parallel
+
     p = cfg.parallel
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "moe_expert_parallel_size"):
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         _set(p, name, 1, given)
+    if "moe_expert_parallel_size" not in given:
+        fits = world_size % p.context_parallel_size == 0
+        p.moe_expert_parallel_size = (
+            adapted_expert_parallel(cfg, world_size) if fits else 1
+        ) or p.moe_expert_parallel_size
     _set(p, "expert_tensor_parallel_size", 1, given)
     _set(p, "sequence_parallel", False, given)
     for name in ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers"):
@@ -146,10 +157,13 @@ def _shrink_parallel(cfg: RunConfig, given: set[str]) -> None:
     _set(p, "use_distributed_optimizer", False, given)
 
 
-def _shrink_run(cfg: RunConfig, given: set[str], on_gpu: bool) -> None:
+def _shrink_run(cfg: RunConfig, given: set[str], on_gpu: bool, world_size: int) -> None:
     t = cfg.train
     _set(t, "micro_batch_size", MICRO_BATCH, given)
-    _set(t, "global_batch_size", max(GLOBAL_BATCH, t.micro_batch_size), given)
+    # the smallest multiple of one micro-batch per data-parallel rank that holds GLOBAL_BATCH samples
+    dp = max(1, world_size // cfg.parallel.context_parallel_size)
+    per_step = t.micro_batch_size * dp
+    _set(t, "global_batch_size", per_step * math.ceil(GLOBAL_BATCH / per_step), given)
     if not given & set(RUN_LENGTH):
         t.train_iters, t.train_samples, t.train_tokens = ITERS, None, None
     if not given & set(WARMUP):  # a tenth of the run, in iterations: nothing token-based shadows it
