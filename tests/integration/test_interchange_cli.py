@@ -42,6 +42,26 @@ def dataset(directory: Path, vocab: Path, merges: Path) -> list[str]:
     return ["--data-path", str(prefix), "--split", "90,10,0", "--vocab-file", str(vocab), "--merge-file", str(merges)]
 
 
+def run_printed(stdout: str, **values: str) -> subprocess.CompletedProcess:
+    """The `train with:` command an import or upcycle printed, run as printed with its placeholders replaced by
+    `values` (every placeholder it holds must be given, and each is explained on the lines below it)."""
+    lines = stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("train with: "))
+    command = lines[at].removeprefix("train with: ").split()
+    placeholders = [word for word in command if word.isupper() and word.replace("_", "").isalpha()]
+    assert sorted(placeholders) == sorted(values), placeholders
+    assert [line.split(":")[0].strip() for line in lines[at + 1 :]] == placeholders  # explained, in order
+    command = [values.get(word, word) for word in command]
+    if command[0] == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", *command[1:]]
+    else:
+        assert command[:2] == ["moetron", "train"], command
+        command = [sys.executable, "-m", "moetron", *command[1:]]
+    done = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
 def state(run: Path, iteration: int) -> dict:
     return json.loads((run / f"iter_{iteration:07d}" / "state.json").read_text())
 
@@ -50,30 +70,24 @@ def test_megatron_deepspeed_run_continues_in_moetron(tmp_path):
     out = tmp_path / "run"
     done = moetron("import", "--megatron-deepspeed", str(MDS / "moe_top1_ep2" / "checkpoint"), "--save", str(out))
     assert "iteration 3, weights and optimizer state" in done.stdout
-    data = dataset(tmp_path, MDS / "tokenizer" / "vocab.json", MDS / "tokenizer" / "merges.txt")
-    # The run had EP = 2 on 2 processes; it continues in one process (checkpoints are layout-free).
-    flags = "--train-iters 5 --moe-expert-parallel-size 1 --eval-iters 0".split()
-    done = moetron("train", "--config", str(out / "config.yaml"), "--load", str(out), "--save", str(out), *flags, *data)
+    vocab, merges = MDS / "tokenizer" / "vocab.json", MDS / "tokenizer" / "merges.txt"
+    prefix = dataset(tmp_path, vocab, merges)[1]
+    # The run had EP = 2 on 2 processes: the printed command continues it so, under torchrun
+    tokenizer = {"VOCAB_JSON": str(vocab), "MERGES_TXT": str(merges)}
+    done = run_printed(done.stdout, LAST_ITERATION="5", DATA_PREFIX=prefix, **tokenizer)
     assert "loaded checkpoint" in done.stdout and "iteration 3" in done.stdout
     final = state(out, 5)
     assert final["iteration"] == 5 and final["consumed_samples"] == 6 + 2 * 2  # 2 more steps of 2 samples
-
-
-def finetune(run: Path, out: Path, data: list[str], *extra: str) -> dict:
-    """`moetron train --load RUN --finetune` for 2 steps; the state of the checkpoint it saved."""
-    flags = f"--train-iters 2 --micro-batch-size 2 --eval-iters 0 {' '.join(extra)}".split()
-    load = ["--config", str(run / "config.yaml"), "--load", str(run), "--finetune", "--save", str(out)]
-    moetron("train", *load, *flags, *data)
-    return state(out, 2)
 
 
 def test_hugging_face_round_trip_then_finetune(tmp_path):
     run, cfg, _ = tiny_checkpoint(tmp_path, "qwen2_moe")
     moetron("export", "--load", str(run), "--output", str(tmp_path / "hf"), "--dtype", "bf16")
     done = moetron("import", "--hf", str(tmp_path / "hf"), "--save", str(tmp_path / "back"))
-    assert "imported Qwen2MoeForCausalLM" in done.stdout and "--finetune" in done.stdout
-    data = dataset(tmp_path, Path(cfg.data.vocab_file), Path(cfg.data.merge_file))
-    assert finetune(tmp_path / "back", tmp_path / "tuned", data, "--seq-length 16")["iteration"] == 2
+    assert "imported Qwen2MoeForCausalLM" in done.stdout
+    prefix = dataset(tmp_path, Path(cfg.data.vocab_file), Path(cfg.data.merge_file))[1]
+    run_printed(done.stdout, ITERATIONS="2", DATA_PREFIX=prefix)  # fine-tunes into back-finetuned
+    assert state(tmp_path / "back-finetuned", 2)["iteration"] == 2
 
 
 def test_upcycle_then_finetune(tmp_path):
@@ -81,8 +95,9 @@ def test_upcycle_then_finetune(tmp_path):
     flags = "--num-experts 4 --topk 2 --disable-moe-token-dropping".split()
     done = moetron("upcycle", "--load", str(run), "--save", str(tmp_path / "moe"), *flags)
     assert "MoE layers [1]" in done.stdout
-    data = dataset(tmp_path, Path(cfg.data.vocab_file), Path(cfg.data.merge_file))
-    assert finetune(tmp_path / "moe", tmp_path / "tuned", data)["iteration"] == 2
+    prefix = dataset(tmp_path, Path(cfg.data.vocab_file), Path(cfg.data.merge_file))[1]
+    run_printed(done.stdout, ITERATIONS="2", DATA_PREFIX=prefix)
+    assert state(tmp_path / "moe-finetuned", 2)["iteration"] == 2
 
 
 def test_errors_are_one_line(tmp_path):

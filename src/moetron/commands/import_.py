@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: {note}")
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    how = "--finetune" if args.hf or not result.with_optimizer else f"--save {args.save}  (resumes the run)"
-    print(f"train with: moetron train --config {args.save}/config.yaml --load {args.save} {how}")
+    from moetron.interchange.next_command import train_command_lines
+
+    resume = not args.hf and result.with_optimizer  # a Megatron-DeepSpeed run with its optimizer state continues
+    print("\n".join(train_command_lines(args.save, resume, getattr(result, "iteration", 0))))
     return 0

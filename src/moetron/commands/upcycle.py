@@ -38,5 +38,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {result.path}: MoE layers {result.moe_layers} (experts = copies of each dense MLP)")
     for note in result.notes[1:]:
         print(f"note: {note}")
-    print(f"train with: moetron train --config {save}/config.yaml --load {save} --finetune")
+    from moetron.interchange.next_command import train_command_lines
+
+    print("\n".join(train_command_lines(save, resume=False)))
     return 0

@@ -38,9 +38,7 @@ def check_new_run_dir(save: str, flag: str = "--save") -> Path:
         raise UserError(
             f"{flag} {save} exists and is not an empty directory; give a new directory (nothing is overwritten)"
         )
-    if not path.parent.exists():
-        raise UserError(f"{flag} {save}: the directory {path.parent} does not exist; create it first")
-    problem = writable_dir_problem(path.parent)  # a file in the way, a read-only disk
+    problem = writable_dir_problem(path.parent)  # a file in the way, a read-only disk (missing parents are made)
     if problem is not None:
         raise UserError(f"{flag} {save}: {problem}; give a directory you can write to")
     return path
