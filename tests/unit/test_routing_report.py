@@ -134,6 +134,20 @@ def test_the_heatmap_is_centred_on_the_balanced_share():
     assert hot[0] > hot[2] and cold[2] > cold[0] and dead[2] > dead[0] and dead[:3].sum() < cold[:3].sum()
 
 
+@pytest.mark.parametrize("experts", [4, 8, 64])
+def test_the_heatmaps_title_fits_and_its_colour_bar_marks_one_and_a_half(experts):
+    if matplotlib_missing():
+        pytest.skip("matplotlib is not installed")
+    from moetron.eval.plots import _pyplot, colour_bar_ticks, heatmap_figure
+
+    fig = heatmap_figure([{"layer": 1, "tokens_per_expert": [1] * (experts - 1) + [experts]}])
+    title = fig.axes[0].title.get_window_extent(fig.canvas.get_renderer())
+    assert fig.bbox.x0 <= title.x0 and title.x1 <= fig.bbox.x1 and title.y1 <= fig.bbox.y1  # nothing clipped
+    assert 1.5 in fig.axes[1].get_yticks()
+    _pyplot().close(fig)
+    assert colour_bar_ticks(2.0) == [0.0, 0.5, 1.0, 1.5, 2] and colour_bar_ticks(9.0)[-1] == 8
+
+
 def test_missing_matplotlib_gives_the_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     assert "pip install moetron[plot]" in matplotlib_missing()

@@ -72,23 +72,36 @@ def heatmap_colours(ratios: list[list[float]]):
 def expert_load_heatmap(routing: list[dict], path: Path) -> Path:
     """Layers × experts heatmap of each expert's routes against the balanced share, centred on it (white = 1/E)."""
     plt = _pyplot()
+    fig = heatmap_figure(routing)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def heatmap_figure(routing: list[dict]):
+    """The heatmap's figure: its title on two lines within the figure at any expert count (4 experts included)."""
+    plt = _pyplot()
     from matplotlib.cm import ScalarMappable
 
     ratios = load_ratios(routing)
     rgba, norm, cmap = heatmap_colours(ratios)
     width = len(rgba[0])
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.4 * width + 2), max(2.0, 0.5 * len(ratios) + 1.5)))
+    fig, ax = plt.subplots(figsize=(max(4.5, 0.4 * width + 2), max(2.5, 0.5 * len(ratios) + 1.8)))
     ax.imshow(rgba, aspect="auto")
     ax.set_yticks(range(len(routing)), [f"layer {r['layer']}" for r in routing])
     ax.set_xlabel("expert")
-    ax.set_title("routes per expert / balanced share (white: 1 = 1/E)")
+    ax.set_title("routes per expert / balanced share\n(white: 1 = 1/E)", fontsize=10)
     bar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax)
-    top = int(norm.vmax)  # ticks inside the scale (one past vmax would stretch the bar's axis)
-    bar.set_ticks([0.0, 0.5, 1.0, *range(2, top + 1, max(1, (top - 1) // 4))])
+    bar.set_ticks(colour_bar_ticks(norm.vmax))
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def colour_bar_ticks(top: float) -> list[float]:
+    """0, ½, 1 (balanced), 1.5 and whole ratios up to the scale's top, at most about six of those (a tick one past
+    the top would stretch the bar's axis)."""
+    whole = range(2, int(top) + 1, max(1, (int(top) - 1) // 4))
+    return [0.0, 0.5, 1.0, 1.5, *whole]
 
 
 def loss_curves(run_dir: Path, path: Path) -> Path | None:
