@@ -281,7 +281,8 @@ def _drop_replaced_yaml(cfg: RunConfig, yaml_values: dict, overrides: dict) -> d
             continue
         for name in names:
             if name in yaml_values and name not in overrides:
-                replaced[name] = yaml_values[name]
+                if yaml_values[name] is not None:  # a null (a saved config.yaml's unset field) set nothing
+                    replaced[name] = yaml_values[name]
                 setattr(getattr(cfg, specs[name].section), name, specs[name].default)
     return replaced
 

@@ -18,3 +18,11 @@ def test_sequence_parallel_and_the_zero_stage_are_shown():
     assert line.endswith("ZeRO stage 2") and "sequence" not in line and "None" not in line
     assert layout_line({"use_distributed_optimizer": True}, 2).endswith("ZeRO stage 1")  # Megatron's flag: stage 1
     assert "sequence" not in layout_line({"sequence_parallel": True}, 2)  # ignored at TP 1
+
+
+def test_the_banner_names_the_peak_mfu_is_measured_against():
+    cfg, explicit = load_config("quickstart", {"train_iters": 10})
+    mfu = next(line for line in startup_banner(cfg, 1, "cpu", explicit).splitlines() if line.startswith("MFU"))
+    assert "a nominal fp32 peak of a 2-core CPU (not this machine's: --peak-tflops sets it)" in mfu
+    cfg, explicit = load_config("quickstart", {"train_iters": 10, "peak_tflops": 12.5})
+    assert "MFU        against 12.5 TFLOP/s per device (--peak-tflops)" in startup_banner(cfg, 1, "cpu", explicit)

@@ -75,6 +75,15 @@ def test_replaced_yaml_values_are_named_in_the_banner(workdir, tok):
     assert "replaced the config file's lr_warmup_tokens: 375000000, train_tokens: 300000000000" in banner
 
 
+def test_a_saved_configs_unset_fields_are_not_replaced_values(workdir, tok, tmp_path):
+    """A run's config.yaml writes `train_samples: null`; a resume with --train-iters replaces nothing there."""
+    config = tmp_path / "config.yaml"
+    config.write_text("train:\n  train_iters: 10\n  train_samples: null\n  train_tokens: null\n")
+    cfg, explicit = load_config(str(config), {"train_iters": 20})
+    assert cfg.train.train_iters == 20 and explicit.replaced == {}
+    assert "flags      replaced" not in startup_banner(cfg, 1, "cpu", explicit)
+
+
 def test_output_dir_on_the_command_line_beats_the_recipes_save(workdir, tok):
     """`--save` wins over `--output-dir` when both are set; a recipe's `save` must not silently win over an
     `--output-dir` the user typed: the flag replaces the file's run directory (and the banner says so)."""

@@ -222,6 +222,21 @@ def _lr_line(cfg: RunConfig, shape: RunShape) -> str:
     )
 
 
+def _mfu_line(override: float | None, device_type: str) -> str:
+    """The peak the logged MFU is measured against, and where it comes from: on a CPU a nominal one."""
+    from moetron.model.flops import CPU_PEAK_TFLOPS, peak_tflops
+
+    if override is not None:
+        return f"MFU        against {override:g} TFLOP/s per device (--peak-tflops)"
+    if device_type == "cpu":
+        return (f"MFU        against {CPU_PEAK_TFLOPS:g} TFLOP/s, a nominal fp32 peak of a 2-core CPU (not this "
+                f"machine's: --peak-tflops sets it)")  # fmt: skip
+    peak = peak_tflops()
+    if peak is None:
+        return "MFU        n/a: this GPU is not in moetron's table; --peak-tflops sets its dense bf16 peak"
+    return f"MFU        against {peak:g} TFLOP/s per device (this GPU's dense bf16 peak; --peak-tflops overrides)"
+
+
 def _threads_line() -> str:
     """The CPU's thread settings (cli.cpu_thread_defaults sets a passive OpenMP wait when the user set none)."""
     policy = os.environ.get("OMP_WAIT_POLICY")
@@ -261,6 +276,7 @@ def startup_banner(cfg: RunConfig, world_size: int, device_type: str = "cpu", ex
         _lr_line(cfg, shape),
         f"precision  {precision} on {device_type}",
     ]
+    lines.append(_mfu_line(t.peak_tflops, device_type))
     if device_type == "cpu":
         lines.append(_threads_line())
     if cfg.run_dir() or t.tensorboard_dir:
