@@ -203,3 +203,11 @@ def test_rotary_compat_exports_only_with_remote_code(tmp_path):
     x = tokens()
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x).logits[..., :VOCAB], atol=1e-5, rtol=0)
+
+
+def test_a_remote_code_export_says_why_in_one_short_line():
+    from moetron.commands.export import why_not_native
+
+    many = ["closest Qwen3MoeForCausalLM: --a has no equivalent; --b differs; --c differs"]
+    assert why_not_native(many) == "closest Qwen3MoeForCausalLM: --a has no equivalent, and 2 more difference(s)"
+    assert why_not_native(["--remote-code was asked for"]) == "--remote-code was asked for"

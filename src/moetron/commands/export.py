@@ -60,7 +60,16 @@ def run(args: argparse.Namespace) -> int:
         tokenizer_overrides=tokenizer_overrides(args),
     )
     if result.remote_code:
-        print(f"no transformers class expresses this model ({'; '.join(result.why_remote)})")
-        print("exported with remote code: AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)")
+        print(f"exported with remote code (AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)): no "
+              f"transformers class expresses this model ({why_not_native(result.why_remote)})")  # fmt: skip
     print(f"wrote {result.output}: {result.hf_class}, {result.num_tensors} tensors in {result.num_shards} shard(s)")
     return 0
+
+
+def why_not_native(why: list[str]) -> str:
+    """The first reason the closest class does not fit, and how many more there are (`--arch CLASS` names one)."""
+    closest, _, problems = why[0].partition(": ")
+    reasons = problems.split("; ") if problems else []
+    if len(reasons) <= 1:
+        return why[0]
+    return f"{closest}: {reasons[0]}, and {len(reasons) - 1} more difference(s)"
