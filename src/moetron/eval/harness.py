@@ -21,6 +21,7 @@ depend on the batch it landed in; `capacity_factor` routes at that factor instea
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 
 import torch
@@ -156,6 +157,9 @@ class MoetronLM(TemplateLM):
                 self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device_))
 
     # ------------------------------------------------------------ loglikelihood
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return super().loglikelihood(requests, disable_tqdm=True)  # its tokenizing bar: our progress lines say it
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """Each (context_enc, continuation_enc): Σ log p(continuation | context), and whether it is the greedy one."""
         inputs = [(ctx + cont)[-(self.max_length + 1) :][:-1] for _, ctx, cont in requests]
@@ -315,6 +319,42 @@ def offline_hub():
                 os.environ.pop(key, None)
 
 
+class _DropKnownNotes(logging.Filter):
+    """lm-eval's note on every task whose data a Python function builds (moetron's shipped tasks do): not the
+    user's concern."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_lm_eval():
+    """lm-eval without its noise: `git describe` run in the user's directory (its "fatal: not a git repository"
+    on stderr: a results field only) and the custom-dataset note. Everything else it says still shows."""
+    import subprocess
+
+    import lm_eval.evaluator as evaluator
+
+    def git_hash() -> str | None:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=False)
+        return done.stdout.strip() or None
+
+    saved = getattr(evaluator, "get_git_commit_hash", None)
+    quiet = _DropKnownNotes()
+    loggers = [logging.getLogger(name) for name in ("lm_eval", "lm_eval.api.task")]
+    if saved is not None:  # an lm-eval without it asks no git: nothing to quieten
+        evaluator.get_git_commit_hash = git_hash
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            evaluator.get_git_commit_hash = saved
+        for logger in loggers:
+            logger.removeFilter(quiet)
+
+
 def evaluate_harness(
     load: str,
     tasks: list[str],
@@ -330,7 +370,7 @@ def evaluate_harness(
     The tasks shipped with moetron (`moetron/eval/tasks/`) are always on the include path."""
     import lm_eval
 
-    with offline_hub():
+    with offline_hub(), quiet_lm_eval():
         lm = MoetronLM(load, seed=seed, **model_args)
         paths = [str(TASKS_DIR), *(include_path or [])]
         manager = TaskManager(include_path=paths, include_defaults=False)  # local tasks: no scan of lm-eval's ~10k
