@@ -44,8 +44,9 @@ def test_the_qwen3_slice_is_the_most_layers_the_plan_fits_at_the_real_shape(monk
 
     args = gpu_smoke.parse_args(["--dry-run"])  # --gpu-memory 139GiB: an H200's
     memory = 139 * 2**30
-    lines = gpu_smoke.dry_run(args)
-    layers = int(re.match(r"slice: (\d+) of 48 layers", lines[1]).group(1))
+    lines, status = gpu_smoke.dry_run(args)
+    assert status == 0
+    layers = int(re.match(r"slice: (\d+) of 48 layers \(\1 MoE\)", lines[1]).group(1))
     cfg = gpu_smoke.slice_config(args, layers, "cuda", precise=False)
     full = gpu_smoke.load_config("qwen3-30B-A3B", {})[0].model
     assert 1 <= layers < full.num_layers and cfg.model.num_layers == layers
@@ -58,3 +59,23 @@ def test_the_qwen3_slice_is_the_most_layers_the_plan_fits_at_the_real_shape(monk
     assert gpu_smoke.planned_bytes(args, layers, device) <= gpu_smoke.HEADROOM * memory
     assert gpu_smoke.planned_bytes(args, layers + 1, device) > gpu_smoke.HEADROOM * memory
     assert 1 <= gpu_smoke.fitting_layers(args, 80 * 2**30)[0] < layers  # a smaller GPU holds fewer layers
+
+
+def test_a_24_gb_gpu_gets_a_moe_slice_and_two_gpus_split_the_experts(monkeypatch):
+    """A 4090 holds no Qwen3-30B-A3B layer: exit 1 naming what does fit; the seed recipe's slice fits with MoE
+    layers; gpt-1.3B-moe128's slice (MoE every other layer) holds one; on 2 GPUs the experts are split over them."""
+    monkeypatch.syspath_prepend(REPO / "benchmarks")
+    import gpu_smoke
+
+    lines, status = gpu_smoke.dry_run(gpu_smoke.parse_args(["--dry-run", "--gpu-memory", "24GB"]))
+    assert status == 1 and "--recipe seed-2x4090-moe128" in lines[0] and "torchrun --nproc-per-node 2" in lines[0]
+    for recipe, memory in (("seed-2x4090-moe128", "24GB"), ("gpt-1.3B-moe128", "139GiB")):
+        args = gpu_smoke.parse_args(["--dry-run", "--gpu-memory", memory, "--recipe", recipe])
+        lines, status = gpu_smoke.dry_run(args)
+        moe = int(re.search(r"layers \((\d+) MoE\)", lines[1]).group(1))
+        assert status == 0 and moe >= 1, lines
+    args = gpu_smoke.parse_args(["--dry-run", "--gpu-memory", "24GB", "--recipe", "seed-2x4090-moe128", "--gpus", "2"])
+    lines, status = gpu_smoke.dry_run(args)
+    assert status == 0 and "experts split over 2 GPUs (torchrun --nproc-per-node 2)" in lines[1]
+    cfg = gpu_smoke.slice_config(args, 2, "cuda", precise=False, gpus=2)
+    assert cfg.parallel.moe_expert_parallel_size == 2 and cfg.train.global_batch_size == 2 * cfg.train.micro_batch_size
