@@ -15,7 +15,7 @@ The model and batch are those of `test_zero_compose.py`: 4 layers, layer 0 dense
 top-2, random token selection, hidden dropout on, attention dropout off), global batch 8 in micro-batches of 2.
 Every layout runs STEPS steps; the ZeRO ones must hold the optimizer on ZeRO shards, the compiled ones compiled
 blocks. Two spawned groups run the layouts: 4 processes for every layout whose product is 4, and 8 processes for
-ZeRO × TP 2 × PP 2 (dp 2: at dp 1 ZeRO would shard nothing). README's "What composes" table is `readme_table()`,
+ZeRO × TP 2 × PP 2 (dp 2: at dp 1 ZeRO would shard nothing). docs/guide.md's "What composes" table is `readme_table()`,
 and a test keeps the two equal.
 """
 
@@ -165,8 +165,8 @@ def test_readme_has_the_table():
     def words(text: str) -> str:  # the README wraps the triples' line
         return " ".join(text.split())
 
-    text = (REPO / "README.md").read_text()
-    assert words(readme_table()) in words(text), "README's 'What composes' differs from readme_table(); paste it"
+    text = (REPO / "docs" / "guide.md").read_text()
+    assert words(readme_table()) in words(text), "docs/guide.md's 'What composes' differs from readme_table(); paste it"
 
 
 # ---------------------------------------------------------------- the runs

@@ -1,4 +1,5 @@
-"""Every command block of README.md, run as a newcomer would run it: in README order, in one directory holding what
+"""Every command block of README.md and docs/*.md, run as a newcomer would run it: in README order (then the guide's,
+…), in one directory holding what
 the README assumes (`my.yaml`, `corpus.jsonl`, GPT-2's `gpt2-vocab.json` / `gpt2-merges.txt`,
 `data/pile_text_document`, a Megatron-DeepSpeed checkpoint at `mds/checkpoint`), with tiny overrides appended where
 a command would run long (later flags win), asserting exit 0 and what the README says the command does.
@@ -27,6 +28,8 @@ from moetron.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
+DOCS = [README, *(REPO / "docs" / name for name in ("guide.md", "testing.md", "performance.md", "architecture.md"))]
+GENERATED = REPO / "docs" / "reference.md"  # `--help` texts, no commands to run (tests/unit/test_reference_doc.py)
 SHARED_DATA = REPO.parent / "shared" / "data"
 MDS_CHECKPOINT = REPO / "tests" / "fixtures" / "megatron_deepspeed" / "moe_top1_ep2" / "checkpoint"
 
@@ -91,16 +94,18 @@ class Block:
     kind: str  # bash | text | python
     text: str
     line: int
+    doc: str = "README.md"
 
 
 def readme_blocks() -> list[Block]:
-    text = README.read_text()
     blocks = []
-    for match in re.finditer(r"^```(\w+)\n(.*?)^```", text, re.S | re.M):
-        kind, body = match.group(1), match.group(2)
-        line = text.count("\n", 0, match.start()) + 1
-        if kind == "bash" or kind == "python" or (kind == "text" and body.startswith("$ ")):
-            blocks.append(Block(kind, body, line))
+    for doc in DOCS:
+        text = doc.read_text()
+        for match in re.finditer(r"^```(\w+)\n(.*?)^```", text, re.S | re.M):
+            kind, body = match.group(1), match.group(2)
+            line = text.count("\n", 0, match.start()) + 1
+            if kind == "bash" or kind == "python" or (kind == "text" and body.startswith("$ ")):
+                blocks.append(Block(kind, body, line, doc.name))
     return blocks
 
 
@@ -130,7 +135,7 @@ QUICKSTART_RUN = ("runs/quickstart", "quickstart-hf")  # what the (slow) quickst
 
 def _param(block: Block, command: str):
     slow = [pytest.mark.slow] if command.startswith(("moetron quickstart", "moetron dry-run")) else []
-    return pytest.param(block, command, id=f"L{block.line}:{command.splitlines()[0][:50]}", marks=slow)
+    return pytest.param(block, command, id=f"{block.doc}:L{block.line}:{command.splitlines()[0][:50]}", marks=slow)
 
 
 CASES = []
@@ -138,7 +143,7 @@ for _block in readme_blocks():
     if _block.kind == "bash":
         CASES += [_param(_block, c) for c in commands(_block)]
     else:
-        CASES.append(pytest.param(_block, _block.text, id=f"L{_block.line}:{_block.kind}"))
+        CASES.append(pytest.param(_block, _block.text, id=f"{_block.doc}:L{_block.line}:{_block.kind}"))
 
 
 # ---------------------------------------------------------------------------- the newcomer's directory
@@ -199,7 +204,7 @@ def test_readme_command(block: Block, command: str, world: Path, capsys, monkeyp
         pytest.importorskip("transformers", reason="the HF example needs transformers (pip install -e '.[hf]')")
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            exec(compile(command, f"README.md:{block.line}", "exec"), {})
+            exec(compile(command, f"{block.doc}:{block.line}", "exec"), {})
         assert printed.getvalue().startswith("Return the")
         return
     if block.kind == "text":  # a quoted output: the command prints exactly these lines
@@ -235,15 +240,16 @@ def test_no_readme_block_escapes_the_test():
     """The cases above come from ```bash, ```python and ```text blocks that quote a `$ ` command; any other fenced
     block (another language, a text block without `$ `, or a bare fence) must not hold a command, else it would go
     untested: give it one of those kinds (and a rule) instead."""
-    text = README.read_text()
-    for match in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
-        kind, body = match.group(1), match.group(2)
-        line = text.count("\n", 0, match.start()) + 1
-        if kind in ("bash", "python") or (kind == "text" and body.startswith("$ ")):
-            continue
-        first = [row.strip() for row in body.splitlines() if row.strip()][:1]
-        assert not (first and first[0].startswith(COMMAND_WORDS)), f"README.md:{line}: a ```{kind} block with a command"
-        assert kind in ("", "text"), f"README.md:{line}: a ```{kind} block the test does not know; use bash/python/text"
+    for doc in [*DOCS, GENERATED]:
+        text = doc.read_text()
+        for match in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
+            kind, body = match.group(1), match.group(2)
+            at = f"{doc.name}:{text.count(chr(10), 0, match.start()) + 1}"
+            if kind in ("bash", "python") or (kind == "text" and body.startswith("$ ")):
+                continue
+            first = [row.strip() for row in body.splitlines() if row.strip()][:1]
+            assert not (first and first[0].startswith(COMMAND_WORDS)), f"{at}: a ```{kind} block with a command"
+            assert kind in ("", "text"), f"{at}: a ```{kind} block the test does not know; use bash/python/text"
 
 
 def github_anchor(heading: str) -> str:
@@ -251,8 +257,20 @@ def github_anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def test_every_contents_link_names_a_heading():
-    text = re.sub(r"^```.*?^```", "", README.read_text(), flags=re.S | re.M)
-    anchors = {github_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
-    links = set(re.findall(r"\]\(#([^)]+)\)", text))
-    assert links and links <= anchors, sorted(links - anchors)
+def anchors(doc: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.S | re.M)
+    return {github_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def test_every_link_names_a_file_and_heading_that_exist():
+    """README's contents and the docs' links between each other: `#heading`, `file.md#heading` and `file.md`."""
+    for doc in DOCS:
+        text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.S | re.M)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            assert file.exists(), f"{doc.name}: a link to {target}, which does not exist"
+            if anchor and file.suffix == ".md":
+                assert anchor in anchors(file), f"{doc.name}: a link to {target}, which names no heading there"

@@ -1,6 +1,6 @@
-"""README's "exactly Mixtral" flags, read from the README and run through `moetron train --print-config`, give a model
-whose logits are Hugging Face's MixtralForCausalLM's; without `--disable-moe-top2-2nd-expert-sampling` they are not
-(DeepSpeed's top-2 draws the second expert from noise-perturbed logits, in evaluation too)."""
+"""The guide's "exactly Mixtral" flags, read from docs/guide.md and run through `moetron train --print-config`, give a
+model whose logits are Hugging Face's MixtralForCausalLM's; without `--disable-moe-top2-2nd-expert-sampling` they are
+not (DeepSpeed's top-2 draws the second expert from noise-perturbed logits, in evaluation too)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ from moetron.cli import main
 from moetron.model.config import ModelConfig
 from moetron.model.gpt import create_model
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-# the README's flags at a test's size (later flags win): 2 layers, 4 experts, 2 KV heads, vocabulary 64
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guide.md"
+# the guide's flags at a test's size (later flags win): 2 layers, 4 experts, 2 KV heads, vocabulary 64
 TINY = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --num-key-value-heads 2 --ffn-hidden-size 16 "
 TINY += "--num-experts 4 --seq-length 12 --vocab-size 64 --make-vocab-size-divisible-by 64 --hidden-dropout 0 "
 TINY += "--attention-dropout 0 --train-iters 1"
 
 
 def readme_mixtral_flags() -> list[str]:
-    text = README.read_text()
+    text = GUIDE.read_text()
     after = text[text.index("This is\nexactly Mixtral") :]
     block = re.search(r"```bash\n(.*?)```", after, re.S).group(1)
     return block.split()
