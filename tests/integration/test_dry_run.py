@@ -188,6 +188,7 @@ def test_an_item_inside_a_moe_layer_is_an_extra_host_read_per_layer(one_process)
     assert record["moe_layer_reads_per_step"] == 2
 
 
+@pytest.mark.slow  # a CLI process of its own (the quick subset runs the layouts in one)
 def test_the_command_prints_writes_json_and_exits_1_when_it_does_not_fit(tmp_path):
     out = tmp_path / "dry.json"
     flags = [*LAYOUTS["ep"].split(), "--gpus", "8", "--gpu-memory", "1MB", "--json", str(out)]
@@ -205,6 +206,7 @@ def test_the_command_prints_writes_json_and_exits_1_when_it_does_not_fit(tmp_pat
     assert set(report["attention_kernels"]) == {"flash", "efficient", "cudnn", "math"}
 
 
+@pytest.mark.slow  # a CLI process of its own (the quick subset runs the layouts in one)
 def test_plan_dry_run_prints_both_peaks_and_the_measured_verdict_decides():
     """`plan --dry-run`: the exit status is the dry run's verdict; with --json its report is under "dry_run" (the
     side-by-side text: tests/unit/test_dry_run_parts.py)."""
@@ -218,6 +220,7 @@ def test_plan_dry_run_prints_both_peaks_and_the_measured_verdict_decides():
     assert abs(dry["peak_bytes"] / dry["planned_peak_bytes"] - 1) < 0.10
 
 
+@pytest.mark.slow  # a CLI process of its own (the quick subset runs the layouts in one)
 def test_measured_routing_sizes_the_hottest_ranks_buffers(tmp_path):
     """--routing-from: experts 0-1 (EP rank 0's) take most routes; rank 0 is simulated, receives more rows than
     under balanced routing, and its peak is within 10% of what `plan --routing-from` says for that rank."""
@@ -238,6 +241,7 @@ def test_measured_routing_sizes_the_hottest_ranks_buffers(tmp_path):
     assert abs(report["peak_bytes"] / report["planned_peak_bytes"] - 1) < 0.10
 
 
+@pytest.mark.slow  # a CLI process of its own (the quick subset runs the layouts in one)
 def test_gpu_smoke_puts_the_dry_run_of_its_slice_beside_the_real_peak(monkeypatch):
     """On a GPU, benchmarks/gpu_smoke.py checks the dry run itself: its slice (bf16, grouped_mm; eager, as the dry
     run runs) on fake CUDA devices, the measured peak beside the real one."""

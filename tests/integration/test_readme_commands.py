@@ -134,7 +134,8 @@ QUICKSTART_RUN = ("runs/quickstart", "quickstart-hf")  # what the (slow) quickst
 
 
 def _param(block: Block, command: str):
-    slow = [pytest.mark.slow] if command.startswith(("moetron quickstart", "moetron dry-run")) else []
+    dry = command.startswith(("moetron quickstart", "moetron dry-run")) or " --dry-run" in command  # a CPU step each
+    slow = [pytest.mark.slow] if dry else []
     return pytest.param(block, command, id=f"{block.doc}:L{block.line}:{command.splitlines()[0][:50]}", marks=slow)
 
 
