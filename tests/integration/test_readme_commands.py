@@ -200,7 +200,10 @@ def test_readme_command(block: Block, command: str, world: Path, capsys, monkeyp
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a path that is not there must not become a hub download
     needs = [run for run in QUICKSTART_RUN if run in command]
     if needs and not (world / needs[0]).exists():
-        pytest.skip(f"needs {needs[0]} from the README's quickstart command (a slow test, deselected here)")
+        pytest.skip(
+            f"needs {needs[0]}, which this test's own run of the README's quickstart makes (a slow case, "
+            f"outside -m quick; your runs/ is not used): run the file whole"
+        )
     if block.kind == "python":
         pytest.importorskip("transformers", reason="the HF example needs transformers (pip install -e '.[hf]')")
         printed = io.StringIO()
