@@ -34,8 +34,7 @@ from moetron.model.init import seeded_draw, seeded_generator
 from moetron.model.moe.aux_loss import attach_aux_loss
 from moetron.model.moe.dispatch import LocalDispatcher, TokenDispatcher, ep_load_of
 from moetron.model.moe.experts.grouped import GroupedExperts
-from moetron.model.moe.routing.decision import Routing
-from moetron.model.moe.routing.router import Router
+from moetron.model.moe.routing.router import Router, Routing
 from moetron.model.moe.stats import MoEStats
 
 
