@@ -26,7 +26,6 @@ import torch.nn.functional as F
 
 from moetron.errors import UserError
 from moetron.model.compiled_kernels import first_max_column
-from moetron.model.moe.host_reads import host_reads_are_free
 from moetron.model.moe.stats import load_max_over_mean
 
 # ---------------------------------------------------------------- the decision
@@ -270,8 +269,8 @@ def keep_top_random_keys_top1(ids_T: torch.Tensor, rand_TE: torch.Tensor, capaci
     routes ranked below C are kept. That is exactly the topk's choice whenever it has a unique answer: no
     routed key is 0 (0 ties with every unrouted entry of the column) and no over-full expert has equal
     keys across its capacity boundary. Otherwise (one batch in millions) it runs the topk itself, so the
-    result is DeepSpeed's, ties included. Reads the device once (the tie check): a CPU-only fast path,
-    chosen where `host_reads_are_free`; CUDA runs `keep_top_keys_top1`.
+    result is DeepSpeed's, ties included. Reads the device once (the tie check): a CPU-only fast path (reading a
+    CPU tensor waits for nothing; on a GPU it would stall the queue), so other devices run `keep_top_keys_top1`.
     """
     num_tokens = ids_T.shape[0]
     keep = min(capacity, num_tokens)
@@ -439,11 +438,13 @@ def top1_gating(
 
 def _keep_top1(ids_T: torch.Tensor, rand_TE: torch.Tensor | None, capacity: int, num_experts: int) -> torch.Tensor:
     """bool [T]: the routes each over-full expert keeps — the largest random keys (RTS), else DeepSpeed's ties."""
-    if rand_TE is not None and host_reads_are_free(rand_TE.device):
-        return keep_top_random_keys_top1(ids_T, rand_TE, capacity)  # reads the device once: free on a CPU
-    if rand_TE is not None:  # keys = one-hot mask · U(0, 1), as DeepSpeed computes them
-        return keep_top_keys_top1(ids_T, torch.where(_one_hot_bool(ids_T, num_experts), rand_TE, 0.0), capacity)
-    return keep_top_keys_top1(ids_T, _one_hot_bool(ids_T, num_experts).long(), capacity)  # DeepSpeed's exact ties
+    if rand_TE is None:
+        return keep_top_keys_top1(ids_T, _one_hot_bool(ids_T, num_experts).long(), capacity)  # DeepSpeed's exact ties
+    if rand_TE.device.type == "cpu":  # one sort and one read of the device, which waits for nothing on a CPU
+        return keep_top_random_keys_top1(ids_T, rand_TE, capacity)
+    # Elsewhere DeepSpeed's topk over keys = one-hot mask · U(0, 1): no host read (the dry run counts them on fake
+    # CUDA tensors, tests/integration/test_dry_run.py). The same routes as the sort path.
+    return keep_top_keys_top1(ids_T, torch.where(_one_hot_bool(ids_T, num_experts), rand_TE, 0.0), capacity)
 
 
 # ---------------------------------------------------------------- top-2
