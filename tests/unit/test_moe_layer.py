@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetron.model.config import ModelConfig
-from moetron.model.gradient_scale import LOSS_GRADIENT_SCALE
+from moetron.model.moe.aux_loss import aux_loss_grad_scale
 from moetron.model.moe.dispatch import permute, unpermute
 from moetron.model.moe.experts.backends import grouped_mm_supported
 from moetron.model.moe.layer import MoEAux, MoELayer
@@ -181,20 +181,18 @@ def test_attached_aux_loss_gives_the_summed_losses_gradient_times_the_scale() ->
     g = torch.randn(B, T, D, generator=torch.Generator().manual_seed(2))
 
     def router_grad(aux_scale: float, lm_scale: float, explicit_aux: bool = False) -> torch.Tensor:
-        try:
-            LOSS_GRADIENT_SCALE.set(aux_scale)
+        with aux_loss_grad_scale([layer], aux_scale):
             torch.manual_seed(0)
             y, aux = layer(x)
             loss = lm_scale * (y * g).sum() + (aux.loss(cfg) if explicit_aux else 0.0)
             return torch.autograd.grad(loss, layer.router.weight)[0]
-        finally:
-            LOSS_GRADIENT_SCALE.set(1.0)
 
     lm_part = router_grad(0.0, 1.0)  # the attached gradient switched off
     summed = router_grad(0.0, 1.0, explicit_aux=True)  # lm + aux.loss, summed by hand
     assert not torch.allclose(summed, lm_part)  # the aux loss really has a gradient here
     torch.testing.assert_close(router_grad(1.0, 1.0), summed)  # the default: lm_loss.backward() trains both
     torch.testing.assert_close(router_grad(0.25, 0.25), 0.25 * summed)  # an executor's loss scale / micro-batches
+    assert layer.aux_loss_grad_scale == 1.0  # restored after the block
 
 
 def test_aux_loss_is_uncoefficiented_and_loss_applies_coefficients() -> None:

@@ -5,7 +5,8 @@
     lm_loss.backward()  # the router also gets d(aux.loss(cfg))/d(router): the aux loss is attached to y_BTD
 
 `aux.loss(cfg)` = moe_loss_coeff · aux.aux_loss + moe_z_loss_coeff · aux.z_loss is attached to the output by
-`aux_loss.attach_aux_loss` (its gradient arrives when y's backward runs), so no caller adds it to the loss.
+`aux_loss.attach_aux_loss` (its gradient arrives when y's backward runs), so no caller adds it to the loss; a caller
+that multiplies the LM loss by a factor sets `aux_loss_grad_scale` to it (`aux_loss.aux_loss_grad_scale`).
 In training the layer also sums its routing statistics on device (`take_stats`, read once per optimizer step).
 
 Options (reference: deepspeed-moe.md §4, modern-moe.md §1.4):
@@ -127,6 +128,8 @@ class MoELayer(nn.Module):
         shared = cfg.num_shared_experts
         self.shared_experts = _dense_mlp(cfg, shared * ffn) if shared else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared and cfg.shared_expert_gate else None
+        # the gradient of the attached aux loss: what the caller multiplies its LM loss by (`aux_loss.py`)
+        self.aux_loss_grad_scale = 1.0
         self._stats_sum: MoEStats | None = None
         self._stats_count = 0
         self._routing_sum_2E: torch.Tensor | None = None  # Σ over forwards: routes per expert, mean router probs
@@ -157,7 +160,7 @@ class MoELayer(nn.Module):
         aux = self._aux(routing)
         if self.training and not in_backward():  # not again when activation checkpointing recomputes the layer
             self._add_stats(aux, ep_load_of(ctx))
-        return attach_aux_loss(y_TD.reshape(x_BTD.shape), aux.loss(self.cfg)), aux
+        return attach_aux_loss(y_TD.reshape(x_BTD.shape), aux.loss(self.cfg), self.aux_loss_grad_scale), aux
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
         out_TD = self.shared_experts.dense_forward(x_TD)
