@@ -133,8 +133,6 @@ class MoELayer(nn.Module):
         self._stats_sum: MoEStats | None = None
         self._stats_count = 0
         self._routing_sum_2E: torch.Tensor | None = None  # Σ over forwards: routes per expert, mean router probs
-        if not self.experts.w1_EDF.is_meta:
-            self.init_weights(cfg.init_method_std, cfg.init_method_std / math.sqrt(2 * cfg.num_layers), seed=0)
 
     def extra_repr(self) -> str:
         return f"layer_index={self.layer_index}, dispatcher={self.dispatcher!r}"
@@ -206,7 +204,8 @@ class MoELayer(nn.Module):
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float, seed: int) -> None:
         """Initialise everything this layer owns from (seed, layer_index) only, never the global RNG, so the
-        result does not depend on construction order, device or expert-parallel layout.
+        result does not depend on construction order, device or expert-parallel layout. The one init path: the
+        model's `init_weights` calls it (`model/init.py`); the constructor leaves its parts' defaults.
 
         router gate: nn.Linear's default (uniform ±1/sqrt(D)); experts: per global expert id, N(0, std) and
         N(0, out_std) for the output projection, zero biases (`moe_identical_expert_init`: all = expert 0);
