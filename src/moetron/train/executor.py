@@ -19,7 +19,8 @@ owns the micro-batch loop. `LocalExecutor` runs every micro-batch through the wh
   - the return value is Σ lm_loss / num_micro (fp64, on device: no host sync), the same on every rank;
     with --mtp-num-layers the MTP loss (× --mtp-loss-scaling-factor) joins each backward and `last_mtp_loss` holds
     its Σ / num_micro (under pipeline parallelism `pipeline_executor.py` does the same on the last stage);
-  - `moe_step_stats()` then gives every MoE layer's statistics of the step (all layers, on every rank).
+  - the MoE layers report each training forward to the executor's `moe_record` (`MoEStepRecord`, reset when a step
+    starts); `moe_step_stats()` then gives every MoE layer's statistics of the step (all layers, on every rank).
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ import torch
 from moetron.config import RunConfig
 from moetron.model.loss import HeadLoss
 from moetron.model.moe.aux_loss import aux_loss_grad_scale
-from moetron.model.moe.stats import MoEStats
+from moetron.model.moe.stats import MoEStats, MoEStepRecord
 from moetron.model.rng import STREAMS
 from moetron.parallel.parallelize import ParallelModel
-from moetron.train.metrics import moe_step_stats
 from moetron.train.micro_batch import MicroBatch
 from moetron.train.precision import compute_dtype
 from moetron.train.validation import evaluate
@@ -49,12 +49,14 @@ class LocalExecutor:
     def __init__(self, parallel: ParallelModel, autocast: Callable[[], contextlib.AbstractContextManager]):
         self.parallel, self.autocast = parallel, autocast
         self.last_mtp_loss: torch.Tensor | None = None  # the last step's mean MTP loss (--mtp-num-layers), on device
+        self.moe_record = MoEStepRecord.attached_to(parallel.model.moe_layers())  # the step's routing reports
 
     def forward_backward(
         self, next_micro_batch: Callable[[], MicroBatch], num_micro: int, loss_scale: float
     ) -> torch.Tensor:
         factor = loss_scale / num_micro
         head_loss = self.parallel.head_loss.with_grad_scale(factor)
+        self.moe_record.reset()
         total = mtp_total = None
         with aux_loss_grad_scale(self.parallel.model.moe_layers(), factor):
             for i in range(num_micro):
@@ -84,8 +86,8 @@ class LocalExecutor:
         return {"mtp_labels_BT": mb.labels_BT, "head_loss": head_loss}
 
     def moe_step_stats(self) -> MoEStats | None:
-        """[L_moe] of the last step's MoE layers (`train.metrics.moe_step_stats`)."""
-        return moe_step_stats(self.parallel.model)
+        """[L_moe] of the last step's MoE layers: each one's mean over the step's forwards (`MoEStepRecord`)."""
+        return self.moe_record.step_stats(self.parallel.model.moe_layers())
 
     def evaluate(self, loader, micro_batches: int, all_reduce_mean: Callable[[torch.Tensor], torch.Tensor]) -> dict:
         """Validation loss over `micro_batches` micro-batches (`train.validation.evaluate`), the training head loss."""

@@ -33,12 +33,11 @@ import torch
 import torch.distributed as dist
 
 from moetron.model.moe.aux_loss import aux_loss_grad_scale
-from moetron.model.moe.stats import MoEStats
+from moetron.model.moe.stats import MoEStats, MoEStepRecord
 from moetron.model.rng import STREAMS
 from moetron.parallel.diagnosis import Site
 from moetron.parallel.parallelize import ParallelModel
 from moetron.parallel.pp.schedules import build_schedule, pipeline_stages
-from moetron.train.metrics import moe_step_stats
 from moetron.train.micro_batch import MicroBatch
 
 
@@ -70,6 +69,7 @@ class PipelineExecutor:
             if module.last and self.model.mtp is not None:
                 module.mtp_batch, module.mtp_head_loss, self._mtp_stage = self._mtp_batch, self.head_loss, module
         self._moe_stats: MoEStats | None = None
+        self.moe_record = MoEStepRecord.attached_to(self.model.moe_layers())  # this rank's layers' routing reports
         moe_indices = self.model.cfg.routed_layer_indices()
         self._moe_rows = {layer: row for row, layer in enumerate(moe_indices)}  # global layer → MoE-layer row
         stages = pipeline_stages(
@@ -134,6 +134,7 @@ class PipelineExecutor:
             raise ValueError(f"the schedule was built for {self.num_micro} micro-batches, not {num_micro}")
         args, target = self._feed([next_micro_batch() for _ in range(num_micro)], "train")
         self._factor = loss_scale / num_micro
+        self.moe_record.reset()
         if self._mtp_stage is not None:
             self._mtp_stage.mtp_head_loss = self.head_loss.with_grad_scale(self._factor)
         try:
@@ -144,12 +145,12 @@ class PipelineExecutor:
             self._factor = 1.0
         mtp = self._loss_sum(num_micro, self._mtp_losses) if self.model.cfg.mtp_num_layers else None
         lm_loss, self._moe_stats, self.last_mtp_loss = self._over_stages(
-            self._loss_sum(num_micro), moe_step_stats(self.model), mtp
+            self._loss_sum(num_micro), self.moe_record.step_stats(self.model.moe_layers()), mtp
         )
         return lm_loss
 
     def moe_step_stats(self) -> MoEStats | None:
-        """[L_moe] of the last step, every MoE layer of the model (see `train.metrics.moe_step_stats`)."""
+        """[L_moe] of the last step, every MoE layer of the model: each one's mean over the step's forwards."""
         stats, self._moe_stats = self._moe_stats, None
         return stats
 
