@@ -10,7 +10,11 @@ With the default options the routing is DeepSpeed 0.19.x's `TopKGate` (top-1 / t
 `deepspeed_gating.py`): same capacities, kept routes, weights, aux loss and — from the same torch seed — the same
 random choices. Any modern option (sigmoid scores, pre-softmax, forced renormalisation, a scaling factor,
 expert-bias balancing, expert groups) switches to the generic top-k path of `generic_gating.py`. The z-loss
-and the aux-loss type (global / seq / none) apply to both paths.
+and the aux-loss type (global / seq / none) apply to both paths (the losses at the end of this file).
+
+The routing package is three files: this one (the `Router` and the losses it adds), `deepspeed_gating.py` (DeepSpeed's
+gating and what every path shares: the `Routing` decision, `TokenRows`, capacity and dropping) and
+`generic_gating.py`. The settings are `RouterConfig`'s (`model/config.py`: a `ModelConfig` is one).
 
 Shape legend: T tokens, D hidden size, E experts, K routes per token.
 """
