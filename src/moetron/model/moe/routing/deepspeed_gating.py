@@ -4,7 +4,9 @@ every gating path shares.
 Same op order, same RNG draws in the same order (so one torch seed gives the same random choices), same capacity
 arithmetic and the same `torch.topk` calls for dropping, so the kept routes, weights and aux loss match DeepSpeed's;
 only the output layout differs: [T, K] routes instead of dense [S, E, C] tensors. The generic path
-(`generic_gating.py`) reuses this file's decision type, capacity rules and drops; `router.py` picks the path.
+(`generic_gating.py`) reuses this file's decision type, capacity rules and drops; `router.py` picks the path. (The
+shared parts live here, below both paths, because the router imports both: DeepSpeed's arithmetic is the base the
+modern options are built around.)
 
 Read top to bottom: the decision (`Routing`), where the tokens sit (`TokenRows`), capacity and dropping, the aux
 loss's parts, noise, then top-1, top-2 and top-k gating.
