@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moetron.model.config import ModelConfig  # noqa: E402
 from moetron.model.moe.layer import MoELayer  # noqa: E402
-from moetron.model.moe.routing.decision import Routing  # noqa: E402
+from moetron.model.moe.routing.router import Routing  # noqa: E402
 from moetron.parallel.dims import ParallelDims  # noqa: E402
 from moetron.parallel.env import DistEnv, init_distributed  # noqa: E402
 from moetron.parallel.ep import all_to_all as expert_parallel  # noqa: E402

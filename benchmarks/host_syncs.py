@@ -8,10 +8,10 @@ gather is exercised) runs forward and backward (output and aux/z losses) inside 
 (tests/support/host_read_counter.py), which counts every Python-level read of a tensor's value (`.item()`,
 `.tolist()`, `int()`, `bool()`, `float()`, `__index__`, `.cpu()`, `.numpy()`, `.to("cpu")`). How the CUDA path is
 taken on a CPU: the expert backend is forced (never the CPU-only expert-by-expert SwiGLU kernel), and the whole step
-runs inside `cuda_code_path()`, so every `host_reads_are_free(device)` switch takes its CUDA branch — for top-1 RTS
-that is `keep_top_keys_top1` (a topk, no read) instead of the CPU's sort-based keep, which reads the device once on
-purpose. Syncs inside C++ kernels are not visible to the counter; the MoE code avoids the ones CUDA has (bincount,
-nonzero, repeat_interleave without output_size) by construction.
+runs inside `cuda_code_path()`, so every CPU-only branch takes its CUDA form — for top-1 RTS that is
+`keep_top_keys_top1` (a topk, no read) instead of the CPU's sort-based keep, which reads the device once on purpose.
+Syncs inside C++ kernels are not visible to the counter; the MoE code avoids the ones CUDA has (bincount, nonzero,
+repeat_interleave without output_size) by construction.
 
 Prints one line per mode, `host reads per MoE layer: <mode> <N>`. Expected with grouped_mm: 0 for the three
 local modes, 1 for `EP=2 all-to-all` (two gloo processes; the split sizes' `.tolist()`), 0 for `EP=2 all-to-all

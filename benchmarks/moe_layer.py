@@ -32,8 +32,7 @@ tensor gradient hooks in the backward, so the layer runs its own code.
 Python loop (`ExpertByExpertSwiGLU`'s two engines, moetron/model/compiled_kernels.py), outputs and
 gradients checked bitwise equal; prints the median step times and the median of the per-rep ratios.
 --fast-paths: instead, moetron dropless stepped alternately with and without its router/combine fast paths (k = 1
-top-k by `max`, the mean and gather of the router probabilities with one backward, the combine in L2-sized chunks;
-"without" = topk, autograd's mean and gather, and one pass), outputs and gradients checked
+top-k by `max`, the combine in L2-sized chunks; "without" = topk and one pass), outputs and gradients checked
 bitwise equal; prints the median step times and the median of the per-rep ratios.
 --token-order: instead, moetron dropless (top-1, unit weights) stepped alternately with the experts reading and writing
 the rows in token order (`dispatch.TokenOrder`: the C++ kernel gathers each expert's rows itself) and with the
@@ -434,11 +433,11 @@ def run_fast_paths(s: Shape, reps: int, warmup: int, clock: Callable[[], float])
     w = make_weights(s)
     x_BTD = _leaf(torch.randn(1, s.tokens, s.hidden))
     step = module_step(moetron_layer(s, w, dropless=True), s, x_BTD, torch.randn(x_BTD.shape))
-    fast = (generic_gating.top_experts, dispatch.CHUNK_BYTES, True)
-    slow = (lambda select_TE, k: torch.topk(select_TE, k=k, dim=1).indices, 1 << 62, False)  # one chunk: one pass
+    fast = (generic_gating.top_experts, dispatch.CHUNK_BYTES)
+    slow = (lambda select_TE, k: torch.topk(select_TE, k=k, dim=1).indices, 1 << 62)  # one chunk: one pass
 
     def use(on: bool) -> None:
-        generic_gating.top_experts, dispatch.CHUNK_BYTES, generic_gating.FUSE_MEAN_AND_GATHER = fast if on else slow
+        generic_gating.top_experts, dispatch.CHUNK_BYTES = fast if on else slow
 
     on, off, ratio, equal = alternate(step, use, reps, warmup, clock)
     return [f"| {s} | {off * 1e3:.1f} ms | {on * 1e3:.1f} ms | {ratio:.3f} | {equal} |"]

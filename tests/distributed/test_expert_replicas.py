@@ -38,6 +38,7 @@ from trainer_support import parallel_trainer, tiny_config
 
 from moetron.checkpoint import resolve_checkpoint
 from moetron.model.moe.layer import MoELayer
+from moetron.model.moe.stats import MoEStepRecord
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.env import DistEnv, init_distributed
 from moetron.parallel.ep.all_to_all import AllToAllDispatcher, shard_layer_experts
@@ -72,6 +73,7 @@ def skewed_layer_case(rank: int, ep: int, group, topk: int, dropless: bool, slot
         shard_layer_experts(layer, ep_rank, ep)
     plain.dispatcher = AllToAllDispatcher(EXPERTS, group, ep, ep_rank)
     replicated.dispatcher = ReplicatingDispatcher(replicated, group, ep, ep_rank, slots)
+    record = MoEStepRecord.attached_to([replicated])
     want, got = forward_backward(plain, rank), forward_backward(replicated, rank)
     for key, value in want.items():
         if key == "dropped":
@@ -79,7 +81,7 @@ def skewed_layer_case(rank: int, ep: int, group, topk: int, dropless: bool, slot
             continue
         scale = max(float(value.abs().max()), 1.0)  # sums over many rows: compare relative to the largest entry
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5 * scale, msg=f"ep={ep} k={topk} {key}")
-    return replicated.take_stats()[0].values  # routed / computed EP load of that forward
+    return record.stats[replicated.layer_index].values  # routed / computed EP load of that forward
 
 
 def replica_host_reads(rank: int, ep: int, group) -> dict[str, int]:

@@ -93,8 +93,7 @@ def first_step_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
         grads[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad.clone()
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.train_loader.consumed_samples = 0
-    for moe in trainer.model.moe_layers():
-        moe.take_stats()
+    trainer.executor.moe_record.reset()
     return grads
 
 

@@ -9,10 +9,11 @@
 invisible to it (CUDA's `bincount`, `nonzero`, boolean-mask indexing and `repeat_interleave` without
 `output_size` sync that way); the MoE code avoids those by construction.
 
-`cuda_code_path()`: production picks its CPU-only kernels with `moetron.model.moe.host_reads.host_reads_are_free`
-(a plain device check, nothing consulted per call). Within the block every moetron module's reference to it answers
-False, so the CPU runs the branch CUDA runs. It does not change the `auto` expert backend (forced backends are what a
-measurement wants) or any value.
+`cuda_code_path()`: production picks its CPU-only kernels by the tensors' device (the experts' SwiGLU through
+`moetron.model.moe.host_reads.host_reads_are_free`, top-1 RTS's keep in `deepspeed_gating._keep_top1`). Within the
+block every moetron module's reference to `host_reads_are_free` answers False and the RTS keep's CPU sort is swapped
+for DeepSpeed's topk (what other devices run; the same routes), so the CPU runs the branches CUDA runs. It does not
+change the `auto` expert backend (forced backends are what a measurement wants) or any value.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from moetron.model.moe import host_reads
+from moetron.model.moe.routing import deepspeed_gating
 
 # Tensor methods that hand a tensor's value to Python (`.to(...)` counts when it targets the CPU).
 READ_METHODS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"})
@@ -39,19 +41,27 @@ def _never_free(device: torch.device) -> bool:
     return False
 
 
+def _topk_rts_keep(ids_T: torch.Tensor, rand_TE: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Top-1 RTS's keep as a GPU runs it: DeepSpeed's topk over keys = one-hot mask · U(0, 1), no host read."""
+    keys_TE = torch.zeros_like(rand_TE).scatter_(1, ids_T.unsqueeze(1), rand_TE.gather(1, ids_T.unsqueeze(1)))
+    return deepspeed_gating.keep_top_keys_top1(ids_T, keys_TE, capacity)
+
+
 @contextlib.contextmanager
 def cuda_code_path() -> Iterator[None]:
     """Within the block, moetron's modules take the branches they take on CUDA, even for CPU tensors."""
-    original = host_reads.host_reads_are_free
+    original, sort_keep = host_reads.host_reads_are_free, deepspeed_gating.keep_top_random_keys_top1
     holders = [m for name, m in list(sys.modules.items()) if name.startswith("moetron") and m is not None]
     patched = [m for m in holders if getattr(m, "host_reads_are_free", None) is original]
     for module in patched:
         module.host_reads_are_free = _never_free
+    deepspeed_gating.keep_top_random_keys_top1 = _topk_rts_keep
     try:
         yield
     finally:
         for module in patched:
             module.host_reads_are_free = original
+        deepspeed_gating.keep_top_random_keys_top1 = sort_keep
 
 
 def _targets_cpu(args: tuple, kwargs: dict) -> bool:

@@ -14,10 +14,10 @@ import moetron
 
 SRC = Path(moetron.__file__).resolve().parent
 
-# The config leaf: the run configuration's dataclasses (each section's, and the router's inside the model's), the
+# The config leaf: the run configuration's dataclasses (each section's; the router's is the model's), the
 # layout arithmetic `RunConfig.dims()` returns, YAML loading, the shipped recipes, errors and the atomic write.
 LEAF = {"moetron", "moetron.config", "moetron.config_cli", "moetron.recipes", "moetron.errors", "moetron.fileio"}
-LEAF |= {"moetron.model.config", "moetron.model.moe.routing.router_config", "moetron.data.config"}
+LEAF |= {"moetron.model.config", "moetron.data.config"}
 LEAF |= {"moetron.parallel.dims", "moetron.recipes.scale_down", "moetron.progress"}
 LEAF |= {"moetron.scoped_memo", "moetron.process_memory"}
 # Entry points: the CLI and its commands (argument parsing and printing) on top of everything.

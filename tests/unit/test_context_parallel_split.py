@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from moetron.config import RunConfig
 from moetron.data.context_chunks import take_zigzag, zigzag_chunk_ids, zigzag_positions
 from moetron.data.loader import DistributedBatchLoader
-from moetron.model.moe.routing.balancing_losses import sequence_aux_loss
-from moetron.model.moe.routing.router import Router, RouterConfig
+from moetron.model.moe.routing.router import Router, RouterConfig, sequence_aux_loss
 from moetron.parallel.cp.attention import ContextParallelAttention
 from moetron.parallel.cp.ring import zigzag_block
 from moetron.parallel.cp.sizes import context_parallel_problems

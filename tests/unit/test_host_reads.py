@@ -39,9 +39,11 @@ def test_the_cpu_path_reads_where_reads_are_free():
     assert dict(reads.by_kind) == {"__bool__": 1}
     cpu = torch.device("cpu")
     assert host_reads_are_free(cpu) and not host_reads_are_free(torch.device("meta"))
-    with cuda_code_path():  # every module that chooses a CPU-only kernel sees the CUDA answer
-        assert not grouped.host_reads_are_free(cpu) and not deepspeed_gating.host_reads_are_free(cpu)
-    assert grouped.host_reads_are_free is deepspeed_gating.host_reads_are_free is host_reads_are_free  # restored
+    sort_keep = deepspeed_gating.keep_top_random_keys_top1
+    with cuda_code_path():  # every CPU-only kernel is swapped for what CUDA runs
+        assert not grouped.host_reads_are_free(cpu) and deepspeed_gating.keep_top_random_keys_top1 is not sort_keep
+    assert grouped.host_reads_are_free is host_reads_are_free  # restored
+    assert deepspeed_gating.keep_top_random_keys_top1 is sort_keep
 
 
 def test_dropless_capacity_is_read_on_demand_only():

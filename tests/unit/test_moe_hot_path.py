@@ -22,8 +22,12 @@ import moetron.model.moe.experts.grouped as experts_module
 from moetron.model.config import ModelConfig
 from moetron.model.moe.experts.backends import auto_backend, cuda_grouped_mm_is_a_grouped_kernel, grouped_mm_supported
 from moetron.model.moe.layer import MoELayer
-from moetron.model.moe.routing.capacity_and_dropping import capacity_from_factor
-from moetron.model.moe.routing.deepspeed_gating import gumbel_rsample, multiplicative_jitter, uniform_rsample
+from moetron.model.moe.routing.deepspeed_gating import (
+    capacity_from_factor,
+    gumbel_rsample,
+    multiplicative_jitter,
+    uniform_rsample,
+)
 
 D, F, E = 16, 32, 8
 needs_grouped_mm = pytest.mark.skipif(

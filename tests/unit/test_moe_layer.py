@@ -9,11 +9,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetron.model.config import ModelConfig
-from moetron.model.gradient_scale import LOSS_GRADIENT_SCALE
+from moetron.model.moe.aux_loss import aux_loss_grad_scale
 from moetron.model.moe.dispatch import permute, unpermute
 from moetron.model.moe.experts.backends import grouped_mm_supported
 from moetron.model.moe.layer import MoEAux, MoELayer
-from moetron.model.moe.stats import MoEStats
+from moetron.model.moe.stats import MoEStats, MoEStepRecord
 
 B, T, D, F = 2, 16, 16, 32
 
@@ -181,20 +181,18 @@ def test_attached_aux_loss_gives_the_summed_losses_gradient_times_the_scale() ->
     g = torch.randn(B, T, D, generator=torch.Generator().manual_seed(2))
 
     def router_grad(aux_scale: float, lm_scale: float, explicit_aux: bool = False) -> torch.Tensor:
-        try:
-            LOSS_GRADIENT_SCALE.set(aux_scale)
+        with aux_loss_grad_scale([layer], aux_scale):
             torch.manual_seed(0)
             y, aux = layer(x)
             loss = lm_scale * (y * g).sum() + (aux.loss(cfg) if explicit_aux else 0.0)
             return torch.autograd.grad(loss, layer.router.weight)[0]
-        finally:
-            LOSS_GRADIENT_SCALE.set(1.0)
 
     lm_part = router_grad(0.0, 1.0)  # the attached gradient switched off
     summed = router_grad(0.0, 1.0, explicit_aux=True)  # lm + aux.loss, summed by hand
     assert not torch.allclose(summed, lm_part)  # the aux loss really has a gradient here
     torch.testing.assert_close(router_grad(1.0, 1.0), summed)  # the default: lm_loss.backward() trains both
     torch.testing.assert_close(router_grad(0.25, 0.25), 0.25 * summed)  # an executor's loss scale / micro-batches
+    assert layer.aux_loss_grad_scale == 1.0  # restored after the block
 
 
 def test_aux_loss_is_uncoefficiented_and_loss_applies_coefficients() -> None:
@@ -204,21 +202,25 @@ def test_aux_loss_is_uncoefficiented_and_loss_applies_coefficients() -> None:
     torch.testing.assert_close(aux.loss(cfg), 0.1 * aux.aux_loss + 0.01 * aux.z_loss)
 
 
-def test_take_stats_gives_the_mean_of_the_named_statistics_over_training_forwards() -> None:
+def test_step_record_gives_the_mean_of_the_named_statistics_over_training_forwards() -> None:
     layer = _layer(_cfg(topk=2, moe_train_capacity_factor=0.5, moe_min_capacity=1))
+    layer(torch.randn(B, T, D))  # no record given: nothing is reported
+    record = MoEStepRecord.attached_to([layer])
     auxes = [layer(torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed)))[1] for seed in (1, 2)]
     layer.eval()
     layer(torch.randn(B, T, D))  # evaluation forwards are not counted
-    total, count = layer.take_stats()
-    assert isinstance(total, MoEStats) and count == 2 and total.values.shape == (MoEStats.WIDTH,)
-    mean = total / count
+    assert record.forwards == {layer.layer_index: 2} and record.routing_2E[layer.layer_index].shape == (2, 8)
+    mean = record.step_stats([layer]).rows()[0]
+    assert isinstance(mean, MoEStats) and mean.values.shape == (MoEStats.WIDTH,)
     loads = [a.tokens_per_expert_E.float() for a in auxes]
     torch.testing.assert_close(mean.load_max_over_mean, sum(x.max() / x.mean() for x in loads) / 2)
     torch.testing.assert_close(mean.dropped_fraction, sum(a.dropped_routes / (B * T * 2) for a in auxes).float() / 2)
     torch.testing.assert_close(mean.aux_loss, sum(a.aux_loss.detach() for a in auxes) / 2)
     torch.testing.assert_close(mean.z_loss, sum(a.z_loss.detach() for a in auxes) / 2)
     assert mean.ep_load_routed.item() == mean.ep_load_computed.item() == 1.0  # one process: one EP rank
-    assert layer.take_stats() == (None, 0)  # reset
+    record.reset()
+    assert record.forwards == record.stats == record.routing_2E == {}
+    torch.testing.assert_close(record.step_stats([layer]).values, torch.zeros(1, MoEStats.WIDTH))  # ran none
 
 
 def test_stacked_stats_read_by_name_and_price_the_moe_loss() -> None:

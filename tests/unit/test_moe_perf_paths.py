@@ -9,16 +9,18 @@ from fp32_error_bounds import assert_within, swiglu_experts_bounds
 
 from moetron.model.moe import dispatch
 from moetron.model.moe.routing import generic_gating
-from moetron.model.moe.routing.balancing_losses import z_loss, z_loss_from_route
-from moetron.model.moe.routing.capacity_and_dropping import (
+from moetron.model.moe.routing.deepspeed_gating import (
+    Routing,
+    buffer_slots,
+    first_argmax,
     keep_top_keys,
     keep_top_keys_top1,
     keep_top_random_keys_top1,
-    slots_in_token_order,
+    route_counts,
+    route_fraction,
 )
-from moetron.model.moe.routing.decision import Routing, buffer_slots, route_counts, route_fraction
-from moetron.model.moe.routing.deepspeed_gating import first_argmax
-from moetron.model.moe.routing.generic_gating import top_experts
+from moetron.model.moe.routing.generic_gating import slots_in_token_order, top_experts
+from moetron.model.moe.routing.router import z_loss, z_loss_from_route
 
 
 def _reference_top1_keep(ids_T: torch.Tensor, keys_TE: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -247,12 +249,12 @@ def test_dropless_layer_with_the_fast_paths_is_bitwise_the_layer_without(monkeyp
     g = torch.Generator().manual_seed(0)
     x_BTD = torch.randn(2, 200, 16, generator=g)
     grad_BTD = torch.randn(2, 200, 16, generator=g)
-    fast = (generic_gating.top_experts, 37 * 16 * 4, True)  # 37-row chunks
+    fast = (generic_gating.top_experts, 37 * 16 * 4, generic_gating.MeanAndGather)  # 37-row chunks
 
-    def run(top_experts, chunk_bytes, fuse):
+    def run(top_experts, chunk_bytes, mean_and_gather):
         monkeypatch.setattr(generic_gating, "top_experts", top_experts)
         monkeypatch.setattr(dispatch, "CHUNK_BYTES", chunk_bytes)
-        monkeypatch.setattr(generic_gating, "FUSE_MEAN_AND_GATHER", fuse)
+        monkeypatch.setattr(generic_gating, "MeanAndGather", mean_and_gather)
         layer.zero_grad(set_to_none=True)
         x = x_BTD.clone().requires_grad_()
         y, _aux = layer(x)
@@ -260,7 +262,7 @@ def test_dropless_layer_with_the_fast_paths_is_bitwise_the_layer_without(monkeyp
         return [y.detach(), x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)]
 
     with_paths = run(*fast)
-    without = run(lambda select_TE, k: torch.topk(select_TE, k=k, dim=1).indices, 1 << 62, False)
+    without = run(lambda select_TE, k: torch.topk(select_TE, k=k, dim=1).indices, 1 << 62, _AutogradMeanAndGather)
     assert len(with_paths) == len(without) == 6  # output, input, router weight, the three expert weights
     for new, ref in zip(with_paths, without, strict=True):
         assert torch.equal(new, ref)

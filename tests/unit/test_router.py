@@ -13,7 +13,7 @@ from torch import nn
 
 from moetron.errors import ConfigError, UserError
 from moetron.model.config import ModelConfig
-from moetron.model.moe.routing.capacity_and_dropping import capacity_from_factor
+from moetron.model.moe.routing.deepspeed_gating import capacity_from_factor
 from moetron.model.moe.routing.router import Router
 
 

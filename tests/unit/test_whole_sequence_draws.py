@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from moetron.data.context_chunks import take_zigzag
-from moetron.model.moe.routing.token_rows import LOCAL_ROWS
+from moetron.model.moe.routing.deepspeed_gating import LOCAL_ROWS
 from moetron.parallel.cp.whole_sequence import micro_batch_rows
 from moetron.parallel.sequence_dropout import PositionDropout, shard_dropout, zigzag_dropout
 

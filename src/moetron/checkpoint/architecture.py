@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING
 
 from moetron.checkpoint.files import resolve_checkpoint
 from moetron.errors import UserError
-from moetron.model.config import YARN_SETTINGS, ModelConfig
-from moetron.model.moe.routing.router_config import RouterConfig
+from moetron.model.config import YARN_SETTINGS, ModelConfig, RouterConfig
 
 if TYPE_CHECKING:
     from moetron.config import RunConfig

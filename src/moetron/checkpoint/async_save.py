@@ -44,20 +44,17 @@ import concurrent.futures
 import copy
 import threading
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from moetron.checkpoint import files
-from moetron.checkpoint.integrity import files_written_by, record_checksums
 from moetron.checkpoint.rng_files import rng_tensors
-from moetron.checkpoint.state import GlobalView, _attempt, _fail_everywhere_if_any, write_shared_files
+from moetron.checkpoint.state import GlobalView, SmallFiles, WriterThread, write_dcp_files, write_then_publish
 from moetron.errors import UserError
 from moetron.parallel.diagnosis import Site
 
@@ -101,7 +98,7 @@ class AsyncCheckpointer:
         writer thread."""
         self.wait()
         run_dir = Path(run_dir)
-        small = _SmallFiles(rng_tensors(), copy.deepcopy(state), config_yaml)  # this step's, before it moves on
+        small = SmallFiles(rng_tensors(), copy.deepcopy(state), config_yaml)  # this step's, before it moves on
         with Site(f"the checkpoint save of iteration {iteration} (staging)"):
             tensors = view.state(optimizer)
             staging = self.stager().stage(tensors)  # a Future: the copy runs in the stager's thread
@@ -144,7 +141,7 @@ class AsyncCheckpointer:
             if failure is not None:
                 raise failure
 
-    def _finish(self, staging, run_dir: Path, iteration: int, keep_last_n: int, small: _SmallFiles) -> None:
+    def _finish(self, staging, run_dir: Path, iteration: int, keep_last_n: int, small: SmallFiles) -> None:
         """(the background thread) the files, the agreements, the publish; the outcome is kept for `wait`. At the
         loop's CPU priority: this thread runs Python (DCP's planning, torch.save's pickling) and so holds the GIL at
         times, and at a lowered priority (nice +10, tried) a busy host descheduled it while it held the GIL, the loop
@@ -156,24 +153,14 @@ class AsyncCheckpointer:
             self._failure = err
 
     def _write_then_publish(self, staging, run_dir: Path, iteration: int, keep_last_n: int, small) -> None:
-        """The synchronous save's phases in the same order, each agreed over the writer's own gloo group: a fresh
-        staging directory (rank 0; the agreement is the barrier before any rank writes into it), this rank's RNG
-        file and rank 0's state.json / config.yaml, DCP's files of the staged copy, then rank 0's publish."""
-        env, tmp = self.env, files.staging_dir(run_dir, iteration)
-        failure = _attempt(lambda: files.prepare_staging(run_dir, iteration)) if env.is_main else None
-        _fail_everywhere_if_any(env, failure, run_dir, iteration, group=self.group)
-        failure = _attempt(lambda: small.write(tmp, env)) or _attempt_any(staging.result)
-        _fail_everywhere_if_any(env, failure, run_dir, iteration, discard=tmp, group=self.group)
-        writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
-        no_dist = not env.distributed
-        failure = _attempt_any(
-            lambda: dcp.save(staging.result(), storage_writer=writer, process_group=self.group, no_dist=no_dist)
-        )
-        rank = dist.get_rank(self.group) if env.distributed else 0  # DCP names this process's shards by it
-        failure = failure or _attempt(lambda: record_checksums(tmp, rank, files_written_by(tmp, rank, env.is_main)))
-        _fail_everywhere_if_any(env, failure, run_dir, iteration, discard=tmp, group=self.group)
-        failure = _attempt(lambda: files.publish(run_dir, iteration, keep_last_n)) if env.is_main else None
-        _fail_everywhere_if_any(env, failure, run_dir, iteration, group=self.group)
+        """The synchronous save's phases (`write_then_publish`), each agreed over the writer's own gloo group; the
+        tensors are the staged copy, once it is complete."""
+
+        def write_tensors(tmp: Path) -> None:
+            write_dcp_files(tmp, staging.result(), shared_files=self.env.is_main, group=self.group)
+
+        thread = WriterThread(group=self.group, in_background=True)
+        write_then_publish(self.env, run_dir, iteration, keep_last_n, small, write_tensors, thread)
 
     def close(self) -> None:
         """Wait for the write in flight without raising a failure of it over the error already on its way out."""
@@ -214,28 +201,3 @@ class _GilFreeStager(DefaultStager):
         self._state_dict_stager = _GilFreeStateDictStager(
             pin_memory=config.use_pinned_memory, share_memory=config.use_shared_memory
         )
-
-
-@dataclass(frozen=True)
-class _SmallFiles:
-    """What the synchronous save writes beside DCP's files, captured at the step saved: this rank's RNG states and
-    (rank 0) state.json's trainer state and config.yaml."""
-
-    rng: tuple[dict[str, torch.Tensor], dict[str, str]]
-    state: dict
-    config_yaml: str
-
-    def write(self, tmp: Path, env) -> None:
-        files.write_tensors(tmp / "rng" / f"rank_{env.rank:05d}.safetensors", *self.rng)
-        if env.is_main:
-            write_shared_files(tmp, self.state, self.config_yaml)
-
-
-def _attempt_any(wait) -> BaseException | None:
-    """`_attempt` for the background write: any error of DCP's staging copy or write (a failed copy raises no
-    OSError) is this rank's failure to agree on, so no peer is left waiting in the agreement."""
-    try:
-        wait()
-    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's is a BaseException; said by `wait`
-        return err
-    return None

@@ -26,6 +26,8 @@ import contextlib
 import math
 import shutil
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,7 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from moetron.checkpoint import files
 from moetron.checkpoint.integrity import files_written_by, record_checksums, verify_checkpoint
-from moetron.checkpoint.rng_files import load_rng, save_rng
+from moetron.checkpoint.rng_files import load_rng, rng_tensors
 from moetron.errors import SaidByAnotherRank, UserError
 from moetron.fileio import describe_os_error
 from moetron.parallel.diagnosis import Site, failure_kind
@@ -199,45 +201,79 @@ def save_checkpoint(
     A write that fails on any rank (a full disk, a vanished mount) fails the save on every rank with one line:
     the staging directory is removed, `latest` still names the previous checkpoint, which stays intact."""
     run_dir = Path(run_dir)
-    tmp = stage_checkpoint(run_dir, iteration, env)
-    with Site(f"the checkpoint save of iteration {iteration} (DCP's collectives)"):
-        failure = _attempt(lambda: _write_shards(tmp, view, optimizer, state, config_yaml, env))
-        _fail_everywhere_if_any(env, failure, run_dir, iteration, discard=tmp)
-        failure = _attempt(lambda: files.publish(run_dir, iteration, keep_last_n)) if env.is_main else None
-        _fail_everywhere_if_any(env, failure, run_dir, iteration)
+    small = SmallFiles(rng_tensors(), state, config_yaml)
+
+    def write_tensors(tmp: Path) -> None:
+        with single_process_quiet():
+            write_dcp_files(tmp, view.state(optimizer), shared_files=env.is_main)
+
+    write_then_publish(env, run_dir, iteration, keep_last_n, small, write_tensors)
     return run_dir / files.iteration_dir_name(iteration)
 
 
-def stage_checkpoint(run_dir: Path, iteration: int, env) -> Path:
-    """The start of every trainer save, synchronous (`save_checkpoint`) or not (`async_save.py`), on every rank:
-    rank 0 makes a fresh staging directory for `iteration`, and no rank writes into it before it exists (a
-    barrier). Returns the staging directory."""
-    with Site(f"the checkpoint barrier of the save of iteration {iteration}"):
+@dataclass(frozen=True)
+class SmallFiles:
+    """What a save writes beside DCP's files, captured at the step saved: this rank's RNG states and (rank 0)
+    state.json's trainer state and config.yaml."""
+
+    rng: tuple[dict[str, torch.Tensor], dict[str, str]]
+    state: dict
+    config_yaml: str
+
+    def write(self, tmp: Path, env) -> None:
+        files.write_tensors(tmp / "rng" / f"rank_{env.rank:05d}.safetensors", *self.rng)
         if env.is_main:
-            files.prepare_staging(run_dir, iteration)
-        env.barrier()
-    return files.staging_dir(run_dir, iteration)
+            write_shared_files(tmp, self.state, self.config_yaml)
 
 
-def _write_shards(tmp: Path, view: GlobalView, optimizer, state: dict, config_yaml: str, env) -> None:
-    save_rank_rng(tmp, env)
-    write_files(tmp, view.state(optimizer), state, config_yaml, shared_files=env.is_main)
+def write_then_publish(
+    env,
+    run_dir: Path,
+    iteration: int,
+    keep_last_n: int,
+    small: SmallFiles,
+    write_tensors: Callable[[Path], None],
+    writer_thread: WriterThread | None = None,
+) -> None:
+    """The phases of every trainer save, synchronous (`save_checkpoint`) or in a writer thread (`async_save.py`), in
+    this order, each agreed by every rank so that a failure anywhere fails the save everywhere with one line and the
+    previous checkpoint stays `latest`: rank 0 makes a fresh staging directory (the agreement is the barrier before
+    any rank writes into it); every rank writes its `SmallFiles`, then `write_tensors(staging dir)` (DCP's files of
+    its tensors and their checksums); rank 0 publishes (rename to iter_*, then `latest`, then prune)."""
+    tmp, thread = files.staging_dir(run_dir, iteration), writer_thread or WriterThread()
+    with thread.site(f"the checkpoint barrier of the save of iteration {iteration}"):
+        failure = _attempt(lambda: files.prepare_staging(run_dir, iteration)) if env.is_main else None
+        _fail_everywhere_if_any(env, failure, run_dir, iteration, group=thread.group)
+    with thread.site(f"the checkpoint save of iteration {iteration} (DCP's collectives)"):
+        failure = _attempt(lambda: small.write(tmp, env)) or thread.attempt(lambda: write_tensors(tmp))
+        _fail_everywhere_if_any(env, failure, run_dir, iteration, discard=tmp, group=thread.group)
+        failure = _attempt(lambda: files.publish(run_dir, iteration, keep_last_n)) if env.is_main else None
+        _fail_everywhere_if_any(env, failure, run_dir, iteration, group=thread.group)
 
 
-def save_rank_rng(tmp: Path, env) -> None:
-    """This rank's RNG file into the staging directory `tmp`."""
-    save_rng(tmp / "rng" / f"rank_{env.rank:05d}.safetensors")
+@dataclass(frozen=True)
+class WriterThread:
+    """Where `write_then_publish` runs: the training loop's thread (the default: the world's collectives, each phase a
+    `Site` of the hang diagnosis), or the asynchronous save's writer thread (its own gloo `group`, no `Site`, which
+    belongs to the loop's thread, and every error of the tensor phase caught: a failed staging copy is no OSError)."""
+
+    group: object = None
+    in_background: bool = False
+
+    def site(self, what: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self.in_background else Site(what)
+
+    def attempt(self, write: Callable[[], None]) -> BaseException | None:
+        return _attempt_any(write) if self.in_background else _attempt(write)
 
 
-def write_files(tmp: Path, tensors: dict[str, torch.Tensor], state: dict, config_yaml: str, shared_files: bool) -> None:
-    """Into the staging directory `tmp`: DCP's files of `tensors` (this process's part) and, when `shared_files`
-    (one process of the save), state.json and config.yaml. The trainer's save and `write_checkpoint` both write
-    through here, so a converter's checkpoint has exactly the trainer's files."""
-    with single_process_quiet() as no_dist:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=no_dist)
-    if shared_files:
-        write_shared_files(tmp, state, config_yaml)
-    rank = 0 if no_dist else dist.get_rank()  # DCP names this process's shards by it
+def write_dcp_files(tmp: Path, tensors: dict[str, torch.Tensor], shared_files: bool, group=None) -> None:
+    """Into the staging directory `tmp`: DCP's files of `tensors` (this process's part, over `group`: the world's by
+    default), then the checksums of every file this process wrote there (`shared_files`: state.json, config.yaml)."""
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), process_group=group,
+             no_dist=no_dist)  # fmt: skip
+    rank = 0 if no_dist else dist.get_rank(group)  # DCP names this process's shards by it
     record_checksums(tmp, rank, files_written_by(tmp, rank, shared_files))
 
 
@@ -253,6 +289,16 @@ def _attempt(write) -> BaseException | None:
     try:
         write()
     except (OSError, CheckpointException) as err:
+        return err
+    return None
+
+
+def _attempt_any(write) -> BaseException | None:
+    """`_attempt` for the background write: any error of DCP's staging copy or write (a failed copy raises no
+    OSError) is this rank's failure to agree on, so no peer is left waiting in the agreement."""
+    try:
+        write()
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's is a BaseException; said by `wait`
         return err
     return None
 
@@ -456,5 +502,7 @@ def write_checkpoint(
     tmp = files.staging_dir(run_dir, iteration)
     tensors = {f"model.{name}": t.detach().contiguous() for name, t in model_tensors.items()}
     tensors.update({f"optim.{name}": t.detach().contiguous() for name, t in (optim_tensors or {}).items()})
-    write_files(tmp, tensors, state, config_yaml, shared_files=True)
+    write_shared_files(tmp, state, config_yaml)
+    with single_process_quiet():
+        write_dcp_files(tmp, tensors, shared_files=True)
     return files.publish(run_dir, iteration, keep_last_n=1)

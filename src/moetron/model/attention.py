@@ -55,6 +55,19 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, 
     return torch.cat([q_KRD, k_K1D, v_K1D], dim=1).reshape(-1, *rest)
 
 
+def split_grouped_qkv(
+    fused: torch.Tensor, queries_per_group: int, head_dim: int, dim: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one rule of the grouped `query_key_value` layout, along `dim` of `fused`: per key/value group, its R query
+    heads, then its key head, then its value head, each `head_dim` wide. Returns views q `[..., K, R, D, ...]`, k and
+    v `[..., K, D, ...]` (K groups in place of `dim`) for the weight (dim 0) and the projected activations (dim -1)."""
+    dim %= fused.dim()
+    R = queries_per_group
+    grouped = fused.reshape(*fused.shape[:dim], -1, R + 2, head_dim, *fused.shape[dim + 1 :])
+    before = (slice(None),) * (dim + 1)  # every index up to the groups' dim
+    return grouped[(*before, slice(0, R))], grouped[(*before, R)], grouped[(*before, R + 1)]
+
+
 def split_qkv_weight(
     fused: torch.Tensor, num_heads: int, kv_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -62,11 +75,12 @@ def split_qkv_weight(
     per_group = num_heads // kv_heads
     head_dim = fused.shape[0] // (kv_heads * (per_group + 2))
     rest = fused.shape[1:]
-    grouped = fused.reshape(kv_heads, per_group + 2, head_dim, *rest)
-    q = grouped[:, :per_group].reshape(num_heads * head_dim, *rest)
-    k = grouped[:, per_group].reshape(kv_heads * head_dim, *rest)
-    v = grouped[:, per_group + 1].reshape(kv_heads * head_dim, *rest)
-    return q, k, v
+    q, k, v = split_grouped_qkv(fused, per_group, head_dim)
+    return (
+        q.reshape(num_heads * head_dim, *rest),
+        k.reshape(kv_heads * head_dim, *rest),
+        v.reshape(kv_heads * head_dim, *rest),
+    )
 
 
 class SelfAttention(nn.Module):
@@ -94,11 +108,10 @@ class SelfAttention(nn.Module):
     def split_qkv(self, x_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project and split into q `[B, H, T, D]`, k and v `[B, K, T, D]` (H, K: this shard's heads)."""
         B, T, _ = x_BTC.shape
-        R, D = self.queries_per_group, self.head_dim
-        qkv_BTKXD = self.query_key_value(x_BTC).view(B, T, -1, R + 2, D)
-        q_BHTD = qkv_BTKXD[:, :, :, :R].reshape(B, T, -1, D).transpose(1, 2)
-        k_BKTD = qkv_BTKXD[:, :, :, R].transpose(1, 2)
-        v_BKTD = qkv_BTKXD[:, :, :, R + 1].transpose(1, 2)
+        D = self.head_dim
+        q_BTKRD, k_BTKD, v_BTKD = split_grouped_qkv(self.query_key_value(x_BTC), self.queries_per_group, D, dim=-1)
+        q_BHTD = q_BTKRD.reshape(B, T, -1, D).transpose(1, 2)
+        k_BKTD, v_BKTD = k_BTKD.transpose(1, 2), v_BTKD.transpose(1, 2)
         if self.q_layernorm is not None:
             q_BHTD, k_BKTD = self._qk_norm(self.q_layernorm, q_BHTD), self._qk_norm(self.k_layernorm, k_BKTD)
         return q_BHTD, k_BKTD, v_BKTD
@@ -126,16 +139,10 @@ class SelfAttention(nn.Module):
             k_BKSD, v_BKSD = kv_cache.update(self.layer_index, k_BKTD, v_BKTD)
         else:
             k_BKSD, v_BKSD = k_BKTD, v_BKTD
-        with self.dropout_stream():
+        with attention_dropout_stream(self):
             y_BHTD = self.attend(q_BHTD, k_BKSD.to(q_BHTD.dtype), v_BKSD.to(q_BHTD.dtype), past)
         y_BTC = y_BHTD.transpose(1, 2).reshape(B, T, -1)
         return self.dense(y_BTC)
-
-    def dropout_stream(self) -> contextlib.AbstractContextManager:
-        """The attention-dropout stream of this layer (and shard) while dropout is on; else nothing to swap."""
-        if not (self.training and self.dropout_p > 0):
-            return contextlib.nullcontext()
-        return STREAMS.fork("layers", self.layer_index, "attention", *self.stream_shard)
 
     def attend(self, q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, past: int) -> torch.Tensor:
         """Causal SDPA where query t sits at absolute position `past + t`."""
@@ -144,6 +151,14 @@ class SelfAttention(nn.Module):
             k_BKSD, v_BKSD, gqa = grouped_kv(k_BKSD, v_BKSD, self.queries_per_group)
             return self.attend_fn(q_BHTD, k_BKSD, v_BKSD, dropout_p=dropout_p, **gqa)
         return causal_attention(q_BHTD, k_BKSD, v_BKSD, past, dropout_p, self.queries_per_group)
+
+
+def attention_dropout_stream(layer: nn.Module) -> contextlib.AbstractContextManager:
+    """The attention-dropout stream of `layer` (`SelfAttention` or `MultiLatentAttention`; and its tensor-parallel
+    shard) while dropout is on; else nothing to swap."""
+    if not (layer.training and layer.dropout_p > 0):
+        return contextlib.nullcontext()
+    return STREAMS.fork("layers", layer.layer_index, "attention", *layer.stream_shard)
 
 
 def grouped_kv(

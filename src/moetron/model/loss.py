@@ -11,7 +11,8 @@ when the mask is all zero). Two seams:
     (`model.logits`, or `model.final_layernorm` + `model.head_weight()`), so it may never build the logits:
     `FusedHeadLoss` (the trainer's default, `--fused-cross-entropy`) runs head and cross-entropy chunk by chunk
     (`fused_cross_entropy.py`); `LogitsHeadLoss(loss_fn)` materialises the logits and calls any `LossFunction`.
-The trainer's executors call a `HeadLoss` on the last pipeline stage's output. Which one is one rule,
+The trainer's executors call a `HeadLoss` on the last pipeline stage's output, the one `with_grad_scale(factor)` gives
+for the factor they multiply the loss by before its backward. Which one is one rule,
 `fuses_head(fused flag, vocab-parallel, schedule splits the backward)`, read by the model's own `forward`, the
 parallel recipe (which builds the `HeadLoss` every executor and evaluation then uses) and the memory planner.
 """
@@ -25,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetron.model.fused_cross_entropy import fused_linear_cross_entropy
-from moetron.model.gradient_scale import LOSS_GRADIENT_SCALE
 
 
 class LossFunction(Protocol):
@@ -77,6 +77,10 @@ class HeadLoss(Protocol):
         loss_mask_BT: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
+    def with_grad_scale(self, grad_scale: float) -> HeadLoss:
+        """This head loss, for a caller that multiplies the loss by `grad_scale` before its backward."""
+        ...
+
 
 class LogitsHeadLoss:
     """`loss_fn(model.logits(hidden), labels, mask)`: the head as the model applies it, then any `LossFunction`."""
@@ -89,20 +93,28 @@ class LogitsHeadLoss:
     def __call__(self, model, hidden_BTC, labels_BT, loss_mask_BT=None) -> torch.Tensor:
         return self.loss_fn(model.logits(hidden_BTC), labels_BT, loss_mask_BT)
 
+    def with_grad_scale(self, grad_scale: float) -> LogitsHeadLoss:
+        return self  # autograd multiplies the gradients by the caller's factor
+
 
 class FusedHeadLoss:
     """Final norm, then head + cross-entropy fused over token chunks: the [B, T, V] logits never exist. The
-    gradients are computed in the forward, for the factor the executor will multiply the loss by
-    (`LOSS_GRADIENT_SCALE.value`, the same announcement the MoE aux losses use): fp16 scales them before their
-    cast."""
+    gradients are computed in the forward, for `grad_scale`, the factor the caller will multiply the loss by before
+    its backward (fp16 scales them before their cast; another factor is corrected in the backward)."""
 
     fused: ClassVar[bool] = True
+
+    def __init__(self, grad_scale: float = 1.0):
+        self.grad_scale = grad_scale
+
+    def with_grad_scale(self, grad_scale: float) -> FusedHeadLoss:
+        return FusedHeadLoss(grad_scale)
 
     def __call__(self, model, hidden_BTC, labels_BT, loss_mask_BT=None) -> torch.Tensor:
         x_NC = model.final_layernorm(hidden_BTC).flatten(0, 1)
         weight_N = token_weights(loss_mask_BT, x_NC.shape[0], x_NC.device)
         return fused_linear_cross_entropy(
-            x_NC, model.head_weight(), labels_BT.flatten(), weight_N, grad_scale=LOSS_GRADIENT_SCALE.value
+            x_NC, model.head_weight(), labels_BT.flatten(), weight_N, grad_scale=self.grad_scale
         )
 
 

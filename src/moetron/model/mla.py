@@ -30,17 +30,15 @@ by tensor parallelism) sums it over the shards in backward; the forward derives 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from moetron.model.attention import causal_attention
+from moetron.model.attention import attention_dropout_stream, causal_attention
 from moetron.model.config import ModelConfig
 from moetron.model.kv_cache import KVCache
 from moetron.model.norm import RMSNorm
-from moetron.model.rng import STREAMS
 from moetron.model.rotary import apply_rotary, yarn_of, yarn_softmax_factor
 
 LATENT_NORM_EPS = 1e-6
@@ -114,17 +112,11 @@ class MultiLatentAttention(nn.Module):
             c_B1TR, k_rope_B1TD = kv_cache.update(self.layer_index, c_B1TR, k_rope_B1TD)
         k_BHSD, v_BHSD = self.expand(c_B1TR.to(x_BTC.dtype), k_rope_B1TD)
         q_BHTD = torch.cat([q_nope_BHTD, q_rope_BHTD], dim=-1)
-        with self.dropout_stream():
+        with attention_dropout_stream(self):
             dropout_p = self.dropout_p if self.training else 0.0
             k_BHSD, v_BHSD = k_BHSD.to(q_BHTD.dtype), v_BHSD.to(q_BHTD.dtype)
             y_BHTD = causal_attention(q_BHTD, k_BHSD, v_BHSD, past, dropout_p, scale=self.softmax_scale)
         return self.dense(y_BHTD.transpose(1, 2).reshape(B, T, -1))
-
-    def dropout_stream(self) -> contextlib.AbstractContextManager:
-        """The attention-dropout stream of this layer (and shard) while dropout is on (as `SelfAttention`'s)."""
-        if not (self.training and self.dropout_p > 0):
-            return contextlib.nullcontext()
-        return STREAMS.fork("layers", self.layer_index, "attention", *self.stream_shard)
 
 
 def latent_attention_params(cfg: ModelConfig) -> int:

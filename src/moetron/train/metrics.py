@@ -56,16 +56,6 @@ def mfu_text(value: float | None) -> str:
     return "MFU n/a (--peak-tflops)" if value is None else f"MFU {100 * value:.2f}%"
 
 
-def moe_step_stats(model) -> MoEStats | None:
-    """[L_moe] means over this step's training forwards of each MoE layer's `MoEStats`, still on device; None for
-    a dense model. Resets the layers' sums."""
-    rows = []
-    for moe in model.moe_layers():
-        total, count = moe.take_stats()
-        rows.append(total / count if count else MoEStats.zeros(moe.router.weight.device))
-    return MoEStats.stack(rows) if rows else None
-
-
 class StepSums:
     """One optimizer step's mean losses and routing stats over its micro-batches, on device (no host sync)."""
 

@@ -10,8 +10,9 @@ micro-batch's forward, on every stage, the random streams are keyed by that micr
 (`STREAMS.micro_batch`), so dropout and random token selection draw exactly what the one-process run draws in
 whatever order the schedule runs the micro-batches. The loss function (last stage: `parallel.head_loss`, on the
 hidden states the last stage then emits when it is the fused head, else on its logits) multiplies each LM loss by
-loss_scale / num_micro, and the MoE aux losses' gradients are scaled by the same factor in their layers
-(LOSS_GRADIENT_SCALE): the gradients are the one-process executor's, and the schedule rescales nothing.
+loss_scale / num_micro, the fused head is told that factor and the MoE aux losses' gradients are that factor in
+their layers (`aux_loss_grad_scale`): the gradients are the one-process executor's, and the schedule rescales
+nothing.
 
 With --mtp-num-layers the last stage runs the MTP modules in its forward (`pp/split.py`) on the tokens and labels
 of the micro-batch it is running (`_mtp_batch`, training only), and the loss function adds
@@ -31,13 +32,12 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from moetron.model.gradient_scale import LOSS_GRADIENT_SCALE
-from moetron.model.moe.stats import MoEStats
+from moetron.model.moe.aux_loss import aux_loss_grad_scale
+from moetron.model.moe.stats import MoEStats, MoEStepRecord
 from moetron.model.rng import STREAMS
 from moetron.parallel.diagnosis import Site
 from moetron.parallel.parallelize import ParallelModel
 from moetron.parallel.pp.schedules import build_schedule, pipeline_stages
-from moetron.train.metrics import moe_step_stats
 from moetron.train.micro_batch import MicroBatch
 
 
@@ -59,7 +59,7 @@ class PipelineExecutor:
         self.device = next(self.model.parameters()).device
         self._phase, self._first_samples = "train", []
         self._losses: list[torch.Tensor] = []  # this step's unscaled LM losses (last stage), in micro-batch order
-        self._factor = 1.0
+        self._factor = 1.0  # this step's loss_scale / num_micro (1.0 in evaluation)
         self.last_mtp_loss: torch.Tensor | None = None  # the last step's mean MTP loss (--mtp-num-layers), fp64
         self._mtp_losses: list[torch.Tensor] = []  # this step's MTP losses (last stage), in micro-batch order
         self._batches: list[MicroBatch] = []
@@ -69,6 +69,7 @@ class PipelineExecutor:
             if module.last and self.model.mtp is not None:
                 module.mtp_batch, module.mtp_head_loss, self._mtp_stage = self._mtp_batch, self.head_loss, module
         self._moe_stats: MoEStats | None = None
+        self.moe_record = MoEStepRecord.attached_to(self.model.moe_layers())  # this rank's layers' routing reports
         moe_indices = self.model.cfg.routed_layer_indices()
         self._moe_rows = {layer: row for row, layer in enumerate(moe_indices)}  # global layer → MoE-layer row
         stages = pipeline_stages(
@@ -98,7 +99,7 @@ class PipelineExecutor:
         factor."""
         with self.autocast():
             if self.head_loss.fused:
-                lm_loss = self.head_loss(self.model, output, labels_BT)
+                lm_loss = self.head_loss.with_grad_scale(self._factor)(self.model, output, labels_BT)
             else:
                 lm_loss = self.head_loss.loss_fn(output, labels_BT)
         self._losses.append(lm_loss.detach())
@@ -133,16 +134,23 @@ class PipelineExecutor:
             raise ValueError(f"the schedule was built for {self.num_micro} micro-batches, not {num_micro}")
         args, target = self._feed([next_micro_batch() for _ in range(num_micro)], "train")
         self._factor = loss_scale / num_micro
-        with LOSS_GRADIENT_SCALE.scaled(self._factor), self.parallel.loss_scope(), self._send_recv_site:
-            self.schedule.step(*args, target=target, return_outputs=False)
+        self.moe_record.reset()
+        if self._mtp_stage is not None:
+            self._mtp_stage.mtp_head_loss = self.head_loss.with_grad_scale(self._factor)
+        try:
+            with aux_loss_grad_scale(self.model.moe_layers(), self._factor), self.parallel.loss_scope():
+                with self._send_recv_site:
+                    self.schedule.step(*args, target=target, return_outputs=False)
+        finally:
+            self._factor = 1.0
         mtp = self._loss_sum(num_micro, self._mtp_losses) if self.model.cfg.mtp_num_layers else None
         lm_loss, self._moe_stats, self.last_mtp_loss = self._over_stages(
-            self._loss_sum(num_micro), moe_step_stats(self.model), mtp
+            self._loss_sum(num_micro), self.moe_record.step_stats(self.model.moe_layers()), mtp
         )
         return lm_loss
 
     def moe_step_stats(self) -> MoEStats | None:
-        """[L_moe] of the last step, every MoE layer of the model (see `train.metrics.moe_step_stats`)."""
+        """[L_moe] of the last step, every MoE layer of the model: each one's mean over the step's forwards."""
         stats, self._moe_stats = self._moe_stats, None
         return stats
 

@@ -1,7 +1,7 @@
 """Routing-health alarms: one log line (and a metrics field) when a MoE router goes wrong in one of three ways.
 
     health = RoutingHealth.from_config(cfg.train, model, device)
-    health.observe_step(model)                       # every step, on device: which experts got tokens
+    health.observe_step(executor.moe_record)         # every step, on device: which experts got tokens
     extra = health.pack()                            # rides on the log interval's one all-reduce + host read
     fields, lines = health.check(reduced_extra, reduced_metrics, iteration)
 
@@ -38,6 +38,8 @@ import math
 from collections import deque
 
 import torch
+
+from moetron.model.moe.stats import MoEStepRecord
 
 AUX_FALL = 0.01  # relative fall of the aux loss over the window that counts as "falling"
 ROUTING_COUNTS_FILE = "routing_counts.json"  # in the run directory: the last interval's routes per expert
@@ -83,11 +85,12 @@ class RoutingHealth:
         return bool(self.layers) and bool(self.dead_steps or self.collapse_entropy or self.window)
 
     # ------------------------------------------------------------ every step (device only)
-    def observe_step(self, model) -> None:
+    def observe_step(self, record: MoEStepRecord) -> None:
+        """The step's routing (`record.routing_2E`: per MoE layer, routes per expert and mean router probabilities)."""
         if not self.enabled:
-            return  # every alarm off: no device work, no host read (the layers' own running sums stay unread)
-        for i, moe in enumerate(model.moe_layers()):
-            routing_2E = moe.take_routing()
+            return  # every alarm off: no device work, no host read (the step's routing stays unread)
+        for i, (layer_index, _) in enumerate(self.layers):
+            routing_2E = record.routing_2E.get(layer_index)
             if routing_2E is None:
                 continue
             self.idle_E[i] = torch.where(routing_2E[0] > 0, 0, self.idle_E[i] + 1)

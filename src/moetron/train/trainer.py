@@ -158,7 +158,7 @@ class Trainer:
         m = self.cfg.model
         sums = StepSums(lm_loss, self.executor.moe_step_stats(), m.moe_loss_coeff, m.moe_z_loss_coeff)
         sums.add_mtp_loss(self.executor.last_mtp_loss)
-        self.health.observe_step(self.model)
+        self.health.observe_step(self.executor.moe_record)
         grads = local_grads(self.params)
         if scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)  # a power of two: exact
@@ -190,12 +190,10 @@ class Trainer:
         return self.ep_guard.run_exact(self.model, self.next_micro_batch, run_once, self._discard_attempt)
 
     def _discard_attempt(self) -> None:
-        """Forget an overflowed attempt of the step: its gradients and the routing statistics it added."""
+        """Forget an overflowed attempt of the step: its gradients and the routing statistics it reported."""
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
-        self.executor.moe_step_stats()
-        for moe in self.model.moe_layers():
-            moe.take_routing()
+        self.executor.moe_record.reset()
 
     def _account(self, result: StepResult) -> None:
         p, t = self.progress, self.cfg.train

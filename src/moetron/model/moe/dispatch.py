@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from moetron.model.compiled_kernels import index_add_rows
-from moetron.model.moe.routing.decision import Routing, route_counts
+from moetron.model.moe.routing.router import Routing, route_counts
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 On a GPU, reading a device tensor's value on the host (`.item()`, `int(t)`, `.tolist()`, `if t:`, `.cpu()`,
 …) waits until every queued kernel has run: the GPU then idles while Python launches the next kernels. The
-MoE forward and backward avoid such reads on CUDA. A few CPU-only kernels read the device on purpose because it
-costs nothing on a CPU (expert-by-expert SwiGLU, the sort-based RTS keep); modules choose them with
-`host_reads_are_free(device)`.
+MoE forward and backward avoid such reads on CUDA. CPU-only kernels that read the device on purpose decide by the
+tensors' device where they are chosen (the router's sort-based RTS keep: `deepspeed_gating._keep_top1`); the last
+one asking here is the experts' expert-by-expert SwiGLU (`experts/grouped.py`), and this module goes once the CPU
+experts backend is picked per device.
 
 The reads are counted on a CPU by the test instrument in tests/support/host_read_counter.py, whose
 `cuda_code_path()` swaps this function for one that answers False, so the CPU runs the branch CUDA runs. The

@@ -5,8 +5,10 @@
     lm_loss.backward()  # the router also gets d(aux.loss(cfg))/d(router): the aux loss is attached to y_BTD
 
 `aux.loss(cfg)` = moe_loss_coeff · aux.aux_loss + moe_z_loss_coeff · aux.z_loss is attached to the output by
-`aux_loss.attach_aux_loss` (its gradient arrives when y's backward runs), so no caller adds it to the loss.
-In training the layer also sums its routing statistics on device (`take_stats`, read once per optimizer step).
+`aux_loss.attach_aux_loss` (its gradient arrives when y's backward runs), so no caller adds it to the loss; a caller
+that multiplies the LM loss by a factor sets `aux_loss_grad_scale` to it (`aux_loss.aux_loss_grad_scale`).
+In training the layer reports its routing statistics (on device) to the step record the executor gave it
+(`stats.MoEStepRecord`, read once per optimizer step).
 
 Options (reference: deepspeed-moe.md §4, modern-moe.md §1.4):
   residual MoE (`cfg.mlp_type == "residual"`, PR-MoE): a dense MLP of the expert size beside the experts,
@@ -34,9 +36,8 @@ from moetron.model.init import seeded_draw, seeded_generator
 from moetron.model.moe.aux_loss import attach_aux_loss
 from moetron.model.moe.dispatch import LocalDispatcher, TokenDispatcher, ep_load_of
 from moetron.model.moe.experts.grouped import GroupedExperts
-from moetron.model.moe.routing.decision import Routing
-from moetron.model.moe.routing.router import Router
-from moetron.model.moe.stats import MoEStats
+from moetron.model.moe.routing.router import Router, Routing
+from moetron.model.moe.stats import MoEStats, MoEStepRecord
 
 
 @dataclass
@@ -128,11 +129,9 @@ class MoELayer(nn.Module):
         shared = cfg.num_shared_experts
         self.shared_experts = _dense_mlp(cfg, shared * ffn) if shared else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared and cfg.shared_expert_gate else None
-        self._stats_sum: MoEStats | None = None
-        self._stats_count = 0
-        self._routing_sum_2E: torch.Tensor | None = None  # Σ over forwards: routes per expert, mean router probs
-        if not self.experts.w1_EDF.is_meta:
-            self.init_weights(cfg.init_method_std, cfg.init_method_std / math.sqrt(2 * cfg.num_layers), seed=0)
+        # the gradient of the attached aux loss: what the caller multiplies its LM loss by (`aux_loss.py`)
+        self.aux_loss_grad_scale = 1.0
+        self.step_record: MoEStepRecord | None = None  # where training forwards report (the executor's)
 
     def extra_repr(self) -> str:
         return f"layer_index={self.layer_index}, dispatcher={self.dispatcher!r}"
@@ -156,9 +155,9 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             y_TD = y_TD + (self._shared(x_TD) if shared_TD is None else shared_TD)
         aux = self._aux(routing)
-        if self.training and not in_backward():  # not again when activation checkpointing recomputes the layer
-            self._add_stats(aux, ep_load_of(ctx))
-        return attach_aux_loss(y_TD.reshape(x_BTD.shape), aux.loss(self.cfg)), aux
+        if self.training and self.step_record is not None and not in_backward():  # not again in a recompute
+            self.step_record.add(self.layer_index, step_stats(aux, ep_load_of(ctx)), routing_distribution(aux))
+        return attach_aux_loss(y_TD.reshape(x_BTD.shape), aux.loss(self.cfg), self.aux_loss_grad_scale), aux
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
         out_TD = self.shared_experts.dense_forward(x_TD)
@@ -178,33 +177,12 @@ class MoELayer(nn.Module):
             routing,
         )
 
-    # ------------------------------------------------------------ statistics for the metrics
-    def _add_stats(self, aux: MoEAux, ep_load: torch.Tensor | None) -> None:
-        stats = step_stats(aux, ep_load)
-        self._stats_sum = stats if self._stats_sum is None else self._stats_sum + stats
-        self._stats_count += 1
-        routing_2E = routing_distribution(aux)
-        self._routing_sum_2E = routing_2E if self._routing_sum_2E is None else self._routing_sum_2E + routing_2E
-
-    def take_routing(self) -> torch.Tensor | None:
-        """[2, E] summed over the training forwards since the last call: routes per expert (before dropping) and
-        the mean router probability of each expert (for the routing-health alarms); None if there was none. Resets;
-        no host sync."""
-        out, self._routing_sum_2E = self._routing_sum_2E, None
-        return out
-
-    def take_stats(self) -> tuple[MoEStats | None, int]:
-        """(the sum of `MoEStats` over the training forwards since the last call (on device), number of
-        forwards), and reset. No host sync."""
-        out = (self._stats_sum, self._stats_count)
-        self._stats_sum, self._stats_count = None, 0
-        return out
-
     # ------------------------------------------------------------ initialisation
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float, seed: int) -> None:
         """Initialise everything this layer owns from (seed, layer_index) only, never the global RNG, so the
-        result does not depend on construction order, device or expert-parallel layout.
+        result does not depend on construction order, device or expert-parallel layout. The one init path: the
+        model's `init_weights` calls it (`model/init.py`); the constructor leaves its parts' defaults.
 
         router gate: nn.Linear's default (uniform ±1/sqrt(D)); experts: per global expert id, N(0, std) and
         N(0, out_std) for the output projection, zero biases (`moe_identical_expert_init`: all = expert 0);

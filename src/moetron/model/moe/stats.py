@@ -4,6 +4,12 @@
     stack = MoEStats.stack([layer_a, layer_b])       # [L_moe, 6]
     stack.load_max_over_mean, stack.dropped_fraction  # [L_moe] each, still on device
 
+    record = MoEStepRecord.attached_to(model.moe_layers())  # the executor's: training forwards report into it
+    record.reset()                                    # a step starts
+    ... the step's forwards and backwards ...
+    record.step_stats(model.moe_layers())             # MoEStats [L_moe]: each layer's mean over the step's forwards
+    record.routing_2E[layer_index]                    # routes per expert, mean router probabilities: summed
+
 The values stay ONE fp32 tensor (not four scalars or a dict) so that summing over forwards, the mean over a step
 and the pipeline's all-reduce are single device ops with no host sync; the names replace the positions
 (`stats[:, 2]`) that the layer, the metrics and the pipeline executor used to share.
@@ -11,7 +17,10 @@ and the pipeline's all-reduce are single device ops with no host sync; the names
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from torch import nn
 
 FIELDS = ("load_max_over_mean", "dropped_fraction", "aux_loss", "z_loss", "ep_load_routed", "ep_load_computed")
 
@@ -112,3 +121,42 @@ class MoEStats:
     def moe_loss(self, moe_loss_coeff: float, z_coeff: float) -> torch.Tensor:
         """Σ over layers of moe_loss_coeff · aux loss + z_coeff · z-loss (fp64 scalar, on device)."""
         return (moe_loss_coeff * self.aux_loss + z_coeff * self.z_loss).double().sum()
+
+
+class MoEStepRecord:
+    """What the MoE layers report of one optimizer step's training forwards, summed per layer (by `layer_index`)
+    on device: no host sync. The executor owns it; a layer given it (`MoELayer.step_record`) adds one report per
+    training forward, none when activation checkpointing recomputes the forward and none in evaluation."""
+
+    def __init__(self) -> None:
+        self.stats: dict[int, MoEStats] = {}  # Σ over the step's forwards
+        self.forwards: dict[int, int] = {}
+        self.routing_2E: dict[int, torch.Tensor] = {}  # Σ: routes per expert (before dropping), mean router probs
+
+    @classmethod
+    def attached_to(cls, moe_layers: Sequence[nn.Module]) -> MoEStepRecord:
+        record = cls()
+        for layer in moe_layers:
+            layer.step_record = record
+        return record
+
+    def reset(self) -> None:
+        """Forget the reports so far (a step starts, or an attempt of it is discarded)."""
+        self.stats.clear()
+        self.forwards.clear()
+        self.routing_2E.clear()
+
+    def add(self, layer_index: int, stats: MoEStats, routing_2E: torch.Tensor) -> None:
+        if layer_index in self.stats:
+            stats, routing_2E = self.stats[layer_index] + stats, self.routing_2E[layer_index] + routing_2E
+        self.stats[layer_index], self.routing_2E[layer_index] = stats, routing_2E
+        self.forwards[layer_index] = self.forwards.get(layer_index, 0) + 1
+
+    def step_stats(self, moe_layers: Sequence[nn.Module]) -> MoEStats | None:
+        """[L_moe] each layer's mean `MoEStats` over the step's training forwards (zeros for a layer that ran none),
+        still on device; None without MoE layers."""
+        rows = []
+        for moe in moe_layers:
+            count = self.forwards.get(moe.layer_index, 0)
+            rows.append(self.stats[moe.layer_index] / count if count else MoEStats.zeros(moe.router.weight.device))
+        return MoEStats.stack(rows) if rows else None

@@ -11,7 +11,7 @@ them, `data/loader.py`). Three things change, all installed here from outside th
     independent masks (SDPA draws inside the kernel: no layout can reproduce the one-process masks).
   - the aux losses: each router's `sequence_mean` averages the route fractions over the CP ranks
     (`SequenceMean`): of every sequence for `--moe-aux-loss-type seq`, of the micro-batch for `global`, so each is
-    the loss of the whole sequences (`model/moe/routing/balancing_losses.py`);
+    the loss of the whole sequences (`model/moe/routing/router.py`);
   - the routers' random draws and capacity decisions: each router's `token_rows` places its tokens in the whole
     micro-batch (`whole_sequence.py`), so the sampled second expert, RSample / Jitter noise, the RTS keys, the
     capacity and the dropped routes are the one-process run's;

@@ -19,6 +19,8 @@ with compute on GPUs; all-gather was built first because it is exact with the st
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -48,21 +50,53 @@ class _GatherSequence(torch.autograd.Function):
         return out.permute(1, 2, 0, 3), None, None, None
 
 
-class ContextParallelAttention:
+class SplitSequenceAttention:
     """The `attend_fn` of every `SelfAttention` on a context-parallel rank (`model/attention.py` calls it with
-    SDPA's arguments): causal attention of this rank's queries to the whole sequence's keys."""
+    SDPA's arguments): causal attention of this rank's queries (its zigzag chunks) to the whole sequence's keys. The
+    `--cp-comm-type` variants differ only in how the keys reach the queries (`attend`)."""
+
+    collective: ClassVar[str]  # what the collectives move, named in a hang's diagnosis
 
     def __init__(self, group, rank: int, size: int):
         self.group, self.rank, self.size = group, rank, size
-        self.site = Site("the context-parallel K/V all-gather (or its backward reduce-scatter)", group,
-                         "context-parallel")  # fmt: skip
+        self.site = Site(f"the context-parallel {self.collective}", group, "context-parallel")
+
+    def __call__(
+        self,
+        q_BHTD: torch.Tensor,
+        k_BKTD: torch.Tensor,
+        v_BKTD: torch.Tensor,
+        dropout_p: float = 0.0,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        return self.attend(q_BHTD, k_BKTD, v_BKTD, dropout_p, {"enable_gqa": True} if enable_gqa else {})
+
+    def attend(
+        self, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor, dropout_p: float, gqa: dict
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def gathered_positions(local_length: int, size: int, device: torch.device) -> torch.Tensor:
+    """int64 [size · T]: the sequence position of every rank's tokens, rank after rank (the order a gather along the
+    sequence of the ranks' zigzag chunks holds them in)."""
+    seq = local_length * size
+    return torch.cat([zigzag_positions(seq, r, size, device) for r in range(size)])
+
+
+class ContextParallelAttention(SplitSequenceAttention):
+    """`--cp-comm-type all_gather`: every rank's keys and values gathered, masked by position."""
+
+    collective = "K/V all-gather (or its backward reduce-scatter)"
+
+    def __init__(self, group, rank: int, size: int):
+        super().__init__(group, rank, size)
         self._masks: dict[tuple, torch.Tensor] = {}
 
     def causal_mask(self, local_length: int, device: torch.device) -> torch.Tensor:
         """bool [T, S]: local query t may read gathered key s (key position <= query position)."""
-        seq = local_length * self.size
-        query_pos_T = zigzag_positions(seq, self.rank, self.size, device)
-        key_pos_S = torch.cat([zigzag_positions(seq, r, self.size, device) for r in range(self.size)])
+        query_pos_T = zigzag_positions(local_length * self.size, self.rank, self.size, device)
+        key_pos_S = gathered_positions(local_length, self.size, device)
         return key_pos_S[None, :] <= query_pos_T[:, None]
 
     def additive_mask(self, local_length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -76,17 +110,9 @@ class ContextParallelAttention:
             self._masks[key] = zeros.masked_fill(~allowed_TS, float("-inf"))
         return self._masks[key]
 
-    def __call__(
-        self,
-        q_BHTD: torch.Tensor,
-        k_BKTD: torch.Tensor,
-        v_BKTD: torch.Tensor,
-        dropout_p: float = 0.0,
-        enable_gqa: bool = False,
-    ) -> torch.Tensor:
+    def attend(self, q_BHTD, k_BKTD, v_BKTD, dropout_p: float, gqa: dict) -> torch.Tensor:
         with self.site:
             k_BKSD = _GatherSequence.apply(k_BKTD, self.group, self.size, self.site)
             v_BKSD = _GatherSequence.apply(v_BKTD, self.group, self.size, self.site)
         mask_TS = self.additive_mask(q_BHTD.shape[2], q_BHTD.device, q_BHTD.dtype)
-        gqa = {"enable_gqa": True} if enable_gqa else {}
         return F.scaled_dot_product_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=mask_TS, dropout_p=dropout_p, **gqa)

@@ -29,31 +29,24 @@ import math
 import torch
 import torch.distributed as dist
 
-from moetron.parallel.diagnosis import Site
+from moetron.parallel.cp.attention import SplitSequenceAttention
 
 # message tags: the K/V blocks and their travelling gradients may be in flight between the same two ranks at once
 _KV_TAG, _GRAD_TAG = 1, 2
 
 
-class RingAttention:
-    """The `attend_fn` of every `SelfAttention` on a context-parallel rank (`model/attention.py` calls it with
-    SDPA's arguments) under `--cp-comm-type p2p`."""
+class RingAttention(SplitSequenceAttention):
+    """`--cp-comm-type p2p`: the K/V blocks passed around the ring, partial results merged (the module docstring)."""
+
+    collective = "ring exchange of K/V blocks (or of their gradients)"
 
     def __init__(self, group, rank: int, size: int):
-        self.group, self.rank, self.size = group, rank, size
+        super().__init__(group, rank, size)
         self.next = dist.get_global_rank(group, (rank + 1) % size)
         self.prev = dist.get_global_rank(group, (rank - 1) % size)
-        self.site = Site("the context-parallel ring exchange of K/V blocks (or of their gradients)", group,
-                         "context-parallel")  # fmt: skip
 
-    def __call__(
-        self,
-        q_BHTD: torch.Tensor,
-        k_BKTD: torch.Tensor,
-        v_BKTD: torch.Tensor,
-        dropout_p: float = 0.0,
-        enable_gqa: bool = False,
-    ) -> torch.Tensor:
+    def attend(self, q_BHTD, k_BKTD, v_BKTD, dropout_p: float, gqa: dict) -> torch.Tensor:
+        """GQA or not, the blocks read the K key/value heads in place (`_grouped`)."""
         if dropout_p:  # refused before launch; a guard for callers that skip validation
             raise ValueError("ring attention (--cp-comm-type p2p) has no attention dropout; use --cp-comm-type a2a")
         with self.site:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moetron.data.context_chunks import zigzag_positions
+from moetron.parallel.cp.attention import SplitSequenceAttention, gathered_positions
 from moetron.parallel.diagnosis import Site
 
 
@@ -43,20 +43,20 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None
 
 
-class UlyssesAttention:
-    """The `attend_fn` of every `SelfAttention` on a context-parallel rank under `--cp-comm-type a2a`."""
+class UlyssesAttention(SplitSequenceAttention):
+    """`--cp-comm-type a2a`: heads exchanged for tokens, the stock causal SDPA over the whole sequence."""
+
+    collective = "all-to-all of attention heads"
 
     def __init__(self, group, rank: int, size: int):
-        self.group, self.rank, self.size = group, rank, size
-        self.site = Site("the context-parallel all-to-all of attention heads", group, "context-parallel")
+        super().__init__(group, rank, size)
         self._orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def orders(self, local_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(to position order, back to rank order) index vectors over the rank-ordered whole sequence."""
         key = (local_length, device)
         if key not in self._orders:
-            seq = local_length * self.size
-            positions = torch.cat([zigzag_positions(seq, r, self.size, device) for r in range(self.size)])
+            positions = gathered_positions(local_length, self.size, device)
             self._orders[key] = (torch.argsort(positions), positions)
         return self._orders[key]
 
@@ -74,18 +74,10 @@ class UlyssesAttention:
         received = _AllToAll.apply(blocks, self.group, self.site)  # [N (head group), B, H/N, T, D]
         return received.transpose(0, 1).reshape(B, h * self.size, S // self.size, D)
 
-    def __call__(
-        self,
-        q_BHTD: torch.Tensor,
-        k_BKTD: torch.Tensor,
-        v_BKTD: torch.Tensor,
-        dropout_p: float = 0.0,
-        enable_gqa: bool = False,
-    ) -> torch.Tensor:
+    def attend(self, q_BHTD, k_BKTD, v_BKTD, dropout_p: float, gqa: dict) -> torch.Tensor:
         to_positions, to_ranks = self.orders(q_BHTD.shape[2], q_BHTD.device)
         with self.site:
             q, k, v = (self.heads_to_sequence(x)[:, :, to_positions] for x in (q_BHTD, k_BKTD, v_BKTD))
-        gqa = {"enable_gqa": True} if enable_gqa else {}
         y_BhSD = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **gqa)
         with self.site:
             return self.sequence_to_heads(y_BhSD[:, :, to_ranks])

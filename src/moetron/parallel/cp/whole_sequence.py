@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moetron.data.context_chunks import zigzag_positions
-from moetron.model.moe.routing.token_rows import TokenRows
+from moetron.model.moe.routing.router import TokenRows
 from moetron.parallel.diagnosis import Site
 
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from moetron.model.moe.dispatch import permute, unpermute
 from moetron.model.moe.experts.grouped import GroupedExperts
 from moetron.model.moe.layer import MoELayer
-from moetron.model.moe.routing.decision import Routing
+from moetron.model.moe.routing.router import Routing
 from moetron.parallel.diagnosis import NO_SITE, Site
 from moetron.parallel.ep.replica_plan import max_over_mean, owner_load
 

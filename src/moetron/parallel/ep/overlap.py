@@ -31,7 +31,7 @@ from torch.func import functional_call
 
 from moetron.model.moe.dispatch import permute, unpermute
 from moetron.model.moe.experts.grouped import GroupedExperts
-from moetron.model.moe.routing.decision import Routing
+from moetron.model.moe.routing.router import Routing
 from moetron.parallel.diagnosis import NO_SITE
 from moetron.parallel.ep.all_to_all import AllToAllDispatcher, all_to_all_rows, regroup_by_local_expert
 from moetron.parallel.ep.replica_plan import max_over_mean, owner_load

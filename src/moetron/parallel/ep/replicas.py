@@ -42,7 +42,7 @@ from torch.func import functional_call
 from moetron.model.moe.dispatch import permute, unpermute
 from moetron.model.moe.experts.grouped import GroupedExperts
 from moetron.model.moe.layer import MoELayer
-from moetron.model.moe.routing.decision import Routing
+from moetron.model.moe.routing.router import Routing
 from moetron.parallel.ep.all_to_all import AllToAll, AllToAllDispatcher, inverse_permutation, regroup_by_local_expert
 from moetron.parallel.ep.replica_plan import ReplicaPlan, max_over_mean, plan_replicas
 

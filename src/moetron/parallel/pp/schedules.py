@@ -100,8 +100,8 @@ def pipeline_stages(
 def build_schedule(name: str, stages: list[MoetronStage], num_micro: int, loss_fn: Callable):
     """The torch schedule for `--pipeline-schedule name` over this rank's stages.
 
-    `scale_grads=False`: the executor already multiplies each micro-batch's loss (and, through LOSS_GRADIENT_SCALE,
-    the aux losses) by loss_scale / num_micro, exactly as the one-process executor does."""
+    `scale_grads=False`: the executor already multiplies each micro-batch's loss (and, through the MoE layers'
+    `aux_loss_grad_scale`, the aux losses) by loss_scale / num_micro, exactly as the one-process executor does."""
     if name in ("1f1b", "gpipe"):
         cls = pipelining.Schedule1F1B if name == "1f1b" else pipelining.ScheduleGPipe
         return cls(stages[0], num_micro, loss_fn=loss_fn, scale_grads=False)

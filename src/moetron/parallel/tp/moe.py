@@ -40,7 +40,7 @@ from moetron.model.gpt import GPTModel
 from moetron.model.init import TensorSlice
 from moetron.model.moe.dispatch import TokenDispatcher
 from moetron.model.moe.experts.grouped import GroupedExperts
-from moetron.model.moe.routing.decision import Routing
+from moetron.model.moe.routing.router import Routing
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.tp.sizes import shard_range
 

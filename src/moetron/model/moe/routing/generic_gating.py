@@ -19,17 +19,19 @@ import torch
 import torch.nn.functional as F
 
 from moetron.model.compiled_kernels import first_max_column
-from moetron.model.moe.routing.balancing_losses import balance_loss
-from moetron.model.moe.routing.capacity_and_dropping import (
+from moetron.model.config import RouterConfig
+from moetron.model.moe.routing.deepspeed_gating import (
+    LOCAL_ROWS,
+    MeanAndGather,
+    Routing,
+    TokenRows,
+    balance_loss,
     capacity_from_factor,
     dropless_capacity,
-    keep_by_position,
     keep_top_keys,
+    route_counts,
+    route_fraction,
 )
-from moetron.model.moe.routing.decision import Routing, route_counts, route_fraction
-from moetron.model.moe.routing.mean_and_gather import MeanAndGather
-from moetron.model.moe.routing.router_config import RouterConfig
-from moetron.model.moe.routing.token_rows import LOCAL_ROWS, TokenRows
 
 
 def routing_probs(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:
@@ -101,19 +103,6 @@ def _select_ids(scores_TE: torch.Tensor, cfg: RouterConfig, k: int, expert_bias_
     return top_experts(select_TE, k)
 
 
-def _choose_experts(scores_TE: torch.Tensor, cfg: RouterConfig, k: int, expert_bias_E: torch.Tensor | None):
-    """(ids_TK, route_scores_TK): which experts each token picks, and the unbiased score of each pick."""
-    ids_TK = _select_ids(scores_TE, cfg, k, expert_bias_E)
-    route_scores_TK = scores_TE.gather(1, ids_TK)
-    if cfg.moe_router_pre_softmax:
-        route_scores_TK = F.softmax(route_scores_TK, dim=-1)
-    return ids_TK, route_scores_TK
-
-
-# Off: the plain `probs.mean(0)` and `probs.gather` (benchmarks/moe_layer.py --fast-paths times both ways).
-FUSE_MEAN_AND_GATHER = True
-
-
 def renormalises(cfg: RouterConfig, k: int) -> bool:
     """DeepSpeed's rule unless forced: k = 1 keeps the raw score, k >= 2 renormalises over kept routes."""
     return cfg.moe_router_topk_renorm if cfg.moe_router_topk_renorm is not None else k >= 2
@@ -128,16 +117,17 @@ def generic_topk_gating(
     rows: TokenRows = LOCAL_ROWS,
 ) -> Routing:
     """Top-k routing with the modern options; capacity and dropping as DeepSpeed's `topkgating`, over the whole
-    micro-batch `rows` places these tokens in (`token_rows.py`)."""
+    micro-batch `rows` places these tokens in (`TokenRows`)."""
     num_tokens, num_experts = logits_TE.shape
     scores_TE = _scores(logits_TE, cfg)
     probs_TE = _probs_from_scores(logits_TE, scores_TE, cfg)
-    mean_probs_E = None
-    if FUSE_MEAN_AND_GATHER and probs_TE is scores_TE and not cfg.moe_router_pre_softmax:  # softmax scores
-        ids_TK = _select_ids(scores_TE, cfg, k, expert_bias_E)
+    ids_TK = _select_ids(scores_TE, cfg, k, expert_bias_E)
+    if probs_TE is scores_TE:  # softmax scores: the aux loss's mean and the routes' scores share one gradient
         mean_probs_E, route_scores_TK = MeanAndGather.apply(scores_TE, ids_TK)
     else:
-        ids_TK, route_scores_TK = _choose_experts(scores_TE, cfg, k, expert_bias_E)
+        mean_probs_E, route_scores_TK = probs_TE.mean(0), scores_TE.gather(1, ids_TK)
+        if cfg.moe_router_pre_softmax:  # the weights: a softmax over the chosen k logits (Mixtral)
+            route_scores_TK = F.softmax(route_scores_TK, dim=-1)
     counts_E = route_counts(ids_TK, num_experts)
 
     if not cfg.moe_token_dropping:  # every route fits: no [T, E] mask at all
@@ -152,7 +142,6 @@ def generic_topk_gating(
     if renormalises(cfg, k):
         weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).eps)
     weights_TK = weights_TK * cfg.moe_router_topk_scaling_factor
-    mean_probs_E = probs_TE.mean(0) if mean_probs_E is None else mean_probs_E
     aux_loss = balance_loss(mean_probs_E, route_fraction(counts_E, num_tokens), k)
     routing = Routing(ids_TK, weights_TK, kept_TK, capacity, aux_loss, counts_E, probs_TE, "token")
     routing.unit_weights = has_unit_weights(cfg, k)
@@ -183,3 +172,13 @@ def _keep_within_capacity(
     else:
         mask_TE = keep_by_position(mask_TE, capacity)
     return mask_TE.gather(1, ids_TK)
+
+
+def slots_in_token_order(mask_TE: torch.Tensor) -> torch.Tensor:
+    """int64 [T, E]: each route's position among its expert's routes, counted in token order."""
+    return torch.cumsum(mask_TE.long(), dim=0) - 1
+
+
+def keep_by_position(mask_TE: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Keep the first `capacity` routes of each expert in token order (Megatron's 'position' policy)."""
+    return mask_TE & (slots_in_token_order(mask_TE) < capacity)

@@ -10,7 +10,11 @@ With the default options the routing is DeepSpeed 0.19.x's `TopKGate` (top-1 / t
 `deepspeed_gating.py`): same capacities, kept routes, weights, aux loss and — from the same torch seed — the same
 random choices. Any modern option (sigmoid scores, pre-softmax, forced renormalisation, a scaling factor,
 expert-bias balancing, expert groups) switches to the generic top-k path of `generic_gating.py`. The z-loss
-and the aux-loss type (global / seq / none) apply to both paths.
+and the aux-loss type (global / seq / none) apply to both paths (the losses at the end of this file).
+
+The routing package is three files: this one (the `Router` and the losses it adds), `deepspeed_gating.py` (DeepSpeed's
+gating and what every path shares: the `Routing` decision, `TokenRows`, capacity and dropping) and
+`generic_gating.py`. The settings are `RouterConfig`'s (`model/config.py`: a `ModelConfig` is one).
 
 Shape legend: T tokens, D hidden size, E experts, K routes per token.
 """
@@ -26,19 +30,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetron.errors import ConfigError
-from moetron.model.moe.routing.balancing_losses import (
-    sequence_aux_loss,
-    split_micro_batch_aux_loss,
-    z_loss,
-    z_loss_from_route,
+from moetron.model.config import RouterConfig
+from moetron.model.moe.routing.deepspeed_gating import (
+    LOCAL_ROWS,
+    Routing,
+    RoutingInputError,
+    TokenRows,
+    balance_loss,
+    multiplicative_jitter,
+    route_counts,
+    route_fraction,
+    top1_gating,
+    top2_gating,
+    topk_gating,
 )
-from moetron.model.moe.routing.decision import Routing
-from moetron.model.moe.routing.deepspeed_gating import multiplicative_jitter, top1_gating, top2_gating, topk_gating
 from moetron.model.moe.routing.generic_gating import generic_topk_gating
-from moetron.model.moe.routing.router_config import RouterConfig
-from moetron.model.moe.routing.token_rows import LOCAL_ROWS, TokenRows
 
-__all__ = ["Router", "RouterConfig", "Routing"]
+# The routing package's public names: the layer, the dispatchers and context parallelism import them from here.
+__all__ = ["Router", "RouterConfig", "Routing", "TokenRows", "route_counts"]
 
 
 class Router(nn.Module):
@@ -62,7 +71,7 @@ class Router(nn.Module):
         # parallelism sets it: a rank routes only its chunks); the seq and global aux losses' route fractions go
         # through it. None: every sequence is whole here
         self.sequence_mean: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # (T, seq_len, device) → where these T tokens sit in the micro-batch (`token_rows.py`); context parallelism
+        # (T, seq_len, device) → where these T tokens sit in the micro-batch (`TokenRows`); context parallelism
         # sets it, so that the random draws and capacity decisions are the one-process run's. None: all are here
         self.token_rows: Callable[[int, int | None, torch.device], TokenRows] | None = None
         self.weight = nn.Parameter(torch.empty(num_experts, cfg.hidden_size, dtype=torch.float32))
@@ -162,3 +171,67 @@ class Router(nn.Module):
         load_E = self.load_since_update_E
         self.expert_bias += rate * torch.sign(load_E.mean() - load_E)
         load_E.zero_()
+
+
+# ---------------------------------------------------------------- the losses the router adds
+# Switch/GShard's aux loss over sequences (per sequence, or split by context parallelism) and the ST-MoE z-loss,
+# each WITHOUT its coefficient (`moe_loss_coeff`, `moe_z_loss_coeff`). B sequences of L tokens, X any leading dims.
+def sequence_aux_loss(
+    probs_TE: torch.Tensor,
+    ids_TK: torch.Tensor,
+    seq_len: int | None,
+    sequence_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss: the global formula per sequence, averaged over sequences.
+
+    Tokens are the flattening of [B, L] (each sequence contiguous); `seq_len=None` means one sequence.
+    `sequence_mean` (context parallelism: each of N ranks holds L tokens of every sequence) averages the route
+    fractions over the sequence's other parts, so they are the whole sequence's; the loss is then linear in the
+    local mean probabilities, and its mean over the N ranks (what averaging their gradients and reports does) is
+    the whole sequences' loss.
+    """
+    num_tokens, num_experts = probs_TE.shape
+    seq_len = seq_len or num_tokens
+    if num_tokens % seq_len:
+        raise RoutingInputError(
+            f"--moe-aux-loss-type seq: {num_tokens} tokens are not a whole number of {seq_len}-token sequences; "
+            f"route whole sequences (x flattened from [B, seq_len, D])"
+        )
+    mask_TE = torch.zeros_like(probs_TE).scatter_(1, ids_TK, 1.0)
+    probs_BLE = probs_TE.view(-1, seq_len, num_experts)
+    mask_BLE = mask_TE.view(-1, seq_len, num_experts)
+    fraction_BE = mask_BLE.mean(1)
+    if sequence_mean is not None:
+        fraction_BE = sequence_mean(fraction_BE)
+    return balance_loss(probs_BLE.mean(1), fraction_BE, ids_TK.shape[1]).mean()
+
+
+def split_micro_batch_aux_loss(
+    probs_TE: torch.Tensor, counted_ids_TK: torch.Tensor, k: int, sequence_mean: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """The `global` aux loss, `balance_loss(mean probability, route fraction, k)`, of a micro-batch whose sequences
+    are split over context-parallel ranks (each of N ranks holds an equal part of every sequence).
+
+    Every gating path's global aux loss has this form (DeepSpeed's top-1: k = 1; GShard's top-2: the first
+    choices' fractions only, k = 1; top-k and the generic path: every route, k), over the tokens it routes. The
+    one-process micro-batch is the union of the ranks' tokens: `sequence_mean` averages the detached route
+    fractions over the ranks, so they are the whole micro-batch's, and the loss, linear in the local mean
+    probabilities, has as its mean over the N ranks (what averaging their gradients and reports does) the
+    one-process loss, gradient included. `counted_ids_TK`: the routes the path counts (before capacity)."""
+    num_tokens, num_experts = probs_TE.shape
+    fraction_E = sequence_mean(route_fraction(route_counts(counted_ids_TK, num_experts), num_tokens))
+    return balance_loss(probs_TE.mean(0), fraction_E, k)
+
+
+def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)²."""
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+def z_loss_from_route(logit_T: torch.Tensor, prob_T: torch.Tensor) -> torch.Tensor:
+    """`z_loss` from one logit and its softmax probability per token: logsumexp = logit − log(prob).
+
+    O(T) instead of O(T·E). Exact up to rounding when the route's probability is not tiny, which holds for
+    a token's first choice; only for a z-loss that is reported, not trained on (no gradient)."""
+    lse_T = logit_T.float() - prob_T.float().clamp_min(torch.finfo(torch.float32).tiny).log()
+    return lse_T.square().mean()
