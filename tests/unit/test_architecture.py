@@ -21,7 +21,7 @@ LEAF |= {"moetron.model.config", "moetron.data.config"}
 LEAF |= {"moetron.parallel.dims", "moetron.recipes.scale_down", "moetron.progress"}
 LEAF |= {"moetron.scoped_memo", "moetron.process_memory"}
 # Entry points: the CLI and its commands (argument parsing and printing) on top of everything.
-ENTRY = {"moetron.cli", "moetron.__main__", "moetron.commands"}
+ENTRY = {"moetron.cli", "moetron.__main__", "moetron.commands", "moetron.reference"}  # reference: the CLI's docs
 # Process mains inside a package, run as `python -m`: they may call the CLI (`plan --search --measure`'s torchrun
 # child runs `moetron train` in-process under timing hooks).
 PROCESS_MAINS = {"moetron.plan.measure_worker"}

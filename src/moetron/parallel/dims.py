@@ -179,3 +179,12 @@ class ParallelDims:
 
     def mesh_shape(self, dims: tuple[str, ...]) -> tuple[int, ...]:
         return tuple(self.sizes[d] for d in dims)
+
+
+def runnable_expert_parallel(ep: int, replicas: int, expert_counts: Sequence[int]) -> int:
+    """`ep` where it divides `replicas` (the data- × context-parallel ranks the experts fold over) and every MoE
+    layer's expert count; else the largest size that does, at most `ep` (a recipe's EP 64 on 2 GPUs runs EP 2)."""
+    if ep < 1 or (replicas % ep == 0 and all(e % ep == 0 for e in expert_counts)):
+        return ep
+    limit = math.gcd(replicas, *expert_counts)
+    return max(d for d in range(1, min(ep, limit) + 1) if limit % d == 0)

@@ -9,13 +9,12 @@ assumption has to absorb (the plan states the TP traffic per step, `plan/tensor_
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from moetron.config import RunConfig
 from moetron.errors import ConfigError
 from moetron.model.flops import ParamCounts, count_parameters, flops_per_token
-from moetron.parallel.dims import ParallelDims
+from moetron.parallel.dims import ParallelDims, runnable_expert_parallel
 from moetron.plan.hardware import Accelerator
 from moetron.plan.memory import LocalParams, MemoryEstimate, compute_bytes, estimate_memory, local_parameters
 from moetron.plan.model_cache import cached
@@ -87,19 +86,13 @@ def layout_problems(cfg: RunConfig, gpus: int) -> list[str]:
 
 
 def adapted_expert_parallel(cfg: RunConfig, gpus: int) -> int | None:
-    """The expert-parallel size to plan with when the config's cannot run on `gpus`, else None.
-
-    The largest size that divides the data-parallel size and every MoE layer's expert count and is at most the
-    config's (a recipe's EP 64 on 2 GPUs plans with EP 2): what a user of these GPUs would set.
-    """
-    ep = cfg.parallel.moe_expert_parallel_size
-    dims = cfg.dims(gpus)
+    """The expert-parallel size to plan with when the config's cannot run on `gpus`, else None: the largest size that
+    divides the data-parallel size and every MoE layer's expert count and is at most the config's (a recipe's EP 64
+    on 2 GPUs plans with EP 2), what a user of these GPUs would set."""
+    ep, dims = cfg.parallel.moe_expert_parallel_size, cfg.dims(gpus)
     counts = [e for e in cfg.model.experts_per_layer() if e > 1]
-    replicas = dims.dp * dims.cp  # experts fold over data- and context-parallel ranks
-    if ep < 1 or (replicas % ep == 0 and all(e % ep == 0 for e in counts)):
-        return None
-    limit = math.gcd(replicas, *counts)
-    return max(d for d in range(1, min(ep, limit) + 1) if limit % d == 0)
+    runnable = runnable_expert_parallel(ep, dims.dp * dims.cp, counts)  # experts fold over data and context ranks
+    return None if runnable == ep else runnable
 
 
 def step_time(cfg: RunConfig, dims: ParallelDims, device: Accelerator, mfu: float) -> tuple[float, float]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 from moetron.config import RunConfig
+from moetron.parallel.dims import runnable_expert_parallel
 
 HIDDEN, HEADS, SEQ = 64, 4, 64
 MICRO_BATCH, GLOBAL_BATCH = 4, 8  # 2 accumulation steps on one process: the accumulation path runs too
@@ -137,16 +138,13 @@ def _shrink_parallel(cfg: RunConfig, given: set[str], world_size: int) -> None:
     """Data parallelism over the processes, and the recipe's expert parallelism where it divides them and the
     scaled expert counts (else the largest size that does: EP 64 on 2 processes runs EP 2); every other degree
     back to 1."""
-    from moetron.plan.estimate import adapted_expert_parallel
-
     p = cfg.parallel
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         _set(p, name, 1, given)
     if "moe_expert_parallel_size" not in given:
-        fits = world_size % p.context_parallel_size == 0
-        p.moe_expert_parallel_size = (
-            adapted_expert_parallel(cfg, world_size) if fits else 1
-        ) or p.moe_expert_parallel_size
+        counts = [e for e in cfg.model.experts_per_layer() if e > 1]
+        replicas = world_size // p.context_parallel_size if world_size % p.context_parallel_size == 0 else 1
+        p.moe_expert_parallel_size = runnable_expert_parallel(p.moe_expert_parallel_size, replicas, counts)
     _set(p, "expert_tensor_parallel_size", 1, given)
     _set(p, "sequence_parallel", False, given)
     for name in ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers"):
