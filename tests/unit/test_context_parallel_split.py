@@ -12,6 +12,7 @@ from moetron.config import RunConfig
 from moetron.data.context_chunks import take_zigzag, zigzag_chunk_ids, zigzag_positions
 from moetron.data.loader import DistributedBatchLoader
 from moetron.model.moe.routing.router import Router, RouterConfig, sequence_aux_loss
+from moetron.parallel.cp import attention as cp_attention
 from moetron.parallel.cp.attention import ContextParallelAttention
 from moetron.parallel.cp.ring import zigzag_block
 from moetron.parallel.cp.sizes import context_parallel_problems
@@ -61,6 +62,26 @@ def test_gathered_keys_with_the_zigzag_mask_give_one_process_causal_attention(si
     for rank in range(size):
         mask = ContextParallelAttention(None, rank, size).causal_mask(S // size, q.device)
         got = F.scaled_dot_product_attention(take_zigzag(q, rank, size, dim=2), gathered_k, gathered_v, attn_mask=mask)
+        torch.testing.assert_close(got, take_zigzag(want, rank, size, dim=2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_chunks_bottom_right_causal_call_is_one_process_causal_attention(size, monkeypatch):
+    """The all-gather variant's two calls per rank (a chunk against the keys up to its own end, causal from the
+    bottom right: no mask tensor, flash-eligible on a GPU), with grouped-query attention, equal one process's
+    causal SDPA at the rank's positions; the gather itself is stood in for by the keys of every rank."""
+    torch.manual_seed(0)
+    B, H, K, S, D = 2, 4, 2, 8 * size, 8
+    q = torch.randn(B, H, S, D)
+    k, v = torch.randn(B, K, S, D), torch.randn(B, K, S, D)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    gathered = {id(x): torch.cat([take_zigzag(x, r, size, dim=2) for r in range(size)], dim=2) for x in (k, v)}
+    for rank in range(size):
+        local_k, local_v = (take_zigzag(x, rank, size, dim=2) for x in (k, v))
+        lookup = {id(local_k): gathered[id(k)], id(local_v): gathered[id(v)]}
+        monkeypatch.setattr(cp_attention._GatherSequence, "apply", lambda x, *_, seen=lookup: seen[id(x)])
+        attention = ContextParallelAttention(None, rank, size)
+        got = attention.attend(take_zigzag(q, rank, size, dim=2), local_k, local_v, 0.0, {"enable_gqa": True})
         torch.testing.assert_close(got, take_zigzag(want, rank, size, dim=2), rtol=1e-5, atol=1e-6)
 
 

@@ -12,6 +12,11 @@ and autograd records that kernel's backward:
              from q/k's; the same number of heads for q, k and v
   math       anything else (a GPU-path smell: slow, and fp32 internals)
 
+A bottom-right causal bias (`torch.nn.attention.bias.causal_lower_right`, what context parallelism's all-gather
+variant passes for each chunk) is no mask to flash: FlashAttention-2's causal flag is bottom-right aligned for
+unequal query and key lengths, so it takes flash where the rest allows (as torch's own `CausalBias` dispatch does);
+elsewhere it becomes the mask it stands for.
+
 Autocast casts SDPA's inputs to the autocast dtype on a GPU; a private op is not on autocast's list, so the cast
 is made here. `CHOICES` counts the kernels taken (the worker reads and resets it per step).
 """
@@ -22,6 +27,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 KERNELS = ("flash", "efficient", "cudnn", "math")
 CHOICES: Counter = Counter()
@@ -84,6 +90,18 @@ def scaled_dot_product_attention(
     """`F.scaled_dot_product_attention`, on cuda tensors through the kernel a GPU would choose."""
     if query.device.type != "cuda":
         return MATH_FALLBACK(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if isinstance(attn_mask, CausalBias):
+        lower_right = attn_mask.variant == CausalVariant.LOWER_RIGHT and query.shape[-2] != key.shape[-2]
+        if not lower_right:  # square, or top-left: plain is_causal
+            attn_mask, is_causal = None, True
+        elif flash_eligible(*_autocast(query, key, value), None, False):
+            CHOICES["flash"] += 1
+            query, key, value = _autocast(query, key, value)  # flash's causal flag is bottom-right aligned
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, True, False, scale=scale
+            )[0]
+        else:
+            attn_mask = attn_mask._materialize(query.device)
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     kernel = choose(query, key, value, attn_mask, is_causal)
     CHOICES[kernel] += 1

@@ -82,6 +82,18 @@ def patch_sdpa() -> None:
     original = _require(F, "scaled_dot_product_attention")
     F.scaled_dot_product_attention = attention_kernels.scaled_dot_product_attention
     attention_kernels.MATH_FALLBACK = original
+    # A causal bias (`causal_lower_right`, context parallelism's per-chunk calls) is a tensor subclass of no data,
+    # which cannot be made under the fake and observing modes: made outside them, it only carries its sizes.
+    from torch.nn.attention import bias
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    make = _require(bias, "causal_lower_right")
+
+    def causal_lower_right(*size: int):
+        with _disable_current_modes():
+            return make(*size)
+
+    bias.causal_lower_right = causal_lower_right
 
 
 class _NullLogger:

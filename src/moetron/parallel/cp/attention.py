@@ -1,20 +1,21 @@
-"""Exact causal attention over a sequence split across context-parallel ranks: all-gather K/V, mask by position.
+"""Exact causal attention over a sequence split across context-parallel ranks: all-gather K/V, a causal call per chunk.
 
 Each rank holds the queries, keys and values of its two zigzag chunks (`data/context_chunks.py`). The keys and
 values of the whole sequence are all-gathered over the `cp` group (`_GatherSequence`: an autograd Function
-whose backward reduce-scatters dK / dV, because every rank's queries read every rank's keys), and each local query
-attends to the gathered keys at positions up to its own, the causal mask built from the zigzag positions. One
-SDPA call per layer, the same kernel and the same softmax as the one-process run, so the result is that run's up
-to rounding. This is Megatron-Core's `--cp-comm-type all_gather` (Llama 3's choice for long context): the gathered
-K/V cost `S · K · D` per layer (small with GQA, and freed after the layer), the communication is one all-gather
-forward and one reduce-scatter backward, and it needs no online-softmax merging of partial results.
+whose backward reduce-scatters dK / dV, because every rank's queries read every rank's keys) and put in position
+order. Each of the rank's two chunks then attends, in one SDPA call, to the keys from the sequence's start to its
+own end, causally aligned to the bottom right (`torch.nn.attention.bias.causal_lower_right`: query row i of a chunk
+that ends at key n sees keys up to n − c + i). No mask tensor exists, so on a GPU each call is a flash-attention
+call (FlashAttention-2's causal flag is bottom-right aligned; grouped-query attention read in place) and the result
+is the one-process run's up to rounding. This is Megatron-Core's `--cp-comm-type all_gather` (Llama 3's choice for
+long context): the gathered K/V cost `S · K · D` per layer (small with GQA, freed after the layer), the
+communication is one all-gather forward and one reduce-scatter backward, and no partial results are merged.
 
 Why not `torch.distributed.tensor.experimental.context_parallel` (torch 2.13): its ring attention replaces only
 the CUDA SDPA kernels (`aten._scaled_dot_product_flash_attention`, `_efficient_attention`, `_cudnn_attention`
 and their backwards). On CPU SDPA runs `_scaled_dot_product_flash_attention_for_cpu` or the math kernel, which it
 does not handle, so it cannot run on gloo (the test suite's backend); it also shards the caller's buffers in
-place inside a context manager rather than at the loader. A ring (p2p) version would overlap communication
-with compute on GPUs; all-gather was built first because it is exact with the stock SDPA kernel everywhere.
+place inside a context manager rather than at the loader.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention import bias as attention_bias
 
 from moetron.data.context_chunks import zigzag_positions
 from moetron.parallel.diagnosis import Site
@@ -85,34 +87,43 @@ def gathered_positions(local_length: int, size: int, device: torch.device) -> to
 
 
 class ContextParallelAttention(SplitSequenceAttention):
-    """`--cp-comm-type all_gather`: every rank's keys and values gathered, masked by position."""
+    """`--cp-comm-type all_gather`: every rank's keys and values gathered, a bottom-right causal call per chunk."""
 
     collective = "K/V all-gather (or its backward reduce-scatter)"
 
     def __init__(self, group, rank: int, size: int):
         super().__init__(group, rank, size)
-        self._masks: dict[tuple, torch.Tensor] = {}
+        self._orders: dict[tuple, torch.Tensor] = {}
 
     def causal_mask(self, local_length: int, device: torch.device) -> torch.Tensor:
-        """bool [T, S]: local query t may read gathered key s (key position <= query position)."""
+        """bool [T, S]: local query t may read gathered key s (key position <= query position); what the chunks'
+        calls compute, as one mask (the tests' reference)."""
         query_pos_T = zigzag_positions(local_length * self.size, self.rank, self.size, device)
         key_pos_S = gathered_positions(local_length, self.size, device)
         return key_pos_S[None, :] <= query_pos_T[:, None]
 
-    def additive_mask(self, local_length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """`causal_mask` as SDPA's additive float mask (0 / −inf) in the queries' dtype, built once and shared by
-        every layer: given a bool mask, SDPA converts it to this form in every call and saves each copy for its
-        backward (a `[T, S]` float tensor per layer)."""
-        key = (local_length, device, dtype)
-        if key not in self._masks:
-            allowed_TS = self.causal_mask(local_length, device)
-            zeros = torch.zeros(allowed_TS.shape, dtype=dtype, device=device)
-            self._masks[key] = zeros.masked_fill(~allowed_TS, float("-inf"))
-        return self._masks[key]
+    def position_order(self, local_length: int, device: torch.device) -> torch.Tensor:
+        """int64 [S]: the gathered (rank-ordered) keys' indices in position order, built once per shape."""
+        key = (local_length, device)
+        if key not in self._orders:
+            self._orders[key] = torch.argsort(gathered_positions(local_length, self.size, device))
+        return self._orders[key]
+
+    def chunk_ends(self, local_length: int) -> list[tuple[slice, int]]:
+        """(this rank's query rows of a chunk, the key position it ends at) for its two zigzag chunks."""
+        half, chunks = local_length // 2, 2 * self.size
+        return [(slice(0, half), (self.rank + 1) * half), (slice(half, None), (chunks - self.rank) * half)]
 
     def attend(self, q_BHTD, k_BKTD, v_BKTD, dropout_p: float, gqa: dict) -> torch.Tensor:
         with self.site:
             k_BKSD = _GatherSequence.apply(k_BKTD, self.group, self.size, self.site)
             v_BKSD = _GatherSequence.apply(v_BKTD, self.group, self.size, self.site)
-        mask_TS = self.additive_mask(q_BHTD.shape[2], q_BHTD.device, q_BHTD.dtype)
-        return F.scaled_dot_product_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=mask_TS, dropout_p=dropout_p, **gqa)
+        order = self.position_order(q_BHTD.shape[2], q_BHTD.device)
+        k_BKSD, v_BKSD = k_BKSD[:, :, order], v_BKSD[:, :, order]
+        outs = []
+        for rows, end in self.chunk_ends(q_BHTD.shape[2]):
+            q = q_BHTD[:, :, rows]
+            causal = attention_bias.causal_lower_right(q.shape[2], end)  # a flag, not a mask: no tensor of [t, end]
+            outs.append(F.scaled_dot_product_attention(q, k_BKSD[:, :, :end], v_BKSD[:, :, :end], attn_mask=causal,
+                                                       dropout_p=dropout_p, **gqa))  # fmt: skip
+        return torch.cat(outs, dim=2)
