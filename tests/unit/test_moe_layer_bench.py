@@ -42,7 +42,7 @@ def test_median_times_counts_the_page_faults_of_each_step(moe_layer):
 
 
 def test_kernel_mode_steps_both_engines_and_checks_their_bits(moe_layer):
-    from moetron.model.moe.experts import cpu_kernels
+    from moetron.cpu import experts as cpu_kernels
 
     rows = moe_layer.run_kernel(moe_layer.Shape(64, 16, 32, 4, 1), reps=1, warmup=0, clock=moe_layer.CLOCKS["cpu"])
     if cpu_kernels.compiled_engine() is None:

@@ -144,7 +144,7 @@ def test_expert_by_expert_swiglu_matches_the_loop_backend_values_and_gradients(e
 
 def test_expert_by_expert_swiglu_is_bitwise_the_autograd_graph_of_its_per_expert_ops(each_swiglu_engine):
     """Saved silu/product and the in-place backward change no bit against autograd on the same mm calls."""
-    from moetron.model.moe.experts.cpu_kernels import ExpertByExpertSwiGLU
+    from moetron.cpu.experts import ExpertByExpertSwiGLU
 
     experts, counts = _swiglu_experts("grouped_mm"), [3, 0, 5, 1]  # row 9 is a dropped route (the tail)
     weights = [experts.w1_EDF, experts.w3_EDF, experts.w2_EFD]
@@ -181,7 +181,7 @@ def test_expert_by_expert_swiglu_expanded_gradient_and_bf16_autocast():
 
 
 def test_empty_for_gradient_is_empty_like_large_or_small():
-    from moetron.model.moe.experts.cpu_kernels import empty_for_gradient
+    from moetron.cpu.experts import empty_for_gradient
 
     for like in (torch.zeros(3, 4), torch.zeros(9, 1024, 1024)):  # below and above the 32 MiB threshold
         out = empty_for_gradient(like)

@@ -23,7 +23,9 @@ Shape legend: B batch, T tokens per sequence, D hidden size, N kept routes, E ex
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -77,11 +79,6 @@ def routing_distribution(aux: MoEAux) -> torch.Tensor:
     return torch.stack([routes_E, mean_E])
 
 
-def in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. activation checkpointing recomputing a forward)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 def _dense_mlp(cfg: ModelConfig, ffn: int) -> GroupedExperts:
     """A dense MLP is a one-expert GroupedExperts (same math and init rules as the experts)."""
     return GroupedExperts(1, cfg.hidden_size, ffn, cfg.swiglu, cfg.add_bias_linear, backend="loop")
@@ -131,6 +128,7 @@ class MoELayer(nn.Module):
         self._stats_sum: MoEStats | None = None
         self._stats_count = 0
         self._routing_sum_2E: torch.Tensor | None = None  # Σ over forwards: routes per expert, mean router probs
+        self._recomputing = False  # activation checkpointing runs this forward again in the backward
         if not self.experts.w1_EDF.is_meta:
             self.init_weights(cfg.init_method_std, cfg.init_method_std / math.sqrt(2 * cfg.num_layers), seed=0)
 
@@ -156,9 +154,18 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             y_TD = y_TD + (self._shared(x_TD) if shared_TD is None else shared_TD)
         aux = self._aux(routing)
-        if self.training and not in_backward():  # not again when activation checkpointing recomputes the layer
+        if self.training and not self._recomputing:  # not again when activation checkpointing recomputes the layer
             self._add_stats(aux, ep_load_of(ctx))
         return attach_aux_loss(y_TD.reshape(x_BTD.shape), aux.loss(self.cfg)), aux
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """The block is activation checkpointing's recomputation of a forward that already ran (and counted)."""
+        self._recomputing = True
+        try:
+            yield
+        finally:
+            self._recomputing = False
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
         out_TD = self.shared_experts.dense_forward(x_TD)

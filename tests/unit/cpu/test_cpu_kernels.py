@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from moetron.model import compiled_kernels
-from moetron.model.moe.experts import cpu_kernels
+from moetron.cpu import compiled_kernels
+from moetron.cpu import experts as cpu_kernels
 
 
 @pytest.fixture
@@ -144,7 +144,7 @@ def test_a_build_that_differs_by_one_bit_is_refused(engine, monkeypatch, fresh_l
 
 def test_another_process_loads_the_cached_build_without_compiling(engine):
     code = (
-        "from moetron.model.compiled_kernels import compiled_cpu_kernels as k, cache_dir;"
+        "from moetron.cpu.compiled_kernels import compiled_cpu_kernels as k, cache_dir;"
         "m = k(); print(m is not None, str(cache_dir()) in m.__file__)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
