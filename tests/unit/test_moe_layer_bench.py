@@ -53,14 +53,6 @@ def test_kernel_mode_steps_both_engines_and_checks_their_bits(moe_layer):
     assert cpu_kernels.swiglu_engine(torch.zeros(2, 8), *(torch.zeros(1, 8, 8),) * 3) is cpu_kernels.compiled_engine()
 
 
-def test_token_order_mode_steps_both_paths_checks_their_bits_and_restores_the_default(moe_layer):
-    from moetron.model.moe import dispatch
-
-    rows = moe_layer.run_token_order(moe_layer.Shape(64, 16, 32, 4, 1), reps=1, warmup=0, clock=moe_layer.CLOCKS["cpu"])
-    assert len(rows) == 1 and rows[0].endswith("| True |")  # token order and permuted: the same bits
-    assert dispatch.TOKEN_ORDER
-
-
 def test_phases_mode_marks_every_phase_in_order_and_they_sum_to_the_total(moe_layer):
     """The experts' backward is marked when their node has run, also where their input is the layer's own input
     (token order), so no phase is empty or negative and the phases add up to the step."""

@@ -263,3 +263,18 @@ def test_the_kernel_cache_is_keyed_by_the_isa_level():
     # built for the level ATen dispatches to in this process (ATEN_CPU_CAPABILITY included), not the CPU's best
     own = torch.backends.cpu.get_cpu_capability()
     assert compiled_kernels._capability() == (own if own in names else "DEFAULT")
+
+
+def test_the_kernel_cache_key_is_the_sources_content_not_their_place(tmp_path, monkeypatch):
+    """A clone elsewhere (or a new session) finds the build of unchanged sources; an edited source is built anew."""
+    flags = compiled_kernels.build_flags("DEFAULT")
+    here = compiled_kernels._module_name(flags)
+    copy = tmp_path / "elsewhere" / "csrc"
+    copy.mkdir(parents=True)
+    for path in compiled_kernels.CSRC.iterdir():
+        if path.suffix in (".cpp", ".h"):
+            (copy / path.name).write_text(path.read_text())
+    monkeypatch.setattr(compiled_kernels, "CSRC", copy)
+    assert compiled_kernels._module_name(flags) == here
+    (copy / "add_rows.cpp").write_text((copy / "add_rows.cpp").read_text() + "\n// edited\n")
+    assert compiled_kernels._module_name(flags) != here
