@@ -66,12 +66,7 @@ class StepResult:
     ok: bool
     grad_norm: float
     sums: StepSums
-
-
-# Called after every optimizer step of `Trainer.train()` with that step's CPU time (all threads,
-# `time.process_time`): `plan --measure`'s worker (plan/measure_worker.py) registers one, since the trainer itself
-# logs only wall-clock rates. Empty in an ordinary run.
-STEP_CPU_TIME_OBSERVERS: list[Callable[[float], None]] = []
+    cpu_s: float = 0.0  # the step's CPU time, all threads (`time.process_time`): the metrics log wall-clock rates only
 
 
 class Trainer:
@@ -88,8 +83,12 @@ class Trainer:
         train_loader,
         make_valid_loader: Callable[[], object] | None = None,
         config_yaml: str = "",
+        on_step: Callable[[StepResult], None] | None = None,
     ):
+        """`on_step`: called with every optimizer step's result in `train()` (`plan --measure`'s worker notes each
+        step's CPU time)."""
         self.cfg, self.env = cfg, env
+        self.on_step = on_step
         self.dims = cfg.dims(env.world_size)
         self.mesh = parallel.mesh
         self.gbs = cfg.global_batch(self.dims.dp)
@@ -155,8 +154,11 @@ class Trainer:
         return functools.partial(body_threads, self.step_threads)
 
     def train_step(self) -> StepResult:
+        cpu_start = time.process_time()
         with self.on_step_threads():
-            return self._train_step()
+            result = self._train_step()
+        result.cpu_s = time.process_time() - cpu_start
+        return result
 
     def _train_step(self) -> StepResult:
         scale = self.scaler.scale
@@ -263,10 +265,9 @@ class Trainer:
         started = interval_start = time.perf_counter()
         interval_iters = 0
         while not self.done():
-            cpu_start = time.process_time()
             result = self.train_step()
-            for observe in STEP_CPU_TIME_OBSERVERS:
-                observe(time.process_time() - cpu_start)
+            if self.on_step is not None:
+                self.on_step(result)
             self._account(result)
             interval_iters += 1
             it = self.progress.iteration
