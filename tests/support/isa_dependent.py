@@ -9,6 +9,7 @@ ISA_DEPENDENT_FILES = (
     "tests/unit/cpu/test_expert_kernel_split_backward.py",
     "tests/unit/cpu/test_cpu_threads.py",
     "tests/unit/cpu/test_gradient_memory.py",
+    "tests/unit/cpu/test_cpu_experts.py",
     "tests/unit/test_fused_cross_entropy.py",
     "tests/unit/test_moe_perf_paths.py",
     "tests/unit/test_plan_lm_head.py",

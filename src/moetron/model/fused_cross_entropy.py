@@ -20,7 +20,7 @@ Numerics: logits and softmax are fp32 (as `language_model_loss` casts them); the
 when autocast is on (bf16/fp16 inputs, fp32 accumulation of dW across chunks), else in the inputs' dtype. The
 result equals `Σ weight · F.cross_entropy(x · Wᵀ)` to fp32 rounding (summation order differs).
 
-A device's backend (`model/backends.py`, `head_loss_backend`) may run parts of this faster with the same values:
+A device's backend (`model/backends.py`, `head_loss_backend`) may run parts of this faster, to fp32 rounding the same:
 its chunk size, scratch memory reused across steps, a one-exp softmax, dW in the layout its GEMM prefers, or the
 whole fp32 chunk loop in one kernel (on CPU: `moetron/cpu/head_loss.py`); ATen's ops and fresh memory otherwise.
 
