@@ -327,7 +327,6 @@ def test_checkpointing_counts_each_layers_routing_statistics_once():
         out = model(tokens(), labels_BT=tokens(seed=1))
         (out.lm_loss + out.moe_loss).backward()
         counts[checkpointing] = [moe.take_stats()[1] for moe in model.moe_layers()]
-        assert not any(moe._recomputing for moe in model.moe_layers())
     assert counts[True] == counts[False] == [1] * len(counts[False])
 
 

@@ -128,7 +128,6 @@ class MoELayer(nn.Module):
         self._stats_sum: MoEStats | None = None
         self._stats_count = 0
         self._routing_sum_2E: torch.Tensor | None = None  # Σ over forwards: routes per expert, mean router probs
-        self._recomputing = False  # activation checkpointing runs this forward again in the backward
         if not self.experts.w1_EDF.is_meta:
             self.init_weights(cfg.init_method_std, cfg.init_method_std / math.sqrt(2 * cfg.num_layers), seed=0)
 
@@ -154,18 +153,22 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             y_TD = y_TD + (self._shared(x_TD) if shared_TD is None else shared_TD)
         aux = self._aux(routing)
-        if self.training and not self._recomputing:  # not again when activation checkpointing recomputes the layer
+        if self.training:  # activation checkpointing's recomputation drops what it adds (`recomputing`)
             self._add_stats(aux, ep_load_of(ctx))
         return attach_aux_loss(y_TD.reshape(x_BTD.shape), aux.loss(self.cfg)), aux
 
     @contextlib.contextmanager
     def recomputing(self) -> Iterator[None]:
-        """The block is activation checkpointing's recomputation of a forward that already ran (and counted)."""
-        self._recomputing = True
+        """The block is activation checkpointing's recomputation of a forward that already ran and counted: the
+        statistics it adds are dropped. It starts from none, as the step's first forward did, rather than being told
+        by a flag: a compiled block then reruns a graph it already has (a flag, or the sums' presence, would be a new
+        guard, and compiling inside the backward is what AOTAutograd's cache mishandles: `parallel/compile.py`)."""
+        kept = self._stats_sum, self._stats_count, self._routing_sum_2E
+        self._stats_sum, self._stats_count, self._routing_sum_2E = None, 0, None
         try:
             yield
         finally:
-            self._recomputing = False
+            self._stats_sum, self._stats_count, self._routing_sum_2E = kept
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
         out_TD = self.shared_experts.dense_forward(x_TD)
