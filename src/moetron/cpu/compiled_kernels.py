@@ -94,7 +94,7 @@ def unavailable_reason() -> str | None:
     """Why the kernel cannot be built here (None: it can be tried)."""
     if os.environ.get("MOETRON_CPU_KERNELS", "1") == "0":
         return "MOETRON_CPU_KERNELS=0"
-    if not all(path.is_file() for path in SOURCES):  # e.g. this code bundled into an exported model's remote code
+    if not all(path.is_file() for path in SOURCES):  # e.g. an install without the package data
         return f"the kernel sources are not in {CSRC}"
     if not sys.platform.startswith("linux"):
         return f"built on Linux only (this is {sys.platform})"

@@ -98,8 +98,8 @@ def test_turned_off_by_the_environment(monkeypatch, fresh_load):
 
 
 def test_without_the_sources_the_kernels_are_off_and_the_python_code_runs(monkeypatch, fresh_load, tmp_path):
-    """Bundled into an exported model's remote code (one modeling file, no csrc/ beside it) the kernels are simply
-    unavailable: the experts' Python loop and ATen's index_add_ run."""
+    """Installed without its csrc/ (package data left out) the kernels are simply unavailable: the experts' Python
+    loop and ATen's index_add_ run."""
     monkeypatch.setattr(compiled_kernels, "CSRC", tmp_path / "csrc")
     monkeypatch.setattr(compiled_kernels, "SOURCES", [tmp_path / "csrc" / "module.cpp"])
     assert compiled_kernels.unavailable_reason() == f"the kernel sources are not in {tmp_path / 'csrc'}"
