@@ -5,9 +5,9 @@
 
 One forward + backward per call, process CPU time, every variant interleaved in one process (threads switched with
 `torch.set_num_threads`), the median of `--reps`:
-  fused        `fused_linear_cross_entropy` (chunked; the gradients computed in its forward)
-  fused aten   the same with its softmax by ATen (log_softmax, exp_, one-hot subtraction) instead of moetron's CPU
-               kernel (`compiled_kernels.softmax_gradient_rows`: one exp per logit); absent where it does not load
+  fused        `fused_linear_cross_entropy` (chunked; the gradients computed in its forward) on the CPU head-loss
+               backend (`moetron/cpu/head_loss.py`: its kernels, chunks, threads and reused memory)
+  fused aten   the same on ATen's ops (`model/backends.py`'s defaults); absent where the CPU kernels do not load
   plain        `F.cross_entropy(F.linear(x, W))`, what nanoGPT and HF run: [N, V] logits, log-softmax, its gradient
   floor fused  the fused head's own GEMMs replayed alone (`gemm_floor.py`): what its element-wise work costs on top
   floor plain  the plain head's GEMMs alone
@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from gemm_floor import record_gemms, replay_seconds  # benchmarks/, beside this script
-from moetron.model import fused_cross_entropy
-from moetron.model.compiled_kernels import compiled_cpu_kernels
+from moetron.cpu import CPU_EXPERTS, CPU_HEAD_LOSS, use_cpu_backends
+from moetron.cpu.compiled_kernels import compiled_cpu_kernels
+from moetron.model.backends import ATEN_HEAD_LOSS, use_backends
 from moetron.model.fused_cross_entropy import fused_linear_cross_entropy
 
 
@@ -53,14 +54,14 @@ def main() -> None:
         x.grad = w.grad = None
         F.cross_entropy(F.linear(x, w), labels).backward()
 
-    kernel = fused_cross_entropy.softmax_gradient_rows
+    use_cpu_backends()
 
     def fused_aten():
-        fused_cross_entropy.softmax_gradient_rows = lambda *tensors: None
+        use_backends("cpu", experts=CPU_EXPERTS, head_loss=ATEN_HEAD_LOSS)
         try:
             fused()
         finally:
-            fused_cross_entropy.softmax_gradient_rows = kernel
+            use_backends("cpu", experts=CPU_EXPERTS, head_loss=CPU_HEAD_LOSS)
 
     floors = {"fused": record_gemms(fused), "plain": record_gemms(plain)}
     variants = {

@@ -29,14 +29,11 @@ backward: combine, experts, permute, router + input-gradient sum), each a median
 fraction of the floor measured alternately with them; clock marks come from module hooks in the forward and
 tensor gradient hooks in the backward, so the layer runs its own code.
 --kernel: instead, moetron dropless and capacity stepped alternately with the experts' C++ engine and with their
-Python loop (`ExpertByExpertSwiGLU`'s two engines, moetron/model/compiled_kernels.py), outputs and
+Python loop (`ExpertByExpertSwiGLU`'s two engines, moetron/cpu/experts.py), outputs and
 gradients checked bitwise equal; prints the median step times and the median of the per-rep ratios.
 --fast-paths: instead, moetron dropless stepped alternately with and without its router/combine fast paths (k = 1
 top-k by `max`, the combine in L2-sized chunks; "without" = topk and one pass), outputs and gradients checked
 bitwise equal; prints the median step times and the median of the per-rep ratios.
---token-order: instead, moetron dropless (top-1, unit weights) stepped alternately with the experts reading and writing
-the rows in token order (`dispatch.TokenOrder`: the C++ kernel gathers each expert's rows itself) and with the
-dispatcher's two permutations of x and y (`PermuteRows`), outputs and gradients checked bitwise equal.
 """
 
 from __future__ import annotations
@@ -57,6 +54,7 @@ except ImportError:  # not Unix: no fault counts
     resource = None
 
 from memory_peak import peak_cpu_bytes
+from moetron.cpu import use_cpu_backends
 from moetron.model.config import ModelConfig
 from moetron.model.moe.layer import MoELayer
 
@@ -443,26 +441,12 @@ def run_fast_paths(s: Shape, reps: int, warmup: int, clock: Callable[[], float])
     return [f"| {s} | {off * 1e3:.1f} ms | {on * 1e3:.1f} ms | {ratio:.3f} | {equal} |"]
 
 
-def run_token_order(s: Shape, reps: int, warmup: int, clock: Callable[[], float]) -> list[str]:
-    """moetron dropless with the rows in token order (read in place by the experts) and permuted, interleaved."""
-    from moetron.model.moe import dispatch
-
-    def use(on: bool) -> None:
-        dispatch.TOKEN_ORDER = on
-
-    w = make_weights(s)
-    x_BTD = _leaf(torch.randn(1, s.tokens, s.hidden))
-    step = module_step(moetron_layer(s, w, dropless=True), s, x_BTD, torch.randn(x_BTD.shape))
-    on, off, ratio, equal = alternate(step, use, reps, warmup, clock)
-    return [f"| {s} | {off * 1e3:.1f} ms | {on * 1e3:.1f} ms | {ratio:.3f} | {equal} |"]
-
-
 def run_kernel(s: Shape, reps: int, warmup: int, clock: Callable[[], float]) -> list[str]:
     """moetron dropless and capacity with the experts' C++ engine and with their Python loop, interleaved."""
-    from moetron.model.moe.experts import cpu_kernels
+    from moetron.cpu import experts as cpu_kernels
 
     if cpu_kernels.compiled_engine() is None:
-        from moetron.model.compiled_kernels import unavailable_reason
+        from moetron.cpu.compiled_kernels import unavailable_reason
 
         return [f"<!-- the C++ engine is not available here: {unavailable_reason() or 'it did not build'} -->"]
     chosen = cpu_kernels.swiglu_engine
@@ -491,11 +475,11 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true", help="moetron's step split into phases, / floor")
     parser.add_argument("--fast-paths", action="store_true", help="A/B of the router/combine fast paths")
     parser.add_argument("--kernel", action="store_true", help="A/B of the experts' C++ engine and Python loop")
-    parser.add_argument("--token-order", action="store_true", help="A/B of the rows in token order and permuted")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     threads, reps = torch.get_num_threads(), args.reps
+    use_cpu_backends()  # moetron's layer as a CPU run computes it (`build` does the same)
     print(f"torch {torch.__version__}, {threads} thread(s), {args.clock} time, fp32 CPU, median of {reps} fwd+bwd\n")
     tables = {  # the other modes: a header and a row source per shape
         "phases": ("| shape | implementation | phase | time / floor |\n|---|---|---|---|", run_phases),
@@ -503,11 +487,6 @@ def main() -> None:
             "| shape | without | with | with / without (median of reps) | outputs and grads equal |\n"
             "|---|---|---|---|---|",
             run_fast_paths,
-        ),
-        "token_order": (
-            "| shape | permuted | token order | token order / permuted (median of reps) | outputs and grads equal |\n"
-            "|---|---|---|---|---|",
-            run_token_order,
         ),
         "kernel": (
             "| shape | layer | Python loop | C++ engine | C++ / Python (median of reps) | outputs and grads equal |\n"

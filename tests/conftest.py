@@ -23,10 +23,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Build (or load) the CPU expert kernel once, here, before any test runs: otherwise the first test to use it
-    would pay the ~30 s build, and every rank of a first distributed group would build its own copy at once."""
-    from moetron.model.compiled_kernels import compiled_cpu_kernels
+    would pay the ~30 s build, and every rank of a first distributed group would build its own copy at once. And
+    run every test's CPU model through the CPU backends, as `build` does for a training run: a test that builds
+    its model directly then computes what a run computes, whichever test ran first."""
+    from moetron.cpu import use_cpu_backends
+    from moetron.cpu.compiled_kernels import compiled_cpu_kernels
 
     compiled_cpu_kernels()
+    use_cpu_backends()
 
 
 # `python -m pytest -m quick`: the README's quick subset (README.md, "The quick subset"), a few minutes on 2 cores:

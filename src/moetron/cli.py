@@ -150,7 +150,9 @@ def _under_plain_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "MOETRON_LAUNCH" not in os.environ
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, **options) -> int:
+    """Run the command `argv` names; `options` go to that command's `run` (`plan --measure`'s worker hands `train` an
+    `on_step`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     top = _top_level_parser()
     if not argv or argv[0] in ("-h", "--help"):
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = command_parser(command, module).parse_args(rest)
     try:
-        return int(module.run(args) or 0)
+        return int(module.run(args, **options) or 0)
     except UserError as err:
         return report_user_error(err)
     except KeyboardInterrupt:

@@ -319,6 +319,17 @@ def test_checkpointing_replays_the_routers_random_draws(topk):
         torch.testing.assert_close(grads[name], grads_ckpt[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_checkpointing_counts_each_layers_routing_statistics_once():
+    """The backward's recomputation of a checkpointed MoE layer adds no statistics of its own (`recompute_contexts`)."""
+    counts = {}
+    for checkpointing in (False, True):
+        model = create_model(tiny_cfg(checkpoint_activations=checkpointing, **MOE), "cpu", seed=4)
+        out = model(tokens(), labels_BT=tokens(seed=1))
+        (out.lm_loss + out.moe_loss).backward()
+        counts[checkpointing] = [moe.take_stats()[1] for moe in model.moe_layers()]
+    assert counts[True] == counts[False] == [1] * len(counts[False])
+
+
 def test_moe_kv_cache_decode_equals_uncached_with_dropless_routing():
     cfg = tiny_cfg(**MOE, moe_eval_capacity_factor=0.5, moe_min_capacity=0, moe_use_rts=False)
     model = create_model(cfg, "cpu", seed=8).eval()

@@ -8,7 +8,7 @@ import torch
 
 from moetron.model.config import ModelConfig
 from moetron.model.moe import dispatch
-from moetron.model.moe.dispatch import gather_rows
+from moetron.model.moe.dispatch import ExpertCounts, LocalContext, LocalDispatcher, PermuteRows, gather_rows, permute
 from moetron.model.moe.layer import MoELayer
 
 
@@ -72,10 +72,14 @@ def test_dropless_top1_permutation_path_equals_the_gather_and_index_add_path(
         "permutation": 2 if renorm else 1,
         "gather": 0,
     }
+    dispatchers = {
+        "token order": LocalDispatcher(8),
+        "permutation": PermutingDispatcher(8),
+        "gather": GatherDispatcher(8),
+    }
     runs = []
     for mode, expected_calls in permutes.items():
-        monkeypatch.setattr(dispatch, "TOP1_PERMUTATION", mode != "gather")
-        monkeypatch.setattr(dispatch, "TOKEN_ORDER", mode == "token order")
+        layer.dispatcher = dispatchers[mode]
         calls = []
         monkeypatch.setattr(dispatch.PermuteRows, "apply", _counting(dispatch.PermuteRows.apply, calls))
         layer.zero_grad(set_to_none=True)
@@ -84,12 +88,32 @@ def test_dropless_top1_permutation_path_equals_the_gather_and_index_add_path(
         y.backward(grad_BTD)
         runs.append([y.detach(), x.grad, *(p.grad for p in layer.parameters())])
         assert len(calls) == expected_calls, mode
-        monkeypatch.setattr(dispatch, "TOP1_PERMUTATION", True)
-        monkeypatch.setattr(dispatch, "TOKEN_ORDER", True)
     assert len(runs[0]) == 6
     for reference in runs[1:]:
         for new, old in zip(runs[0], reference, strict=True):
             assert torch.equal(new, old)
+
+
+class PermutingDispatcher(LocalDispatcher):
+    """Dropless top-1 with unit weights permuting x (and y, in the combine) itself instead of handing the experts
+    the rows in token order."""
+
+    def dispatch(self, x_TD, routing):
+        x_ND, counts, ctx = super().dispatch(x_TD, routing)
+        if not ctx.in_token_order:
+            return x_ND, counts, ctx
+        ctx.in_token_order = False
+        return PermuteRows.apply(x_TD, ctx.order_R, ctx.inverse_R), ExpertCounts(counts.counts_E, counts.capacity), ctx
+
+
+class GatherDispatcher(LocalDispatcher):
+    """The path of every mode but dropless top-1: `gather_rows` in, `WeightedIndexAdd` out."""
+
+    def dispatch(self, x_TD, routing):
+        x_RD, counts_E, order_R, kept_R = permute(x_TD, routing.expert_ids_TK, routing.kept_TK, self.num_experts)
+        kept = self._kept_rows(routing, kept_R)
+        ctx = LocalContext(order_R, kept, routing.weights_TK, x_TD.shape[0], routing.unit_weights)
+        return x_RD, ExpertCounts(counts_E, routing.host_capacity), ctx
 
 
 def _counting(fn, calls):

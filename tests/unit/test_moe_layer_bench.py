@@ -42,7 +42,7 @@ def test_median_times_counts_the_page_faults_of_each_step(moe_layer):
 
 
 def test_kernel_mode_steps_both_engines_and_checks_their_bits(moe_layer):
-    from moetron.model.moe.experts import cpu_kernels
+    from moetron.cpu import experts as cpu_kernels
 
     rows = moe_layer.run_kernel(moe_layer.Shape(64, 16, 32, 4, 1), reps=1, warmup=0, clock=moe_layer.CLOCKS["cpu"])
     if cpu_kernels.compiled_engine() is None:
@@ -51,14 +51,6 @@ def test_kernel_mode_steps_both_engines_and_checks_their_bits(moe_layer):
     assert [row.split(" | ")[1] for row in rows] == ["dropless", "capacity"]
     assert all(row.endswith("| True |") for row in rows)  # both engines: the same outputs and gradients
     assert cpu_kernels.swiglu_engine(torch.zeros(2, 8), *(torch.zeros(1, 8, 8),) * 3) is cpu_kernels.compiled_engine()
-
-
-def test_token_order_mode_steps_both_paths_checks_their_bits_and_restores_the_default(moe_layer):
-    from moetron.model.moe import dispatch
-
-    rows = moe_layer.run_token_order(moe_layer.Shape(64, 16, 32, 4, 1), reps=1, warmup=0, clock=moe_layer.CLOCKS["cpu"])
-    assert len(rows) == 1 and rows[0].endswith("| True |")  # token order and permuted: the same bits
-    assert dispatch.TOKEN_ORDER
 
 
 def test_phases_mode_marks_every_phase_in_order_and_they_sum_to_the_total(moe_layer):

@@ -47,6 +47,9 @@ class OpenRun:
 
         device = device or default_device()
         if mesh is None:
+            from moetron.parallel.device_backends import use_device_backends
+
+            use_device_backends(device)
             model = create_model(self.cfg.model, device, self.cfg.train.seed)
         else:
             from moetron.parallel.parallelize import build_local_model

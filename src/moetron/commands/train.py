@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from moetron.config import RunConfig
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
@@ -93,7 +94,8 @@ def check_before_launch(args: argparse.Namespace, world_size: int) -> None:
     checked_config(args, world_size)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, on_step: Callable | None = None) -> int:
+    """`on_step`: called with each optimizer step's `StepResult` (`plan --measure`'s worker: `moetron.cli.main`)."""
     from moetron.parallel.env import init_distributed, world_size_from_env
 
     world_size = world_size_from_env()
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     env = init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes)
     try:
         with own_errors():  # from here on an error may be one rank's alone: that rank says it
-            returncode = run_training(cfg, explicit, env, planned_peak_bytes)
+            returncode = run_training(cfg, explicit, env, planned_peak_bytes, on_step)
     except BaseException:
         env.close()
         raise

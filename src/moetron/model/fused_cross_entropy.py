@@ -20,81 +20,32 @@ Numerics: logits and softmax are fp32 (as `language_model_loss` casts them); the
 when autocast is on (bf16/fp16 inputs, fp32 accumulation of dW across chunks), else in the inputs' dtype. The
 result equals `Σ weight · F.cross_entropy(x · Wᵀ)` to fp32 rounding (summation order differs).
 
-On CPU, where moetron's kernels load (`compiled_kernels.softmax_gradient_rows`), the chunk's softmax costs one exp per
-logit instead of two: the chunk becomes exp(x − max) − Σ·one-hot = Σ · (softmax − one-hot) in place, and 1 / Σ
-joins the row factor (weight · grad_scale / Σ) that already scales the [M, C] side of the gradient GEMMs. Elsewhere
-(GPU, no compiler) log_softmax, exp_ and the one-hot subtraction run in place; the two agree to fp32 rounding.
-There, in fp32, the whole chunk loop runs in C++ (`csrc/fused_head.cpp`) with a thread per chunk rather than every
-thread in each of its GEMMs (`cpu_head_workers`), in rounds of a chunk per thread, each thread then writing its share
-of dW's vocabulary from the round's chunks; within a chunk it goes block by block of 2048 vocabulary columns (an
-online softmax), so that a block stays in cache from its logits GEMM to its dx product. dW is the chunks' products
-added in chunk order at any thread count, so at the same chunk size every thread count computes the same bits; the
-Python loop agrees with it to fp32 rounding.
+A device's backend (`model/backends.py`, `head_loss_backend`) may run parts of this faster, to fp32 rounding the same:
+its chunk size, scratch memory reused across steps, a one-exp softmax, dW in the layout its GEMM prefers, or the
+whole fp32 chunk loop in one kernel (on CPU: `moetron/cpu/head_loss.py`); ATen's ops and fresh memory otherwise.
 
 Shape legend: N tokens, C hidden size, V (padded) vocabulary, M tokens per chunk.
 """
 
 from __future__ import annotations
 
-import functools
-import threading
-from collections import OrderedDict
-
 import torch
 
 from moetron.model.autocast_dtype import autocast_dtype
-from moetron.model.compiled_kernels import fused_head_kernels, softmax_gradient_rows
-from moetron.model.cpu_threads import kernel_threads, on_all_kernel_threads
-from moetron.model.gradient_memory import GRADIENT_MEMORY, leave_for_lookup, lookup_slot
+from moetron.model.backends import HeadLossBackend, head_loss_backend
 
-# CPU: one chunk's fp32 logits are ~8 MiB, so that they stay in cache between the GEMM, the softmax and the two
-# gradient GEMMs, but at least 256 rows: every chunk re-reads the whole [C, V] head weight three times, and at
-# V = 50k a 64-row floor (12 chunks for 768 tokens) made the GEMMs memory-bound — at two threads the logits GEMM
-# cost 45% more CPU than at one, and a training step was 24% slower than with 256 rows (benchmarks/e2e.py, RESULTS).
-# GPU: the chunk's logits are about as large as the whole input x_NC (Liger-Kernel's rule: ⌈V / C⌉ chunks), at
-# least 1024 rows, so the GEMMs stay large while the memory stays O(N·C).
-# CPU, several threads (csrc/fused_head.cpp): a thread per chunk holds a chunk buffer of its own; at most this much
-# of them at once, else one chunk at a time with every thread in its GEMMs.
-CPU_CHUNK_BYTES = 8 * 2**20
-CPU_WORKER_BYTES = 2**30
-SOFTMAX_BLOCK_BYTES = 2 * 2**20
-MIN_CPU_ROWS, MIN_GPU_ROWS = 256, 1024
+# The chunk's logits are about as large as the whole input x_NC (Liger-Kernel's rule: ⌈V / C⌉ chunks), at least 1024
+# rows, so the GEMMs stay large while the memory stays O(N·C); a backend may choose its own (CPU: cache-sized).
+MIN_GPU_ROWS = 1024
 
 
 def chunk_tokens(num_tokens: int, hidden: int, vocab: int, device: torch.device, threads: int = 1) -> int:
-    """Tokens per chunk for N tokens of width C against a V-word vocabulary on `device` (CPU: with `threads` intra-op
-    threads, the chunk that gives each of `cpu_head_workers` threads the same number of rows)."""
-    if device.type == "cpu":
-        rows = max(MIN_CPU_ROWS, CPU_CHUNK_BYTES // (4 * vocab))
-        workers = cpu_head_workers(num_tokens, hidden, vocab, threads, rows)
-        per_worker = -(-num_tokens // workers)
-        # whole chunks of at least `rows` rows each, as many per worker as fit: 768 tokens at two threads are two
-        # chunks of 384 rather than four of 192 (MKL runs its GEMMs ~1.2x faster at 384 rows than at 192)
-        chunks = workers * max(1, per_worker // rows)
-        return max(1, -(-num_tokens // chunks))
+    """Tokens per chunk for N tokens of width C against a V-word vocabulary on `device` (with `threads` intra-op
+    threads: the device's head-loss backend may spread chunks over them)."""
+    rows = head_loss_backend(device).chunk_tokens(num_tokens, hidden, vocab, threads)
+    if rows is not None:
+        return rows
     return max(MIN_GPU_ROWS, -(-num_tokens // -(-vocab // hidden)))
-
-
-def cpu_head_workers(num_tokens: int, hidden: int, vocab: int, threads: int, rows: int) -> int:
-    """Threads that run whole chunks of `rows` rows each on CPU (csrc/fused_head.cpp): every intra-op thread while
-    each has a chunk and their chunk buffers fit in CPU_WORKER_BYTES, else 1 (one chunk at a time, every thread in
-    its GEMMs)."""
-    workers = min(threads, -(-num_tokens // rows)) if num_tokens else 1
-    if workers > 1 and workers * min(rows, num_tokens) * vocab * 4 > CPU_WORKER_BYTES:
-        return 1
-    return max(1, workers)
-
-
-def softmax_block_rows(vocab: int, device: torch.device, threads: int) -> int:
-    """Rows per element-wise block of a chunk (its log_softmax, label gather and exp run block by block).
-
-    CPU, one thread: ~2 MiB of fp32 logits (a core's L2), so a block stays cached from its log_softmax to its exp —
-    7% less CPU for that part than one block per chunk (256 × 50304). More threads: the whole chunk — every block is
-    parallel regions of its own, and at two threads cache-sized blocks cost more in thread wake-ups than the cache
-    saves (13.2 vs 10.7 ms per chunk). GPU: the whole chunk (fewer kernel launches; no such cache to stay in)."""
-    if device.type == "cpu" and threads == 1:
-        return max(1, SOFTMAX_BLOCK_BYTES // (4 * vocab))
-    return 2**62
 
 
 def _softmax_in_place_and_label_logp(logits_MV: torch.Tensor, labels_M1: torch.Tensor, rows: int) -> torch.Tensor:
@@ -119,22 +70,6 @@ def _logits_grad_in_place(probs_MV: torch.Tensor, labels_M1: torch.Tensor) -> to
     """softmax − one-hot, in place of the probabilities (M elements touched: the per-row weight and the loss scale
     are applied to the [M, C] side of the GEMMs, not to the [M, V] chunk)."""
     return probs_MV.scatter_add_(1, labels_M1, torch.full(labels_M1.shape, -1.0, device=probs_MV.device))
-
-
-def weight_grad_as_rows(device: torch.device) -> bool:
-    """Whether the head accumulates dW as [V, C], the weight's own layout (dW_VC += Gᵀ · x_MC, handed to autograd as
-    it is), rather than transposed as [C, V] (dW_CV += x_MCᵀ · G, written back as [V, C] in the backward).
-
-    Which GEMM MKL runs faster depends on the CPU: with AVX-512 (the Intel machine of benchmarks/RESULTS.md, issue 28
-    third pass) xᵀ · G took 21.4 ms per 256-row chunk against 31.9 for Gᵀ · x; with AVX2 (AMD EPYC, issue 28 session
-    42) Gᵀ · x runs at 75–81 GFLOP/s against 65–73 at 256–768 rows, one thread and a thread's half of V alike, and the
-    [V, C] layout also saves the backward's pass over dW. GPU: [C, V] (unmeasured there; cuBLAS either way)."""
-    return device.type == "cpu" and not _cpu_capability().startswith("AVX512")
-
-
-@functools.cache
-def _cpu_capability() -> str:
-    return torch.backends.cpu.get_cpu_capability()
 
 
 # A bf16/fp16 chunk's dW product is formed and copied to fp32 this many bytes of it at a time (its compute-dtype
@@ -171,55 +106,6 @@ def _accumulate_weight_grad(
             target.add_(part)
 
 
-class CpuBufferPool:
-    """Reused CPU buffers for the head's [M, V] chunk and its [C, V] weight gradient, across steps.
-
-    A fresh buffer is page-faulted in and zeroed by the kernel on every step before the GEMM overwrites it; at two
-    threads both threads fault. At M = 256, V = 50304 (51 MB + 25 MB) reusing them costs 3–5% less CPU for the whole
-    head at one thread and 2–6% less at two (THP on; fused_head.py's shape, interleaved A/B). A buffer is taken for
-    as long as it is in use (the chunk: one forward; the weight gradient: until its backward), so two heads in
-    flight never share one; at most `keep` free buffers are kept. Elsewhere than CPU `take` allocates: the CUDA
-    caching allocator already reuses memory."""
-
-    def __init__(self, keep: int = 4):
-        self.keep = keep
-        self._free: OrderedDict[tuple, list[torch.Tensor]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if device.type != "cpu":
-            return torch.empty(shape, dtype=dtype, device=device)
-        key = (tuple(shape), dtype)
-        with self._lock:
-            free = self._free.get(key)
-            if free:
-                buffer = free.pop()
-                if not free:
-                    del self._free[key]
-                return buffer
-        return torch.empty(shape, dtype=dtype)
-
-    def keep_at_least(self, count: int) -> None:
-        """Keep up to `count` free buffers (a thread per chunk takes one per thread, and one for dW)."""
-        self.keep = max(self.keep, count)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        if buffer.device.type != "cpu":
-            return
-        key = (tuple(buffer.shape), buffer.dtype)
-        with self._lock:
-            self._free.setdefault(key, []).append(buffer)
-            self._free.move_to_end(key)
-            while sum(len(free) for free in self._free.values()) > self.keep:
-                oldest = next(iter(self._free))
-                self._free[oldest].pop(0)
-                if not self._free[oldest]:
-                    del self._free[oldest]
-
-
-BUFFERS = CpuBufferPool()
-
-
 class FusedLinearCrossEntropy(torch.autograd.Function):
     """Σ_n weight_N[n] · CE(x_NC[n] · weight_VCᵀ, labels_N[n]), gradients computed chunk by chunk in forward.
 
@@ -228,139 +114,112 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                   — the factor scales [M, C] tensors, so no pass over the [M, V] chunk multiplies it;
       bf16/fp16:  G_low = s_M1 ⊙ G, cast in the same pass (the scale before the cast: see the module docstring),
                   dx_MC = G_low · W, dW_VC += G_lowᵀ · x_MC (or its transpose; fp32 accumulation).
-    dW's layout is the CPU's (`weight_grad_as_rows`): [V, C] is the gradient itself; [C, V] (where MKL runs xᵀ · G
-    faster than Gᵀ · x) is written back as [V, C] once, in the backward."""
+    dW's layout is the backend's (`weight_grad_as_rows`): [V, C] is the gradient itself; [C, V] is written back as
+    [V, C] once, in the backward."""
 
     @staticmethod
-    @on_all_kernel_threads
-    def forward(ctx, x_NC, w_VC, labels_N, weight_N, chunk: int, grad_scale: float):
-        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dtype = autocast_dtype(x_NC)
-        low = dtype != torch.float32
-        ctx.input_dtypes, ctx.grad_scale = (x_NC.dtype, w_VC.dtype), grad_scale
-        ctx.lookup_slot = lookup_slot(w_VC) if needs_dw else None  # tied: the embedding adds its rows into dW
-        kernels = None if low else fused_head_kernels(x_NC, w_VC, weight_N)
-        if kernels is not None:
-            with torch.autocast("cpu", enabled=False):
-                return _forward_threads(ctx, kernels, x_NC, w_VC, labels_N, weight_N, chunk, grad_scale)
-        with torch.autocast(x_NC.device.type, enabled=False):
-            xc_NC, wc_VC = x_NC.to(dtype), w_VC.to(dtype)
-            dx_NC = torch.empty_like(xc_NC) if needs_dx else None
-            dw = _weight_grad_buffer(ctx, w_VC) if needs_dw else None
-            loss = torch.zeros((), dtype=torch.float32, device=x_NC.device)
-            # one chunk buffer, reused across chunks and steps (CpuBufferPool); the low-precision path adds an fp32
-            # one for the softmax and writes its gradient over its logits
-            rows, vocab = min(chunk, x_NC.shape[0]), w_VC.shape[0]
-            logits_buf = BUFFERS.take((rows, vocab), dtype, x_NC.device)
-            probs_buf = BUFFERS.take((rows, vocab), torch.float32, x_NC.device) if low else logits_buf
-            block_rows = softmax_block_rows(vocab, x_NC.device, torch.get_num_threads())
-            for start in range(0, x_NC.shape[0], chunk):
-                end = min(start + chunk, x_NC.shape[0])
-                x_MC = xc_NC[start:end]
-                logits_MV = torch.mm(x_MC, wc_VC.T, out=logits_buf[: end - start])
-                labels_M1, weight_M1 = labels_N[start:end, None], weight_N[start:end, None]
-                probs_MV = probs_buf[: end - start].copy_(logits_MV) if low else logits_MV
-                # CPU kernel: the chunk becomes sum · (softmax − one-hot) in one exp per logit, and 1 / sum joins
-                # the row factor below; elsewhere log_softmax, exp_ and the one-hot subtraction, in place
-                folded = softmax_gradient_rows(probs_MV, labels_N[start:end])
-                if folded is not None:
-                    logp_M1, sum_M1 = folded[0][:, None], folded[1][:, None]
-                else:
-                    logp_M1 = _softmax_in_place_and_label_logp(probs_MV, labels_M1, block_rows)
-                loss -= (logp_M1 * weight_M1).sum()
-                if not (needs_dx or needs_dw):
-                    continue
-                grad_MV = probs_MV if folded is not None else _logits_grad_in_place(probs_MV, labels_M1)
-                scale_M1 = weight_M1 * grad_scale if grad_scale != 1.0 else weight_M1
-                if folded is not None:
-                    scale_M1 = scale_M1 / sum_M1
-                if low:  # fp32 product, one cast, over the consumed logits
-                    grad_MV = torch.mul(grad_MV, scale_M1, out=logits_MV)
-                if needs_dx:
-                    dx_MC = torch.mm(grad_MV, wc_VC, out=dx_NC[start:end])
-                    if not low:
-                        dx_MC.mul_(scale_M1)
-                if needs_dw:
-                    x_in_MC = x_MC if low else x_MC * scale_M1
-                    _accumulate_weight_grad(dw, x_in_MC, grad_MV, first=start == 0, as_rows=ctx.dw_as_rows)
-            BUFFERS.give(logits_buf)
-            if low:
-                BUFFERS.give(probs_buf)
-        # not save_for_backward: these are scaled once, in the backward
-        ctx.grads = (dx_NC, dw)
-        return loss
+    def forward(ctx, x_NC, w_VC, labels_N, weight_N, chunk: int, grad_scale: float, backend: HeadLossBackend):
+        ctx.backend = backend
+        with backend.on_kernel_threads():
+            return _forward(ctx, x_NC, w_VC, labels_N, weight_N, chunk, grad_scale, backend)
 
     @staticmethod
-    @on_all_kernel_threads
     def backward(ctx, grad_loss):
         if ctx.grads is None:
             raise RuntimeError("the fused LM-head cross-entropy supports one backward per forward (no retain_graph)")
-        (dx_NC, dw_buffer), ctx.grads = ctx.grads, None
-        x_dtype, w_dtype = ctx.input_dtypes
-        ratio = grad_loss / ctx.grad_scale  # exactly 1.0 when the announced scale held
-        dx = None if dx_NC is None else dx_NC.mul_(ratio.to(dx_NC.dtype)).to(x_dtype)
-        dw = None
-        if dw_buffer is not None:
-            dw = _weight_grad_out_of(ctx, dw_buffer, ratio, w_dtype)
-            leave_for_lookup(ctx.lookup_slot, dw)
-        return dx, dw, None, None, None, None
+        with ctx.backend.on_kernel_threads():
+            (dx_NC, dw_buffer), ctx.grads = ctx.grads, None
+            x_dtype, w_dtype = ctx.input_dtypes
+            ratio = grad_loss / ctx.grad_scale  # exactly 1.0 when the announced scale held
+            dx = None if dx_NC is None else dx_NC.mul_(ratio.to(dx_NC.dtype)).to(x_dtype)
+            dw = None
+            if dw_buffer is not None:
+                dw = _weight_grad_out_of(ctx, dw_buffer, ratio, w_dtype)
+                ctx.backend.leave_for_lookup(ctx.lookup_slot, dw)
+        return dx, dw, None, None, None, None, None
 
 
-def _weight_grad_buffer(ctx, w_VC: torch.Tensor) -> torch.Tensor:
+def _forward(ctx, x_NC, w_VC, labels_N, weight_N, chunk: int, grad_scale: float, backend: HeadLossBackend):
+    needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dtype = autocast_dtype(x_NC)
+    low = dtype != torch.float32
+    ctx.input_dtypes, ctx.grad_scale = (x_NC.dtype, w_VC.dtype), grad_scale
+    ctx.lookup_slot = backend.lookup_slot(w_VC) if needs_dw else None  # tied: the embedding adds its rows into dW
+    if not low:
+        loss = backend.fused_head_forward(ctx, x_NC, w_VC, labels_N, weight_N, chunk, grad_scale)
+        if loss is not None:
+            return loss
+    with torch.autocast(x_NC.device.type, enabled=False):
+        xc_NC, wc_VC = x_NC.to(dtype), w_VC.to(dtype)
+        dx_NC = torch.empty_like(xc_NC) if needs_dx else None
+        dw = weight_grad_buffer(ctx, w_VC, backend) if needs_dw else None
+        loss = torch.zeros((), dtype=torch.float32, device=x_NC.device)
+        # one chunk buffer, reused across chunks (and, where the backend keeps them, steps); the low-precision path
+        # adds an fp32 one for the softmax and writes its gradient over its logits
+        rows, vocab = min(chunk, x_NC.shape[0]), w_VC.shape[0]
+        logits_buf = backend.take((rows, vocab), dtype, x_NC.device)
+        probs_buf = backend.take((rows, vocab), torch.float32, x_NC.device) if low else logits_buf
+        block_rows = backend.softmax_block_rows(vocab, torch.get_num_threads())
+        for start in range(0, x_NC.shape[0], chunk):
+            end = min(start + chunk, x_NC.shape[0])
+            x_MC = xc_NC[start:end]
+            logits_MV = torch.mm(x_MC, wc_VC.T, out=logits_buf[: end - start])
+            labels_M1, weight_M1 = labels_N[start:end, None], weight_N[start:end, None]
+            probs_MV = probs_buf[: end - start].copy_(logits_MV) if low else logits_MV
+            # a backend's kernel: the chunk becomes sum · (softmax − one-hot) in one exp per logit, and 1 / sum joins
+            # the row factor below; else log_softmax, exp_ and the one-hot subtraction, in place
+            folded = backend.softmax_gradient_rows(probs_MV, labels_N[start:end])
+            if folded is not None:
+                logp_M1, sum_M1 = folded[0][:, None], folded[1][:, None]
+            else:
+                logp_M1 = _softmax_in_place_and_label_logp(probs_MV, labels_M1, block_rows)
+            loss -= (logp_M1 * weight_M1).sum()
+            if not (needs_dx or needs_dw):
+                continue
+            grad_MV = probs_MV if folded is not None else _logits_grad_in_place(probs_MV, labels_M1)
+            scale_M1 = weight_M1 * grad_scale if grad_scale != 1.0 else weight_M1
+            if folded is not None:
+                scale_M1 = scale_M1 / sum_M1
+            if low:  # fp32 product, one cast, over the consumed logits
+                grad_MV = torch.mul(grad_MV, scale_M1, out=logits_MV)
+            if needs_dx:
+                dx_MC = torch.mm(grad_MV, wc_VC, out=dx_NC[start:end])
+                if not low:
+                    dx_MC.mul_(scale_M1)
+            if needs_dw:
+                x_in_MC = x_MC if low else x_MC * scale_M1
+                _accumulate_weight_grad(dw, x_in_MC, grad_MV, first=start == 0, as_rows=ctx.dw_as_rows)
+        backend.give(logits_buf)
+        if low:
+            backend.give(probs_buf)
+    # not save_for_backward: these are scaled once, in the backward
+    ctx.grads = (dx_NC, dw)
+    return loss
+
+
+def weight_grad_buffer(ctx, w_VC: torch.Tensor, backend: HeadLossBackend) -> torch.Tensor:
     """The fp32 buffer the forward accumulates dW into (`weight_grad_as_rows`): [V, C] for an fp32 weight is the
-    gradient itself, on memory from GRADIENT_MEMORY; otherwise a pooled buffer the backward writes back from."""
-    ctx.dw_as_rows = weight_grad_as_rows(w_VC.device)
+    gradient itself (`take_gradient`); otherwise a scratch buffer the backward writes back from."""
+    ctx.dw_as_rows = backend.weight_grad_as_rows(w_VC.device)
     ctx.dw_is_grad = ctx.dw_as_rows and w_VC.dtype == torch.float32
     if ctx.dw_is_grad:
-        return GRADIENT_MEMORY.take(w_VC.shape, torch.float32, w_VC.device)
-    return BUFFERS.take(w_VC.shape if ctx.dw_as_rows else w_VC.shape[::-1], torch.float32, w_VC.device)
+        return backend.take_gradient(w_VC.shape, torch.float32, w_VC.device)
+    return backend.take(w_VC.shape if ctx.dw_as_rows else w_VC.shape[::-1], torch.float32, w_VC.device)
 
 
 def _weight_grad_out_of(ctx, dw_buffer: torch.Tensor, ratio: torch.Tensor, w_dtype: torch.dtype) -> torch.Tensor:
     """The weight's [V, C] gradient from the forward's buffer, times the upstream gradient over the announced one."""
-    if ctx.dw_is_grad:  # on CPU, where reading the ratio costs nothing; × 1.0 (the usual case) changes no bit
+    backend = ctx.backend
+    if ctx.dw_is_grad:  # on a CPU, where reading the ratio costs nothing; × 1.0 (the usual case) changes no bit
         if torch.compiler.is_compiling() or ratio.item() != 1.0:
             dw_buffer.mul_(ratio)
         return dw_buffer
-    dw = GRADIENT_MEMORY.take((dw_buffer.shape if ctx.dw_as_rows else dw_buffer.shape[::-1]), w_dtype, dw_buffer.device)
-    kernels = None if ctx.dw_as_rows else fused_head_kernels(dw_buffer, dw)
-    if kernels is not None:  # [C, V] back to [V, C], scaled in the same pass
-        kernels.transpose_scaled(dw_buffer, ratio.float(), dw)
-    else:
+    shape = dw_buffer.shape if ctx.dw_as_rows else dw_buffer.shape[::-1]
+    dw = backend.take_gradient(shape, w_dtype, dw_buffer.device)
+    if ctx.dw_as_rows or not backend.transpose_scaled(dw_buffer, ratio, dw):  # [C, V] back to [V, C], scaled
         torch.mul(dw_buffer if ctx.dw_as_rows else dw_buffer.T, ratio, out=dw)
-    BUFFERS.give(dw_buffer)
+    backend.give(dw_buffer)
     return dw
-
-
-def _forward_threads(ctx, kernels, x_NC, w_VC, labels_N, weight_N, chunk: int, grad_scale: float) -> torch.Tensor:
-    """fp32 on CPU: the chunk loop in C++, a thread per chunk (csrc/fused_head.cpp); its buffers from BUFFERS."""
-    needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    num_tokens, hidden = x_NC.shape
-    vocab = w_VC.shape[0]
-    workers = cpu_head_workers(num_tokens, hidden, vocab, torch.get_num_threads(), chunk)
-    BUFFERS.keep_at_least(workers + 1)
-    rows = min(chunk, num_tokens) or 1
-    logits = [BUFFERS.take((rows, vocab), torch.float32, x_NC.device) for _ in range(workers)]
-    dw = _weight_grad_buffer(ctx, w_VC) if needs_dw else None
-    dx_NC = torch.empty_like(x_NC, memory_format=torch.contiguous_format) if needs_dx else None
-    try:
-        loss = kernels.fused_head_forward(
-            x_NC.contiguous(),
-            w_VC.contiguous(),
-            labels_N.contiguous(),
-            weight_N.contiguous(),
-            grad_scale,
-            chunk,
-            logits,
-            dx_NC,
-            dw,
-            needs_dw and ctx.dw_as_rows,
-        )
-    finally:
-        for buffer in logits:
-            BUFFERS.give(buffer)
-    ctx.grads = (dx_NC, dw)
-    return loss
 
 
 def fused_linear_cross_entropy(
@@ -375,6 +234,8 @@ def fused_linear_cross_entropy(
     `grad_scale`: what the caller will multiply the loss by before its backward (see the module docstring)."""
     if not grad_scale > 0:
         raise ValueError(f"grad_scale must be positive, got {grad_scale}")
-    threads = kernel_threads()  # its forward and backward run at every thread (model/cpu_threads.py)
+    backend = head_loss_backend(x_NC.device)
+    threads = backend.kernel_threads()  # its forward and backward may run at more threads than the ops around it
     chunk = chunk or chunk_tokens(x_NC.shape[0], x_NC.shape[1], w_VC.shape[0], x_NC.device, threads)
-    return FusedLinearCrossEntropy.apply(x_NC, w_VC, labels_N.long(), weight_N.float(), chunk, float(grad_scale))
+    labels, weights = labels_N.long(), weight_N.float()
+    return FusedLinearCrossEntropy.apply(x_NC, w_VC, labels, weights, chunk, float(grad_scale), backend)

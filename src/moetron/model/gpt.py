@@ -39,8 +39,8 @@ from torch.utils.checkpoint import checkpoint
 
 from moetron.errors import ConfigError, UserError
 from moetron.model.attention import SelfAttention
+from moetron.model.backends import head_loss_backend
 from moetron.model.config import ModelConfig
-from moetron.model.gradient_memory import embedding_lookup
 from moetron.model.init import init_tree, output_std
 from moetron.model.kv_cache import KVCache
 from moetron.model.loss import HeadLoss, fuses_head, make_head_loss
@@ -89,6 +89,11 @@ class TransformerLayer(nn.Module):
         else:
             h_BTC = self.mlp(h_BTC)
         return x_BTC + self.hidden_dropout(h_BTC), aux
+
+    def recompute_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """Activation checkpointing's (forward, recompute) contexts (`checkpoint`'s `context_fn`): while the backward
+        recomputes this layer, its MoE layer adds no routing statistics a second time."""
+        return contextlib.nullcontext(), self.mlp.recomputing() if self.is_moe else contextlib.nullcontext()
 
 
 class GPTModel(nn.Module):
@@ -189,14 +194,14 @@ class GPTModel(nn.Module):
             return self.embedding_dropout(x_BTC), rope
 
     def lookup_tokens(self, tokens_BT: torch.Tensor) -> torch.Tensor:
-        """The word embeddings of `tokens_BT`: a plain `nn.Embedding`'s lookup goes through `embedding_lookup`, whose
-        [V, C] gradient reuses its memory across steps on CPU (and adds into a tied fused head's); any other (tensor
-        parallelism's hooks, a sharding wrapper's) is called as it is."""
+        """The word embeddings of `tokens_BT`: a plain `nn.Embedding`'s lookup goes through the device's head-loss
+        backend (`model/backends.py`: on CPU its [V, C] gradient reuses memory across steps and adds into a tied
+        fused head's); any other (tensor parallelism's hooks, a sharding wrapper's) is called as it is."""
         module = self.word_embeddings
         plain = type(module) is nn.Embedding and not (module._forward_hooks or module._forward_pre_hooks)
         if plain and module.padding_idx is None and module.max_norm is None and not module.sparse:
             if not module.scale_grad_by_freq:
-                return embedding_lookup(tokens_BT, module.weight)
+                return head_loss_backend(module.weight.device).lookup(tokens_BT, module.weight)
         return module(tokens_BT)
 
     def rope_angles(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -237,7 +242,7 @@ class GPTModel(nn.Module):
         masks and the router's random draws (RTS, noisy gates) are the same in both passes.
         """
         if self.recompute_layers and self.training and torch.is_grad_enabled() and kv_cache is None:
-            return checkpoint(layer, x_BTC, rope, None, use_reentrant=False)
+            return checkpoint(layer, x_BTC, rope, None, use_reentrant=False, context_fn=layer.recompute_contexts)
         return layer(x_BTC, rope, kv_cache)
 
     def logits(self, x_BTC: torch.Tensor) -> torch.Tensor:

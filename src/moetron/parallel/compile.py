@@ -11,7 +11,7 @@ Inside a MoE block everything with static shapes is compiled: norms, attention, 
 adds, and the local token dispatch (the permute and unpermute of `dispatch.py` move exactly T·K rows whatever the
 routing, so no shape depends on the data). What stays eager (`torch.compiler.disable`, a graph break):
   - the experts, except on CUDA in bf16 with the grouped-GEMM kernel. The CPU runs them expert by expert from host
-    counts (`moe/experts/cpu_kernels.py`), `torch._grouped_mm` has no fp32 fake-tensor rule (Inductor traces its
+    counts (`moetron/cpu/experts.py`), `torch._grouped_mm` has no fp32 fake-tensor rule (Inductor traces its
     bf16 form only), and the batched backend reads the largest count in dropless mode (a new shape per value);
   - an expert-parallel dispatcher: its all-to-all split sizes are host integers read from the device;
   - context parallelism's attention (`attend_fn`, `parallel/cp/`) and the router's all-reduce of the per-sequence

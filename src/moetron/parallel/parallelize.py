@@ -56,6 +56,7 @@ from moetron.model.loss import HeadLoss, fuses_head, language_model_loss, make_h
 from moetron.parallel.activation_checkpoint import apply_ac
 from moetron.parallel.compile import apply_compile
 from moetron.parallel.cp.apply_cp import apply_cp, apply_cp_dropout
+from moetron.parallel.device_backends import use_device_backends
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.dp.replicate import DataParallel, apply_dp
 from moetron.parallel.dp.zero_spec import REPLICATED, ZeroSpec
@@ -186,6 +187,7 @@ def build_local_model(
     device, mesh)`, the lm-eval harness under torchrun): nothing there computes gradients, so steps 8–9 (the
     pipeline stages' executor parts, data parallelism and its reducers) would only allocate what is never used."""
     check_dims(cfg, mesh)
+    use_device_backends(device)  # the seams' kernels for this device type, chosen once here
     with torch.device("meta"):
         model = GPTModel(cfg)
     split_for_pipeline(model, mesh, layout)

@@ -1,13 +1,13 @@
 """The LM head + loss buffers in the memory plan: the fused chunks (`--fused-cross-entropy`, the default) or the
 materialised `[T, V]` logits.
 
-Fused (`model/fused_cross_entropy.py`): the head's forward holds one chunk of M rows at a time — the logits, whose
-softmax and gradient it computes in place (in fp32: one [M, V] buffer; in bf16/fp16 the logits in that dtype and
-the fp32 copy the softmax runs in); on CPU in fp32 one chunk per thread (`loss_workers`) — and writes dX
-`[T, h]` in the compute dtype; dW `[V, h]` fp32 becomes the head's gradient, which the plan already counts as the
-gradient present at the start of backward. Nothing of size T·V is ever alive, so accumulation holds no previous
-micro-batch's logits either. Plain: logits, fp32 log-softmax and both gradients, 16 B per token and vocabulary
-entry, plus (accumulating) the previous micro-batch's logits. Whether the trainer fuses is the one rule the
+Fused (`model/fused_cross_entropy.py`; CPU: `cpu/head_loss.py`): the head's forward holds one chunk of M rows at a
+time — the logits, whose softmax and gradient it computes in place (in fp32: one [M, V] buffer; in bf16/fp16 the
+logits in that dtype and the fp32 copy the softmax runs in); on CPU in fp32 one chunk per thread (`loss_workers`) —
+and writes dX `[T, h]` in the compute dtype; dW `[V, h]` fp32 becomes the head's gradient, which the plan already
+counts as the gradient present at the start of backward. Nothing of size T·V is ever alive, so accumulation holds no
+previous micro-batch's logits either. Plain: logits, fp32 log-softmax and both gradients, 16 B per token and
+vocabulary entry, plus (accumulating) the previous micro-batch's logits. Whether the trainer fuses is the one rule the
 recipe applies too (`model.loss.fuses_head`): not under tensor parallelism, whose logits are vocabulary shards
 (V / tp per rank, vocab-parallel cross-entropy), nor under a pipeline schedule that splits the backward (zero
 bubble, resolved as the trainer resolves `--pipeline-schedule`); under PP it runs on the last stage.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from moetron.config import RunConfig
-from moetron.model.fused_cross_entropy import chunk_tokens, cpu_head_workers
+from moetron.model.fused_cross_entropy import chunk_tokens
 from moetron.model.loss import fuses_head
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.pp.stage_layout import schedule_name, splits_backward
@@ -43,8 +43,12 @@ def loss_rows(cfg: RunConfig, device_kind: str, dims: ParallelDims | None = None
     tokens = cfg.train.micro_batch_size * m.seq_length
     if not fused(cfg, dims):
         return tokens
-    device, threads = torch.device(device_kind), torch.get_num_threads()
-    return min(tokens, chunk_tokens(tokens, m.hidden_size, m.padded_vocab_size(), device, threads))
+    threads = torch.get_num_threads()
+    if device_kind == "cpu":  # the CPU backend's chunks (`moetron/cpu/head_loss.py`), which the trainer uses there
+        from moetron.cpu.head_loss import cpu_chunk_tokens
+
+        return min(tokens, cpu_chunk_tokens(tokens, m.hidden_size, m.padded_vocab_size(), threads))
+    return min(tokens, chunk_tokens(tokens, m.hidden_size, m.padded_vocab_size(), torch.device(device_kind), threads))
 
 
 def loss_workers(cfg: RunConfig, compute_bytes: int, device_kind: str, dims: ParallelDims | None = None) -> int:
@@ -55,6 +59,8 @@ def loss_workers(cfg: RunConfig, compute_bytes: int, device_kind: str, dims: Par
     m = cfg.model
     tokens = cfg.train.micro_batch_size * m.seq_length
     rows = loss_rows(cfg, device_kind, dims)
+    from moetron.cpu.head_loss import cpu_head_workers
+
     return cpu_head_workers(tokens, m.hidden_size, local_vocab(cfg, dims), torch.get_num_threads(), rows)
 
 

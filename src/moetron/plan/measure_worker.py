@@ -5,9 +5,9 @@
   vmhwm_bytes   the process's resident-set high-water mark (/proc/self/status VmHWM: its own peak, not the
                 parent's — `ru_maxrss` inherits the launcher's), what a CPU run's tensors cost
   cuda_bytes    torch.cuda.max_memory_allocated() on a GPU run (the tensors; not the CUDA context)
-  cpu_step_s    the CPU time (all of the process's threads) of each training step, as the trainer reports it to
-                `STEP_CPU_TIME_OBSERVERS`: on a CPU shared with other work, what a step costs this rank regardless of
-                how long it waited for a core
+  cpu_step_s    the CPU time (all of the process's threads) of each training step, as the trainer reports it in
+                each step's result (`StepResult.cpu_s`, handed to the `on_step` this worker gives `moetron train`): on
+                a CPU shared with other work, what a step costs this rank regardless of how long it waited for a core
 """
 
 from __future__ import annotations
@@ -38,11 +38,9 @@ def record() -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
 
 
-def time_steps() -> None:
-    """Note each training step's CPU time in CPU_STEP_S (the trainer reports it; it logs only wall-clock rates)."""
-    from moetron.train.trainer import STEP_CPU_TIME_OBSERVERS
-
-    STEP_CPU_TIME_OBSERVERS.append(CPU_STEP_S.append)
+def note_step(result) -> None:
+    """The trainer's `on_step`: each training step's CPU time into CPU_STEP_S (it logs only wall-clock rates)."""
+    CPU_STEP_S.append(result.cpu_s)
 
 
 def main() -> int:
@@ -52,10 +50,9 @@ def main() -> int:
 
     atexit.register(record)
     RUN_FINISHED_OBSERVERS.append(record)
-    time_steps()
     from moetron.cli import main as moetron_main
 
-    return moetron_main(sys.argv[1:])
+    return moetron_main(sys.argv[1:], on_step=note_step)
 
 
 if __name__ == "__main__":

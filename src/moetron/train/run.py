@@ -210,15 +210,24 @@ def discard_if_overwriting(cfg: RunConfig, env: DistEnv) -> None:
     env.barrier()
 
 
-def run_training(cfg: RunConfig, explicit: set[str], env: DistEnv, plan_memory: Callable | None = None) -> int:
+def run_training(
+    cfg: RunConfig,
+    explicit: set[str],
+    env: DistEnv,
+    plan_memory: Callable | None = None,
+    on_step: Callable | None = None,
+) -> int:
     """`plan_memory(cfg, world_size, device_type)`: the planner's peak bytes for this layout (the command passes
-    `moetron plan`'s: `train` sits below `plan`), for the banner and the log lines."""
+    `moetron plan`'s: `train` sits below `plan`), for the banner and the log lines. `on_step`: the trainer's (called
+    with each optimizer step's `StepResult`)."""
     checkpoint = find_checkpoint(cfg)
     with run_directory_lock(cfg, env):  # before anything in the run directory is written or deleted
-        return _build_and_train(cfg, explicit, env, checkpoint, plan_memory)
+        return _build_and_train(cfg, explicit, env, checkpoint, plan_memory, on_step)
 
 
-def _build_and_train(cfg: RunConfig, explicit: set[str], env: DistEnv, checkpoint, plan_memory=None) -> int:
+def _build_and_train(
+    cfg: RunConfig, explicit: set[str], env: DistEnv, checkpoint, plan_memory=None, on_step=None
+) -> int:
     mesh = ParallelMesh.build(cfg.dims(env.world_size), env)
     seed_everything(cfg.train.seed, mesh.coords.dp)
     resolve_vocab_size(cfg, explicit)
@@ -233,7 +242,7 @@ def _build_and_train(cfg: RunConfig, explicit: set[str], env: DistEnv, checkpoin
             print(line, flush=True)
     train_loader, make_valid = build_loaders(cfg, env, mesh)
     parallel = build(cfg, mesh, env.device)  # the one recipe: this rank's part, initialised and wrapped
-    trainer = Trainer(cfg, env, parallel, train_loader, make_valid, config_yaml=to_yaml(cfg))
+    trainer = Trainer(cfg, env, parallel, train_loader, make_valid, config_yaml=to_yaml(cfg), on_step=on_step)
     trainer.planned_memory_bytes, trainer.baseline_memory_bytes = planned, baseline
     load_into(trainer, cfg, checkpoint)
     discard_if_overwriting(cfg, env)

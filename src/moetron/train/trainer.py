@@ -19,7 +19,9 @@ rank is used only to print on rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -32,7 +34,6 @@ from moetron.checkpoint.async_save import AsyncCheckpointer
 from moetron.config import RunConfig
 from moetron.errors import UserError
 from moetron.fileio import describe_os_error, write_atomic
-from moetron.model.cpu_threads import body_threads, fence_on_all_kernel_threads
 from moetron.model.flops import flops_per_token, megatron_tflops, mfu, peak_tflops
 from moetron.model.rng import STREAMS
 from moetron.parallel.env import DistEnv
@@ -49,7 +50,6 @@ from moetron.train.reduce import mean_over
 from moetron.train.routing_health import ROUTING_COUNTS_FILE, RoutingHealth, routing_counts_record
 from moetron.train.schedule import LRScheduler, build_schedule_spec, finished_schedule_warning
 from moetron.train.signals import StopFlag, StopSignal
-from moetron.train.step_threads import step_threads, threaded_gemm_layers
 
 
 @dataclasses.dataclass
@@ -66,12 +66,7 @@ class StepResult:
     ok: bool
     grad_norm: float
     sums: StepSums
-
-
-# Called after every optimizer step of `Trainer.train()` with that step's CPU time (all threads,
-# `time.process_time`): `plan --measure`'s worker (plan/measure_worker.py) registers one, since the trainer itself
-# logs only wall-clock rates. Empty in an ordinary run.
-STEP_CPU_TIME_OBSERVERS: list[Callable[[float], None]] = []
+    cpu_s: float = 0.0  # the step's CPU time, all threads (`time.process_time`): the metrics log wall-clock rates only
 
 
 class Trainer:
@@ -88,8 +83,12 @@ class Trainer:
         train_loader,
         make_valid_loader: Callable[[], object] | None = None,
         config_yaml: str = "",
+        on_step: Callable[[StepResult], None] | None = None,
     ):
+        """`on_step`: called with every optimizer step's result in `train()` (`plan --measure`'s worker notes each
+        step's CPU time)."""
         self.cfg, self.env = cfg, env
+        self.on_step = on_step
         self.dims = cfg.dims(env.world_size)
         self.mesh = parallel.mesh
         self.gbs = cfg.global_batch(self.dims.dp)
@@ -125,6 +124,7 @@ class Trainer:
         self.baseline_memory_bytes: float | None = None  # CPU: peak RSS before the model was built (set by run.py)
         self.snapshots: MemorySnapshots | None = None  # --memory-snapshot-steps (set while train() runs)
         self.step_threads = self._step_threads()  # CPU: the steps' ops outside moetron's kernels on one thread?
+        self.on_step_threads = self._step_threads_scope()
 
     # ------------------------------------------------------------------ one optimizer step
     def autocast(self):
@@ -134,22 +134,31 @@ class Trainer:
         return MicroBatch.from_loader(self.train_loader, self.env.device)
 
     def _step_threads(self) -> int:
-        """Intra-op threads for a CPU step's ops outside moetron's kernels (model/cpu_threads.py); every thread on a
-        GPU, or with --compile (a compiled block bakes its thread count in when it is built). With fewer, the layers
-        whose GEMMs split well still run on every thread."""
+        """Intra-op threads for a CPU step's ops outside moetron's kernels (moetron/cpu/threads.py); every thread on
+        a GPU, or with --compile (a compiled block bakes its thread count in when it is built). With fewer, the
+        layers whose GEMMs split well still run on every thread."""
         threads = torch.get_num_threads()
         if self.env.device.type != "cpu" or self.cfg.train.compile:
             return threads
+        from moetron.cpu.step_threads import fence_step_threads  # here: only a CPU run loads the CPU package
+
         rows = self.cfg.train.micro_batch_size * self.seq // self.dims.cp
-        body = step_threads(rows, self.cfg.model.hidden_size, threads)
-        if body < threads:
-            for layer in threaded_gemm_layers(self.model, rows):
-                fence_on_all_kernel_threads(layer)
-        return body
+        return fence_step_threads(self.model, rows, self.cfg.model.hidden_size)
+
+    def _step_threads_scope(self) -> Callable[[], contextlib.AbstractContextManager]:
+        """What a step and an evaluation run inside: `step_threads` intra-op threads (a GPU's: nothing to change)."""
+        if self.env.device.type != "cpu":
+            return contextlib.nullcontext
+        from moetron.cpu.threads import body_threads
+
+        return functools.partial(body_threads, self.step_threads)
 
     def train_step(self) -> StepResult:
-        with body_threads(self.step_threads):
-            return self._train_step()
+        cpu_start = time.process_time()
+        with self.on_step_threads():
+            result = self._train_step()
+        result.cpu_s = time.process_time() - cpu_start
+        return result
 
     def _train_step(self) -> StepResult:
         scale = self.scaler.scale
@@ -254,10 +263,9 @@ class Trainer:
         started = interval_start = time.perf_counter()
         interval_iters = 0
         while not self.done():
-            cpu_start = time.process_time()
             result = self.train_step()
-            for observe in STEP_CPU_TIME_OBSERVERS:
-                observe(time.process_time() - cpu_start)
+            if self.on_step is not None:
+                self.on_step(result)
             self._account(result)
             interval_iters += 1
             it = self.progress.iteration
@@ -367,7 +375,7 @@ class Trainer:
         if self.make_valid_loader is None or t.eval_iters == 0:
             return None
         # repeatable: each micro-batch's routing draws are keyed by its samples, and training's RNG is untouched
-        with body_threads(self.step_threads):
+        with self.on_step_threads():
             result = self.executor.evaluate(self.make_valid_loader(), t.eval_iters * self.num_micro, self.reduce_mean)
         p = self.progress
         record = {

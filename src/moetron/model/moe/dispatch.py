@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from moetron.model.compiled_kernels import index_add_rows
+from moetron.model.backends import experts_backend
 from moetron.model.moe.routing.router import Routing, route_counts
 
 
@@ -80,7 +80,8 @@ class GatherRows(torch.autograd.Function):
     def backward(ctx, grad_RA: torch.Tensor):
         (grad_index_R,) = ctx.saved_tensors
         # index_select's own backward (zeros + index_add_, same order) into one extra row, then dropped.
-        grad_XA = index_add_rows(grad_RA.new_zeros(ctx.num_rows + 1, *grad_RA.shape[1:]), grad_index_R, grad_RA)
+        zeros_XA = grad_RA.new_zeros(ctx.num_rows + 1, *grad_RA.shape[1:])
+        grad_XA = experts_backend(grad_RA.device).index_add_rows(zeros_XA, grad_index_R, grad_RA)
         # Dropped by shrinking the tensor in place, not by slicing: autograd adds a second gradient of the same
         # input (the router's, for the layer's x) in place into a first one that is a whole tensor, but into a
         # fresh [T, D] buffer when the first is a view (torch's InputBuffer::accumulate), one more cold 4 MiB
@@ -109,14 +110,6 @@ def inverse_permutation(order_R: torch.Tensor) -> torch.Tensor:
     """int64 [R]: inverse_R[order_R[r]] = r."""
     rows_R = torch.arange(order_R.numel(), device=order_R.device)
     return torch.empty_like(order_R).index_copy_(0, order_R, rows_R)
-
-
-# Off: dropless top-1 dispatches through `gather_rows` and `WeightedIndexAdd` like every other mode (the A/B of
-# `LocalDispatcher`'s permutation path; outputs and gradients have the same values either way).
-TOP1_PERMUTATION = True
-# Off: dropless top-1 with unit weights permutes x and y in the dispatcher (`PermuteRows`) instead of handing the
-# experts the rows in token order (`TokenOrder`); the same values either way.
-TOKEN_ORDER = True
 
 
 def gather_rows(src_XA: torch.Tensor, index_R: torch.Tensor, keep_grad_R: torch.Tensor) -> torch.Tensor:
@@ -214,11 +207,11 @@ class WeightedIndexAdd(torch.autograd.Function):
         ctx.sink_row = rows if sink else None
         # In place on a fresh buffer: the out-of-place index_add would first copy the zeros.
         out_XD = y_RD.new_zeros(rows + sink, y_RD.shape[1])
-        step = chunk_rows(y_RD.shape[1], y_RD.element_size())
+        step, backend = chunk_rows(y_RD.shape[1], y_RD.element_size()), experts_backend(y_RD.device)
         for lo in range(0, y_RD.shape[0], step):
             hi = lo + step
             rows_RD = y_RD[lo:hi] if weights_R is None else y_RD[lo:hi] * weights_R[lo:hi, None]
-            index_add_rows(out_XD, token_R[lo:hi], rows_RD)
+            backend.index_add_rows(out_XD, token_R[lo:hi], rows_RD)
         return without_last_row(out_XD) if sink else out_XD
 
     @staticmethod
@@ -281,11 +274,11 @@ class LocalDispatcher:
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, ExpertCounts, LocalContext]:
         capacity = routing.host_capacity
-        if TOP1_PERMUTATION and routing.topk == 1 and capacity is None:  # dropless top-1: each token has one row
+        if routing.topk == 1 and capacity is None:  # dropless top-1: each token has one row
             order_R, counts_E, _ = sort_routes(routing.expert_ids_TK, routing.kept_TK, self.num_experts)
             inverse_R = inverse_permutation(order_R)
             ctx = LocalContext(order_R, None, routing.weights_TK, x_TD.shape[0], routing.unit_weights, inverse_R)
-            if routing.unit_weights and TOKEN_ORDER:  # the experts permute (or read in place); the combine is y
+            if routing.unit_weights:  # the experts permute (or read in place); the combine is y
                 ctx.in_token_order = True
                 return x_TD, ExpertCounts(counts_E, capacity, TokenOrder(order_R, inverse_R)), ctx
             return PermuteRows.apply(x_TD, order_R, inverse_R), ExpertCounts(counts_E, capacity), ctx

@@ -25,7 +25,9 @@ Shape legend: B batch, T tokens per sequence, D hidden size, N kept routes, E ex
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -76,11 +78,6 @@ def routing_distribution(aux: MoEAux) -> torch.Tensor:
         probs_TE.detach().float().mean(0) if probs_TE is not None and probs_TE.numel() else torch.zeros_like(routes_E)
     )
     return torch.stack([routes_E, mean_E])
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. activation checkpointing recomputing a forward)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _dense_mlp(cfg: ModelConfig, ffn: int) -> GroupedExperts:
@@ -155,9 +152,23 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             y_TD = y_TD + (self._shared(x_TD) if shared_TD is None else shared_TD)
         aux = self._aux(routing)
-        if self.training and self.step_record is not None and not in_backward():  # not again in a recompute
+        if self.training and self.step_record is not None:  # a recompute's report is dropped (`recomputing`)
             self.step_record.add(self.layer_index, step_stats(aux, ep_load_of(ctx)), routing_distribution(aux))
         return attach_aux_loss(y_TD.reshape(x_BTD.shape), aux.loss(self.cfg), self.aux_loss_grad_scale), aux
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """The block is activation checkpointing's recomputation of a forward that already ran and reported: what
+        it reports is dropped again. The same record and the same branch as in the forward, rather than a flag: a
+        compiled block then reruns a graph it already has (a flag would be a new guard, and compiling inside the
+        backward is what AOTAutograd's cache mishandles: `parallel/compile.py`)."""
+        record = self.step_record
+        kept = record.layer_report(self.layer_index) if record is not None else None
+        try:
+            yield
+        finally:
+            if record is not None:
+                record.restore_layer_report(self.layer_index, kept)
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
         out_TD = self.shared_experts.dense_forward(x_TD)

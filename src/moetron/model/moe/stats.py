@@ -152,6 +152,20 @@ class MoEStepRecord:
         self.stats[layer_index], self.routing_2E[layer_index] = stats, routing_2E
         self.forwards[layer_index] = self.forwards.get(layer_index, 0) + 1
 
+    def layer_report(self, layer_index: int) -> tuple | None:
+        """What layer `layer_index` has reported so far this step (to put back with `restore_layer_report`)."""
+        if layer_index not in self.stats:
+            return None
+        return self.stats[layer_index], self.forwards[layer_index], self.routing_2E[layer_index]
+
+    def restore_layer_report(self, layer_index: int, report: tuple | None) -> None:
+        """Layer `layer_index`'s reports as `layer_report` returned them: later ones (a recompute's) dropped."""
+        if report is None:
+            for reports in (self.stats, self.forwards, self.routing_2E):
+                reports.pop(layer_index, None)
+            return
+        self.stats[layer_index], self.forwards[layer_index], self.routing_2E[layer_index] = report
+
     def step_stats(self, moe_layers: Sequence[nn.Module]) -> MoEStats | None:
         """[L_moe] each layer's mean `MoEStats` over the step's training forwards (zeros for a layer that ran none),
         still on device; None without MoE layers."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moetron.model.moe.dispatch import permute, unpermute
+from moetron.model.moe.dispatch import inverse_permutation, permute, unpermute
 from moetron.model.moe.experts.grouped import GroupedExperts
 from moetron.model.moe.layer import MoELayer
 from moetron.model.moe.routing.router import Routing
@@ -151,12 +151,6 @@ def regroup_by_local_expert(recv_RL: torch.Tensor, num_received: int) -> torch.T
     expert_of_block = torch.arange(num_local, device=recv_RL.device).repeat(num_ranks)
     expert_M = torch.repeat_interleave(expert_of_block, recv_RL.reshape(-1), output_size=num_received)
     return torch.sort(expert_M, stable=True).indices
-
-
-def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return inverse
 
 
 # ---------------------------------------------------------------- applying expert parallelism to a model

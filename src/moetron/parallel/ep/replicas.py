@@ -39,11 +39,11 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.func import functional_call
 
-from moetron.model.moe.dispatch import permute, unpermute
+from moetron.model.moe.dispatch import inverse_permutation, permute, unpermute
 from moetron.model.moe.experts.grouped import GroupedExperts
 from moetron.model.moe.layer import MoELayer
 from moetron.model.moe.routing.router import Routing
-from moetron.parallel.ep.all_to_all import AllToAll, AllToAllDispatcher, inverse_permutation, regroup_by_local_expert
+from moetron.parallel.ep.all_to_all import AllToAll, AllToAllDispatcher, regroup_by_local_expert
 from moetron.parallel.ep.replica_plan import ReplicaPlan, max_over_mean, plan_replicas
 
 WEIGHT_NAMES = ("w1_EDF", "w3_EDF", "w2_EFD", "b1_EF", "b2_ED")

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moetron.model.moe.dispatch import gather_rows, permute, unpermute
+from moetron.model.moe.dispatch import gather_rows, inverse_permutation, permute, unpermute
 from moetron.model.moe.routing.router import Routing
-from moetron.parallel.ep.all_to_all import AllToAll, AllToAllContext, AllToAllDispatcher, inverse_permutation
+from moetron.parallel.ep.all_to_all import AllToAll, AllToAllContext, AllToAllDispatcher
 from moetron.parallel.ep.replica_plan import max_over_mean, owner_load
 
 

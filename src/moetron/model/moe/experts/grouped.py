@@ -10,8 +10,9 @@ batched backend pad without reading the counts.
 Three interchangeable backends compute the same function (`backend`, from `cfg.moe_expert_backend`; see
 `backends.py`): grouped_mm (one grouped GEMM per projection), batched (padded bmm), loop (the
 reference). `auto` picks grouped_mm where it runs without host syncs, else batched (`auto_backend`). Where
-reading the device is free (a CPU tensor), a SwiGLU expert without biases runs expert by expert instead
-(`cpu_kernels.py`: the same GEMMs, better cache reuse).
+reading the device is free (a CPU tensor), a SwiGLU expert without biases runs through the device's experts
+backend instead where it has one (`model/backends.py`; on CPU expert by expert, `moetron/cpu/experts.py`: the same
+GEMMs, better cache reuse).
 
 Expert parallelism: a `GroupedExperts` may hold only the experts `expert_offset … expert_offset + E_local − 1`
 of a layer with `num_global_experts`; initialisation draws global expert g's weights from a generator seeded
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from moetron.model.autocast_dtype import autocast_dtype
+from moetron.model.backends import experts_backend
 from moetron.model.init import TensorSlice, param_slice, seeded_draw, seeded_generator
 from moetron.model.mlp import gelu
 from moetron.model.moe.dispatch import ExpertCounts, PermuteRows, gather_rows
@@ -43,7 +45,6 @@ from moetron.model.moe.experts.backends import (
     loop_matmul,
     padded_matmul,
 )
-from moetron.model.moe.experts.cpu_kernels import expert_by_expert_swiglu
 from moetron.model.moe.host_reads import host_reads_are_free
 
 
@@ -138,7 +139,8 @@ class GroupedExperts(nn.Module):
         if backend == "grouped_mm" and self._runs_expert_by_expert(x_ND):
             dtype = x_ND.dtype
             weights = (w.to(dtype) for w in (self.w1_EDF, self.w3_EDF, self.w2_EFD))
-            return expert_by_expert_swiglu(x_ND, *weights, counts_E, order.order_R if order is not None else None)
+            tokens_N = order.order_R if order is not None else None
+            return experts_backend(x_ND.device).swiglu(x_ND, *weights, counts_E, tokens_N)
         if order is not None:  # these backends take rows sorted by expert: permute here, and back after
             y_ND = self._sorted_rows(
                 PermuteRows.apply(x_ND, order.order_R, order.inverse_R), counts_E, capacity, backend
@@ -164,13 +166,13 @@ class GroupedExperts(nn.Module):
         return y_ND
 
     def _runs_expert_by_expert(self, x_ND: torch.Tensor) -> bool:
-        """SwiGLU with SiLU, no biases, where host reads are free (CPU): what `ExpertByExpertSwiGLU` implements."""
+        """SwiGLU with SiLU, no biases, where host reads are free (CPU) and the experts backend runs it."""
         plain_swiglu = self.w3_EDF is not None and self.b1_EF is None and self.activation is nn.functional.silu
-        return plain_swiglu and host_reads_are_free(x_ND.device)
+        return plain_swiglu and host_reads_are_free(x_ND.device) and experts_backend(x_ND.device).runs_swiglu(x_ND)
 
-    def runs_expert_kernel_on_cpu(self) -> bool:
-        """Whether a CPU fp32 forward runs `ExpertByExpertSwiGLU` (its threads split the experts,
-        `model/cpu_threads.py`)."""
+    def runs_experts_backend_on_cpu(self) -> bool:
+        """Whether a CPU fp32 forward runs the experts backend's SwiGLU (the CPU's splits the experts over its
+        threads, `moetron/cpu/threads.py`)."""
         x_0D = torch.empty(0, self.hidden)
         return self.resolved_backend(x_0D) == "grouped_mm" and self._runs_expert_by_expert(x_0D)
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from moetron.errors import UserError
-from moetron.model.compiled_kernels import first_max_column
+from moetron.model.backends import experts_backend
 from moetron.model.moe.stats import load_max_over_mean
 
 # ---------------------------------------------------------------- the decision
@@ -360,12 +360,13 @@ def first_argmax(x_TE: torch.Tensor) -> torch.Tensor:
     exactly as argmax does. NaN rows differ (argmax points at the NaN); the router's logits have none.
     On CPU with at least `_MAX_DIM_MIN_EXPERTS` columns, `max(dim=1)` instead: one pass and no [T, E]
     temporaries (0.59 vs 0.79 ms at T=8192, E=64; 0.91 vs 1.58 ms at E=128), the first maximal column as
-    documented, NaN rows included (the NaN's column, as argmax). There, where moetron's CPU kernels load, their
-    `first_max_column` for float32: the same column (0.50 vs 0.80 ms at T=8192, E=64; 0.78 vs 1.22 at E=128).
+    documented, NaN rows included (the NaN's column, as argmax). There the experts backend's `first_max_column`
+    where it has one (the CPU kernels, float32): the same column (0.50 vs 0.80 ms at T=8192, E=64; 0.78 vs 1.22 at
+    E=128).
     """
     num_experts = x_TE.shape[1]
     if x_TE.device.type == "cpu" and num_experts >= _MAX_DIM_MIN_EXPERTS:
-        picked_T = first_max_column(x_TE)  # float32, where the CPU kernels load: the same column, faster
+        picked_T = experts_backend(x_TE.device).first_max_column(x_TE)  # the same column, faster, or None
         return picked_T if picked_T is not None else x_TE.max(dim=1).indices
     is_max_TE = x_TE == x_TE.amax(dim=1, keepdim=True)
     # Score E - e at the maxima (0 elsewhere): the largest score is the lowest maximal column.

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetron.model.compiled_kernels import first_max_column
+from moetron.model.backends import experts_backend
 from moetron.model.config import RouterConfig
 from moetron.model.moe.routing.deepspeed_gating import (
     LOCAL_ROWS,
@@ -88,7 +88,7 @@ def top_experts(select_TE: torch.Tensor, k: int) -> torch.Tensor:
     and the same index (see `_HEAP_TOPK_MIN_EXPERTS`; `test_top_experts_equals_topk_with_ties` holds it to
     that). Elsewhere topk itself: fewer experts, k > 1 or another device break ties differently."""
     if k == 1 and select_TE.device.type == "cpu" and select_TE.shape[1] >= _HEAP_TOPK_MIN_EXPERTS:
-        picked_T = first_max_column(select_TE)  # the same column, faster, where the CPU kernels load
+        picked_T = experts_backend(select_TE.device).first_max_column(select_TE)  # the same column, or None
         return picked_T.unsqueeze(1) if picked_T is not None else select_TE.max(dim=1, keepdim=True).indices
     return torch.topk(select_TE, k=k, dim=1).indices
 

@@ -1,17 +1,17 @@
-"""The [V, C] weight gradients on reused CPU memory (`model/gradient_memory.py`): memory is handed out again only once
-nobody holds it, and a model trains bit for bit as with fresh memory — tied (the embedding's rows added into the fused
-head's gradient) or untied, with `.grad` dropped every step or accumulated over micro-batches."""
+"""The [V, C] weight gradients on reused CPU memory (`moetron/cpu/gradient_memory.py`): memory is handed out again
+only once nobody holds it, and a model trains bit for bit as with fresh memory — tied (the embedding's rows added into
+the fused head's gradient) or untied, with `.grad` dropped every step or accumulated over micro-batches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from moetron.model import gpt
+from moetron.cpu.gradient_memory import ReusedGradientMemory, embedding_lookup
+from moetron.cpu.head_loss import CPU_HEAD_LOSS
+from moetron.model.backends import ATEN_HEAD_LOSS
 from moetron.model.config import ModelConfig
 from moetron.model.gpt import create_model
-from moetron.model.gradient_memory import ReusedGradientMemory, embedding_lookup
 from moetron.model.loss import FusedHeadLoss, LogitsHeadLoss
 
 CPU = torch.device("cpu")
@@ -65,7 +65,8 @@ def _train(model, head, micro_batches: int, steps: int = 3):
 @pytest.mark.parametrize("head", [FusedHeadLoss(), LogitsHeadLoss()], ids=["fused", "logits"])
 def test_a_model_trains_bit_for_bit_as_with_fresh_gradient_memory(monkeypatch, tied, micro_batches, head):
     reused, pointers = _train(_model(tied), head, micro_batches)
-    monkeypatch.setattr(gpt, "embedding_lookup", F.embedding)
+    monkeypatch.setattr(CPU_HEAD_LOSS, "lookup", ATEN_HEAD_LOSS.lookup)  # fresh memory: ATen's lookup and gradient
+    monkeypatch.setattr(CPU_HEAD_LOSS, "take_gradient", ATEN_HEAD_LOSS.take_gradient)
     fresh, _ = _train(_model(tied), head, micro_batches)
     for step_reused, step_fresh in zip(reused, fresh, strict=True):
         for name, grad in step_fresh.items():

@@ -1,7 +1,7 @@
 """moetron's CPU kernels in C++ (`csrc/`), compiled on first use and cached: one extension module with
 
     kernels = compiled_cpu_kernels()  # the loaded module, or None: its callers then run their Python code
-    kernels.swiglu_forward / swiglu_backward   # the expert-by-expert SwiGLU (`cpu_kernels.ExpertByExpertSwiGLU`)
+    kernels.swiglu_forward / swiglu_backward   # the expert-by-expert SwiGLU (`experts.ExpertByExpertSwiGLU`)
     kernels.first_max_column                   # the router's top-1 pick (`first_max_column` below)
     kernels.softmax_gradient_rows              # the fused LM head's softmax (`softmax_gradient_rows` below)
     kernels.fused_head_forward / transpose_scaled       # the fused LM head's fp32 chunks, a thread per chunk
@@ -11,15 +11,16 @@
 Why C++: at E = 64 small experts the Python loop makes ~17 ATen calls per expert, and the interpreter and ATen's
 dispatch around them cost more than the element-wise work; the kernel makes the same BLAS calls directly and fuses
 the element-wise passes (see the source). It computes the same bits as the Python loop: every process checks that
-on a small problem before using it (`cpu_kernels.compiled_engine`) and refuses it if any output or gradient
+on a small problem before using it (`experts.compiled_engine`) and refuses it if any output or gradient
 differs, so the two are interchangeable.
 
 Built with torch's JIT extension builder (it needs a C++ compiler and ninja; none is needed to install moetron) for
 the CPU capability ATen dispatches to here (`torch.backends.cpu.get_cpu_capability()`), so that ATen's vector
 code is the same. The build goes to a private temporary directory and is then moved into the cache under a key
-of the sources, flags and torch version, so concurrent processes never wait on a lock (a killed build leaves no
-stale lock behind, as torch's shared build directory would). Cache: `$MOETRON_KERNEL_CACHE`, else
-`~/.cache/moetron/kernels`. `MOETRON_CPU_KERNELS=0` turns them off (the Python code runs).
+hashed from the sources' content (not their path), the flags (the ISA level among them), the torch and Python
+versions: an unchanged source is never built again, in a new process, session or clone. Concurrent processes never
+wait on a lock (a killed build leaves no stale lock behind, as torch's shared build directory would). Cache:
+`$MOETRON_KERNEL_CACHE`, else `~/.cache/moetron/kernels`. `MOETRON_CPU_KERNELS=0` turns them off (the Python code runs).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def unavailable_reason() -> str | None:
     """Why the kernel cannot be built here (None: it can be tried)."""
     if os.environ.get("MOETRON_CPU_KERNELS", "1") == "0":
         return "MOETRON_CPU_KERNELS=0"
-    if not all(path.is_file() for path in SOURCES):  # e.g. this code bundled into an exported model's remote code
+    if not all(path.is_file() for path in SOURCES):  # e.g. an install without the package data
         return f"the kernel sources are not in {CSRC}"
     if not sys.platform.startswith("linux"):
         return f"built on Linux only (this is {sys.platform})"
@@ -135,7 +136,7 @@ def _build(name: str, flags: list[str]) -> ModuleType:
 @functools.cache
 def compiled_cpu_kernels() -> ModuleType | None:
     """The kernel module, built or loaded once per process; None where it is unavailable (`unavailable_reason`:
-    then the Python code is simply what runs) or fails to build (with one warning). `cpu_kernels.compiled_engine`
+    then the Python code is simply what runs) or fails to build (with one warning). `experts.compiled_engine`
     also checks the SwiGLU kernel against the Python loop before using it."""
     if unavailable_reason() is not None:
         return None

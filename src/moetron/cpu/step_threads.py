@@ -1,11 +1,16 @@
 """How many intra-op threads a CPU training step gives the ops outside moetron's kernels, and which layers get every
-thread back (`model/cpu_threads.py`: why, and how)."""
+thread back (`threads.py`: why, and how).
+
+    threads = fence_step_threads(model, rows, hidden_size)   # the trainer, once, on CPU without --compile
+    with body_threads(threads): step()
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from moetron.cpu.threads import fence_on_all_kernel_threads
 from moetron.model.moe.experts.grouped import GroupedExperts
 from moetron.model.moe.routing.router import Router
 
@@ -24,6 +29,17 @@ def step_threads(rows: int, hidden_size: int, threads: int) -> int:
     return 1 if rows * hidden_size < MIN_THREADED_BODY_ELEMENTS else threads
 
 
+def fence_step_threads(model: nn.Module, rows: int, hidden_size: int) -> int:
+    """The intra-op threads for the ops of a step on `rows` tokens outside moetron's kernels (`step_threads`); with
+    fewer than now, the layers whose GEMMs split well are fenced to run on every thread (`threaded_gemm_layers`)."""
+    threads = torch.get_num_threads()
+    body = step_threads(rows, hidden_size, threads)
+    if body < threads:
+        for layer in threaded_gemm_layers(model, rows):
+            fence_on_all_kernel_threads(layer)
+    return body
+
+
 def threaded_gemm_layers(model: nn.Module, rows: int) -> list[nn.Module]:
     """The layers whose GEMM on `rows` rows (a micro-batch's tokens) splits well over the threads (at least
     MIN_THREADED_GEMM_FLOPS) and runs through ATen rather than moetron's kernels: linear layers but the output layer
@@ -35,7 +51,7 @@ def threaded_gemm_layers(model: nn.Module, rows: int) -> list[nn.Module]:
         if isinstance(module, nn.Linear) and not name.endswith("output_layer"):
             out_features, in_features = _local_shape(module.weight)
             flops = 2.0 * rows * in_features * out_features
-        elif isinstance(module, GroupedExperts) and not module.runs_expert_kernel_on_cpu():
+        elif isinstance(module, GroupedExperts) and not module.runs_experts_backend_on_cpu():
             expert_rows = rows * (topk if module.num_global_experts > 1 else 1) / module.num_global_experts
             _, hidden, ffn = _local_shape(module.w1_EDF)
             flops = 2.0 * expert_rows * hidden * ffn

@@ -1,7 +1,8 @@
-"""CPU-only expert kernels: SwiGLU experts run expert by expert, and huge-page hints for weight gradients.
+"""The CPU experts backend (`CpuExperts`, the model's seam `model/backends.py`): SwiGLU experts run expert by
+expert, huge-page hints for their weight gradients, the router's top-1 pick and the combine's row adds in C++.
 
-`GroupedExperts` runs these only where reading the device is free (`host_reads_are_free`: a CPU tensor),
-because they take the per-expert row counts as host integers. On CUDA the grouped or batched backends run.
+`GroupedExperts` runs the SwiGLU only where reading the device is free (`host_reads_are_free`: a CPU tensor),
+because it takes the per-expert row counts as host integers. On CUDA the grouped or batched backends run.
 
 Token order (`tokens_N`, dropless top-1 from `LocalDispatcher`): x, y and their gradients are in the tokens' order,
 and sorted row r is token tokens_N[r] (a permutation); each expert's rows are gathered before its GEMMs and its outputs
@@ -23,8 +24,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from moetron.model.compiled_kernels import compiled_cpu_kernels
-from moetron.model.cpu_threads import on_all_kernel_threads
+from moetron.cpu.compiled_kernels import compiled_cpu_kernels, first_max_column, index_add_rows
+from moetron.cpu.threads import on_all_kernel_threads
+from moetron.model.backends import ExpertsBackend
 
 _HUGE_PAGE = 2 << 20
 # Blocks of at least two huge pages (so that one aligned 2 MiB page lies inside) get the hint: glibc serves blocks
@@ -368,3 +370,22 @@ def expert_by_expert_swiglu(
         # fresh [T, D] sum instead, ~2 ms at T=8192, D=128, when x is the layer's input in token order).
         operands = (t.view_as(t) if t.requires_grad and t.is_leaf else t for t in (x_ND, w1_EDF, w3_EDF, w2_EFD))
         return ExpertByExpertSwiGLU.apply(*operands, counts_E.tolist(), tokens_N)
+
+
+class CpuExperts(ExpertsBackend):
+    """The MoE layer's CPU kernels: each the same bits as ATen's op it replaces (tests/unit/cpu/)."""
+
+    def first_max_column(self, x_TE: torch.Tensor) -> torch.Tensor | None:
+        return first_max_column(x_TE)
+
+    def index_add_rows(self, out_TD: torch.Tensor, index_R: torch.Tensor, src_RD: torch.Tensor) -> torch.Tensor:
+        return index_add_rows(out_TD, index_R, src_RD)
+
+    def runs_swiglu(self, x_ND: torch.Tensor) -> bool:
+        return x_ND.device.type == "cpu"
+
+    def swiglu(self, x_ND, w1_EDF, w3_EDF, w2_EFD, counts_E, tokens_N=None) -> torch.Tensor:
+        return expert_by_expert_swiglu(x_ND, w1_EDF, w3_EDF, w2_EFD, counts_E, tokens_N)
+
+
+CPU_EXPERTS = CpuExperts()

@@ -1,4 +1,4 @@
-"""model/cpu_threads.py, train/step_threads.py: a small model's CPU step runs the ops outside moetron's kernels on
+"""moetron/cpu/threads.py, step_threads.py: a small model's CPU step runs the ops outside moetron's kernels on
 one thread, the fused head, the expert kernel and the layers with large GEMMs on every thread the step started with,
 and gives them back."""
 
@@ -9,13 +9,14 @@ import torch
 from torch import nn
 from trainer_support import build_trainer, tiny_config
 
-from moetron.model import cpu_threads
-from moetron.model import fused_cross_entropy as fce
-from moetron.model.cpu_threads import all_kernel_threads, body_threads, fence_on_all_kernel_threads, kernel_threads
-from moetron.model.moe.experts import cpu_kernels
+from moetron.cpu import experts as cpu_kernels
+from moetron.cpu import step_threads as step_threads_module
+from moetron.cpu import threads as cpu_threads
+from moetron.cpu.compiled_kernels import fused_head_kernels
+from moetron.cpu.head_loss import CPU_HEAD_LOSS
+from moetron.cpu.step_threads import MIN_THREADED_BODY_ELEMENTS, step_threads, threaded_gemm_layers
+from moetron.cpu.threads import all_kernel_threads, body_threads, fence_on_all_kernel_threads, kernel_threads
 from moetron.model.moe.experts.grouped import GroupedExperts
-from moetron.train import step_threads as step_threads_module
-from moetron.train.step_threads import MIN_THREADED_BODY_ELEMENTS, step_threads, threaded_gemm_layers
 
 
 @pytest.fixture
@@ -129,7 +130,7 @@ def test_a_trainer_step_runs_small_ops_on_one_thread_and_its_kernels_on_two(two_
         if isinstance(module, nn.Linear):
             module.register_forward_hook(lambda *_: seen["linear"].add(torch.get_num_threads()))
 
-    head_kernel = fce._forward_threads
+    head_kernel = CPU_HEAD_LOSS._forward_threads
 
     def spy_head(*args, **kwargs):
         seen["head"].add(torch.get_num_threads())
@@ -149,12 +150,12 @@ def test_a_trainer_step_runs_small_ops_on_one_thread_and_its_kernels_on_two(two_
             seen["experts backward"].add(torch.get_num_threads())
             return self.engine.backward(*args)
 
-    monkeypatch.setattr(fce, "_forward_threads", spy_head)
+    monkeypatch.setattr(CPU_HEAD_LOSS, "_forward_threads", spy_head)
     monkeypatch.setattr(cpu_kernels, "swiglu_engine", lambda *a: SpyEngine(engine_of(*a)))
     result = trainer.train_step()
     assert result.ok
     expected = {"linear": {1}, "head": {2}, "experts forward": {2}, "experts backward": {2}}
-    if fce.fused_head_kernels(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1)) is None:
+    if fused_head_kernels(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1)) is None:
         expected["head"] = set()  # the C++ kernels did not build here: the head ran its Python loop
     assert seen == expected
     assert torch.get_num_threads() == 2  # given back after the step

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from moetron.model.moe.experts.cpu_kernels import ExpertByExpertSwiGLU, expert_by_expert_swiglu
+from moetron.cpu.experts import ExpertByExpertSwiGLU, expert_by_expert_swiglu
 from moetron.model.moe.experts.grouped import GroupedExperts
 
 E, D, F, N = 4, 16, 32, 40  # aligned widths: GroupedExperts runs the expert-by-expert kernel on CPU

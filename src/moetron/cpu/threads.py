@@ -7,7 +7,7 @@ also splits GEMMs below ~100 MFLOP badly (`[768, 128] @ [128, 256]`: 0.57 ms on 
 and 0.87 ms of CPU on two; `[768, 8] @ [8, 128]`: 30 µs against 150). The kernels that split whole units of work
 over the threads — the fused head's chunks (`csrc/fused_head.cpp`), the experts (`csrc/expert_by_expert_swiglu.cpp`)
 — open one region per call and do gain. So `body_threads` runs a training step's other ops at one thread when its
-activations are small (the trainer's rule: `train/step_threads.py`), `all_kernel_threads` gives the kernels every
+activations are small (the trainer's rule: `step_threads.py`), `all_kernel_threads` gives the kernels every
 thread the step was started with, and `fence_on_all_kernel_threads` does the same for a layer whose GEMM is large
 enough to split (a dense MLP's 768 × 128 × 512). Two threads, 4 layers 128 wide, 768 tokens: Mixtral-shaped (8
 experts) 0.84x the CPU time and 0.79x the wall clock of a step on every thread; dense with its MLPs fenced 0.93x
@@ -28,6 +28,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 _kernel_threads: int | None = None  # while `body_threads` runs the ops at fewer: the threads the kernels get
+
+
+def uses_fewer_threads() -> bool:
+    """Whether `body_threads` runs the ops at fewer threads than the kernels get (and torch.compile is not
+    tracing)."""
+    return _kernel_threads is not None and not torch.compiler.is_compiling()
 
 
 def kernel_threads() -> int:

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from moetron.model import compiled_kernels
-from moetron.model.moe.experts import cpu_kernels
+from moetron.cpu import compiled_kernels
+from moetron.cpu import experts as cpu_kernels
 
 
 @pytest.fixture
@@ -98,8 +98,8 @@ def test_turned_off_by_the_environment(monkeypatch, fresh_load):
 
 
 def test_without_the_sources_the_kernels_are_off_and_the_python_code_runs(monkeypatch, fresh_load, tmp_path):
-    """Bundled into an exported model's remote code (one modeling file, no csrc/ beside it) the kernels are simply
-    unavailable: the experts' Python loop and ATen's index_add_ run."""
+    """Installed without its csrc/ (package data left out) the kernels are simply unavailable: the experts' Python
+    loop and ATen's index_add_ run."""
     monkeypatch.setattr(compiled_kernels, "CSRC", tmp_path / "csrc")
     monkeypatch.setattr(compiled_kernels, "SOURCES", [tmp_path / "csrc" / "module.cpp"])
     assert compiled_kernels.unavailable_reason() == f"the kernel sources are not in {tmp_path / 'csrc'}"
@@ -144,7 +144,7 @@ def test_a_build_that_differs_by_one_bit_is_refused(engine, monkeypatch, fresh_l
 
 def test_another_process_loads_the_cached_build_without_compiling(engine):
     code = (
-        "from moetron.model.compiled_kernels import compiled_cpu_kernels as k, cache_dir;"
+        "from moetron.cpu.compiled_kernels import compiled_cpu_kernels as k, cache_dir;"
         "m = k(); print(m is not None, str(cache_dir()) in m.__file__)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -263,3 +263,18 @@ def test_the_kernel_cache_is_keyed_by_the_isa_level():
     # built for the level ATen dispatches to in this process (ATEN_CPU_CAPABILITY included), not the CPU's best
     own = torch.backends.cpu.get_cpu_capability()
     assert compiled_kernels._capability() == (own if own in names else "DEFAULT")
+
+
+def test_the_kernel_cache_key_is_the_sources_content_not_their_place(tmp_path, monkeypatch):
+    """A clone elsewhere (or a new session) finds the build of unchanged sources; an edited source is built anew."""
+    flags = compiled_kernels.build_flags("DEFAULT")
+    here = compiled_kernels._module_name(flags)
+    copy = tmp_path / "elsewhere" / "csrc"
+    copy.mkdir(parents=True)
+    for path in compiled_kernels.CSRC.iterdir():
+        if path.suffix in (".cpp", ".h"):
+            (copy / path.name).write_text(path.read_text())
+    monkeypatch.setattr(compiled_kernels, "CSRC", copy)
+    assert compiled_kernels._module_name(flags) == here
+    (copy / "add_rows.cpp").write_text((copy / "add_rows.cpp").read_text() + "\n// edited\n")
+    assert compiled_kernels._module_name(flags) != here
