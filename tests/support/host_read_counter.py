@@ -9,24 +9,23 @@
 invisible to it (CUDA's `bincount`, `nonzero`, boolean-mask indexing and `repeat_interleave` without
 `output_size` sync that way); the MoE code avoids those by construction.
 
-`cuda_code_path()`: production picks its CPU-only kernels by the tensors' device (the experts' SwiGLU through
-`moetron.model.moe.host_reads.host_reads_are_free`, top-1 RTS's keep in `deepspeed_gating._keep_top1`). Within the
-block every moetron module's reference to `host_reads_are_free` answers False and the RTS keep's CPU sort is swapped
-for DeepSpeed's topk (what other devices run; the same routes), so the CPU runs the branches CUDA runs. It does not
-change the `auto` expert backend (forced backends are what a measurement wants) or any value.
+`cuda_code_path()`: production picks its CPU-only kernels by the tensors' device (the CPU backend behind the model's
+seams, `model/backends.py`; top-1 RTS's keep in `deepspeed_gating._keep_top1`). Within the block CPU tensors go
+through ATen's backends, as every other device's do, and the RTS keep's CPU sort is swapped for DeepSpeed's topk
+(the same routes), so the CPU runs the branches CUDA runs. It does not change the `auto` expert backend (forced
+backends are what a measurement wants) or any value.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections import Counter
 from collections.abc import Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from moetron.model.moe import host_reads
+from moetron.model import backends
 from moetron.model.moe.routing import deepspeed_gating
 
 # Tensor methods that hand a tensor's value to Python (`.to(...)` counts when it targets the CPU).
@@ -35,10 +34,6 @@ READ_METHODS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", 
 # (custom autograd Functions, hooks) would go uncounted: during these calls the read methods are wrapped.
 BACKWARD_CALLS = frozenset({"backward", "grad"})
 _ABSENT = object()
-
-
-def _never_free(device: torch.device) -> bool:
-    return False
 
 
 def _topk_rts_keep(ids_T: torch.Tensor, rand_TE: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -50,17 +45,13 @@ def _topk_rts_keep(ids_T: torch.Tensor, rand_TE: torch.Tensor, capacity: int) ->
 @contextlib.contextmanager
 def cuda_code_path() -> Iterator[None]:
     """Within the block, moetron's modules take the branches they take on CUDA, even for CPU tensors."""
-    original, sort_keep = host_reads.host_reads_are_free, deepspeed_gating.keep_top_random_keys_top1
-    holders = [m for name, m in list(sys.modules.items()) if name.startswith("moetron") and m is not None]
-    patched = [m for m in holders if getattr(m, "host_reads_are_free", None) is original]
-    for module in patched:
-        module.host_reads_are_free = _never_free
+    cpu, sort_keep = backends._REGISTERED.pop("cpu", None), deepspeed_gating.keep_top_random_keys_top1
     deepspeed_gating.keep_top_random_keys_top1 = _topk_rts_keep
     try:
         yield
     finally:
-        for module in patched:
-            module.host_reads_are_free = original
+        if cpu is not None:
+            backends._REGISTERED["cpu"] = cpu
         deepspeed_gating.keep_top_random_keys_top1 = sort_keep
 
 

@@ -11,8 +11,7 @@ import torch
 from host_read_counter import HostReadCounter, cuda_code_path
 from host_sync_steps import EXPERTS, LOCAL_MODES, layer_config, local_reads
 
-from moetron.model.moe.experts import grouped
-from moetron.model.moe.host_reads import host_reads_are_free
+from moetron.model import backends
 from moetron.model.moe.layer import MoELayer
 from moetron.model.moe.routing import deepspeed_gating
 
@@ -38,11 +37,12 @@ def test_the_cpu_path_reads_where_reads_are_free():
         layer(torch.randn(2, 64, 64))
     assert dict(reads.by_kind) == {"__bool__": 1}
     cpu = torch.device("cpu")
-    assert host_reads_are_free(cpu) and not host_reads_are_free(torch.device("meta"))
-    sort_keep = deepspeed_gating.keep_top_random_keys_top1
+    cpu_experts, sort_keep = backends.experts_backend(cpu), deepspeed_gating.keep_top_random_keys_top1
+    assert cpu_experts is not backends.ATEN_EXPERTS  # the CPU backend (tests/conftest.py registers it, as build does)
     with cuda_code_path():  # every CPU-only kernel is swapped for what CUDA runs
-        assert not grouped.host_reads_are_free(cpu) and deepspeed_gating.keep_top_random_keys_top1 is not sort_keep
-    assert grouped.host_reads_are_free is host_reads_are_free  # restored
+        assert backends.experts_backend(cpu) is backends.ATEN_EXPERTS
+        assert deepspeed_gating.keep_top_random_keys_top1 is not sort_keep
+    assert backends.experts_backend(cpu) is cpu_experts  # restored
     assert deepspeed_gating.keep_top_random_keys_top1 is sort_keep
 
 

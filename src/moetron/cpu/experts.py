@@ -1,8 +1,8 @@
 """The CPU experts backend (`CpuExperts`, the model's seam `model/backends.py`): SwiGLU experts run expert by
 expert, huge-page hints for their weight gradients, the router's top-1 pick and the combine's row adds in C++.
 
-`GroupedExperts` runs the SwiGLU only where reading the device is free (`host_reads_are_free`: a CPU tensor),
-because it takes the per-expert row counts as host integers. On CUDA the grouped or batched backends run.
+This backend serves CPU tensors only (registered for the "cpu" device type), where reading the per-expert row
+counts as host integers is free. On CUDA the grouped or batched backends run.
 
 Token order (`tokens_N`, dropless top-1 from `LocalDispatcher`): x, y and their gradients are in the tokens' order,
 and sorted row r is token tokens_N[r] (a permutation); each expert's rows are gathered before its GEMMs and its outputs

@@ -45,7 +45,6 @@ from moetron.model.moe.experts.backends import (
     loop_matmul,
     padded_matmul,
 )
-from moetron.model.moe.host_reads import host_reads_are_free
 
 
 def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -166,9 +165,10 @@ class GroupedExperts(nn.Module):
         return y_ND
 
     def _runs_expert_by_expert(self, x_ND: torch.Tensor) -> bool:
-        """SwiGLU with SiLU, no biases, where host reads are free (CPU) and the experts backend runs it."""
+        """SwiGLU with SiLU, no biases, where the device's experts backend runs it (the CPU's, which reads the
+        counts on the host: free there)."""
         plain_swiglu = self.w3_EDF is not None and self.b1_EF is None and self.activation is nn.functional.silu
-        return plain_swiglu and host_reads_are_free(x_ND.device) and experts_backend(x_ND.device).runs_swiglu(x_ND)
+        return plain_swiglu and experts_backend(x_ND.device).runs_swiglu(x_ND)
 
     def runs_experts_backend_on_cpu(self) -> bool:
         """Whether a CPU fp32 forward runs the experts backend's SwiGLU (the CPU's splits the experts over its
