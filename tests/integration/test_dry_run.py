@@ -41,6 +41,9 @@ LAYOUTS = {  # one rank (5) of 8; two MoE layers (1 and 3) in every model
     "tp_sp": TINY + EP + " --global-batch-size 8 --tensor-model-parallel-size 2 --sequence-parallel",
     "cp": TINY + EP + " --global-batch-size 8 --context-parallel-size 2",
     "cp4_gqa": TINY + EP + " --global-batch-size 8 --context-parallel-size 4 --num-key-value-heads 2",
+    "cp_ring_gqa": TINY + EP + " --global-batch-size 8 --context-parallel-size 2 --num-key-value-heads 2"
+    " --cp-comm-type p2p --attention-dropout 0",
+    "cp_ulysses": TINY + EP + " --global-batch-size 8 --context-parallel-size 2 --cp-comm-type a2a",
     "pp": TINY + EP + " --global-batch-size 16 --pipeline-model-parallel-size 2",  # rank 5: the last stage
     "zero1": TINY + EP + " --global-batch-size 16 --zero-stage 1",
     "zero3": TINY + EP + " --global-batch-size 16 --zero-stage 3",
@@ -126,7 +129,8 @@ def test_each_layout_runs_as_one_rank_of_eight(layouts, name):
     assert record["host_reads"] == expected_reads(name, record)
     kernels = record["attention_kernels"]
     attention_layers = 2 if name == "pp" else 4
-    calls = 2 if name.startswith("cp") else 1  # all-gather CP: a bottom-right causal flash call per zigzag chunk
+    # all-gather CP: a bottom-right causal flash call per zigzag chunk; ring: one per K/V block (2 ranks)
+    calls = 2 if name in ("cp", "cp4_gqa", "cp_ring_gqa") else 1
     flash = calls * attention_layers * record["micro_batches"]
     assert kernels == {"flash": flash, "efficient": 0, "cudnn": 0, "math": 0}  # no mask reaches a kernel
     assert record["peak_bytes"] > 0 and record["step_seconds"] and len(record["step_seconds"]) == 2

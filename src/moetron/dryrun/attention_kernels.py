@@ -18,7 +18,8 @@ unequal query and key lengths, so it takes flash where the rest allows (as torch
 elsewhere it becomes the mask it stands for.
 
 Autocast casts SDPA's inputs to the autocast dtype on a GPU; a private op is not on autocast's list, so the cast
-is made here. `CHOICES` counts the kernels taken (the worker reads and resets it per step).
+is made here. `CHOICES` counts the kernels taken (the worker reads and resets it per step): the fused kernels' ops
+where they run (`observe.py`, so a direct call, as ring attention's, counts too), the math kernel here.
 """
 
 from __future__ import annotations
@@ -95,7 +96,6 @@ def scaled_dot_product_attention(
         if not lower_right:  # square, or top-left: plain is_causal
             attn_mask, is_causal = None, True
         elif flash_eligible(*_autocast(query, key, value), None, False):
-            CHOICES["flash"] += 1
             query, key, value = _autocast(query, key, value)  # flash's causal flag is bottom-right aligned
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, True, False, scale=scale
@@ -103,8 +103,7 @@ def scaled_dot_product_attention(
         else:
             attn_mask = attn_mask._materialize(query.device)
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
-    kernel = choose(query, key, value, attn_mask, is_causal)
-    CHOICES[kernel] += 1
+    kernel = choose(query, key, value, attn_mask, is_causal)  # the kernels' ops are counted where they run (observe)
     if kernel == "flash":
         out = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, dropout_p, is_causal, False, scale=scale
@@ -117,4 +116,5 @@ def scaled_dot_product_attention(
             query, key, value, bias, grad, dropout_p, is_causal, scale=scale
         )
         return out[0]
+    CHOICES["math"] += 1
     return MATH_FALLBACK(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)

@@ -32,7 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from moetron.dryrun import stand_ins
+from moetron.dryrun import attention_kernels, stand_ins
 
 TORCH_DIR = str(Path(torch.__file__).parent)
 DRYRUN_DIR = str(Path(__file__).parent)
@@ -79,6 +79,15 @@ def op_name(func) -> str:
 def _tensors(args, kwargs) -> list[torch.Tensor]:
     flat, _ = tree_flatten((args, kwargs or {}))
     return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+# the fused attention kernels' forward ops, by the kernel they are (the math kernel is no op of its own:
+# `attention_kernels` counts it)
+ATTENTION_KERNELS = {
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_efficient_attention": "efficient",
+    "_scaled_dot_product_cudnn_attention": "cudnn",
+}
 
 
 class StepObserver(TorchDispatchMode):
@@ -129,6 +138,8 @@ class StepObserver(TorchDispatchMode):
             self._collective(func, tensors)
         elif name in GEMMS and on_cuda and any(t.dtype == torch.float32 for t in on_cuda):
             self.fp32_gemms[(op_name(func), self._where())] += 1
+        elif name in ATTENTION_KERNELS and on_cuda:  # however it is reached: SDPA, a causal bias, ring attention
+            attention_kernels.CHOICES[ATTENTION_KERNELS[name]] += 1
         if on_cuda and name not in DEVICE_COPIES:
             self._check_devices(func, tensors)
         try:

@@ -17,9 +17,18 @@ or plain causal, never a ragged mask:
 So every rank does the same work per step (load balance), and the merged result is SDPA's over the whole
 sequence up to fp32 rounding (each block is computed in fp32, as a flash kernel accumulates).
 
-Each block is computed with matmuls (scores `[B, H, t, t']` of one block pair at a time, freed after it), which
-runs everywhere, gloo on CPU included; attention dropout is refused before launch (`sizes.py`): the backward
-would have to redraw every block's mask. GQA reads the K key/value heads in place (no repeat over query heads).
+Each block is one flash-attention call (`_FlashBlocks`: the aten flash kernel of the tensors' device, CUDA's or
+the CPU's, which return the block's log-sum-exp; non-causal or square causal, so no mask ever), and the backward
+calls the flash backward of each block with the merged output and log-sum-exp, which gives the block's exact share
+of dQ, dK and dV. A GQA block's K/V heads are expanded to the query heads for the kernel call (its dK / dV summed
+back). Where the flash kernel cannot run (fp32 on a GPU, head sizes flash refuses) the blocks are computed with
+fp32 matmuls instead (`_MatmulBlocks`: scores `[B, H, t, t']` of one
+block pair at a time), which runs everywhere. Attention dropout is refused before launch (`sizes.py`): the
+backward would have to redraw every block's mask.
+
+The two exchanges of the backward (the K/V blocks and their travelling gradients) go to the same neighbour and are
+posted in the same order on every rank, so they pair up by order as NCCL's point-to-point operations do (tags,
+which NCCL ignores, only label them for gloo).
 """
 
 from __future__ import annotations
@@ -96,61 +105,175 @@ def _scores(q_BKRtD: torch.Tensor, k_BKsD: torch.Tensor, causal: bool, scale: fl
     return s
 
 
+class _FlashBlocks:
+    """A block pair's attention by the device's flash kernel: forward (out, log-sum-exp) and backward (dq, dk, dv)
+    with the merged out and log-sum-exp (each block's probabilities are then its share of the whole softmax)."""
+
+    @staticmethod
+    def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        head = q.shape[-1]
+        if k.shape[-1] != head or v.shape[-1] != head:
+            return False  # flash takes one head size for q, k and v
+        if q.device.type == "cpu":
+            return q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+        return q.dtype in (torch.float16, torch.bfloat16) and head <= 256 and head % 8 == 0
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.device.type == "cpu":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        else:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        return out, lse
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+        if q.device.type == "cpu":
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, lse, 0.0, causal, scale=scale
+            )
+        t, s, unused = q.shape[-2], k.shape[-2], torch.empty(0, dtype=torch.int64, device=q.device)
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, unused, unused, t, s, 0.0, causal, unused, unused, scale=scale
+        )[:3]
+
+
+def _expanded(kv_BKtD: torch.Tensor, heads: int) -> torch.Tensor:
+    """K/V heads repeated for their query heads (GQA: query head h reads key/value head h // (H / K))."""
+    return kv_BKtD.repeat_interleave(heads // kv_BKtD.shape[1], dim=1) if kv_BKtD.shape[1] != heads else kv_BKtD
+
+
+def _summed(grad_BHtD: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of `_expanded`: each key/value head's query heads summed."""
+    B, H, t, D = grad_BHtD.shape
+    return grad_BHtD.reshape(B, kv_heads, H // kv_heads, t, D).sum(2) if H != kv_heads else grad_BHtD
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHTD, k_BKTD, v_BKTD, ring: RingAttention):
-        T, K, scale = q_BHTD.shape[2], k_BKTD.shape[1], 1.0 / math.sqrt(q_BHTD.shape[-1])
-        acc = torch.promote_types(q_BHTD.dtype, torch.float32)  # the blocks' accumulation dtype (fp32 at least)
-        q = _grouped(q_BHTD, K).to(acc)
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        kv = own_kv = torch.stack([k_BKTD, v_BKTD])  # one message a step; saved rather than k and v themselves:
-        for step in range(ring.size):  # v is a view that would keep the whole qkv projection output alive
-            if step + 1 < ring.size:
-                arriving, requests = ring.exchange(kv, _KV_TAG)
-            rows, cols, causal = ring.block_layout(step, T)
-            s = _scores(q[:, :, :, rows], kv[0][:, :, cols].to(acc), causal, scale)
-            block_lse = torch.logsumexp(s, dim=-1)
-            block_out = torch.matmul(torch.exp(s - block_lse[..., None]), kv[1][:, :, cols].to(acc).unsqueeze(2))
-            merged = torch.logaddexp(lse[..., rows], block_lse)
-            out[:, :, :, rows] = (out[:, :, :, rows] * torch.exp(lse[..., rows] - merged)[..., None]
-                                  + block_out * torch.exp(block_lse - merged)[..., None])  # fmt: skip
-            lse[..., rows] = merged
-            if step + 1 < ring.size:
-                _wait(requests)
-                kv = arriving
-        out_BHTD = out.reshape(q_BHTD.shape).to(q_BHTD.dtype)
-        ctx.save_for_backward(q_BHTD, own_kv, out_BHTD, lse)
-        ctx.ring, ctx.scale, ctx.dtypes = ring, scale, (k_BKTD.dtype, v_BKTD.dtype)
+        if _FlashBlocks.usable(q_BHTD, k_BKTD, v_BKTD):
+            out_BHTD, lse = _flash_ring_forward(q_BHTD, k_BKTD, v_BKTD, ring)
+        else:
+            out_BHTD, lse = _matmul_ring_forward(q_BHTD, k_BKTD, v_BKTD, ring)
+        ctx.save_for_backward(q_BHTD, torch.stack([k_BKTD, v_BKTD]), out_BHTD, lse)
+        ctx.ring, ctx.dtypes = ring, (k_BKTD.dtype, v_BKTD.dtype)
         return out_BHTD
 
     @staticmethod
     def backward(ctx, grad_BHTD):
         q_BHTD, kv, out_BHTD, lse = ctx.saved_tensors
-        ring, scale, T, K, acc = ctx.ring, ctx.scale, q_BHTD.shape[2], kv.shape[2], lse.dtype
-        with ring.site:
-            q, dout = _grouped(q_BHTD, K).to(acc), _grouped(grad_BHTD, K).to(acc)
-            delta = (dout * _grouped(out_BHTD, K).to(acc)).sum(-1)  # rowsum(dO ∘ O): the softmax's backward term
-            dq = torch.zeros_like(q)
-            grads, requests = None, []
-            for step in range(ring.size):
-                if step + 1 < ring.size:
-                    arriving, kv_requests = ring.exchange(kv, _KV_TAG)
-                rows, cols, causal = ring.block_layout(step, T)
-                k, v = kv[0][:, :, cols].to(acc), kv[1][:, :, cols].to(acc)
-                p = torch.exp(_scores(q[:, :, :, rows], k, causal, scale) - lse[..., rows, None])
-                ds = p * (torch.matmul(dout[:, :, :, rows], v.unsqueeze(2).transpose(-1, -2)) - delta[..., rows, None])
-                dq[:, :, :, rows] += torch.matmul(ds, k.unsqueeze(2)) * scale
-                block = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-                block[0][:, :, cols] = torch.matmul(ds.transpose(-1, -2), q[:, :, :, rows]).sum(2) * scale
-                block[1][:, :, cols] = torch.matmul(p.transpose(-1, -2), dout[:, :, :, rows]).sum(2)
-                if step > 0:  # the block's gradient so far, from the ranks it visited before this one
-                    _wait(requests)
-                    block += grads
-                grads, requests = ring.exchange(block, _GRAD_TAG)  # after the last step: to the block's owner
-                if step + 1 < ring.size:
-                    _wait(kv_requests)
-                    kv = arriving
+        with ctx.ring.site:
+            flash = _FlashBlocks.usable(q_BHTD, kv[0], kv[1])
+            backward = _flash_ring_backward if flash else _matmul_ring_backward
+            dq_BHTD, dk, dv = backward(grad_BHTD, q_BHTD, kv, out_BHTD, lse, ctx.ring)
+        return dq_BHTD, dk.to(ctx.dtypes[0]), dv.to(ctx.dtypes[1]), None
+
+
+def _merge(out, lse, rows, block_out, block_lse) -> None:
+    """Fold one block's (output, log-sum-exp) into the running result of the rows it covers (online softmax); `rows`
+    indexes the dimensions after batch and heads (the query rows, or (query group, rows))."""
+    rows = rows if isinstance(rows, tuple) else (rows,)
+    merged = torch.logaddexp(lse[(..., *rows)], block_lse)
+    index = (slice(None), slice(None), *rows)
+    out[index] = (out[index] * torch.exp(lse[(..., *rows)] - merged)[..., None]
+                  + block_out * torch.exp(block_lse - merged)[..., None])  # fmt: skip
+    lse[(..., *rows)] = merged
+
+
+def _flash_ring_forward(q_BHTD, k_BKTD, v_BKTD, ring: RingAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    T, H, scale = q_BHTD.shape[2], q_BHTD.shape[1], 1.0 / math.sqrt(q_BHTD.shape[-1])
+    acc = torch.promote_types(q_BHTD.dtype, torch.float32)  # the merge's dtype (fp32 at least), as the kernel's lse
+    out = torch.zeros(q_BHTD.shape, dtype=acc, device=q_BHTD.device)
+    lse = torch.full(q_BHTD.shape[:-1], float("-inf"), dtype=acc, device=q_BHTD.device)
+    kv = torch.stack([k_BKTD, v_BKTD])  # one message a step
+    for step in range(ring.size):
+        if step + 1 < ring.size:
+            arriving, requests = ring.exchange(kv, _KV_TAG)
+        rows, cols, causal = ring.block_layout(step, T)
+        k, v = _expanded(kv[0][:, :, cols], H), _expanded(kv[1][:, :, cols], H)
+        block_out, block_lse = _FlashBlocks.forward(q_BHTD[:, :, rows], k, v, causal, scale)
+        _merge(out, lse, rows, block_out.to(acc), block_lse.to(acc))
+        if step + 1 < ring.size:
             _wait(requests)
-        dq_BHTD = dq.reshape(q_BHTD.shape).to(q_BHTD.dtype)
-        return dq_BHTD, grads[0].to(ctx.dtypes[0]), grads[1].to(ctx.dtypes[1]), None
+            kv = arriving
+    return out.to(q_BHTD.dtype), lse
+
+
+def _flash_ring_backward(grad_BHTD, q_BHTD, kv, out_BHTD, lse, ring: RingAttention):
+    T, H, K, scale = q_BHTD.shape[2], q_BHTD.shape[1], kv.shape[2], 1.0 / math.sqrt(q_BHTD.shape[-1])
+    acc = lse.dtype
+    dq = torch.zeros(q_BHTD.shape, dtype=acc, device=q_BHTD.device)
+    grads, requests = None, []
+    for step in range(ring.size):
+        if step + 1 < ring.size:
+            arriving, kv_requests = ring.exchange(kv, _KV_TAG)
+        rows, cols, causal = ring.block_layout(step, T)
+        k, v = _expanded(kv[0][:, :, cols], H), _expanded(kv[1][:, :, cols], H)
+        dout, q, out = grad_BHTD[:, :, rows].contiguous(), q_BHTD[:, :, rows], out_BHTD[:, :, rows]
+        dq_b, dk_b, dv_b = _FlashBlocks.backward(dout, q, k, v, out, lse[..., rows].contiguous(), causal, scale)
+        dq[:, :, rows] += dq_b.to(acc)
+        block = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+        block[0][:, :, cols] = _summed(dk_b.to(acc), K)
+        block[1][:, :, cols] = _summed(dv_b.to(acc), K)
+        if step > 0:  # the block's gradient so far, from the ranks it visited before this one
+            _wait(requests)
+            block += grads
+        grads, requests = ring.exchange(block, _GRAD_TAG)  # after the last step: to the block's owner
+        if step + 1 < ring.size:
+            _wait(kv_requests)
+            kv = arriving
+    _wait(requests)
+    return dq.to(q_BHTD.dtype), grads[0], grads[1]
+
+
+def _matmul_ring_forward(q_BHTD, k_BKTD, v_BKTD, ring: RingAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks with fp32 matmuls (where no flash kernel runs: fp32 on a GPU, head sizes flash refuses)."""
+    T, K, scale = q_BHTD.shape[2], k_BKTD.shape[1], 1.0 / math.sqrt(q_BHTD.shape[-1])
+    acc = torch.promote_types(q_BHTD.dtype, torch.float32)  # the blocks' accumulation dtype (fp32 at least)
+    q = _grouped(q_BHTD, K).to(acc)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+    kv = torch.stack([k_BKTD, v_BKTD])
+    for step in range(ring.size):
+        if step + 1 < ring.size:
+            arriving, requests = ring.exchange(kv, _KV_TAG)
+        rows, cols, causal = ring.block_layout(step, T)
+        s = _scores(q[:, :, :, rows], kv[0][:, :, cols].to(acc), causal, scale)
+        block_lse = torch.logsumexp(s, dim=-1)
+        block_out = torch.matmul(torch.exp(s - block_lse[..., None]), kv[1][:, :, cols].to(acc).unsqueeze(2))
+        _merge(out, lse, (slice(None), rows), block_out, block_lse)
+        if step + 1 < ring.size:
+            _wait(requests)
+            kv = arriving
+    return out.reshape(q_BHTD.shape).to(q_BHTD.dtype), lse.flatten(1, 2)
+
+
+def _matmul_ring_backward(grad_BHTD, q_BHTD, kv, out_BHTD, lse_BHT, ring: RingAttention):
+    T, K, scale = q_BHTD.shape[2], kv.shape[2], 1.0 / math.sqrt(q_BHTD.shape[-1])
+    acc = lse_BHT.dtype
+    lse = lse_BHT.reshape(*_grouped(q_BHTD, K).shape[:-1])
+    q, dout = _grouped(q_BHTD, K).to(acc), _grouped(grad_BHTD, K).to(acc)
+    delta = (dout * _grouped(out_BHTD, K).to(acc)).sum(-1)  # rowsum(dO ∘ O): the softmax's backward term
+    dq = torch.zeros_like(q)
+    grads, requests = None, []
+    for step in range(ring.size):
+        if step + 1 < ring.size:
+            arriving, kv_requests = ring.exchange(kv, _KV_TAG)
+        rows, cols, causal = ring.block_layout(step, T)
+        k, v = kv[0][:, :, cols].to(acc), kv[1][:, :, cols].to(acc)
+        p = torch.exp(_scores(q[:, :, :, rows], k, causal, scale) - lse[..., rows, None])
+        ds = p * (torch.matmul(dout[:, :, :, rows], v.unsqueeze(2).transpose(-1, -2)) - delta[..., rows, None])
+        dq[:, :, :, rows] += torch.matmul(ds, k.unsqueeze(2)) * scale
+        block = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+        block[0][:, :, cols] = torch.matmul(ds.transpose(-1, -2), q[:, :, :, rows]).sum(2) * scale
+        block[1][:, :, cols] = torch.matmul(p.transpose(-1, -2), dout[:, :, :, rows]).sum(2)
+        if step > 0:  # the block's gradient so far, from the ranks it visited before this one
+            _wait(requests)
+            block += grads
+        grads, requests = ring.exchange(block, _GRAD_TAG)  # after the last step: to the block's owner
+        if step + 1 < ring.size:
+            _wait(kv_requests)
+            kv = arriving
+    _wait(requests)
+    return dq.reshape(q_BHTD.shape).to(q_BHTD.dtype), grads[0], grads[1]
