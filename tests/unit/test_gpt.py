@@ -13,6 +13,7 @@ from moetron.errors import ConfigError, UserError
 from moetron.model import GPTModel, KVCache, ModelConfig, create_model
 from moetron.model.attention import fuse_qkv, split_qkv_weight
 from moetron.model.loss import LogitsHeadLoss
+from moetron.model.moe.stats import MoEStepRecord
 from moetron.parallel.expert_bias import update_expert_biases
 
 VOCAB = 50  # padded to 64 below
@@ -324,9 +325,10 @@ def test_checkpointing_counts_each_layers_routing_statistics_once():
     counts = {}
     for checkpointing in (False, True):
         model = create_model(tiny_cfg(checkpoint_activations=checkpointing, **MOE), "cpu", seed=4)
+        record = MoEStepRecord.attached_to(model.moe_layers())
         out = model(tokens(), labels_BT=tokens(seed=1))
         (out.lm_loss + out.moe_loss).backward()
-        counts[checkpointing] = [moe.take_stats()[1] for moe in model.moe_layers()]
+        counts[checkpointing] = [record.forwards[moe.layer_index] for moe in model.moe_layers()]
     assert counts[True] == counts[False] == [1] * len(counts[False])
 
 
