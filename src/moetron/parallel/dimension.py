@@ -34,6 +34,7 @@ class StepContext:
     """What a dimension's cost hook prices one optimizer step of the slowest GPU from."""
 
     plan: Any  # plan.estimate.Plan: cfg, dims, stages, accumulation_steps, device, memory, tp_comm_bytes
+    local: RunConfig  # `plan.cfg` as one rank's per-token terms see it (every dimension's `rank_view`)
     net: Any  # plan.cost_model.Network: seconds(sent_bytes, collectives, extent) of a group of `extent` ranks
     compute: float  # seconds of compute (the slowest pipeline stage's)
     efficiency: float  # share of the peak the matmuls reach

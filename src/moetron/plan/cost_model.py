@@ -53,6 +53,7 @@ from moetron.parallel.dimension import StepContext
 from moetron.parallel.dimensions import DIMENSIONS
 from moetron.parallel.terms.model_cache import cached
 from moetron.parallel.terms.rank import LocalParams
+from moetron.plan.memory_terms import rank_view
 from moetron.plan.stages import stage_parameters, tensor_parallel_share
 
 DEFAULT_EFFICIENCY = 0.5  # of the peak, for the matmuls (Narayanan et al. 2021: 52 % on A100s)
@@ -231,7 +232,8 @@ def _overhead_seconds(plan) -> float:
 
 def step_context(plan, net: Network, compute: float, efficiency: float = DEFAULT_EFFICIENCY) -> StepContext:
     """What the dimensions' cost hooks read: `plan` on `net`, with `compute` seconds of compute."""
-    return StepContext(plan, net, compute, efficiency, _stage_layers(plan), _rank_parameters(plan))
+    local = rank_view(plan.cfg, plan.dims)
+    return StepContext(plan, local, net, compute, efficiency, _stage_layers(plan), _rank_parameters(plan))
 
 
 def step_cost(plan, net: Network, efficiency: float = DEFAULT_EFFICIENCY) -> StepCost:

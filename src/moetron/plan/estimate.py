@@ -96,7 +96,7 @@ def adapted_expert_parallel(cfg: RunConfig, gpus: int) -> int | None:
     ep = cfg.parallel.moe_expert_parallel_size
     dims = cfg.dims(gpus)
     counts = [e for e in cfg.model.experts_per_layer() if e > 1]
-    replicas = dims.dp * dims.cp  # experts fold over data- and context-parallel ranks
+    replicas = dims.dense_replicas  # experts fold over every replica of the dense weights
     if ep < 1 or (replicas % ep == 0 and all(e % ep == 0 for e in counts)):
         return None
     limit = math.gcd(replicas, *counts)

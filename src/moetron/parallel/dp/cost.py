@@ -7,8 +7,8 @@
                  the compute dtype per step (parallel/dp/fsdp.py)
     ZeRO 3       reduce-scatter per micro-batch + all-gathers per micro-batch forward and backward
 The term overlaps the backward (2/3 of the compute) of the last micro-batch (ZeRO 0–2) or of every micro-batch
-(ZeRO 3, FSDP2 prefetches the next unit's gather); only the rest is exposed. Dense groups are dp × cp ranks
-(`dp_cp`: context-parallel peers hold other tokens of the same samples).
+(ZeRO 3, FSDP2 prefetches the next unit's gather); only the rest is exposed. Dense groups are every replica of the
+dense weights (`ParallelDims.dense_replicas`).
 
     ZeRO 2–3 under pipelining (parallel/dp/fsdp.py `shard_stage`; torch's PipelineStage): every backward runs with
                  `set_requires_gradient_sync(False)` / `set_reshard_after_backward(False)` and blocks are never
@@ -41,7 +41,7 @@ def dp_seconds(step: StepContext) -> float:
     d, stage, m = plan.dims, plan.memory.zero_stage, plan.accumulation_steps
     local = step.params
     experts, dense = local.experts, local.total - local.experts
-    replicas = d.dp * d.cp  # the dense gradients' group: dp_cp
+    replicas = d.dense_replicas  # the dense gradients' group
     extent = replicas * d.tp  # dp and edp groups span one pipeline stage's ranks
     c = compute_bytes(plan.cfg)
     layout = PipelineLayout.from_config(plan.cfg.model.num_layers, plan.cfg.parallel) if d.pp > 1 else None

@@ -70,8 +70,8 @@ def block_parameters(cfg: RunConfig, dims: ParallelDims) -> list[int]:
 
 def sharded_parameters(total: int, experts: int, dims: ParallelDims) -> int:
     """What one rank keeps of its `total` parameters when dense ones are split over dp, experts over edp."""
-    # dense state is sharded over dp_cp (parallel/dp/zero_spec.py: CP peers are gradient replicas too)
-    return math.ceil((total - experts) / (dims.dp * dims.cp)) + math.ceil(experts / max(dims.edp, 1))
+    # dense state is sharded over every replica of the dense weights (parallel/dp/zero_spec.py)
+    return math.ceil((total - experts) / dims.dense_replicas) + math.ceil(experts / max(dims.edp, 1))
 
 
 def zero_memory(cfg: RunConfig, dims: ParallelDims, params: LocalParams, c: int) -> ZeroMemory:

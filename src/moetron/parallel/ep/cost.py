@@ -20,7 +20,7 @@ def ep_seconds(step: StepContext) -> float:
     moe = [e for e in step.layers if e > 1]
     if d.ep == 1 or not moe:
         return 0.0
-    tokens = plan.cfg.train.micro_batch_size * model.seq_length // d.cp
+    tokens = plan.cfg.train.micro_batch_size * step.local.model.seq_length  # this rank's tokens of a micro-batch
     calls = 6 if model.checkpoint_activations else 4
     share = activation_split(d).routes
     per_micro = sum(routed_rows(model, e, tokens, d.ep) * share * model.hidden_size for e in moe)

@@ -104,7 +104,7 @@ def pp_seconds(step: StepContext) -> float:
         return 0.0
     layout = PipelineLayout.from_config(cfg.model.num_layers, cfg.parallel)
     v = layout.virtual if layout.schedule in MULTI_STAGE else 1
-    seq = cfg.model.seq_length // (d.cp * (d.tp if d.sp else 1))
+    seq = step.local.model.seq_length // (d.tp if d.sp else 1)  # this rank's tokens of each sequence
     message = cfg.train.micro_batch_size * seq * cfg.model.hidden_size * compute_bytes(cfg)
     sends = 2 * step.plan.accumulation_steps * v  # activations forward, their gradients backward
     return step.net.seconds(sends * message, sends, d.world_size)

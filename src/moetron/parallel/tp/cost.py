@@ -10,7 +10,7 @@ all-reduces the partial expert outputs (expert TP); the embedding all-reduces it
 gradient. Recomputed layers (activation checkpointing) run their forward collectives twice. Measured against
 the collectives DTensor issues in benchmarks/tensor_parallel.py.
 
-The time (`tp_seconds`): the bytes of the slowest GPU's layers at its seq / cp tokens, over the tensor-parallel
+The time (`tp_seconds`): the bytes of the slowest GPU's layers at its tokens of each sequence, over the tensor-parallel
 group's link (TP ranks are neighbours: within a node), with 2·(forwards + 1 (+ 1 with SP)) collectives per layer and
 micro-batch.
 """
@@ -59,5 +59,6 @@ def tp_seconds(step: StepContext) -> float:
     share = len(step.layers) / layers  # plan.tp_comm_bytes counts every layer of the model
     forwards = 2 if plan.cfg.model.checkpoint_activations else 1
     collectives = plan.accumulation_steps * len(step.layers) * 2 * (forwards + 1 + (1 if d.sp else 0))
-    share /= d.cp  # plan.tp_comm_bytes counts the whole sequence; a context-parallel rank holds seq / cp of it
+    # plan.tp_comm_bytes counts the whole sequence; this rank sends for its tokens of it
+    share /= plan.cfg.model.seq_length / step.local.model.seq_length
     return step.net.seconds(plan.tp_comm_bytes * share, collectives, d.tp)
