@@ -34,8 +34,8 @@ def estimate_memory(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda
     (with pipeline parallelism: of the heaviest pipeline rank, see `plan/stages.py`)."""
     if dims.pp > 1:
         return max((s.memory for s in plan_stages(cfg, dims, device_kind)), key=lambda m: m.peak)
-    local = rank_view(cfg, dims)  # context parallelism: this rank's seq / cp tokens of every sequence
-    saved = saved_by_dimensions(cfg, dims, compute_bytes(cfg), cfg.model.num_layers)  # CP's gathered K/V
+    local = rank_view(cfg, dims)  # the tokens of every sequence this rank holds
+    saved = saved_by_dimensions(cfg, dims, compute_bytes(cfg), cfg.model.num_layers)  # what dimensions keep beyond
     activations = activation_bytes(local, dims, device_kind) + saved
     return assemble(cfg, dims, local_parameters(cfg.model, dims), activations, logits_bytes(local, dims, device_kind),
                     all_to_all_bytes(local, dims))  # fmt: skip
