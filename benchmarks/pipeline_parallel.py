@@ -135,7 +135,7 @@ def run_layout(cfg: RunConfig, world: int, args: argparse.Namespace) -> dict:
 def planned_step_peaks(cfg: RunConfig, world: int) -> dict[int, int]:
     """The plan's per-rank peak minus the weights and Adam state (what is live before a step), CPU device."""
     from moetron.plan.memory import estimate_memory
-    from moetron.plan.pipeline_parallel import plan_stages
+    from moetron.plan.stages import plan_stages
 
     dims = cfg.dims(world)
     if dims.pp == 1:

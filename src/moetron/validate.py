@@ -1,8 +1,8 @@
 """Every problem of a run configuration at once, before any process group, data load or allocation.
 
 `validate(cfg, world_size)` collects the problems of every section, each naming the flag, the value(s) and the
-fix, drawing on the packages' own `*_problems` (layout arithmetic in `parallel/`, the stage layout in
-`parallel/pp/`, ZeRO in `parallel/dp/`, the run directory in `checkpoint/`, the LR schedule in `train/`);
+fix, drawing on the packages' own `*_problems` (the degrees in `parallel/dims.py`, every parallel dimension's
+split and flags through `parallel/dimensions.py`, the run directory in `checkpoint/`, the LR schedule in `train/`);
 `check()` raises them together as one `ConfigError`. It sits on top of those packages so that `config.py` stays a
 leaf (docs/architecture.md, "Imports").
 """
@@ -15,12 +15,7 @@ from moetron.checkpoint.run_directory import run_directory_problems
 from moetron.config import ParallelConfig, RunConfig, TrainConfig
 from moetron.errors import ConfigError
 from moetron.fileio import output_dir_problem
-from moetron.parallel.cp.sizes import context_parallel_problems
-from moetron.parallel.dp.zero_spec import zero_problems
-from moetron.parallel.ep.dispatch_spec import EPDispatchSpec, ep_dispatch_problems
-from moetron.parallel.ep.replica_spec import expert_replica_problems
-from moetron.parallel.pp.stage_layout import pipeline_problems
-from moetron.parallel.tp.sizes import tensor_parallel_problems
+from moetron.parallel.dimensions import DIMENSIONS
 from moetron.train.muon import muon_problems
 from moetron.train.peak_memory import memory_snapshot_problems
 from moetron.train.routing_health import routing_health_problems
@@ -118,30 +113,21 @@ def moe_problems(cfg: RunConfig) -> list[str]:
     return []
 
 
-def _micro_batches(cfg: RunConfig, dp: int) -> int:
-    """Micro-batches per step, 0 when the batch flags are themselves invalid (reported elsewhere)."""
-    return cfg.num_micro_batches(dp) if cfg.train.micro_batch_size > 0 and dp > 0 else 0
-
-
 def validate(cfg: RunConfig, world_size: int) -> list[str]:
     """Every problem of every section, before any process group, data load or allocation."""
     dims = cfg.dims(world_size)
     problems = list(dims.problems(cfg.model.experts_per_layer()))
     problems += cfg.model.problems()
-    problems += tensor_parallel_problems(cfg.model, dims)
-    problems += context_parallel_problems(cfg, dims)
+    for dimension in DIMENSIONS:  # what each split needs of the model and the sequence
+        problems += dimension.split_problems(cfg, dims)
     problems += cfg.data.problems()
     problems += train_problems(cfg, dims.dp)
     problems += muon_problems(cfg.train)
     problems += memory_snapshot_problems(cfg.train.memory_snapshot_steps, cfg.run_dir())
     problems += moe_problems(cfg)
     problems += output_problems(cfg)
-    problems += zero_problems(cfg.parallel.zero_stage, cfg.parallel.use_distributed_optimizer, dims)
-    problems += pipeline_problems(cfg.model.num_layers, cfg.parallel, _micro_batches(cfg, dims.dp))
-    problems += expert_replica_problems(cfg.parallel.moe_expert_replicas, cfg.model.experts_per_layer(), dims)
-    problems += ep_dispatch_problems(
-        EPDispatchSpec.from_config(cfg.parallel), cfg.model.experts_per_layer(), dims, cfg.parallel, cfg.train.compile
-    )
+    for dimension in DIMENSIONS:  # each dimension's own flags (ZeRO stage, pipeline schedule, dispatchers)
+        problems += dimension.flag_problems(cfg, dims)
     backend = cfg.parallel.distributed_backend
     if backend not in (None, "gloo", "nccl"):
         problems.append(f"--distributed-backend {backend!r} is not one of gloo, nccl (or leave it unset: automatic)")

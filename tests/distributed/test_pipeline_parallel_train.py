@@ -41,7 +41,7 @@ from trainer_support import MemoryLoader, parallel_model, random_samples, tiny_c
 
 from moetron.checkpoint import resolve_checkpoint
 from moetron.parallel.env import DistEnv, init_distributed
-from moetron.plan.pipeline_parallel import plan_stages
+from moetron.plan.stages import plan_stages
 from moetron.train.trainer import Trainer
 
 STEPS, SAVE_AT, MBS, GBS = 12, 6, 2, 8

@@ -1,6 +1,7 @@
 """`moetron plan` prices each --optimizer's state: AdamW 8 B per parameter; Muon 4 B per hidden-matrix parameter
-(one momentum buffer) and AdamW's 8 B for the rest. The rest is counted from the config (`plan/optimizer_state.py`);
-these tests hold the count to a real model's parameter registry and the plan to a real optimizer's state."""
+(one momentum buffer) and AdamW's 8 B for the rest. The rest is counted from the config
+(`parallel/terms/optimizer_state.py`); these tests hold the count to a real model's parameter registry and the
+plan to a real optimizer's state."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from moetron.config_cli import load_config
 from moetron.model.config import ModelConfig
 from moetron.model.gpt import create_model
 from moetron.parallel.params import ParamRegistry
+from moetron.parallel.terms.optimizer_state import model_adamw
 from moetron.plan.memory import estimate_memory
-from moetron.plan.optimizer_state import model_adamw
-from moetron.plan.pipeline_parallel import stage_parameters
+from moetron.plan.stages import stage_parameters
 
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=97)
 TINY_MLA = dict(multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8)

@@ -10,11 +10,13 @@ import pytest
 from moetron.cli import main
 from moetron.config_cli import load_config
 from moetron.model.flops import count_parameters
+from moetron.parallel.pp.cost import bubble_fraction
+from moetron.parallel.pp.memory import in_flight
 from moetron.parallel.pp.stage_layout import PipelineLayout
 from moetron.plan.advice import suggestions
 from moetron.plan.estimate import make_plan
 from moetron.plan.hardware import accelerator
-from moetron.plan.pipeline_parallel import bubble_fraction, in_flight, plan_stages, stage_parameters
+from moetron.plan.stages import plan_stages, stage_parameters
 
 RECIPES = Path(__file__).resolve().parents[2] / "src" / "moetron" / "recipes"
 MOE = str(RECIPES / "gpt-1.3B-moe128.yaml")

@@ -11,6 +11,7 @@ import yaml
 
 from moetron.cli import main
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
+from moetron.parallel.terms.rank import ring_share
 from moetron.plan import cost_model
 from moetron.plan.estimate import make_plan
 from moetron.plan.hardware import accelerator
@@ -87,14 +88,14 @@ def test_recipe_layouts_validate_apart_from_the_example_data_paths():
 
 
 def test_ring_and_bubble_terms():
-    assert cost_model._ring(1) == 0 and cost_model._ring(4) == 0.75  # (n-1)/n
+    assert ring_share(1) == 0 and ring_share(4) == 0.75  # (n-1)/n
     cfg, _ = load_config(str(REPO / "configs" / "seed-2x4090-moe128.yaml"), {"moe_expert_parallel_size": 1})
     device = accelerator("4090")
     net = cost_model.network(2, None, "4090")
     base = cost_model.step_cost(make_plan(cfg, 2, device), net)
-    assert base.ep == 0 and base.tp == 0 and base.pp == 0 and base.bubble == 0
+    assert base.part("ep") == 0 and base.part("tp") == 0 and base.part("pp") == 0 and base.bubble == 0
     cfg.parallel.moe_expert_parallel_size = 2
-    assert cost_model.step_cost(make_plan(cfg, 2, device), net).ep > 0
+    assert cost_model.step_cost(make_plan(cfg, 2, device), net).part("ep") > 0
     cfg.parallel.moe_expert_parallel_size, cfg.parallel.pipeline_model_parallel_size = 1, 2
     piped = make_plan(cfg, 2, device)  # 1F1B, p = 2 stages, m = 16 / 4 = 4 micro-batches → (p-1)/(m+p-1) = 1/5
     cost = cost_model.step_cost(piped, net)

@@ -11,9 +11,10 @@ import pytest
 import yaml
 
 from moetron.config_cli import add_config_arguments, cli_overrides, load_config
+from moetron.parallel.dp.cost import dp_seconds
+from moetron.parallel.pp import cost as pipe
 from moetron.parallel.pp.stage_layout import PipelineLayout
 from moetron.plan import cost_model
-from moetron.plan import pipeline_parallel as pipe
 from moetron.plan.estimate import make_plan
 from moetron.plan.hardware import accelerator
 from moetron.plan.measure import random_corpus
@@ -107,9 +108,13 @@ def test_zero3_under_pipelining_gathers_and_reduces_once_per_step():
     piped = {"pipeline_model_parallel_size": 2, "zero_stage": 3}
     few, many = _plan({**piped, "global_batch_size": 16}), _plan({**piped, "global_batch_size": 64})
     assert many.accumulation_steps == 4 * few.accumulation_steps
-    assert cost_model._dp_seconds(many, net, 0.0) == pytest.approx(cost_model._dp_seconds(few, net, 0.0))
+
+    def dp(plan) -> float:
+        return dp_seconds(cost_model.step_context(plan, net, 0.0))
+
+    assert dp(many) == pytest.approx(dp(few))
     flat_few, flat_many = _plan({"zero_stage": 3, "global_batch_size": 16}), _plan({"zero_stage": 3})
-    assert cost_model._dp_seconds(flat_many, net, 0.0) > 3 * cost_model._dp_seconds(flat_few, net, 0.0)
+    assert dp(flat_many) > 3 * dp(flat_few)
 
 
 def test_fsdp_gathers_follow_torchs_unshard_window():
@@ -146,9 +151,9 @@ def test_context_parallel_costs_by_comm_type():
     none = cost_model.step_cost(_plan(base), net)
     costs = {comm: cost_model.step_cost(_plan({**base, "context_parallel_size": 2, "cp_comm_type": comm}), net)
              for comm in ("all_gather", "p2p", "a2a")}  # fmt: skip
-    assert none.cp == 0
-    assert costs["all_gather"].cp > 0 and costs["a2a"].cp > 0
-    assert costs["p2p"].cp < costs["all_gather"].cp  # the ring's passes hide behind the block compute
+    assert none.part("cp") == 0
+    assert costs["all_gather"].part("cp") > 0 and costs["a2a"].part("cp") > 0
+    assert costs["p2p"].part("cp") < costs["all_gather"].part("cp")  # the ring's passes hide behind the block compute
     # each rank computes half the tokens of its (half as many) data-parallel peers' share: the same compute
     assert costs["all_gather"].compute == pytest.approx(none.compute)
     gathered = _plan({**base, "context_parallel_size": 2}).memory.activations

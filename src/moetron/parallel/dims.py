@@ -63,6 +63,12 @@ class ParallelDims:
         return self.sequence_parallel and self.tp > 1
 
     @property
+    def dense_replicas(self) -> int:
+        """Ranks of one pipeline stage and TP index that hold the same dense weights and average their gradients:
+        dp × cp (context-parallel peers hold other tokens of the same samples), the `dp_cp` group."""
+        return self.dp * self.cp
+
+    @property
     def edp(self) -> int:
         """Expert-data-parallel size: replicas of each expert shard within a pipeline stage."""
         return (self.dp * self.cp * self.tp) // (self.ep * self.etp) if self.ep * self.etp else 0

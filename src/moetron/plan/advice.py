@@ -3,13 +3,13 @@
 Candidates, each a change a user can make with flags (the whole memory model is re-run on it):
   expert parallelism         every EP that divides each expert count and the data-parallel size
   tensor parallelism         TP 2, 4, 8 (with sequence parallelism) where it divides the GPUs and the model
-                             (heads, ffn, vocabulary: plan/tensor_parallel.py models what it saves)
+                             (heads, ffn, vocabulary: parallel/tp/memory.py models what it saves)
   micro batch                halving down to 1, the global batch kept (more accumulation steps)
   activation checkpointing   when off
   bf16                       when training in fp32 (fp16 costs the same memory in moetron)
-  ZeRO                       each stage above the current one (plan/zero.py)
+  ZeRO                       each stage above the current one (parallel/dp/memory.py)
   more GPUs                  ×2, ×4, ×8 with EP grown to match (data parallelism alone replicates everything)
-  pipeline parallelism       every PP that divides the GPUs and the layers (batch kept; plan/pipeline_parallel.py)
+  pipeline parallelism       every PP that divides the GPUs and the layers (batch kept; plan/stages.py)
 If no single change fits, the strongest change of each kind is stacked in that order, and the first stack
 that fits is offered.
 """
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from moetron.config import RunConfig
 from moetron.errors import ConfigError
+from moetron.parallel.dp.memory import stages_to_try
 from moetron.plan.estimate import Plan, make_plan
-from moetron.plan.zero import stages_to_try
 
 GPU_FACTORS = (2, 4, 8)
 

@@ -4,7 +4,7 @@ Step time is compute only: FLOPs per step per device (6·N_active + attention pe
 activations are recomputed; tensor parallelism splits each token's FLOPs over its ranks) divided by
 `peak × mfu`. The MFU is an assumption the user can change (`--mfu`); all-to-all and tensor-parallel
 communication time and routing imbalance are not modelled separately, so they are part of what that
-assumption has to absorb (the plan states the TP traffic per step, `plan/tensor_parallel.py`).
+assumption has to absorb (the plan states the TP traffic per step, `parallel/tp/cost.py`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from moetron.config import RunConfig
 from moetron.errors import ConfigError
 from moetron.model.flops import ParamCounts, count_parameters, flops_per_token
 from moetron.parallel.dims import ParallelDims, runnable_expert_parallel
+from moetron.parallel.pp.cost import pipeline_bubble
+from moetron.parallel.terms.model_cache import cached
+from moetron.parallel.tp.cost import comm_bytes_per_step
 from moetron.plan.hardware import Accelerator
 from moetron.plan.memory import LocalParams, MemoryEstimate, compute_bytes, estimate_memory, local_parameters
-from moetron.plan.model_cache import cached
-from moetron.plan.pipeline_parallel import StagePlan, pipeline_bubble, pipeline_step_time, plan_stages
-from moetron.plan.tensor_parallel import comm_bytes_per_step
+from moetron.plan.stages import StagePlan, pipeline_step_time, plan_stages
 from moetron.validate import output_problems, validate
 
 DEFAULT_MFU = 0.30
@@ -91,7 +92,7 @@ def adapted_expert_parallel(cfg: RunConfig, gpus: int) -> int | None:
     on 2 GPUs plans with EP 2), what a user of these GPUs would set."""
     ep, dims = cfg.parallel.moe_expert_parallel_size, cfg.dims(gpus)
     counts = [e for e in cfg.model.experts_per_layer() if e > 1]
-    runnable = runnable_expert_parallel(ep, dims.dp * dims.cp, counts)  # experts fold over data and context ranks
+    runnable = runnable_expert_parallel(ep, dims.dense_replicas, counts)  # experts fold over every dense replica
     return None if runnable == ep else runnable
 
 

@@ -5,7 +5,7 @@ Everything follows what moetron's trainer actually keeps (train/trainer.py, trai
   weights       fp32 parameters, 4 B each; they are also the master copy (no separate fp32 master).
   gradients     fp32, 4 B per parameter; DDP adds a bucket copy (4 B) of every parameter it reduces.
   optimizer     AdamW exp_avg + exp_avg_sq, fp32: 8 B per parameter (fused kernel: no temporaries); --optimizer
-                muon: 4 B (one momentum buffer) per hidden-matrix parameter (`plan/optimizer_state.py`).
+                muon: 4 B (one momentum buffer) per hidden-matrix parameter (`parallel/terms/optimizer_state.py`).
   weight casts  fp16/bf16 copies of the matmul weights that autocast (and the experts) make: 2 B each.
   activations   per layer, from the tensors autograd saves (counted with saved_tensors_hooks while writing
                 this model; `tests/unit/test_plan.py` keeps the counts honest): the fp32 residual stream
@@ -21,9 +21,9 @@ Activation checkpointing keeps each layer's fp32 input and recomputes one layer 
 The peak is the larger of "start of backward" (everything above; gradients only what is already there:
 the LM head's, or all of them when accumulating micro-batches) and "after backward" (weights, gradients,
 optimizer). Layouts: data parallel, expert parallel (experts / EP per rank), tensor and sequence parallel
-(`plan/tensor_parallel.py`: what each rank holds and saves, as a `Split` of the terms below) and pipeline
-parallel (per stage, `plan/pipeline_parallel.py`). ZeRO stages shard weights, gradients and optimizer state and add
-gathered weights (`plan/zero.py`).
+(`parallel/tp/memory.py`: what each rank holds and saves, as a `Split` of the terms below) and pipeline
+parallel (per stage, `plan/stages.py`). ZeRO stages shard weights, gradients and optimizer state and add
+gathered weights (`parallel/dp/memory.py`).
 
 Multi-head latent attention (`model/mla.py`) saves its per-head q, k, v and output at its own head sizes
 (`latent_heads_bytes`) plus its replicated latents (`latent_bytes`). The KV cache of generation is not a training
@@ -34,7 +34,6 @@ Shape legend: T tokens per micro-batch per rank (mbs · seq), h hidden, f ffn, a
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from moetron.config import RunConfig
@@ -43,28 +42,25 @@ from moetron.model.flops import (
     attention_params,
     count_parameters,
     embedding_params,
-    expert_mlp_params,
     mlp_params,
     moe_layer_params,
 )
+from moetron.parallel.dimensions import DIMENSIONS
 from moetron.parallel.dims import ParallelDims
+from moetron.parallel.dp.memory import zero_memory
+from moetron.parallel.ep.memory import all_to_all_bytes, replica_slot_bytes, routed_rows
+from moetron.parallel.terms.model_cache import cached
+from moetron.parallel.terms.optimizer_state import model_adamw
+from moetron.parallel.terms.rank import LocalParams, compute_bytes
+from moetron.parallel.tp.memory import WHOLE, Split, activation_split, shard_parameters
 from moetron.plan.lm_head import lm_loss_bytes
-from moetron.plan.model_cache import cached
-from moetron.plan.optimizer_state import model_adamw
-from moetron.plan.tensor_parallel import WHOLE, Split, activation_split, shard_parameters
-from moetron.plan.zero import zero_memory
+
+__all__ = ["LocalParams", "MemoryEstimate", "accumulating", "activation_bytes", "all_to_all_bytes", "assemble"]
+__all__ += ["compute_bytes", "expert_activation_bytes", "latent_bytes", "latent_heads_bytes", "layer_bytes"]
+__all__ += ["local_parameters", "logits_bytes", "mlp_activation_bytes", "rank_view", "replica_slot_bytes"]
+__all__ += ["routed_rows", "saved_by_dimensions"]
 
 MATH_ATTENTION_BYTES = {4: 12, 2: 13}  # per token, head and key: scores, probabilities, dropout mask (measured)
-
-
-@dataclass(frozen=True)
-class LocalParams:
-    total: int  # parameters this rank holds
-    experts: int  # of which routed experts (num_experts / EP per MoE layer)
-    replicated: int  # of which replicated on every data-parallel rank (all but sharded experts)
-    matmul: int  # of which are matmul weights (cast to fp16/bf16 under autocast)
-    adamw: int  # of which no hidden matrix: AdamW's under --optimizer muon too (plan/optimizer_state.py)
-    adamw_experts: int  # of which routed experts' (their biases)
 
 
 @dataclass(frozen=True)
@@ -88,8 +84,18 @@ class MemoryEstimate:
         return asdict(self)
 
 
-def compute_bytes(cfg: RunConfig) -> int:
-    return 2 if cfg.train.fp16 or cfg.train.bf16 else 4
+def rank_view(cfg: RunConfig, dims: ParallelDims) -> RunConfig:
+    """`cfg` as one rank's per-token terms see it: every dimension's view in turn (context parallelism: this rank's
+    seq / cp tokens of every sequence); `cfg` itself when no dimension changes it."""
+    for dimension in DIMENSIONS:
+        cfg = dimension.rank_view(cfg, dims)
+    return cfg
+
+
+def saved_by_dimensions(cfg: RunConfig, dims: ParallelDims, c: int, layers: int, micro_batches: float = 1) -> float:
+    """What the dimensions save for backward beyond the per-token terms (the gathered K/V of context parallelism),
+    for `layers` layers and `micro_batches` micro-batches in flight; `cfg`: the whole sequence."""
+    return sum(dimension.saved_bytes(cfg, dims, c, layers, micro_batches) for dimension in DIMENSIONS)
 
 
 def local_parameters(model: ModelConfig, dims: ParallelDims) -> LocalParams:
@@ -112,16 +118,6 @@ def _local_parameters(model: ModelConfig, dims: ParallelDims) -> LocalParams:
     adamw, adamw_experts = model_adamw(model, dims.ep)
     local = LocalParams(counts.total - counts.expert + experts, experts, replicated, matmul, adamw, adamw_experts)
     return shard_parameters(local, model, dims)
-
-
-def routed_rows(model: ModelConfig, num_experts: int, tokens: int, ep: int) -> int:
-    """Rows one rank's experts process per micro-batch: T·k balanced, at most E·capacity when dropping."""
-    routes = tokens * model.topk
-    if not model.moe_token_dropping:
-        return routes  # dropless: planned for balanced routing (one rank can get up to EP× more)
-    capacity = math.ceil(tokens / num_experts * model.topk * model.moe_train_capacity_factor)
-    capacity = max(capacity, model.moe_min_capacity)
-    return num_experts * capacity if ep > 1 else min(routes, num_experts * capacity)
 
 
 def mlp_activation_bytes(model: ModelConfig, tokens: int, c: int, split: Split = WHOLE) -> int:
@@ -215,30 +211,6 @@ def logits_bytes(cfg: RunConfig, dims: ParallelDims, device_kind: str = "cuda") 
     """The LM head + loss buffers (fused chunks, or [T, V / tp] logits: then, accumulating, the trainer still
     holds the previous micro-batch's logits)."""
     return lm_loss_bytes(cfg, compute_bytes(cfg), accumulating(cfg, dims), device_kind, dims)
-
-
-def all_to_all_bytes(cfg: RunConfig, dims: ParallelDims) -> int:
-    """Send + receive buffers of the largest MoE layer's routed tokens (only with EP > 1), and the expert weights
-    `--moe-expert-replicas` receives (`replica_slot_bytes`)."""
-    model = cfg.model
-    moe = [e for e in model.experts_per_layer() if e > 1]
-    if dims.ep == 1 or not moe:
-        return 0
-    tokens = cfg.train.micro_batch_size * model.seq_length
-    rows = max(routed_rows(model, e, tokens, dims.ep) for e in moe) * activation_split(dims).routes
-    return int(2 * rows * model.hidden_size * compute_bytes(cfg)) + replica_slot_bytes(cfg, dims)
-
-
-def replica_slot_bytes(cfg: RunConfig, dims: ParallelDims) -> int:
-    """`--moe-expert-replicas K`: every MoE layer receives K experts' weights (this rank's expert-TP slice, in the
-    compute dtype) from their owners and holds them for its backward, which sends one layer's weight gradients back
-    at a time. K may exceed the rank's own experts: the slots are this memory, on top of its share."""
-    model, slots = cfg.model, cfg.parallel.moe_expert_replicas
-    moe = [e for e in model.experts_per_layer() if e > 1]
-    if not slots or dims.ep == 1 or not moe:
-        return 0
-    per_expert = expert_mlp_params(model, model.expert_ffn_size) // max(dims.etp, 1)
-    return int(slots * per_expert * compute_bytes(cfg) * (len(moe) + 1))
 
 
 def assemble(

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from moetron.model.kv_cache import kv_cache_bytes_per_token
+from moetron.parallel.dp.memory import describe
 from moetron.plan import lm_head
 from moetron.plan.advice import Suggestion
 from moetron.plan.estimate import Plan
 from moetron.plan.hardware import GIB, with_article
 from moetron.plan.peak_parts import held_at_peak, overlap_note
-from moetron.plan.pipeline_parallel import pipeline_dict, pipeline_words, stage_lines
-from moetron.plan.zero import describe
+from moetron.plan.stages import pipeline_dict, pipeline_words, stage_lines
 
 MEMORY_ROWS = [  # (MemoryEstimate field, label)
     ("weights", "weights (fp32; also the master copy{sharded_weights})"),
@@ -24,7 +24,7 @@ MEMORY_ROWS = [  # (MemoryEstimate field, label)
 ]
 
 
-OPTIMIZER_STATE = {  # --optimizer → what its state row holds (plan/optimizer_state.py)
+OPTIMIZER_STATE = {  # --optimizer → what its state row holds (parallel/terms/optimizer_state.py)
     "adam": "Adam moments exp_avg + exp_avg_sq",
     "muon": "Muon momentum + Adam moments of the rest",
 }

@@ -37,7 +37,7 @@ from moetron.config import RunConfig
 from moetron.errors import UserError
 from moetron.model.flops import count_parameters
 from moetron.parallel.ep.replica_plan import max_over_mean, owner_load, plan_replicas
-from moetron.plan.context_parallel import per_rank_sequence
+from moetron.parallel.tp.memory import activation_split
 from moetron.plan.estimate import Plan
 from moetron.plan.memory_terms import (
     assemble,
@@ -45,9 +45,9 @@ from moetron.plan.memory_terms import (
     expert_activation_bytes,
     layer_bytes,
     local_parameters,
+    rank_view,
     routed_rows,
 )
-from moetron.plan.tensor_parallel import activation_split
 from moetron.train.routing_health import ROUTING_COUNTS_FILE
 
 COUNT_SCALE = 1000  # the saved counts are means over ranks (floats); the replica plan works on integer rows
@@ -150,7 +150,7 @@ def hottest_rank_plan(plan: Plan, routing: MeasuredRouting) -> tuple[Plan, HotRa
     replicas = cfg.parallel.moe_expert_replicas
     factors = [rank_load_factors(r, dims.ep, replicas) for r in routing.routes_per_layer]
     computed = [c for _, c in factors]
-    local = per_rank_sequence(cfg, dims)
+    local = rank_view(cfg, dims)
     model, c, split = local.model, compute_bytes(cfg), activation_split(dims)
     tokens = cfg.train.micro_batch_size * model.seq_length
     capacity_bound = model.moe_token_dropping and dims.ep > 1

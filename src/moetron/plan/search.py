@@ -51,14 +51,14 @@ from moetron.model.flops import (
     mtp_module_params,
     mtp_module_routed_params,
 )
-from moetron.parallel.cp.sizes import COMM_TYPES, context_parallel_problems
-from moetron.parallel.dp.zero_spec import effective_stage, zero_problems
+from moetron.parallel.cp.sizes import COMM_TYPES
+from moetron.parallel.dimensions import DIMENSIONS
+from moetron.parallel.dp.zero_spec import effective_stage
 from moetron.parallel.pp.stage_layout import schedule_name
-from moetron.parallel.tp.sizes import tensor_parallel_problems
+from moetron.parallel.terms.model_cache import model_cache
 from moetron.plan.cost_model import DEFAULT_EFFICIENCY, Network, StepCost, step_cost
 from moetron.plan.estimate import Plan, layout_problems, make_plan
 from moetron.plan.hardware import Accelerator
-from moetron.plan.model_cache import model_cache
 from moetron.progress import Progress
 
 # Layout fields `structures` enumerates (the command line's flags fix them: `fixed_dimensions`)
@@ -473,12 +473,16 @@ def prune_dominated(rows: list[Row]) -> list[Row]:
 
 
 def structure_problems(cfg: RunConfig, gpus: int) -> list[str]:
-    """What the parallel degrees alone would be refused for (rule functions `validate` calls), so that a refused
-    (tp, pp, ep, etp, zero) is not re-validated for every micro batch; only once `validate` says so too."""
+    """What the parallel degrees alone would be refused for (the degrees' own checks, every dimension's split and
+    the flags the search varies whatever the micro batch, as `validate` reports them), so that a refused layout is
+    not re-validated for every micro batch; only once `validate` says so too."""
     dims = cfg.dims(gpus)
-    problems = dims.problems(cfg.model.experts_per_layer()) + tensor_parallel_problems(cfg.model, dims)
-    problems += context_parallel_problems(cfg, dims)
-    return problems + zero_problems(cfg.parallel.zero_stage, cfg.parallel.use_distributed_optimizer, dims)
+    problems = dims.problems(cfg.model.experts_per_layer())
+    for dimension in DIMENSIONS:
+        problems += dimension.split_problems(cfg, dims)
+    for dimension in DIMENSIONS:
+        problems += dimension.flag_problems(cfg, dims) if dimension.searched_flags else []
+    return problems
 
 
 def rank_key(row: Row) -> tuple:

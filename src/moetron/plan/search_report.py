@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from moetron.plan.cost_model import Network
+from moetron.plan.cost_model import Network, communication_parts
 from moetron.plan.hardware import GIB
 from moetron.plan.search import Row, SearchResult, train_command
 
-PARTS = ("compute", "bubble", "tp", "ep", "cp", "dp", "pp", "overhead")  # StepCost fields, in the table's order
+PARTS = ("compute", "bubble", *communication_parts(), "overhead")  # StepCost parts, in the table's order
 LABELS = {"overhead": "launch"}  # column heads where the field name is too wide
 
 
@@ -40,7 +40,7 @@ def format_search(result: SearchResult, rows: list[Row], config: str, gpus: int,
     for row in rows:
         c = row.cost
         line = f"  {row.predicted_rank:>2} {row.words:<38} {row.plan.needed_bytes / GIB:>6.2f} {_ms(c.total):>7} "
-        line += " ".join(f"{_ms(getattr(c, p)):>7}" for p in PARTS)
+        line += " ".join(f"{_ms(c.part(p)):>7}" for p in PARTS)
         line += f" {c.tokens_per_s:>9.0f} {c.mfu(gpus, device.peak_tflops):>5.1%}"
         if measured:
             line += " | " + measured_cells(row)
@@ -97,7 +97,7 @@ def row_dict(row: Row, config: str, gpus: int, nodes: int) -> dict:
         "peak_bytes": plan.memory.peak,
         "memory": plan.memory.to_dict(),
         "step_time_s": row.cost.total,
-        "step_parts_s": {p: getattr(row.cost, p) for p in PARTS},
+        "step_parts_s": {p: row.cost.part(p) for p in PARTS},
         "tokens_per_s": row.cost.tokens_per_s,
         "mfu": row.cost.mfu(gpus, plan.device.peak_tflops),
         "measured": None if row.measured is None else row.measured.to_dict(),

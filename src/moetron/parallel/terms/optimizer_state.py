@@ -1,4 +1,4 @@
-"""Optimizer state in the memory plan: what `--optimizer` keeps per parameter (`plan/zero.py` shards it).
+"""Optimizer state in the memory plan: what `--optimizer` keeps per parameter (`parallel/dp/memory.py` shards it).
 
     adam   AdamW's exp_avg + exp_avg_sq, fp32: 8 B for every parameter
     muon   one momentum_buffer, fp32, 4 B, for every parameter of a hidden matrix (train/muon.py); AdamW's 8 B for the

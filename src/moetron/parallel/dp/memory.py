@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from moetron.config import RunConfig
 from moetron.model.flops import attention_params, embedding_params, mlp_params, moe_layer_params, norm_params
 from moetron.parallel.dims import ParallelDims
 from moetron.parallel.dp.sharded_optimizer import BUCKET_ELEMENTS
 from moetron.parallel.dp.zero_spec import effective_stage
-from moetron.plan.optimizer_state import state_bytes
-
-if TYPE_CHECKING:
-    from moetron.plan.memory_terms import LocalParams
+from moetron.parallel.terms.optimizer_state import state_bytes
+from moetron.parallel.terms.rank import LocalParams
 
 
 @dataclass(frozen=True)
@@ -39,7 +36,9 @@ class ZeroMemory:
     stage: int
     weights: int  # fp32 weights this rank keeps between steps
     gradients: int  # fp32 gradients after the backward
-    optimizer: int  # --optimizer's state (plan/optimizer_state.py): Adam's exp_avg + exp_avg_sq, Muon's momentum
+    optimizer: (
+        int  # --optimizer's state (parallel/terms/optimizer_state.py): Adam's exp_avg + exp_avg_sq, Muon's momentum
+    )
     ddp_buckets: int
     weight_casts: int  # autocast's half-precision copies of matmul weights
     gathered_in_backward: int  # stages 2–3: weights gathered whole at the start of the backward
@@ -71,8 +70,8 @@ def block_parameters(cfg: RunConfig, dims: ParallelDims) -> list[int]:
 
 def sharded_parameters(total: int, experts: int, dims: ParallelDims) -> int:
     """What one rank keeps of its `total` parameters when dense ones are split over dp, experts over edp."""
-    # dense state is sharded over dp_cp (parallel/dp/zero_spec.py: CP peers are gradient replicas too)
-    return math.ceil((total - experts) / (dims.dp * dims.cp)) + math.ceil(experts / max(dims.edp, 1))
+    # dense state is sharded over every replica of the dense weights (parallel/dp/zero_spec.py)
+    return math.ceil((total - experts) / dims.dense_replicas) + math.ceil(experts / max(dims.edp, 1))
 
 
 def zero_memory(cfg: RunConfig, dims: ParallelDims, params: LocalParams, c: int) -> ZeroMemory:
@@ -95,8 +94,8 @@ def zero_memory(cfg: RunConfig, dims: ParallelDims, params: LocalParams, c: int)
 
 
 def optimizer_state(cfg: RunConfig, dims: ParallelDims, params: LocalParams, stage: int) -> int:
-    """Bytes of `--optimizer`'s state on a rank holding `params` (`plan/optimizer_state.py`), sharded from stage 1
-    like the parameters (dense over dp, experts over edp)."""
+    """Bytes of `--optimizer`'s state on a rank holding `params` (`parallel/terms/optimizer_state.py`), sharded
+    from stage 1 like the parameters (dense over dp, experts over edp)."""
     total, adamw = params.total, params.adamw
     if stage:
         total = sharded_parameters(params.total, params.experts, dims)

@@ -1,8 +1,9 @@
 """What context parallelism changes in the memory model: each rank holds seq / cp tokens of every sequence, plus
 (`--cp-comm-type all_gather`) the whole sequence's keys and values while attending (`parallel/cp/attention.py`).
 
-Every per-token activation term (`memory_terms.py`) is priced at the rank's seq / cp tokens (`per_rank_sequence`),
-as are the LM head's buffers and the all-to-all; `gathered_kv_bytes` adds what CP itself keeps: SDPA saves the
+Every per-token activation term (`plan/memory_terms.py`) is priced at the rank's seq / cp tokens
+(`per_rank_sequence`: the dimension's `rank_view`), as are the LM head's buffers and the all-to-all;
+`gathered_kv_bytes` (its `saved_bytes`) adds what CP itself keeps: SDPA saves the
 gathered K and V `[mbs, K, seq, D]` of every layer for its backward (one layer at a time with activation
 checkpointing), and the additive causal mask `[seq / cp, seq]` (compute dtype) is built once and shared by the
 layers. The ring (`p2p`, `parallel/cp/ring.py`) saves what one process saves at seq / cp (q, local k / v, output,
@@ -17,7 +18,7 @@ import dataclasses
 
 from moetron.config import RunConfig
 from moetron.parallel.dims import ParallelDims
-from moetron.plan.model_cache import cached
+from moetron.parallel.terms.model_cache import cached
 
 
 def per_rank_sequence(cfg: RunConfig, dims: ParallelDims) -> RunConfig:
@@ -33,13 +34,15 @@ def _shortened(model, cp: int):
     return dataclasses.replace(model, seq_length=model.seq_length // cp)
 
 
-def gathered_kv_bytes(cfg: RunConfig, dims: ParallelDims, compute_bytes: int) -> int:
-    """The gathered keys and values saved for backward (all layers, or one when recomputing), and the mask: under
-    `--cp-comm-type all_gather` only (the ring and Ulysses gather nothing whole-sequence)."""
-    if dims.cp <= 1 or cfg.parallel.cp_comm_type != "all_gather":
+def gathered_kv_bytes(cfg: RunConfig, dims: ParallelDims, compute_bytes: int, layers: int,
+                      micro_batches: float = 1) -> float:  # fmt: skip
+    """The gathered keys and values that `layers` layers save for backward over `micro_batches` micro-batches in
+    flight (one layer when recomputing), and the mask: under `--cp-comm-type all_gather` only (the ring and Ulysses
+    gather nothing whole-sequence). `cfg`: the whole sequence."""
+    if dims.cp <= 1 or cfg.parallel.cp_comm_type != "all_gather" or not layers:
         return 0
     m = cfg.model
     seq = m.seq_length
     per_layer = 2 * cfg.train.micro_batch_size * m.kv_heads * m.head_dim * seq * compute_bytes
-    layers = 1 if m.checkpoint_activations else m.num_layers
-    return per_layer * layers + (seq // dims.cp) * seq * compute_bytes
+    mask = (seq // dims.cp) * seq * compute_bytes  # built once, shared by the layers
+    return mask + per_layer * (1 if m.checkpoint_activations else layers) * micro_batches

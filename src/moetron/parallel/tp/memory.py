@@ -1,4 +1,5 @@
-"""Tensor and sequence parallelism in the plan: what one rank holds and saves, and what it sends per step.
+"""Tensor and sequence parallelism in the memory plan: what one rank holds and saves (`parallel/tp/cost.py`: what
+it sends).
 
 Parameters (the split of parallel/tp/apply_tp.py): attention's `query_key_value` (weight and bias) and `dense`
 weight, the dense MLPs' first projections (weights and biases) and second weight, and the vocabulary rows of the
@@ -11,16 +12,6 @@ logsumexp and the dense MLP's hidden tensors hold 1 / tp; under folding each ran
 routes, under expert TP every route with 1 / etp of its hidden channels. The inputs of the column-parallel GEMMs
 stay whole (autograd keeps the gathered input), and so do the residual stream, the norms and the dropout masks —
 unless --sequence-parallel, which divides those by tp. The logits and loss buffers hold 1 / tp of the vocabulary.
-
-Communication (`comm_bytes_per_step`): what one rank sends in ring collectives (an all-reduce of n bytes sends
-2·(tp−1)/tp·n, an all-gather or reduce-scatter (tp−1)/tp·n) over one optimizer step, forward and backward: per
-layer and micro-batch, attention and a dense MLP each all-reduce the [T, h] activations once forward and once
-backward; with SP they all-gather + reduce-scatter forward and all-gather + all-reduce backward (DTensor reduces
-the gathered input's gradient with an all-reduce, so SP sends 25% more than TP alone, where Megatron's SP sends
-the same); a MoE layer all-gathers its token shares' outputs (folding; backward: the input gradients) or
-all-reduces the partial expert outputs (expert TP); the embedding all-reduces its output, the head its input
-gradient. Recomputed layers (activation checkpointing) run their forward collectives twice. Measured against
-the collectives DTensor issues in benchmarks/tensor_parallel.py.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ from dataclasses import dataclass, replace
 from moetron.model.config import ModelConfig
 from moetron.model.flops import attention_params, expert_mlp_params, mlp_params
 from moetron.parallel.dims import ParallelDims
-from moetron.plan.model_cache import cached
+from moetron.parallel.terms.model_cache import cached
 
 
 @dataclass(frozen=True)
@@ -120,31 +111,3 @@ def shard_parameters(local, model: ModelConfig, dims: ParallelDims):
         matmul=local.matmul - saved,
         adamw=local.adamw - (vocab - vocab // dims.tp),  # the vocabulary rows (norms and biases: counted whole)
     )
-
-
-def comm_bytes_per_step(model: ModelConfig, dims: ParallelDims, micro_batch: int, num_micro: int, c: int) -> float:
-    """Bytes one rank sends over its tensor-parallel group in one optimizer step (see the module docstring); `c`
-    is the compute dtype's size (activations), the embedding and head collectives are fp32. In units of
-    g = (tp−1)/tp · [T, h] bytes (an all-gather or reduce-scatter; an all-reduce is 2g)."""
-    tp = dims.tp
-    if tp == 1:
-        return 0.0
-    g = (tp - 1) / tp * micro_batch * model.seq_length * model.hidden_size
-    forwards = 2 if model.checkpoint_activations else 1  # recomputation repeats a layer's forward collectives
-    # attention or a dense MLP: all-reduce forward and backward; with SP all-gather + reduce-scatter forward and,
-    # as DTensor redistributes the gradients, an all-gather + an all-reduce backward
-    block = forwards * 2 * g + (3 * g if dims.sp else 2 * g)
-    sp = 1 if dims.sp else 0
-    per_micro = 0.0
-    for num_experts in model.experts_per_layer():
-        per_micro += block
-        if num_experts == 1:
-            per_micro += block
-        elif dims.etp == 1:  # the token shares' outputs forward, their input gradients backward (+ SP's gathers)
-            per_micro += (forwards + 1) * (1 + sp) * g
-        else:  # partial expert outputs forward, input gradients backward (+ SP's gathers)
-            per_micro += (forwards + 1) * (2 + sp) * g
-    # the embedding's output (all-reduce) and the head's input gradient (all-reduce; SP: gather + scatter + the
-    # embedding's scattered gradient gathered), fp32
-    ends = (5 if dims.sp else 4) * g * 4
-    return num_micro * (per_micro * c + ends)

@@ -1,6 +1,6 @@
 """Per-model memoisation for `plan --search`: it prices tens of thousands of layouts of the same (never mutated)
-model, and the per-layer parameter counts dominate its run time. A module of its own, below every `plan` module
-that counts parameters, so none of them has to import another to share the cache."""
+model, and the per-layer parameter counts dominate its run time. A module of its own, below `plan/` and every
+dimension's memory terms that count parameters, so that all of them share one cache."""
 
 from __future__ import annotations
 
