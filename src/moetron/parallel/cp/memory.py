@@ -4,9 +4,9 @@
 Every per-token activation term (`plan/memory_terms.py`) is priced at the rank's seq / cp tokens
 (`per_rank_sequence`: the dimension's `rank_view`), as are the LM head's buffers and the all-to-all;
 `gathered_kv_bytes` (its `saved_bytes`) adds what CP itself keeps: SDPA saves the
-gathered K and V `[mbs, K, seq, D]` of every layer for its backward (one layer at a time with activation
-checkpointing), and the additive causal mask `[seq / cp, seq]` (compute dtype) is built once and shared by the
-layers. The ring (`p2p`, `parallel/cp/ring.py`) saves what one process saves at seq / cp (q, local k / v, output,
+gathered K and V `[mbs, K, seq, D]` (in position order; each chunk's call reads a prefix of them) of every layer
+for its backward (one layer at a time with activation checkpointing); no mask exists (bottom-right causal calls).
+The ring (`p2p`, `parallel/cp/ring.py`) saves what one process saves at seq / cp (q, local k / v, output,
 log-sum-exp) and Ulysses (`a2a`) the same bytes as the whole sequence at 1/cp of the heads, so neither adds a
 term. (Not priced: CPU's math kernel under Ulysses with attention dropout keeps probabilities over the whole
 sequence at 1/cp of the heads, cp times the per-token term's.)
@@ -37,12 +37,11 @@ def _shortened(model, cp: int):
 def gathered_kv_bytes(cfg: RunConfig, dims: ParallelDims, compute_bytes: int, layers: int,
                       micro_batches: float = 1) -> float:  # fmt: skip
     """The gathered keys and values that `layers` layers save for backward over `micro_batches` micro-batches in
-    flight (one layer when recomputing), and the mask: under `--cp-comm-type all_gather` only (the ring and Ulysses
-    gather nothing whole-sequence). `cfg`: the whole sequence."""
+    flight (one layer when recomputing): under `--cp-comm-type all_gather` only (the ring and Ulysses gather nothing
+    whole-sequence). `cfg`: the whole sequence."""
     if dims.cp <= 1 or cfg.parallel.cp_comm_type != "all_gather" or not layers:
         return 0
     m = cfg.model
     seq = m.seq_length
     per_layer = 2 * cfg.train.micro_batch_size * m.kv_heads * m.head_dim * seq * compute_bytes
-    mask = (seq // dims.cp) * seq * compute_bytes  # built once, shared by the layers
-    return mask + per_layer * (1 if m.checkpoint_activations else layers) * micro_batches
+    return per_layer * (1 if m.checkpoint_activations else layers) * micro_batches
