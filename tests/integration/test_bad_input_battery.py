@@ -213,7 +213,6 @@ CASES = [
     ("preprocess-missing-input", lambda w: preprocess(w, inputs="missing.jsonl"), "--input 'missing.jsonl'"),
     ("preprocess-wrong-key", lambda w: preprocess(w, "--json-keys", "content"), "for key 'content'"),
     ("preprocess-empty-input", lambda w: preprocess(w, inputs="empty.jsonl"), "--input empty.jsonl gave no document"),
-    ("preprocess-no-out-dir", lambda w: preprocess(w, prefix="out/corpus"), "--output-prefix 'out/corpus': direct"),
     ("preprocess-prefix-under-file", lambda w: preprocess(w, prefix="a_file/x"), "'a_file' is a file"),
     (
         "preprocess-tokenizer-type",
@@ -343,7 +342,11 @@ CASES = [
     ),
     # ---- plan
     ("plan-gpus", lambda w: ["plan", "--config", "quickstart", "--gpus", "0"], "--gpus must be >= 1, got 0"),
-    ("plan-mfu", lambda w: ["plan", "--config", "quickstart", "--mfu", "30"], "--mfu is a fraction"),
+    (
+        "plan-efficiency",
+        lambda w: ["plan", "--config", "quickstart", "--efficiency", "30"],
+        "--efficiency is a fraction",
+    ),
     ("plan-gpu-memory", lambda w: ["plan", "--config", "quickstart", "--gpu-memory", "lots"], "--gpu-memory 'lots'"),
     (
         "plan-explicit-ep",

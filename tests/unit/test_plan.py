@@ -323,7 +323,7 @@ def test_cli_shows_changes_that_fit(capsys):
     [
         (["--gpus", "3", "--moe-expert-parallel-size", "2"], "data-parallel size 3 is not divisible by --moe-e"),
         (["--gpu-type", "TPU"], "--gpu-type 'TPU' is not in the table"),
-        (["--mfu", "30"], "--mfu is a fraction"),
+        (["--efficiency", "30"], "--efficiency is a fraction"),
     ],
 )
 def test_cli_errors_are_one_clear_message(argv, message, capsys):
@@ -338,3 +338,16 @@ def test_plan_dry_run_refuses_what_it_cannot_measure(capsys):
     assert "--dry-run measures one layout; drop --search" in capsys.readouterr().err
     assert main(["plan", "--config", SEED, "--gpus", "2", "--gpu-type", "cpu", "--gpu-memory", "8GB", "--dry-run"]) == 2
     assert "--dry-run runs the CUDA step; --gpu-type cpu plans a CPU" in capsys.readouterr().err
+
+
+def test_plan_gives_the_step_time_the_search_gives_the_same_layout(capsys):
+    """One step-time model: `plan` with the search's first row's flags prints that row's step time (the same
+    parts: compute at --efficiency, communication, launches), in the same unit."""
+    base = ["plan", "--config", SEED, "--gpus", "2", "--gpu-type", "4090"]
+    assert main([*base, "--search", "--top", "1", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert main([*base, *row["flags"], "--json"]) in (0, 1)
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["step_time_s"] == pytest.approx(row["step_time_s"], rel=1e-9)
+    assert main([*base, *row["flags"]]) in (0, 1)
+    assert f"step time  ~{row['step_time_s'] * 1e3:.0f} ms for" in capsys.readouterr().out

@@ -31,7 +31,8 @@ from moetron.config import RunConfig
 from moetron.config_cli import add_config_arguments, cli_names, cli_overrides, load_config
 from moetron.errors import UserError
 from moetron.plan.advice import largest_micro_batch, suggestions
-from moetron.plan.estimate import DEFAULT_MFU, Plan, adapted_expert_parallel, make_plan
+from moetron.plan.cost_model import network, priced
+from moetron.plan.estimate import Plan, adapted_expert_parallel, make_plan
 from moetron.plan.hardware import DEFAULT_GPU, KNOWN, accelerator, with_article
 from moetron.plan.peak_parts import held_at_peak
 from moetron.plan.report import format_plan, plan_dict
@@ -62,9 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--gpu-memory", metavar="SIZE", help="memory per GPU, e.g. 24GB (GB = GiB); overrides the type's"
-    )
-    group.add_argument(
-        "--mfu", type=float, default=DEFAULT_MFU, help=f"assumed model FLOPs utilisation for step time ({DEFAULT_MFU})"
     )
     group.add_argument("--json", action="store_true", help="print the plan as JSON")
     group.add_argument(
@@ -121,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
     gpus = args.gpus if args.gpus is not None else fewest
     if gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {gpus}")
-    if not 0 < args.mfu <= 1:
-        raise UserError(f"--mfu is a fraction in (0, 1], got {args.mfu}; e.g. 0.3 for 30 %")
+    if not 0 < args.efficiency <= 1:
+        raise UserError(f"--efficiency is a fraction in (0, 1], got {args.efficiency}; e.g. 0.5")
     device = accelerator(args.gpu_type, args.gpu_memory, cfg.train.peak_tflops)
     if args.routing_from and (args.search or args.measure):
         raise UserError("--routing-from sizes one layout's hottest EP rank; drop --search/--measure or it")
@@ -135,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
     note = adapt_expert_parallel(cfg, gpus, explicit)
     if note:
         print(note, file=sys.stderr, flush=True)
-    plan = make_plan(cfg, gpus, device, args.mfu)
+    net = network(gpus, args.nodes, device.name, args.interconnect, args.intra_node_bandwidth,
+                  args.inter_node_bandwidth)  # fmt: skip
+    plan = priced(make_plan(cfg, gpus, device), net, args.efficiency)  # the step time `plan --search` gives it
     hot = None
     if args.routing_from:  # the hottest EP rank under a run's measured routing (plan/routing_from.py)
         plan, hot = hottest_rank_plan(plan, read_routing(args.routing_from))

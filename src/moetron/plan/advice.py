@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from moetron.config import RunConfig
 from moetron.errors import ConfigError
 from moetron.parallel.dp.memory import stages_to_try
+from moetron.plan.cost_model import network, priced
 from moetron.plan.estimate import Plan, make_plan
 
 GPU_FACTORS = (2, 4, 8)
@@ -166,6 +167,8 @@ def _try(plan: Plan, change: Change) -> Suggestion | None:
         candidate = make_plan(cfg, change.gpus, plan.device, plan.mfu)
     except ConfigError:
         return None  # e.g. a global batch the new layout cannot divide
+    if plan.cost is not None:  # priced as the plan itself is (its GPUs' default links)
+        candidate = priced(candidate, network(change.gpus, None, plan.device.name), plan.efficiency)
     return Suggestion(change.words, change.flags, candidate)
 
 

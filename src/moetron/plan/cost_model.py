@@ -45,7 +45,7 @@ Links (`INTERCONNECTS`: GB/s one way per GPU, latency per collective), the line 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moetron.errors import UserError
 from moetron.model.flops import flops_per_token
@@ -253,3 +253,10 @@ def step_cost(plan, net: Network, efficiency: float = DEFAULT_EFFICIENCY) -> Ste
         model_flops_per_step=model_flops,
         communication={name: seconds[name] for name in communication_parts()},
     )
+
+
+def priced(plan, net: Network, efficiency: float = DEFAULT_EFFICIENCY):
+    """`plan` with the step time `plan --search` gives its layout (one model for both commands): its `StepCost`
+    on `net`, at `efficiency` of the peak for the matmuls."""
+    cost = step_cost(plan, net, efficiency)
+    return replace(plan, step_time_s=cost.total, cost=cost, efficiency=efficiency)

@@ -1,10 +1,10 @@
 """One plan: parameters, FLOPs, per-rank memory, the verdict and a step-time estimate for a config on N devices.
 
-Step time is compute only: FLOPs per step per device (6·N_active + attention per token, ×4/3 when
-activations are recomputed; tensor parallelism splits each token's FLOPs over its ranks) divided by
-`peak × mfu`. The MFU is an assumption the user can change (`--mfu`); all-to-all and tensor-parallel
-communication time and routing imbalance are not modelled separately, so they are part of what that
-assumption has to absorb (the plan states the TP traffic per step, `parallel/tp/cost.py`).
+`make_plan`'s own step time is compute only: FLOPs per step per device (6·N_active + attention per token, ×4/3 when
+activations are recomputed; tensor parallelism splits each token's FLOPs over its ranks) divided by `peak × mfu`.
+`moetron plan` prices the plan as `plan --search` prices every layout (`cost_model.priced`: compute at
+`--efficiency` plus each dimension's communication, the pipeline bubble and kernel launches), so both commands give
+one step time for one layout.
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ class Plan:
     stages: list[StagePlan] = field(default_factory=list)  # per pipeline rank (pp > 1)
     bubble: float = 0.0  # idle share of a step (pipeline bubble)
     tp_comm_bytes: float = 0.0  # bytes one GPU sends over its tensor-parallel group per step
+    # `plan --search`'s pricing of this layout (`cost_model.priced`): compute at --efficiency plus each dimension's
+    # communication, the bubble and launches; then `step_time_s` is its total. None: compute at `mfu` only.
+    cost: object | None = None
+    efficiency: float | None = None
 
     @property
     def needed_bytes(self) -> int:

@@ -119,10 +119,30 @@ def memory_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def milliseconds(seconds: float) -> str:
+    """A step time as `plan --search` prints it: whole milliseconds (tenths below 10 ms)."""
+    ms = seconds * 1e3
+    return f"{ms:.1f} ms" if ms < 10 else f"{ms:.0f} ms"
+
+
+def step_time_line(plan: Plan) -> str:
+    """The step time with its parts, priced as `plan --search` prices the same layout (`cost_model.step_cost`)."""
+    cost = plan.cost
+    if cost is None:  # a plan made without pricing (a library call of make_plan): compute at the assumed MFU
+        return f"  step time  ~{milliseconds(plan.step_time_s)} for {human(plan.tokens_per_step)} tokens (compute only)"
+    parts = [("compute", cost.compute), ("bubble", cost.bubble), *cost.communication.items(), ("launch", cost.overhead)]
+    shown = ", ".join(f"{name} {milliseconds(t)}" for name, t in parts if t)
+    mfu = cost.mfu(plan.gpus, plan.device.peak_tflops)
+    return (
+        f"  step time  ~{milliseconds(plan.step_time_s)} for {human(plan.tokens_per_step)} tokens ({shown}; matmuls at "
+        f"{plan.efficiency:.0%} of {plan.device.peak_tflops:g} peak TFLOP/s, --efficiency; MFU {mfu:.1%}; as "
+        f"`plan --search` prices this layout)"
+    )
+
+
 def format_plan(plan: Plan, suggestions: list[Suggestion], source: str = "", larger: Suggestion | None = None) -> str:
     t = plan.cfg.train
     title = f"moetron plan{': ' + source if source else ''} on {plan.gpus} × {plan.device.name}"
-    tflops = plan.device.peak_tflops * plan.mfu
     lines = [
         title,
         f"  model      {describe_model(plan)}",
@@ -135,8 +155,7 @@ def format_plan(plan: Plan, suggestions: list[Suggestion], source: str = "", lar
         "",
         *memory_lines(plan),
         "",
-        f"  step time  ~{plan.step_time_s:.2f} s for {human(plan.tokens_per_step)} tokens "
-        f"(assumed {plan.mfu:.0%} MFU of {plan.device.peak_tflops:g} peak = {tflops:.0f} TFLOP/s per GPU; --mfu)",
+        step_time_line(plan),
     ]
     if t.train_iters or t.train_tokens:
         lines.append(f"  run        ~{human(plan.cfg.total_iters(plan.dims.dp))} steps ≈ {_duration(plan)}")
@@ -185,8 +204,17 @@ def suggestion_lines(plan: Plan, suggestions: list[Suggestion]) -> list[str]:
         ]
     lines = ["  changes that fit (needed GiB per GPU, step time):"]
     for s in suggestions:
-        lines.append(f"    {s.change}: {gib(s.plan.needed_bytes)} GiB, ~{s.plan.step_time_s:.2f} s  →  {s.flags}")
+        lines.append(
+            f"    {s.change}: {gib(s.plan.needed_bytes)} GiB, ~{milliseconds(s.plan.step_time_s)}  →  {s.flags}"
+        )
     return lines
+
+
+def step_parts(plan: Plan) -> dict[str, float] | None:
+    cost = plan.cost
+    if cost is None:
+        return None
+    return {"compute": cost.compute, "bubble": cost.bubble, **cost.communication, "launch": cost.overhead}
 
 
 def plan_dict(plan: Plan, suggestions: list[Suggestion], source: str = "", larger: Suggestion | None = None) -> dict:
@@ -220,8 +248,9 @@ def plan_dict(plan: Plan, suggestions: list[Suggestion], source: str = "", large
         "memory_at_peak": held_at_peak(plan.memory),  # each row's bytes at the peak's moment: they add up to it
         "needed_bytes": plan.needed_bytes,
         "fits": plan.fits,
-        "mfu_assumed": plan.mfu,
         "step_time_s": plan.step_time_s,
+        "step_parts_s": step_parts(plan),
+        "efficiency": plan.efficiency,
         "suggestions": [
             {
                 "change": s.change,
