@@ -84,11 +84,31 @@ def run_driver(tmp: Path, world_size: int, rank: int, specs: list[str]) -> list[
     return json.loads(out.read_text())
 
 
+QUICK_LAYOUTS = ("ep", "cp4_gqa", "pp")  # in the quick subset; the others run with the full suite (one driver each)
+
+
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory) -> dict[str, dict]:
-    specs = [f"none|{f}" for f in [*LAYOUTS.values(), REFUSED]]
+    specs = [f"none|{LAYOUTS[name]}" for name in QUICK_LAYOUTS] + [f"none|{REFUSED}"]
     records = run_driver(tmp_path_factory.mktemp("layouts"), 8, 5, specs)
-    return dict(zip([*LAYOUTS, "refused"], records, strict=True))
+    return dict(zip([*QUICK_LAYOUTS, "refused"], records, strict=True))
+
+
+@pytest.fixture(scope="module")
+def more_layouts(tmp_path_factory) -> dict[str, dict]:
+    names = [name for name in LAYOUTS if name not in QUICK_LAYOUTS]
+    records = run_driver(tmp_path_factory.mktemp("more"), 8, 5, [f"none|{LAYOUTS[name]}" for name in names])
+    return dict(zip(names, records, strict=True))
+
+
+def layout_record(request, name: str) -> dict:
+    return request.getfixturevalue("layouts" if name in QUICK_LAYOUTS else "more_layouts")[name]
+
+
+def layout_params(*extra: str) -> list:
+    """Every layout name (and `extra` ones first), the ones outside the quick subset marked slow."""
+    quick = (*extra, *QUICK_LAYOUTS)
+    return [pytest.param(name, marks=[] if name in quick else [pytest.mark.slow]) for name in (*extra, *LAYOUTS)]
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +141,9 @@ def test_a_layout_train_refuses_is_refused_before_anything_is_built(layouts):
     assert record["error"].startswith("ConfigError: ") and "static" in record["error"]
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_each_layout_runs_as_one_rank_of_eight(layouts, name):
-    record = layouts[name]
+@pytest.mark.parametrize("name", layout_params())
+def test_each_layout_runs_as_one_rank_of_eight(request, name):
+    record = layout_record(request, name)
     assert_gpu_path_is_clean(record)
     assert record["local_moe_layers"] == (1 if name == "pp" else 2)
     assert record["host_reads"] == expected_reads(name, record)
@@ -136,8 +156,9 @@ def test_each_layout_runs_as_one_rank_of_eight(layouts, name):
     assert record["peak_bytes"] > 0 and record["step_seconds"] and len(record["step_seconds"]) == 2
 
 
-def test_layouts_send_their_collectives(layouts):
-    ops = {name: {c[0] for c in layouts[name]["collectives"]} for name in LAYOUTS}
+@pytest.mark.slow  # every layout's driver
+def test_layouts_send_their_collectives(request, layouts):
+    ops = {name: {c[0] for c in layout_record(request, name)["collectives"]} for name in LAYOUTS}
     assert "c10d.alltoall_base_.default" in ops["ep"]
     assert {"c10d._allgather_base_.default", "c10d._reduce_scatter_base_.default"} <= ops["zero3"]
     assert "_c10d_functional.reduce_scatter_tensor.default" in ops["tp_sp"]
@@ -146,11 +167,14 @@ def test_layouts_send_their_collectives(layouts):
     assert combine, "the experts' outputs go back in the compute dtype"
 
 
-@pytest.mark.parametrize("name", ["local", *LAYOUTS])
-def test_the_measured_peak_is_the_plans_within_ten_percent(layouts, one_process, name):
+@pytest.mark.parametrize("name", layout_params("local"))
+def test_the_measured_peak_is_the_plans_within_ten_percent(request, one_process, name):
     from moetron.plan.memory import planned_peak_bytes
 
-    record, flags, world = (one_process[name], LOCAL, 1) if name == "local" else (layouts[name], LAYOUTS[name], 8)
+    if name == "local":
+        record, flags, world = one_process[name], LOCAL, 1
+    else:
+        record, flags, world = layout_record(request, name), LAYOUTS[name], 8
     planned = planned_peak_bytes(config_from_flags(flags.split())[0], world, "cuda")
     assert abs(record["peak_bytes"] / planned - 1) < 0.10, (record["peak_bytes"], planned, record["peak_at"])
 

@@ -148,7 +148,13 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+# in the quick subset: the seed user's recipe, a pyramid and latent attention; every recipe in the full suite
+QUICK_TRAINING = ("seed-2x4090-moe128", "gpt-1.3B-pr-moe-64x10-128x2", "deepseek-v3-tiny")
+
+
+@pytest.mark.parametrize(
+    "recipe", [pytest.param(r, marks=[] if r in QUICK_TRAINING else [pytest.mark.slow]) for r in RECIPES]
+)
 def test_every_recipe_trains_twenty_iterations_without_a_warning_and_the_loss_falls(
     recipe, tmp_path, capsys, data_flags
 ):
