@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetron.model.moe.experts.backends import grouped_mm_supported
+from moetron.model.moe.experts.backends import GROUP_ALIGN, AlignedGroups, grouped_mm_supported
 from moetron.model.moe.experts.grouped import GroupedExperts
 
 D, F = 16, 32
@@ -156,3 +156,24 @@ def test_bf16_autocast_runs_in_bf16_and_stays_close(backend: str) -> None:
     assert experts.w1_EDF.grad.dtype == torch.float32 and x_ND.grad is not None
     ref_ND = experts(x_ND, counts)
     torch.testing.assert_close(y_ND.float(), ref_ND, rtol=0.05, atol=0.05 * ref_ND.abs().max().item())
+
+
+def test_grouped_mm_runs_on_aligned_groups_with_zero_padding_and_dropped_tail_rows() -> None:
+    """Every expert's group starts at a multiple of GROUP_ALIGN rows (zeros in between), the dropped routes' rows
+    past Σ counts are in no group: their outputs and gradients are zeros, the others the loop's."""
+    _skip_unsupported("grouped_mm")
+    counts = [3, 0, 9, 1]  # odd sizes and an empty expert
+    groups = AlignedGroups(torch.tensor(counts), num_rows=16)  # 3 dropped rows after the 13
+    assert groups.offsets_E.tolist() == [8, 8, 24, 32] and groups.size == 16 + 4 * (GROUP_ALIGN - 1) + 1
+    x_RD = torch.randn(16, D)
+    buffer = groups.scatter(x_RD)
+    assert torch.equal(buffer[:3], x_RD[:3]) and torch.equal(buffer[8:17], x_RD[3:12])
+    assert not buffer[3:8].any() and not buffer[17:24].any() and not buffer[32:].any()
+    experts = _experts(swiglu=True, bias=False, backend="grouped_mm")
+    x_RD.requires_grad_(True)
+    y_RD = experts(x_RD, torch.tensor(counts))
+    assert not y_RD[13:].any()
+    ref = _loop_reference(experts, x_RD[:13], counts)
+    torch.testing.assert_close(y_RD[:13], ref, rtol=1e-5, atol=1e-5)
+    (grad,) = torch.autograd.grad(y_RD.sum(), [x_RD])
+    assert not grad[13:].any() and grad[:13].abs().sum() > 0

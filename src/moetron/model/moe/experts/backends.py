@@ -6,8 +6,10 @@ its `auto` backend follows.
 Rows past N = Σ counts_E are dropped routes that the dispatcher appends (static shapes): no backend
 computes them, and their output rows are unspecified (uninitialised memory on grouped_mm).
 
-  grouped_mm  one `torch._grouped_mm` per projection: no padding, and no host sync where torch runs a
-              grouped kernel (see `auto_backend`). Needs row strides that are multiples of 16 bytes.
+  grouped_mm  one `torch._grouped_mm` per projection on groups aligned to GROUP_ALIGN rows (`AlignedGroups`:
+              each expert's rows start at a multiple of 8, the padding rows zeros, the dropped routes in no
+              group), and no host sync where torch runs a grouped kernel (see `auto_backend`). Needs row
+              strides that are multiples of 16 bytes.
   batched     rows scattered into a padded `[E, C + 1, A]` buffer, then one `torch.bmm` (any torch, any device).
               C = the capacity when the router knows it on the host (capacity-factor mode); otherwise the
               largest count, read from the device: the ONE host sync this backend makes (dropless mode).
@@ -103,6 +105,47 @@ def expert_of_rows(counts_E: torch.Tensor, num_rows: int) -> torch.Tensor:
     tail = (num_rows - counts_E.sum()).reshape(1)
     experts = torch.arange(num_experts + 1, device=counts_E.device)
     return torch.repeat_interleave(experts, torch.cat([counts_E, tail]), output_size=num_rows)
+
+
+GROUP_ALIGN = 8  # rows: the grouped kernels' alignment for 16-bit types (torchtitan's TOKEN_GROUP_ALIGN_SIZE_M)
+
+
+class AlignedGroups:
+    """Rows sorted by expert placed so that every expert's group starts at a multiple of `align` rows, for
+    `torch._grouped_mm`: a zero-filled `[P, ·]` buffer of a size known without reading the device
+    (P = R + E·(align − 1) + 1), its last row the place of the dropped routes (past every group: never computed,
+    and their outputs and gradients are zeros)."""
+
+    def __init__(self, counts_E: torch.Tensor, num_rows: int, align: int = GROUP_ALIGN):
+        num_experts = counts_E.numel()
+        self.num_rows, self.size = num_rows, num_rows + num_experts * (align - 1) + 1
+        padded_E = (counts_E + align - 1) // align * align
+        self.offsets_E = torch.cumsum(padded_E, 0, dtype=torch.int32)  # each group's end, in the buffer
+        expert_R = expert_of_rows(counts_E, num_rows)
+        self.valid_R = expert_R < num_experts
+        first_row_E = torch.cumsum(counts_E, 0) - counts_E  # where each expert's rows start among the sorted rows
+        expert_R = expert_R.clamp(max=max(num_experts - 1, 0))
+        if num_experts:
+            within_R = torch.arange(num_rows, device=counts_E.device) - first_row_E[expert_R]
+            place_R = (self.offsets_E.long() - padded_E)[expert_R] + within_R
+        else:
+            place_R = torch.zeros(num_rows, dtype=torch.long, device=counts_E.device)
+        self.place_R = torch.where(self.valid_R, place_R, self.size - 1)
+        self.expert_P = None  # each buffer row's expert, for the biases (built on first use)
+        self._counts_E, self._padded_E = counts_E, padded_E
+
+    def scatter(self, x_RA: torch.Tensor) -> torch.Tensor:
+        kept_RA = torch.where(self.valid_R[:, None], x_RA, 0)  # a dropped route's row gets no gradient
+        return x_RA.new_zeros(self.size, x_RA.shape[1]).index_copy(0, self.place_R, kept_RA)
+
+    def gather(self, y_PB: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.valid_R[:, None], y_PB.index_select(0, self.place_R), 0)
+
+    def buffer_experts(self) -> torch.Tensor:
+        """int64 [P]: each buffer row's expert (E for the rows past every group)."""
+        if self.expert_P is None:
+            self.expert_P = expert_of_rows(self._padded_E, self.size)
+        return self.expert_P
 
 
 class PaddedLayout:

@@ -38,6 +38,7 @@ from moetron.model.mlp import gelu
 from moetron.model.moe.dispatch import ExpertCounts, PermuteRows, gather_rows
 from moetron.model.moe.experts.backends import (
     BACKENDS,
+    AlignedGroups,
     PaddedLayout,
     auto_backend,
     expert_of_rows,
@@ -152,17 +153,20 @@ class GroupedExperts(nn.Module):
     ) -> torch.Tensor:
         """The experts on rows sorted by expert, by the grouped, batched or loop backend."""
         num_rows = x_ND.shape[0]
-        if backend == "grouped_mm":
-            matmul = functools.partial(grouped_matmul, offsets_E=torch.cumsum(counts_E, 0, dtype=torch.int32))
-        elif backend == "batched":
+        if backend == "grouped_mm":  # on groups aligned for the grouped kernel (zero padding rows)
+            groups = AlignedGroups(counts_E, num_rows)
+            matmul = functools.partial(grouped_matmul, offsets_E=groups.offsets_E)
+            expert_P = groups.buffer_experts() if self.b1_EF is not None else None
+            y_PD = self._mlp(groups.scatter(x_ND), matmul, functools.partial(_add_row_bias, expert_N=expert_P))
+            if y_PD.requires_grad:
+                y_PD.register_hook(_contiguous_grad)
+            return groups.gather(y_PD)
+        if backend == "batched":
             matmul = functools.partial(padded_matmul, layout=PaddedLayout(counts_E, num_rows, capacity))
         else:
             matmul = functools.partial(loop_matmul, counts=counts_E.tolist())
         expert_N = expert_of_rows(counts_E, num_rows) if self.b1_EF is not None else None
-        y_ND = self._mlp(x_ND, matmul, functools.partial(_add_row_bias, expert_N=expert_N))
-        if y_ND.requires_grad and backend == "grouped_mm":
-            y_ND.register_hook(_contiguous_grad)
-        return y_ND
+        return self._mlp(x_ND, matmul, functools.partial(_add_row_bias, expert_N=expert_N))
 
     def _runs_expert_by_expert(self, x_ND: torch.Tensor) -> bool:
         """SwiGLU with SiLU, no biases, where the device's experts backend runs it (the CPU's, which reads the
