@@ -327,14 +327,15 @@ def _absolute_prefixes(values: list[str]) -> list[str]:
     are (validation reports them)."""
     if len(values) == 1:
         return [_absolute(values[0])]
-    if len(values) % 2 or not all(_is_number(w) for w in values[0::2]):
+    if len(values) % 2 or not all(is_number(w) for w in values[0::2]):
         return list(values)
     out = list(values)
     out[1::2] = [_absolute(p) for p in values[1::2]]
     return out
 
 
-def _is_number(text: str) -> bool:
+def is_number(text: str) -> bool:
+    """Whether `text` reads as a number (a blend's weight, not a path)."""
     try:
         float(text)
     except ValueError:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 
-from moetron.config_cli import load_config
+from moetron.config_cli import is_number, load_config
 from moetron.data.config import TOKENIZER_FILES
 
 PLACEHOLDERS = {
@@ -47,7 +47,7 @@ def train_command_lines(run_dir: str, resume: bool, iteration: int = 0) -> list[
             flags.append("--train-iters LAST_ITERATION")
     else:
         flags += ["--finetune", f"--save {run_dir.rstrip('/')}-finetuned", "--train-iters ITERATIONS"]
-    prefixes = [path for path in cfg.data.data_path if not _is_weight(path)]
+    prefixes = [path for path in cfg.data.data_path if not is_number(path)]
     if not prefixes or not all(os.path.exists(f"{prefix}.bin") for prefix in prefixes):
         flags.append("--data-path DATA_PREFIX")
     for flag, name in TOKENIZER_FILES.get(cfg.data.tokenizer_type, ()):
@@ -57,11 +57,3 @@ def train_command_lines(run_dir: str, resume: bool, iteration: int = 0) -> list[
     command = f"{launcher} {' '.join(flags)}"
     notes = [f"  {word}: {meaning}" for word, meaning in PLACEHOLDERS.items() if f" {word}" in command]
     return [f"train with: {command}", *notes]
-
-
-def _is_weight(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True

@@ -138,6 +138,15 @@ class _FlashBlocks:
         )[:3]
 
 
+def _hand_on_gradient(ring: RingAttention, step: int, block: torch.Tensor, grads, requests: list):
+    """Add the visiting block's gradient so far (from the ranks it visited before this one) to this rank's share and
+    send the sum on with the block: after the last step it reaches the block's owner."""
+    if step > 0:
+        _wait(requests)
+        block += grads
+    return ring.exchange(block, _GRAD_TAG)
+
+
 def _expanded(kv_BKtD: torch.Tensor, heads: int) -> torch.Tensor:
     """K/V heads repeated for their query heads (GQA: query head h reads key/value head h // (H / K))."""
     return kv_BKtD.repeat_interleave(heads // kv_BKtD.shape[1], dim=1) if kv_BKtD.shape[1] != heads else kv_BKtD
@@ -216,10 +225,7 @@ def _flash_ring_backward(grad_BHTD, q_BHTD, kv, out_BHTD, lse, ring: RingAttenti
         block = torch.zeros(kv.shape, dtype=acc, device=kv.device)
         block[0][:, :, cols] = _summed(dk_b.to(acc), K)
         block[1][:, :, cols] = _summed(dv_b.to(acc), K)
-        if step > 0:  # the block's gradient so far, from the ranks it visited before this one
-            _wait(requests)
-            block += grads
-        grads, requests = ring.exchange(block, _GRAD_TAG)  # after the last step: to the block's owner
+        grads, requests = _hand_on_gradient(ring, step, block, grads, requests)
         if step + 1 < ring.size:
             _wait(kv_requests)
             kv = arriving
@@ -268,10 +274,7 @@ def _matmul_ring_backward(grad_BHTD, q_BHTD, kv, out_BHTD, lse_BHT, ring: RingAt
         block = torch.zeros(kv.shape, dtype=acc, device=kv.device)
         block[0][:, :, cols] = torch.matmul(ds.transpose(-1, -2), q[:, :, :, rows]).sum(2) * scale
         block[1][:, :, cols] = torch.matmul(p.transpose(-1, -2), dout[:, :, :, rows]).sum(2)
-        if step > 0:  # the block's gradient so far, from the ranks it visited before this one
-            _wait(requests)
-            block += grads
-        grads, requests = ring.exchange(block, _GRAD_TAG)  # after the last step: to the block's owner
+        grads, requests = _hand_on_gradient(ring, step, block, grads, requests)
         if step + 1 < ring.size:
             _wait(kv_requests)
             kv = arriving

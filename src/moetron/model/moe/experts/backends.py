@@ -132,7 +132,7 @@ class AlignedGroups:
             place_R = torch.zeros(num_rows, dtype=torch.long, device=counts_E.device)
         self.place_R = torch.where(self.valid_R, place_R, self.size - 1)
         self.expert_P = None  # each buffer row's expert, for the biases (built on first use)
-        self._counts_E, self._padded_E = counts_E, padded_E
+        self._padded_E = padded_E
 
     def scatter(self, x_RA: torch.Tensor) -> torch.Tensor:
         kept_RA = torch.where(self.valid_R[:, None], x_RA, 0)  # a dropped route's row gets no gradient
